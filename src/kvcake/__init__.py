@@ -1,0 +1,31 @@
+"""kvcake: compress the KV cache of any Hugging Face causal LM while it generates.
+
+CAKE (cascading, preference-based layer budgets), Ada-KV (per-head budgets on a ragged
+cache), CriticalKV (output-aware selection) and the baselines they compare with, as
+composable parts: a layer allocator x a head allocator x a token scorer x a selector.
+"""
+
+from .api import CompressedContext, compress, generate
+from .attention import enable
+from .budget import BudgetSpec
+from .cache import KVCakeCache
+from .method import PRESETS, Method, list_methods, make_method
+from .models import DEFAULT_MODEL, load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "BudgetSpec",
+    "CompressedContext",
+    "KVCakeCache",
+    "Method",
+    "__version__",
+    "compress",
+    "enable",
+    "generate",
+    "list_methods",
+    "load_model",
+    "make_method",
+]

@@ -1,0 +1,82 @@
+"""Head allocators: how a layer's budget is split among its KV heads.
+
+Ada-KV: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for
+Efficient LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry along the last dim in descending score order (0 = best).
+
+    Ties break by position (stable sort), the same rule everywhere in the library, so that a
+    selection made in stages equals the one made at once."""
+    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order).contiguous())
+    return ranks
+
+
+class HeadAllocator:
+    """Base class: ``counts(scores, budget, window) -> (B, H_kv)`` int64 per-head budgets."""
+
+    name = "uniform"
+    ragged = False
+
+    def counts(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+@dataclass(frozen=True)
+class UniformHeads(HeadAllocator):
+    """Every KV head keeps the layer's budget (capped by the sequence's length)."""
+
+    name = "uniform"
+
+    def counts(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        n_valid = (scores > float("-inf")).sum(-1)  # (B, H_kv)
+        return torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
+
+
+@dataclass(frozen=True)
+class AdaKV(HeadAllocator):
+    """Adaptive per-head budgets: the top ``H_kv * B'`` prefix scores of the whole layer win.
+
+    ``B' = B - Sw`` is the prefix budget per head. The safeguard ``alpha`` (default 0.2, the
+    paper's and the authors' code's value) first pins each head's own top ``floor(alpha * B')``
+    entries so no head is starved, then the rest of the layer's ``H_kv * B'`` go to the highest
+    remaining scores of any head. The layer total is exact; heads hold different numbers of
+    entries, which the ragged cache stores without padding.
+
+    Scores: (B, H_kv, S) with the window at ``+inf`` and padding at ``-inf``.
+    """
+
+    alpha: float = 0.2
+    name = "adakv"
+    ragged = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"Ada-KV safeguard alpha must be in [0, 1], got {self.alpha}")
+
+    def counts(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        return self.select(scores, budget, window).sum(-1)
+
+    def select(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """The kept set itself: (B, H_kv, S) bool (window included, padding never)."""
+        b, h, s = scores.shape
+        finite = torch.isfinite(scores)  # prefix entries that may be chosen
+        is_window = scores == float("inf")
+        prefix_budget = (budget - window).clamp(min=0)  # (B,) B'
+        pin = torch.floor(prefix_budget.double() * self.alpha).long()  # (B,)
+        prefix = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
+        pinned = (ranks_desc(prefix) < pin[:, None, None]) & finite
+        rest = torch.where(pinned, torch.full_like(prefix, float("-inf")), prefix)
+        fill = h * prefix_budget - pinned.sum((1, 2))  # (B,)
+        won = (ranks_desc(rest.reshape(b, h * s)) < fill[:, None]).reshape(b, h, s) & finite & ~pinned
+        return is_window | pinned | won

@@ -1,0 +1,123 @@
+"""Layer allocators: how many entries each layer keeps, as exact integers.
+
+Layout convention: budgets are ``(B, n)`` int64, one row per sequence, one column per layer
+(``n`` is the number of layers seen so far during a cascade, ``L`` at the end). Every
+allocator reserves the window for each layer and shares the rest, and every result sums
+exactly to ``min(total, sum(caps))`` per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """What an allocator needs at one stage.
+
+    total: (B,) int64, the whole budget ``B_total`` of each sequence (per KV head).
+    cap: (B,) int64, the prompt length of each sequence; no layer keeps more.
+    window: the protected window each layer keeps (already capped by the prompt length).
+    num_layers: ``L``.
+    preferences: (B, n) float64 or None, one per layer seen so far (CAKE).
+    final: whether this is the last stage (exact rounding) or an intermediate one.
+    """
+
+    total: torch.Tensor
+    cap: torch.Tensor
+    window: torch.Tensor
+    num_layers: int
+    preferences: torch.Tensor | None = None
+    final: bool = True
+
+
+class LayerAllocator:
+    """Base class. ``needs_preferences`` tells the cache to compute CAKE's preference scores;
+    ``cascading`` tells it to re-allocate after every layer (Algorithm 1 of CAKE)."""
+
+    name = "base"
+    needs_preferences = False
+    cascading = False
+
+    def allocate(self, req: AllocationRequest) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+def waterfill(weights: torch.Tensor, base: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Real-valued allocation ``x_l = min(cap, base + lam * w_l)`` with ``sum_l x_l = total``.
+
+    weights: (B, n) >= 0; base, cap, total: (B,). Vectorised bisection on ``lam`` (float64),
+    so a layer that hits its cap gives its excess to the others. If ``total >= n * cap``
+    everything is capped.
+    """
+    w = weights.double()
+    base = base.double()[:, None]
+    cap_ = cap.double()[:, None]
+    total = total.double()
+    n = w.shape[1]
+    base_total = torch.minimum(base, cap_).sum(1)
+    # All-zero weights would starve every layer: fall back to equal weights.
+    w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w))
+    hi = torch.full_like(total, 1.0)
+    for _ in range(200):  # grow hi until it over-fills (or everything is capped)
+        filled = torch.minimum(cap_, base + hi[:, None] * w).sum(1)
+        if bool(((filled >= total) | (filled >= cap_.expand(-1, n).sum(1))).all()):
+            break
+        hi = hi * 2
+    lo = torch.zeros_like(total)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        filled = torch.minimum(cap_, base + mid[:, None] * w).sum(1)
+        over = filled > total
+        hi = torch.where(over, mid, hi)
+        lo = torch.where(over, lo, mid)
+    x = torch.minimum(cap_, base + lo[:, None] * w)
+    # Layers with zero weight cannot grow; if the others are all capped, what is left goes to
+    # the room that remains, in proportion to it (never past a cap).
+    room = (cap_ - x).clamp(min=0)
+    residual = (total - x.sum(1)).clamp(min=0)[:, None]
+    share = torch.where(room.sum(1, keepdim=True) > 0, room / room.sum(1, keepdim=True).clamp(min=1e-12), room)
+    x = x + torch.minimum(room, residual * share)
+    x = torch.where((total <= base_total)[:, None], torch.minimum(base, cap_).expand_as(x), x)
+    return x
+
+
+def round_exact(x: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Largest-remainder rounding of ``x`` (B, n) to integers summing to ``min(total, n*cap)``.
+
+    Never exceeds ``cap``; every entry is ``floor(x)`` or ``floor(x) + 1``.
+    """
+    cap_ = cap[:, None]
+    target = torch.minimum(total, cap * x.shape[1])
+    fl = torch.clamp(torch.floor(x + 1e-9).long(), max=cap_)
+    need = target - fl.sum(1)  # (B,) usually in [0, n)
+    frac = torch.where(fl < cap_, x - fl.double(), torch.full_like(x, -1.0))
+    order = torch.argsort(frac, dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(x.shape[1]).expand_as(order).contiguous())
+    add = (ranks < need[:, None]) & (fl < cap_)
+    out = fl + add.long()
+    # Rare float slack: shave or pad one entry at a time so the sum is exact.
+    diff = target - out.sum(1)
+    if bool((diff != 0).any()):
+        for b in torch.nonzero(diff).flatten().tolist():
+            d = int(diff[b])
+            step = 1 if d > 0 else -1
+            for i in (torch.argsort(x[b] - out[b].double(), descending=(d > 0)).tolist() * 2)[: abs(d) * 4]:
+                if d == 0:
+                    break
+                if 0 <= out[b, i] + step <= int(cap[b]):
+                    out[b, i] += step
+                    d -= step
+    return out
+
+
+def round_up(x: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Ceil rounding for the intermediate stages of a cascade: never below the real share, so
+    budgets only shrink from one stage to the next (CAKE Proposition 1 survives rounding)."""
+    return torch.minimum(torch.ceil(x - 1e-6).long(), cap[:, None])

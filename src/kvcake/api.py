@@ -1,0 +1,145 @@
+"""The Python API: compress with ``model.generate``, or compress once and ask many times.
+
+>>> method = kvcake.make_method("cake", budget=128)
+>>> with kvcake.enable(model):
+...     out = model.generate(ids, past_key_values=kvcake.KVCakeCache(model, method), max_new_tokens=32)
+
+or, for a document served to many questions (context-only compression):
+
+>>> ctx = kvcake.compress(model, context_ids, method)
+>>> answer_ids = ctx.generate(question_ids, max_new_tokens=32)   # ctx itself is unchanged
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import enable
+from .cache import KVCakeCache
+from .method import Method, make_method
+
+logger = logging.getLogger(__name__)
+
+
+def _as_method(method: Method | str, budget: int | None, ratio: float | None, window: int) -> Method:
+    if isinstance(method, Method):
+        if budget is not None or ratio is not None:
+            raise ValueError("give budget=/ratio= either to make_method or here, not both")
+        return method
+    return make_method(method, budget=budget, ratio=ratio, window=window)
+
+
+def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise TypeError("input_ids must be a (batch, length) tensor of token ids")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] > limit:
+        raise ValueError(
+            f"the prompt has {input_ids.shape[1]} tokens but the model has {limit} positions: shorten it "
+            "(compression keeps positions, it does not extend the context window)"
+        )
+
+
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    method: Method | str = "cake",
+    *,
+    budget: int | None = None,
+    ratio: float | None = None,
+    window: int = 32,
+    **generate_kwargs,
+) -> tuple[torch.Tensor, KVCakeCache]:
+    """``model.generate`` with a compressed cache; returns the output ids and the cache.
+
+    The prompt (question included: question-aware compression) is compressed during prefill.
+    """
+    _check_ids(input_ids, model)
+    m = _as_method(method, budget, ratio, window)
+    for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
+        if generate_kwargs.get(bad) not in (None, 1):
+            raise ValueError(f"{bad}= is not supported with a compressed cache (it needs to roll the cache back)")
+    cache = KVCakeCache(model, m)
+    with enable(model), torch.no_grad():
+        out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+    return out, cache
+
+
+@dataclass
+class CompressedContext:
+    """A compressed prompt that can answer many follow-ups without being changed by them.
+
+    Attributes: ``cache`` (the compressed KVCakeCache), ``input_ids`` (B, S) the context's ids,
+    ``attention_mask`` (B, S), ``logits`` (B, vocab) of the context's last token.
+    """
+
+    model: torch.nn.Module = field(repr=False)
+    cache: KVCakeCache
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits: torch.Tensor
+
+    def fork(self) -> KVCakeCache:
+        """A private copy of the compressed cache, to extend without touching this context."""
+        return copy.deepcopy(self.cache)
+
+    def _extend_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.shape[0] != self.input_ids.shape[0]:
+            raise ValueError(f"follow-up batch {ids.shape[0]} != context batch {self.input_ids.shape[0]}")
+        full = torch.cat([self.input_ids, ids.to(self.input_ids.device)], dim=1)
+        mask = torch.cat([self.attention_mask, torch.ones_like(ids, dtype=self.attention_mask.dtype)], dim=1)
+        return full, mask
+
+    def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+        """Append ``question_ids`` (B, q) to a fork of the context and generate; returns only the
+        new tokens (B, n)."""
+        full, mask = self._extend_inputs(question_ids)
+        cache = self.fork()
+        with enable(self.model), torch.no_grad():
+            out = self.model.generate(full, attention_mask=mask, past_key_values=cache, **generate_kwargs)
+        return out[:, full.shape[1] :]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, q, vocab) of ``ids`` appended to a fork of the context (teacher forcing)."""
+        full, mask = self._extend_inputs(ids)
+        cache = self.fork()
+        with enable(self.model), torch.no_grad():
+            out = self.model(ids if ids.dim() == 2 else ids[None], attention_mask=mask, past_key_values=cache)
+        return out.logits
+
+    def save(self, path) -> None:
+        from .storage import save_context
+
+        save_context(self, path)
+
+
+def compress(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    method: Method | str = "cake",
+    *,
+    attention_mask: torch.Tensor | None = None,
+    budget: int | None = None,
+    ratio: float | None = None,
+    window: int = 32,
+) -> CompressedContext:
+    """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
+
+    The returned context answers any number of follow-ups with ``.generate`` / ``.forward``;
+    each works on its own copy, so the context is never changed by answering."""
+    _check_ids(input_ids, model)
+    m = _as_method(method, budget, ratio, window)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    cache = KVCakeCache(model, m)
+    with enable(model), torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
+    return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])

@@ -1,0 +1,128 @@
+"""The kvcake attention function, registered through transformers' ``AttentionInterface``.
+
+For every stock implementation ``X`` (``sdpa``, ``eager``, ``flash_attention_2``, ...) we
+register ``kvcake_X``: the same kernel and the same mask builder (``AttentionMaskInterface``),
+plus the compression hooks of a :class:`~kvcake.cache.KVCakeCache`. ``enable(model)`` switches
+the model to ``kvcake_X`` for the duration of a ``with`` block and restores it in ``finally``;
+nothing is patched at import and a call without a KVCakeCache runs the stock kernel unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .adapters import describe_model
+from .cache import PENDING
+
+logger = logging.getLogger(__name__)
+PREFIX = "kvcake_"
+
+
+def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention (each model file has its own copy; this is the same math)."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, v).transpose(1, 2).contiguous()
+    return out, weights
+
+
+def key_validity(mask: torch.Tensor | None, batch: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """(B, kv_len) bool: which key columns are real tokens, read off whatever mask the stock
+    implementation was given (4-D bool for sdpa, 4-D additive float for eager, 2-D for flash,
+    or None when there is no padding). The last query row of a left-padded batch sees every
+    real key."""
+    if mask is None:
+        return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+    if mask.dim() == 2:
+        return mask[:, -kv_len:].bool()
+    row = mask[:, 0, -1, -kv_len:]
+    valid = row if row.dtype == torch.bool else row == 0
+    return valid.expand(batch, kv_len) if valid.shape[0] != batch else valid
+
+
+def _make_attention(inner_name: str):
+    def kvcake_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        pending = PENDING.get()
+        if pending is None or pending[1] != getattr(module, "layer_idx", None) or pending[2] is not key:
+            return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        cache, layer_idx, _ = pending
+        PENDING.set(None)
+        cache.consume(layer_idx)
+        layer = cache.layers[layer_idx]
+        q = query.shape[2]
+        if not cache.prefilled and layer.keys.shape[-2] == q and layer.length == q:
+            # the prompt: the model's own kernel on the full keys, then score and evict
+            out = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            valid = key_validity(attention_mask, query.shape[0], key.shape[-2], key.device)
+            cache.after_prefill_attention(layer_idx, module, query, valid, scaling)
+            return out
+        want = cache.wants_probs(layer_idx, q)
+        if layer.plain and not want:
+            return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        out, probs = layer.attend(query, scaling, want)
+        cache.after_extend_attention(layer_idx, probs)
+        return out.to(query.dtype), None
+
+    kvcake_attention.__name__ = f"{PREFIX}{inner_name}"
+    return kvcake_attention
+
+
+@functools.cache
+def register(inner_name: str) -> str:
+    """Register ``kvcake_<inner_name>`` (attention and mask) once; returns the new name."""
+    if inner_name.startswith(PREFIX):
+        return inner_name
+    if inner_name != "eager" and inner_name not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"unknown attention implementation {inner_name!r}")
+    name = PREFIX + inner_name
+    AttentionInterface.register(name, _make_attention(inner_name))
+    mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(inner_name) or ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+    AttentionMaskInterface.register(name, mask_fn)
+    return name
+
+
+def _set_impl(model: torch.nn.Module, name: str) -> None:
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+@contextlib.contextmanager
+def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run ``model`` with the kvcake attention inside the block; restored on exit, errors included.
+
+    A KVCakeCache passed as ``past_key_values`` inside the block compresses itself; any other
+    cache (or none) runs exactly as before.
+    """
+    describe_model(model)
+    configs = [(sub.config, sub.config._attn_implementation) for sub in model.modules()
+               if getattr(sub, "config", None) is not None and hasattr(sub.config, "_attn_implementation")]  # fmt: skip
+    original = model.config._attn_implementation or "eager"
+    if original.startswith(PREFIX):  # nested: already enabled
+        yield model
+        return
+    name = register(original)
+    try:
+        _set_impl(model, name)
+        yield model
+    finally:
+        for config, impl in configs:
+            config._attn_implementation = impl
+        PENDING.set(None)

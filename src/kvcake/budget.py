@@ -1,0 +1,74 @@
+"""How large the cache may be: one definition of a budget, used everywhere.
+
+A *budget* is the number of KV entries kept for one (sequence, layer, KV head), the recent
+window and any sink tokens included (the papers' ``128L`` is an average of 128 per layer, so
+``B_total = 128 * L`` per sequence and KV head). The user gives either an average per-layer
+budget (``budget=128``) or a kept fraction of each sequence's own prompt (``ratio=0.2``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """An average per-layer budget or a kept ratio, plus the protected recent window.
+
+    Parameters
+    ----------
+    budget:
+        Average KV entries kept per layer and KV head (window included). Mutually exclusive
+        with ``ratio``.
+    ratio:
+        Kept fraction of each sequence's prompt, in ``(0, 1]``; the per-layer average is
+        ``round(ratio * prompt_length)``.
+    window:
+        The observation window ``Sw`` (default 32, SnapKV and CAKE): the last ``window``
+        prompt tokens are always kept and their queries drive the scores.
+    """
+
+    budget: int | None = None
+    ratio: float | None = None
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError("give exactly one of budget= (entries per layer) or ratio= (kept fraction)")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+                raise TypeError(f"budget must be an int, got {type(self.budget).__name__}: pass e.g. budget=128")
+            if self.budget <= 0:
+                raise ValueError(f"budget must be positive, got {self.budget}: pass e.g. budget=128")
+        if self.ratio is not None:
+            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+                raise TypeError(f"ratio must be a number, got {type(self.ratio).__name__}")
+            if not math.isfinite(self.ratio) or not 0.0 < self.ratio <= 1.0:
+                raise ValueError(f"ratio must be in (0, 1], got {self.ratio}: pass e.g. ratio=0.25")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be a positive int, got {self.window!r}")
+        if self.budget is not None and self.window > self.budget:
+            raise ValueError(
+                f"window ({self.window}) is larger than the budget ({self.budget}): the window is part of "
+                "the budget, so lower window= or raise budget="
+            )
+
+    def per_layer(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Average per-layer budget of each sequence. ``lengths``: (B,) int64 valid prompt lengths."""
+        if self.budget is not None:
+            return torch.full_like(lengths, self.budget)
+        avg = torch.clamp(torch.round(lengths.double() * self.ratio).long(), min=1)
+        short = (avg < self.window) & (lengths > self.window)
+        if bool(short.any()):
+            i = int(short.nonzero()[0, 0])
+            raise ValueError(
+                f"ratio {self.ratio} of a {int(lengths[i])}-token prompt gives a budget of {int(avg[i])}, "
+                f"smaller than the window ({self.window}): raise ratio= or lower window="
+            )
+        return avg
+
+    def describe(self) -> str:
+        return f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"

@@ -1,0 +1,296 @@
+"""``KVCakeCache``: a transformers ``Cache`` that compresses itself while the model runs.
+
+Flow for one layer ``l`` of the prompt's forward (prefill):
+
+1. the model calls ``cache.update(k, v, l)`` with post-RoPE keys and values; the layer stores
+   them in full;
+2. the kvcake attention function (``attention.py``) runs the model's own attention kernel on
+   the full keys and values, then hands the queries to ``cache.after_prefill_attention``,
+   which scores the tokens, and (cascade) re-allocates the budgets of layers ``0..l`` and
+   evicts them; so the cache never holds more than the total budget plus one full layer.
+
+Later forwards (decoding, or a question appended to a compressed context) append to each
+layer and attend over what it physically holds, with logical positions; with the ``fixed``
+decoding policy each layer and head is evicted back to its budget every step.
+
+The cache reports the *logical* length (tokens seen), so transformers derives RoPE positions
+and the 2-D padding mask in logical columns; the attention maps them onto the physical
+entries through their stored positions.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache
+
+from .adapters import ModelInfo, describe_model, output_projection
+from .allocators import AllocationRequest, preference
+from .allocators.cake import CakeAllocator, default_tau
+from .method import Method, make_method
+from .scorers import PrefillInputs
+from .scorers.base import window_rows_mean_var
+from .selectors import SelectionInputs, TopK, projected_value_norms
+
+logger = logging.getLogger(__name__)
+
+# The layer whose update() ran last and whose attention has not run yet: set by the cache,
+# read once by the kvcake attention function (the model calls them back to back).
+PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
+    "kvcake_pending", default=None
+)
+
+
+@dataclass
+class SequenceBudgets:
+    """Per-sequence budget facts fixed at the start of prefill. All (B,) int64 on the host
+    side of the device (small)."""
+
+    lengths: torch.Tensor  # valid prompt tokens
+    per_layer: torch.Tensor  # average budget per layer
+    total: torch.Tensor  # B_total = per_layer * L
+    window: torch.Tensor  # protected window, min(Sw, length)
+
+
+class KVCakeCache(Cache):
+    """A compressing KV cache for one batch of prompts.
+
+    Parameters
+    ----------
+    model:
+        The transformers causal LM it will serve (checked by ``adapters.describe_model``).
+    method:
+        A :class:`~kvcake.method.Method`, or a preset/composed string with ``budget=``/``ratio=``.
+
+    Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
+    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, past_key_values=cache)``.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, method: Method | str = "cake", *, record: bool = False, **budget_kwargs
+    ) -> None:
+        self.info: ModelInfo = describe_model(model)
+        self.method = make_method(method, **budget_kwargs) if isinstance(method, str) else method
+        if budget_kwargs and not isinstance(method, str):
+            raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
+        self.model_type = self.info.model_type
+        from .layer import KVCakeLayer
+
+        super().__init__(layers=[KVCakeLayer() for _ in range(self.info.num_layers)])
+        self.seq: SequenceBudgets | None = None
+        self.budgets: torch.Tensor | None = None  # (B, L) final layer budgets
+        self.stage_budgets: list[torch.Tensor] = []  # cascade history, (B, m+1) per stage
+        self.preferences: list[torch.Tensor] = []  # per layer (B,) float64
+        self.entropy: list[torch.Tensor] = []
+        self.variance: list[torch.Tensor] = []
+        self.decode_budget: np.ndarray | None = None  # (B, L, H_kv), host
+        self.prefilled = False
+        self.peak_kv_bytes = 0
+        self.prefill_peak_kv_bytes = 0
+        self._unconsumed: int | None = None
+        # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N)
+        # on the CPU, -1 = empty): used by tests of the cascade's guarantees.
+        self.record = record
+        self.history: list[tuple[int, int, torch.Tensor]] = []
+        self._stage = -1
+        layers = self.method.layers
+        if isinstance(layers, CakeAllocator) and (layers.tau1 is None or layers.tau2 is None):
+            self._tau: tuple[float, float] | None = None  # resolved once the budget is known
+        else:
+            self._tau = (getattr(layers, "tau1", None), getattr(layers, "tau2", None))
+
+    # -- Cache interface -----------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._unconsumed is not None:
+            raise RuntimeError(
+                "KVCakeCache was updated but the kvcake attention did not run for layer "
+                f"{self._unconsumed}: run the model inside `with kvcake.enable(model):` (or use "
+                "kvcake.generate / kvcake.compress), otherwise nothing is compressed"
+            )
+        keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
+        self._unconsumed = layer_idx
+        PENDING.set((self, layer_idx, keys))
+        self._track_bytes()
+        return keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.layers[0].crop(tokens_to_remove)
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values the cache holds now."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def kept_entries(self) -> int:
+        """Kept entries over sequences, layers and KV heads."""
+        return sum(layer.entries() for layer in self.layers)
+
+    def _track_bytes(self) -> None:
+        now = self.kv_bytes()
+        self.peak_kv_bytes = max(self.peak_kv_bytes, now)
+        if not self.prefilled:
+            self.prefill_peak_kv_bytes = max(self.prefill_peak_kv_bytes, now)
+
+    def layer_counts(self) -> np.ndarray:
+        """(B, L, H_kv) entries kept per sequence, layer and KV head."""
+        return np.stack([layer.counts for layer in self.layers], axis=1)
+
+    # -- called by the attention function ------------------------------------------------------
+    def consume(self, layer_idx: int) -> None:
+        self._unconsumed = None
+
+    def after_prefill_attention(
+        self, layer_idx: int, module: torch.nn.Module, query: torch.Tensor, key_valid: torch.Tensor, scaling: float
+    ) -> None:
+        """Score layer ``layer_idx``'s prompt and run this cascade stage's evictions.
+
+        query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding)."""
+        layer = self.layers[layer_idx]
+        m = self.method
+        self._stage = layer_idx
+        if layer_idx == 0:
+            self._start(key_valid)
+        inputs = PrefillInputs(
+            query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
+            window=m.budget.window, scaling=scaling,
+        )  # fmt: skip
+        layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+        if m.selector.needs_value_norms:
+            layer.norms = projected_value_norms(layer.values, output_projection(module), self.info.num_heads)
+        if m.layers.needs_preferences:
+            probs, row_valid = inputs.window_attention()
+            w = probs.shape[2]
+            sub = probs[..., : probs.shape[-1] - w]  # window rows, prefix columns
+            entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
+            _, var = window_rows_mean_var(sub, row_valid)
+            variance = var.sum((1, 2))  # (B,)
+            tau1, tau2 = self._resolve_tau()
+            self.entropy.append(entropy.double())
+            self.variance.append(variance.double())
+            self.preferences.append(preference(entropy, variance, tau1, tau2))
+        last = layer_idx == self.info.num_layers - 1
+        if m.layers.needs_preferences:
+            if m.layers.cascading or last:
+                budgets = self._allocate(torch.stack(self.preferences, 1), final=last)
+                self.stage_budgets.append(budgets)
+                for lid in range(layer_idx + 1):
+                    self._evict_layer(lid, budgets[:, lid])
+        else:
+            if self.budgets is None:
+                self.budgets = self._allocate(None, final=True)
+            self._evict_layer(layer_idx, self.budgets[:, layer_idx])
+        if last:
+            self._finish_prefill()
+
+    def _start(self, key_valid: torch.Tensor) -> None:
+        if self.prefilled:
+            raise RuntimeError("this KVCakeCache already holds a prompt; make a new cache per prompt")
+        if bool((key_valid[:, 1:].long() < key_valid[:, :-1].long()).any()):
+            raise ValueError(
+                "kvcake needs left padding (padding tokens before the prompt): set tokenizer.padding_side='left'"
+            )
+        lengths = key_valid.sum(-1).long().cpu()
+        if bool((lengths == 0).any()):
+            raise ValueError("a sequence in the batch is empty (all padding): give every sequence at least one token")
+        per_layer = self.method.budget.per_layer(lengths)
+        window = torch.clamp(lengths, max=self.method.budget.window)
+        self.seq = SequenceBudgets(lengths, per_layer, per_layer * self.info.num_layers, window)
+        if bool((per_layer >= lengths).all()):
+            logger.info("budget covers the whole prompt: the cache keeps everything (no-op)")
+
+    def _resolve_tau(self) -> tuple[float, float]:
+        if self._tau is None:
+            layers = self.method.layers
+            avg = float(self.seq.per_layer.double().mean())
+            t1, t2 = default_tau(self.model_type, avg)
+            self._tau = (layers.tau1 or t1, layers.tau2 or t2)
+        return self._tau
+
+    def _allocate(self, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
+        s = self.seq
+        req = AllocationRequest(
+            total=s.total, cap=s.lengths, window=s.window, num_layers=self.info.num_layers,
+            preferences=preferences, final=final,
+        )  # fmt: skip
+        budgets = self.method.layers.allocate(req)
+        return budgets
+
+    def _evict_layer(self, layer_idx: int, budget: torch.Tensor) -> None:
+        """Evict layer ``layer_idx`` to ``budget`` (B,) entries per KV head (window included)."""
+        layer = self.layers[layer_idx]
+        m = self.method
+        dev = layer.keys.device
+        scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
+        window = self.seq.window.to(dev)
+        budget = budget.to(dev)
+        if m.heads.ragged:
+            counts = m.heads.counts(scores, budget, window)
+        else:
+            n_valid = (scores > float("-inf")).sum(-1)
+            counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
+        counts_host = counts.cpu().numpy()
+        if bool((counts_host == layer.counts).all()):
+            return  # nothing to evict in this layer at this stage
+        keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
+        layer.evict(keep, counts_host, ragged=m.heads.ragged)
+        self._track_bytes()
+        if self.record:
+            self.history.append((self._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+    def _finish_prefill(self) -> None:
+        if self.budgets is None:
+            self.budgets = self.stage_budgets[-1]
+        counts = self.layer_counts()  # (B, L, H_kv)
+        lengths = self.seq.lengths.numpy()[:, None, None]
+        avg = self.seq.per_layer.numpy()[:, None, None]
+        # A head that was compressed keeps its count while decoding; one that kept its whole
+        # prompt may grow to the average budget before eviction starts.
+        self.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
+        keep_scores = self.method.scorer.stateful and self.method.decode == "fixed"
+        for layer in self.layers:
+            layer.norms = None
+            if not keep_scores:
+                layer.scores = None
+        self.prefilled = True
+
+    def wants_probs(self, layer_idx: int, q: int) -> bool:
+        """Whether this step's attention must return probabilities (decoding-time eviction)."""
+        if not self.prefilled or self.method.decode != "fixed":
+            return False
+        layer = self.layers[layer_idx]
+        return layer.scores is not None or bool((layer.counts > self.decode_budget[:, layer_idx]).any())
+
+    def after_extend_attention(self, layer_idx: int, probs: torch.Tensor | None) -> None:
+        """Decoding-time eviction (policy ``fixed``): each head back to its budget, by the
+        scorer's per-step scores; the newest ``window`` positions are protected."""
+        if probs is None:
+            return
+        layer = self.layers[layer_idx]
+        budget = self.decode_budget[:, layer_idx]  # (B, H_kv)
+        over = bool((layer.counts > budget).any())
+        positions = layer.padded_positions()  # (B, H_kv, N)
+        scores = self.method.scorer.decode(probs, positions, layer.padded(layer.scores, float("-inf")))
+        if layer.scores is not None:  # stateful (H2O): keep the accumulated sums
+            layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
+        if not over:
+            return
+        newest = positions.amax(-1, keepdim=True)
+        protected = positions > newest - self.method.budget.window
+        scores = scores.masked_fill(protected, float("inf")).masked_fill(positions < 0, float("-inf"))
+        counts = np.minimum(layer.counts, budget)
+        keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
+        layer.evict(keep, counts, ragged=layer.layout == "ragged")
+        self._track_bytes()
+
+
+def new_cache(model: torch.nn.Module, method: Method | str = "cake", **budget_kwargs) -> KVCakeCache:
+    """Shorthand for ``KVCakeCache(model, method, **budget_kwargs)``."""
+    return KVCakeCache(model, method, **budget_kwargs)

@@ -1,0 +1,312 @@
+"""Cache layers: what one model layer keeps, dense or ragged.
+
+Both layouts keep, per entry, its key, value and logical position (the column it had in the
+prompt plus generated text: RoPE was applied with it and the causal mask is decided by it).
+
+* ``dense``: keys/values ``(B, H_kv, N, d)``. Every KV head of a sequence keeps the same number
+  of entries; sequences of a batch whose budgets differ leave empty slots (position -1) on the
+  left, like left padding. Until the first eviction the layer is *plain*: exactly what
+  transformers' ``DynamicLayer`` would hold, read by the model's own attention kernel, so a
+  budget covering the prompt changes nothing, bit for bit.
+* ``ragged``: keys/values ``(T, d)`` flattened over (sequence, KV head) segments with
+  per-segment lengths (see ``ragged.py``); its bytes are the sum of the per-head budgets.
+
+Eviction state kept during prefill (scores, value norms) shrinks with the entries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .ragged import RaggedMeta, ragged_attention
+
+
+class KVCakeLayer(CacheLayerMixin):
+    """One layer of a :class:`~kvcake.cache.KVCakeCache`."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0  # logical columns seen
+        self.layout = "dense"
+        self.plain = True
+        self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
+        self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
+        self.norms: torch.Tensor | None = None  # CriticalKV value norms, same layout
+        self.counts: np.ndarray | None = None  # (B, H_kv) kept entries, on the host
+        self.meta: RaggedMeta | None = None
+        self.batch = 0
+        self.kv_heads = 0
+
+    # -- transformers' CacheLayerMixin interface ---------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.kv_heads = key_states.shape[0], key_states.shape[1]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the prompt (first call) or append new entries; returns what a plain layer's
+        attention reads. ``kwargs['valid']`` (B, q) marks padding among the new tokens."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, hkv, q, _ = key_states.shape
+        valid = kwargs.get("valid")
+        qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
+        pos = torch.where(valid, qpos, torch.full_like(qpos, -1)) if valid is not None else qpos
+        pos = pos[:, None, :].expand(b, hkv, q).contiguous()  # (B, H_kv, q)
+        self.length += q
+        if self.keys is None:
+            self.keys, self.values, self.positions = key_states, value_states, pos
+            self.counts = np.full((b, hkv), q, dtype=np.int64)
+            self.plain = valid is None or bool(valid.all())
+            return self.keys, self.values
+        add = np.full((b, hkv), q, dtype=np.int64)
+        if self.layout == "dense":
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.positions = torch.cat([self.positions, pos], dim=-1)
+            self.scores = _cat_or_none(self.scores, torch.zeros(b, hkv, q, device=key_states.device))
+            self.norms = None
+            if valid is not None and not bool(valid.all()):
+                self.plain = False
+                add = valid.sum(-1, keepdim=True).expand(b, hkv).cpu().numpy().astype(np.int64)
+        else:
+            self._append_ragged(key_states, value_states, pos)
+        self.counts = self.counts + add
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # transformers builds the mask over logical columns; the kvcake attention maps it onto
+        # what the layer physically holds through ``positions``.
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "a compressed KV cache cannot be cropped: evicted entries are gone. Assisted/speculative "
+            "decoding and other rollbacks need the full cache (use a plain DynamicCache)"
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.keys is None:
+            return
+        if self.layout == "ragged":
+            raise NotImplementedError(
+                "beam search over a ragged (per-head budget) cache is not supported: use greedy or "
+                "sampling, or a method with uniform head budgets"
+            )
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.keys is None:
+            return
+        if self.layout == "ragged":
+            raise NotImplementedError("expanding a ragged cache over the batch is not supported")
+        for name in ("keys", "values", "positions", "scores", "norms"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.repeat_interleave(repeats, dim=0))
+        self.counts = np.repeat(self.counts, repeats, axis=0)
+        self.batch *= repeats
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.keys is None:
+            return
+        if self.layout == "ragged":
+            raise NotImplementedError("selecting sequences of a ragged cache is not supported")
+        idx = indices.to(self.keys.device)
+        for name in ("keys", "values", "positions", "scores", "norms"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, idx))
+        self.counts = self.counts[indices.cpu().numpy()]
+        self.batch = len(self.counts)
+
+    # -- views and eviction ----------------------------------------------------------------
+    def padded(self, tensor: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        """A per-entry tensor as (B, H_kv, N); ragged layers scatter into the longest segment."""
+        if tensor is None or self.layout == "dense":
+            return tensor
+        m = self.meta
+        out = torch.full((self.batch * self.kv_heads, m.max_len), fill, dtype=tensor.dtype, device=tensor.device)
+        out[m.seg, m.local] = tensor
+        return out.reshape(self.batch, self.kv_heads, m.max_len)
+
+    def unpad(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``padded`` for a (B, H_kv, N) tensor."""
+        if self.layout == "dense":
+            return tensor
+        return tensor.reshape(self.batch * self.kv_heads, -1)[self.meta.seg, self.meta.local]
+
+    def padded_positions(self) -> torch.Tensor:
+        return self.padded(self.positions, -1)
+
+    def evict(self, keep: torch.Tensor, counts: np.ndarray, ragged: bool) -> None:
+        """Keep the entries where ``keep`` (B, H_kv, N) is True, ``counts`` (B, H_kv) per head.
+
+        ``ragged`` turns the layer into the flattened layout (the first eviction of a head-wise
+        method); otherwise a dense layer stays dense."""
+        if self.layout == "dense" and self.plain and bool((counts == self.keys.shape[2]).all()):
+            return  # nothing to evict: the layer stays identical to a full-cache layer
+        if self.layout == "ragged" or ragged:
+            self._evict_to_ragged(keep, counts)
+        else:
+            self._evict_dense(keep, counts)
+        self.plain = False
+        self.counts = counts.astype(np.int64)
+
+    def _evict_dense(self, keep: torch.Tensor, counts: np.ndarray) -> None:
+        b, hkv, n = keep.shape
+        new_n = int(counts.max()) if counts.size else 0
+        if bool((counts == new_n).all()):
+            # every head keeps the same number: a masked select keeps position order
+            def take(t, fill=None):
+                if t is None:
+                    return None
+                return t[keep].reshape(b, hkv, new_n, *t.shape[3:])
+        else:
+            cnt = torch.as_tensor(counts, device=keep.device)
+            rank = keep.long().cumsum(-1) - 1  # rank among kept entries
+            dest = (new_n - cnt)[..., None] + rank  # left-aligned empty slots, like left padding
+            dest = torch.where(keep, dest, torch.full_like(dest, new_n))  # dropped -> overflow slot
+
+            def take(t, fill=0):
+                if t is None:
+                    return None
+                shape = (b, hkv, new_n + 1, *t.shape[3:])
+                out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+                idx = dest.reshape(b, hkv, n, *([1] * (t.dim() - 3))).expand_as(t)
+                out.scatter_(2, idx, t)
+                return out[:, :, :new_n]
+        self.keys, self.values = take(self.keys), take(self.values)
+        self.positions = take(self.positions, -1)
+        self.scores = take(self.scores, float("-inf"))
+        self.norms = take(self.norms, 0.0)
+
+    def _evict_to_ragged(self, keep: torch.Tensor, counts: np.ndarray) -> None:
+        b, hkv, n = keep.shape
+        if self.layout == "dense":
+            flat_keep = keep.reshape(-1)
+
+            def take(t):
+                return None if t is None else t.reshape(b * hkv * n, *t.shape[3:])[flat_keep]
+        else:
+            flat_keep = keep.reshape(b * hkv, n)[self.meta.seg, self.meta.local]
+
+            def take(t):
+                return None if t is None else t[flat_keep]
+        self.keys, self.values = take(self.keys), take(self.values)
+        self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
+        lengths = torch.as_tensor(counts.reshape(-1), device=keep.device)
+        self.meta = RaggedMeta.from_lengths(lengths, int(counts.max()) if counts.size else 0)
+        self.layout = "ragged"
+
+    def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Every segment gets the ``q`` new entries at its end: one scatter into a new buffer."""
+        b, hkv, q, d = k.shape
+        m = self.meta
+        n_seg = b * hkv
+        new_len = m.lengths + q
+        new_meta = RaggedMeta.from_lengths(new_len, m.max_len + q)
+        old_dest = new_meta.offsets[m.seg] + m.local  # (T,)
+        seg_new = torch.arange(n_seg, device=k.device).repeat_interleave(q)
+        new_dest = new_meta.offsets[seg_new] + m.lengths[seg_new] + torch.arange(q, device=k.device).repeat(n_seg)
+        total = int(new_meta.offsets[-1]) if n_seg else 0
+
+        def put(old, new, fill):
+            if old is None:
+                return None
+            out = torch.full((total, *old.shape[1:]), fill, dtype=old.dtype, device=old.device)
+            out[old_dest] = old
+            out[new_dest] = new
+            return out
+
+        self.keys = put(self.keys, k.reshape(n_seg * q, d), 0.0)
+        self.values = put(self.values, v.reshape(n_seg * q, d), 0.0)
+        self.positions = put(self.positions, pos.reshape(n_seg * q), -1)
+        self.scores = put(self.scores, torch.zeros(n_seg * q, device=k.device), 0.0)
+        self.norms = None
+        self.meta = new_meta
+
+    # -- attention over what the layer holds ---------------------------------------------------
+    def attend(
+        self, query: torch.Tensor, scaling: float, return_probs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the newest ``q`` query rows over the held entries.
+
+        query: (B, H, q, d). Returns the output (B, q, H, d) and, if asked, the probabilities
+        (B, H, q, N) in float32 over the padded view (0 on empty slots)."""
+        b, h, q, d = query.shape
+        qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
+        if self.layout == "ragged":
+            out, probs = ragged_attention(
+                query, self.keys, self.values, self.positions, self.meta, qpos, scaling, return_probs
+            )
+            if probs is not None:  # (T, G, q) -> (B, H, q, N)
+                g = probs.shape[1]
+                padded = torch.zeros(b * self.kv_heads, self.meta.max_len, g, q, device=probs.device)
+                padded[self.meta.seg, self.meta.local] = probs
+                probs = padded.reshape(b, self.kv_heads, self.meta.max_len, g, q).permute(0, 1, 3, 4, 2)
+                probs = probs.reshape(b, h, q, self.meta.max_len)
+            return out, probs
+        return dense_attention(query, self.keys, self.values, self.positions, qpos, scaling, return_probs)
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values actually held (empty dense slots included: they are real)."""
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def entries(self) -> int:
+        """Kept (valid) entries, summed over sequences and KV heads."""
+        return 0 if self.counts is None else int(self.counts.sum())
+
+
+def _cat_or_none(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor | None:
+    return None if a is None else torch.cat([a, b], dim=-1)
+
+
+def dense_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    scaling: float,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over a dense layer with per-head empty slots and logical positions.
+
+    query: (B, H, q, d); keys/values: (B, H_kv, N, d); positions: (B, H_kv, N) (-1 = empty);
+    query_positions: (B, q). The GQA group is folded into the query rows, so keys are never
+    repeated. Returns (B, q, H, d) and optionally the probabilities (B, H, q, N) in float32.
+    """
+    b, h, q, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    qs = query.reshape(b, hkv, g * q, d)  # rows ordered (g, i)
+    allowed = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= query_positions[:, None, :, None])
+    allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
+    allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
+    if return_probs:
+        logits = torch.matmul(qs.float(), keys.float().transpose(-1, -2)) * scaling
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, H_kv, G*q, N)
+        out = torch.matmul(probs.to(values.dtype), values)
+        probs = probs.reshape(b, h, q, n)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=scaling)
+        probs = None
+    return out.reshape(b, h, q, d).transpose(1, 2), probs

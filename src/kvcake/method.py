@@ -1,0 +1,186 @@
+"""A compression method = layer allocation x head allocation x token scoring x selection.
+
+Each published method is a named preset of the same four parts plus a decoding policy, and
+any sensible combination works (``layers=cake,heads=adakv,score=cake,select=critical``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .allocators import AdaKV, CakeAllocator, LayerAllocator, Pyramid, RandomSplit, Uniform, UniformHeads
+from .allocators.adakv import HeadAllocator
+from .budget import BudgetSpec
+from .scorers import CakeScorer, H2OScorer, Scorer, SnapKVScorer, StreamingScorer, TOVAScorer
+from .selectors import Critical, Selector, TopK
+
+LAYER_ALLOCATORS: dict[str, Callable[..., LayerAllocator]] = {
+    "uniform": Uniform,
+    "pyramid": Pyramid,
+    "random": RandomSplit,
+    "cake": CakeAllocator,
+    "cake-oneshot": lambda **kw: CakeAllocator(cascading=False, **kw),
+}
+HEAD_ALLOCATORS: dict[str, Callable[..., HeadAllocator]] = {"uniform": UniformHeads, "adakv": AdaKV}
+SCORERS: dict[str, Callable[..., Scorer]] = {
+    "streamingllm": StreamingScorer,
+    "h2o": H2OScorer,
+    "tova": TOVAScorer,
+    "snapkv": SnapKVScorer,
+    "cake": CakeScorer,
+}
+SELECTORS: dict[str, Callable[..., Selector]] = {"topk": TopK, "critical": Critical}
+DECODE_POLICIES = ("none", "fixed")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A configured compression method.
+
+    Parameters
+    ----------
+    budget:
+        How much to keep (``BudgetSpec``: ``budget=`` or ``ratio=``, and the window).
+    layers:
+        Layer allocator: uniform, pyramid, random, or CAKE's preference allocation.
+    heads:
+        Head allocator: uniform, or Ada-KV (ragged cache).
+    scorer:
+        Token scores: StreamingLLM, H2O, TOVA, SnapKV, CAKE.
+    selector:
+        Top-k, or CriticalKV's two-stage selection.
+    decode:
+        ``"fixed"`` keeps every layer (and head) at its budget while decoding, evicting by the
+        scorer's per-step scores; ``"none"`` lets the cache grow by one entry per step.
+    name:
+        The preset's name, or ``"custom"``.
+    """
+
+    budget: BudgetSpec
+    layers: LayerAllocator = field(default_factory=Uniform)
+    heads: HeadAllocator = field(default_factory=UniformHeads)
+    scorer: Scorer = field(default_factory=SnapKVScorer)
+    selector: Selector = field(default_factory=TopK)
+    decode: str = "none"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, BudgetSpec):
+            raise TypeError(f"budget must be a BudgetSpec, got {type(self.budget).__name__}")
+        if self.decode not in DECODE_POLICIES:
+            raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {self.decode!r}")
+        for part, base in ((self.layers, LayerAllocator), (self.heads, HeadAllocator), (self.scorer, Scorer),
+                           (self.selector, Selector)):  # fmt: skip
+            if not isinstance(part, base):
+                raise TypeError(f"expected a {base.__name__}, got {type(part).__name__}")
+
+    def describe(self) -> str:
+        parts = (
+            f"layers={self.layers.describe()},heads={self.heads.name},score={self.scorer.describe()},"
+            f"select={self.selector.describe()},decode={self.decode}"
+        )
+        return f"{self.name}[{parts}] {self.budget.describe()} window={self.budget.window}"
+
+    def replace(self, **changes) -> Method:
+        return dataclasses.replace(self, **changes)
+
+
+# name -> (layers, heads, score, select, decode, one-line description)
+PRESETS: dict[str, tuple[str, str, str, str, str, str]] = {
+    "streamingllm": ("uniform", "uniform", "streamingllm", "topk", "fixed", "4 attention sinks + recent tokens"),
+    "h2o": ("uniform", "uniform", "h2o", "topk", "fixed", "accumulated attention (heavy hitters)"),
+    "tova": ("uniform", "uniform", "tova", "topk", "fixed", "last token's attention"),
+    "snapkv": ("uniform", "uniform", "snapkv", "topk", "none", "observation-window attention, max-pooled"),
+    "pyramidkv": ("pyramid", "uniform", "snapkv", "topk", "none", "SnapKV scores, pyramid layer budgets"),
+    "cake": ("cake", "uniform", "cake", "topk", "fixed", "CAKE: preference layer budgets, cascade, mean+var"),
+    "cake-oneshot": ("cake-oneshot", "uniform", "cake", "topk", "fixed", "CAKE without cascading (ablation)"),
+    "criticalkv": ("uniform", "uniform", "snapkv", "critical", "none", "SnapKV + CriticalKV two-stage selection"),
+    "adakv": ("uniform", "adakv", "snapkv", "topk", "none", "Ada-SnapKV: per-head budgets, ragged cache"),
+    "ada-pyramidkv": ("pyramid", "adakv", "snapkv", "topk", "none", "PyramidKV layers x Ada-KV heads"),
+    "critical-adakv": ("uniform", "adakv", "snapkv", "critical", "none", "Ada-KV heads + CriticalKV selection"),
+    "cake-adakv": ("cake", "adakv", "cake", "topk", "fixed", "CAKE layers x Ada-KV heads (ragged)"),
+}
+_KEYS = {"layers": LAYER_ALLOCATORS, "heads": HEAD_ALLOCATORS, "score": SCORERS, "select": SELECTORS}
+
+
+def _build(kind: str, name: str, options: dict[str, object]):
+    registry = _KEYS[kind]
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
+    try:
+        return registry[name](**options)
+    except TypeError as err:
+        raise ValueError(f"bad option for {kind}={name}: {err}") from None
+
+
+def _parse_value(text: str) -> object:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def make_method(
+    spec: str | Method = "cake",
+    *,
+    budget: int | None = None,
+    ratio: float | None = None,
+    window: int = 32,
+) -> Method:
+    """Build a method from a preset name or a composed string.
+
+    Examples: ``"cake"``, ``"snapkv"``, ``"layers=cake,heads=adakv,score=cake,select=critical"``,
+    ``"cake,select=critical,decode=none"`` (a preset with overrides), and part options with a dot:
+    ``"cake,layers.tau1=1.0,score.gamma=100"``.
+    """
+    if isinstance(spec, Method):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"method must be a preset name or a composed string, got {spec!r}")
+    spec_budget = BudgetSpec(budget=budget, ratio=ratio, window=window)
+    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    choice = {"layers": "uniform", "heads": "uniform", "score": "snapkv", "select": "topk", "decode": "none"}
+    name = "custom"
+    if "=" not in tokens[0]:
+        name = tokens.pop(0).lower()
+        if name not in PRESETS:
+            raise ValueError(f"unknown method {name!r}; presets: {', '.join(PRESETS)}; or compose "
+                             "e.g. 'layers=cake,heads=adakv,score=cake,select=critical'")  # fmt: skip
+        choice.update(zip(("layers", "heads", "score", "select", "decode"), PRESETS[name][:5], strict=False))
+    options: dict[str, dict[str, object]] = {k: {} for k in _KEYS}
+    for tok in tokens:
+        if "=" not in tok:
+            raise ValueError(f"bad method part {tok!r}: expected key=value (keys: {', '.join([*_KEYS, 'decode'])})")
+        key, value = (s.strip() for s in tok.split("=", 1))
+        if "." in key:
+            part, opt = key.split(".", 1)
+            if part not in options:
+                raise ValueError(f"unknown method part {part!r} in {tok!r}; valid: {', '.join(options)}")
+            options[part][opt] = _parse_value(value)
+        elif key in choice:
+            choice[key] = value.lower()
+        else:
+            raise ValueError(f"unknown method key {key!r}; valid: {', '.join([*_KEYS, 'decode'])}")
+    if tokens and name != "custom":
+        name = f"{name}+"  # a preset with overrides
+    return Method(
+        budget=spec_budget,
+        layers=_build("layers", choice["layers"], options["layers"]),
+        heads=_build("heads", choice["heads"], options["heads"]),
+        scorer=_build("score", choice["score"], options["score"]),
+        selector=_build("select", choice["select"], options["select"]),
+        decode=choice["decode"],
+        name=name,
+    )
+
+
+def list_methods() -> list[tuple[str, str]]:
+    """(preset, one-line description with its parts) for every registered preset."""
+    return [
+        (name, f"{desc} [layers={p[0]}, heads={p[1]}, score={p[2]}, select={p[3]}, decode={p[4]}]")
+        for name, (*p, desc) in PRESETS.items()
+    ]

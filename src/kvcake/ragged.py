@@ -1,0 +1,149 @@
+"""Attention over a ragged cache: every (sequence, KV head) holds its own number of entries.
+
+Layout: a layer's kept entries are one flattened ``(T, d)`` tensor per keys and values,
+segment-major (segment ``s = b * H_kv + h``), positions increasing inside a segment; ``seg``
+(T,) names each entry's segment, ``lengths`` (B * H_kv,) and ``offsets`` (B * H_kv + 1,) are
+the cumulative layout. The query heads of a GQA group read their KV head's segment.
+
+Two implementations behind ``ragged_attention``: a vectorised PyTorch segment softmax
+(scatter/index reductions, no Python loop over heads or tokens), which is the reference and the
+CPU path, and flash-attention's variable-length kernel on CUDA when ``flash_attn`` is installed
+(each segment is its own "sequence" with one KV head and ``G`` query heads).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RaggedMeta:
+    """Per-step layout metadata, built once per layer and step, read by the attention.
+
+    seg: (T,) int64 segment of each entry; local: (T,) index inside its segment;
+    lengths: (S,) int64; offsets: (S + 1,) int64; max_len: longest segment (host int).
+    """
+
+    seg: torch.Tensor
+    local: torch.Tensor
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor, max_len: int | None = None) -> RaggedMeta:
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
+        offsets[1:] = lengths.cumsum(0)
+        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        local = torch.arange(seg.numel(), device=lengths.device) - offsets[seg]
+        if max_len is None:
+            max_len = int(lengths.max()) if lengths.numel() else 0
+        return cls(seg=seg, local=local, lengths=lengths, offsets=offsets, max_len=max_len)
+
+
+def ragged_attention_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    meta: RaggedMeta,
+    query_positions: torch.Tensor,
+    scaling: float,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Segment-softmax attention, the reference and CPU path.
+
+    query: (B, H, q, d); keys, values: (T, d); positions: (T,) logical positions;
+    query_positions: (B, q) logical positions of the query rows (an entry is visible to a row
+    when its position is not after the row's). Returns the output (B, q, H, d) and, if asked,
+    the attention probabilities per entry (T, G, q) in float32.
+    """
+    b, h, q, d = query.shape
+    n_seg = meta.lengths.numel()
+    hkv = n_seg // b
+    g = h // hkv
+    qs = query.reshape(b, hkv, g, q, d).reshape(n_seg, g * q, d)  # (S, G*q, d), rows (g, i)
+    seg = meta.seg
+    logits = torch.einsum("td,trd->tr", keys.float(), qs[seg].float()) * scaling  # (T, G*q)
+    qpos = query_positions.repeat_interleave(hkv, dim=0)  # (S, q)
+    visible = positions[:, None] <= qpos[seg]  # (T, q)
+    visible = visible[:, None, :].expand(-1, g, -1).reshape(-1, g * q)  # (T, G*q)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    seg_max = torch.full((n_seg, g * q), float("-inf"), device=keys.device)
+    seg_max = seg_max.scatter_reduce(0, seg[:, None].expand_as(logits), logits, reduce="amax", include_self=True)
+    seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
+    weights = torch.exp(logits - seg_max[seg])  # (T, G*q)
+    denom = torch.zeros(n_seg, g * q, device=keys.device).index_add_(0, seg, weights)
+    probs = weights / denom.clamp(min=1e-30)[seg]
+    out = torch.zeros(n_seg, g * q, d, device=keys.device).index_add_(
+        0, seg, probs[:, :, None] * values.float()[:, None, :]
+    )  # (S, G*q, d)
+    out = out.reshape(b, hkv, g, q, d).reshape(b, h, q, d).transpose(1, 2).to(query.dtype)
+    return out, (probs.reshape(-1, g, q) if return_probs else None)
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_available(device: torch.device) -> bool:
+    """Whether the CUDA variable-length kernel can serve this device (detected once)."""
+    return device.type == "cuda" and _flash_varlen() is not None
+
+
+def ragged_attention_flash(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    meta: RaggedMeta,
+    scaling: float,
+) -> torch.Tensor:
+    """flash-attention's varlen kernel: segment ``s`` is a sequence of ``len_s`` keys (one KV
+    head) read by ``q`` query tokens with ``G`` heads; causal masking is aligned bottom-right,
+    which is right because the ``q`` new tokens are the last entries of every segment."""
+    fn = _flash_varlen()
+    b, h, q, d = query.shape
+    n_seg = meta.lengths.numel()
+    g = h // (n_seg // b)
+    qs = query.reshape(b, n_seg // b, g, q, d).permute(0, 1, 3, 2, 4).reshape(n_seg * q, g, d)
+    cu_q = torch.arange(0, (n_seg + 1) * q, q, dtype=torch.int32, device=query.device)
+    out = fn(
+        qs,
+        keys[:, None, :],
+        values[:, None, :],
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=meta.offsets.to(torch.int32),
+        max_seqlen_q=q,
+        max_seqlen_k=meta.max_len,
+        softmax_scale=scaling,
+        causal=q > 1,
+    )  # (S*q, G, d)
+    return out.reshape(b, n_seg // b, q, g, d).permute(0, 2, 1, 3, 4).reshape(b, q, h, d)
+
+
+def ragged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    meta: RaggedMeta,
+    query_positions: torch.Tensor,
+    scaling: float,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dispatch: flash varlen on CUDA when installed and no probabilities are needed, else the
+    PyTorch reference. Same arguments and result as ``ragged_attention_reference``."""
+    if not return_probs and flash_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
+        return ragged_attention_flash(query, keys, values, meta, scaling), None
+    return ragged_attention_reference(query, keys, values, positions, meta, query_positions, scaling, return_probs)

@@ -1,0 +1,142 @@
+"""Token scorers: how important each cached entry is, per (sequence, KV head, position).
+
+Layout: queries ``(B, H, S, d)`` and keys/values ``(B, H_kv, S, d)``, post-RoPE, as the
+attention function receives them. A scorer first scores per query head ``(B, H, S)``; the
+group reduction (mean by default, max as an option) brings that to KV-head granularity
+``(B, H_kv, S)``. The caller then sets the window to ``+inf`` and padding to ``-inf``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillInputs:
+    """Everything a scorer may read at the end of one layer's prefill.
+
+    query: (B, H, S, d); keys, values: (B, H_kv, S, d); key_valid: (B, S) bool (False on left
+    padding); window: the observation window ``Sw``; scaling: the model's softmax scale.
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_valid: torch.Tensor
+    window: int
+    scaling: float
+    _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def num_groups(self) -> int:
+        return self.query.shape[1] // self.keys.shape[1]
+
+    def window_attention(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A = softmax(Q[-w:] K^T * scale)`` in float32 with the causal mask inside the window.
+
+        Returns ``(A, row_valid)``: A (B, H, w, S) with rows of padding queries zeroed, and
+        row_valid (B, w) bool. ``w = min(Sw, S)``. It costs ``w / S`` of the layer's attention.
+        """
+        if self._window_attention is None:
+            q = self.query[:, :, -self.window :].float()  # (B, H, w, d)
+            k = _expand_kv(self.keys.float(), self.num_groups)  # (B, H, S, d)
+            s_len, w = k.shape[2], q.shape[2]
+            logits = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, w, S)
+            causal = torch.arange(s_len)[None, :] <= torch.arange(s_len - w, s_len)[:, None]  # (w, S)
+            allowed = causal[None, None] & self.key_valid[:, None, None, :]
+            row_valid = self.key_valid[:, -w:]  # (B, w)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0), dim=-1)
+            probs = probs * row_valid[:, None, :, None]
+            self._window_attention = (probs, row_valid)
+        return self._window_attention
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H_kv, S, d) -> (B, H_kv * groups, S, d), query head ``h`` reading KV head ``h // groups``."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def window_rows_mean_var(probs: torch.Tensor, row_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance over the valid window rows. probs (B, H, w, S) -> two (B, H, S)."""
+    n = row_valid.sum(-1).clamp(min=1).to(probs.dtype)[:, None, None]  # (B, 1, 1)
+    mean = probs.sum(2) / n
+    dev = (probs - mean[:, :, None, :]) * row_valid[:, None, :, None]
+    var = (dev**2).sum(2) / (n - 1).clamp(min=1)
+    return mean, var
+
+
+def pool1d(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """1-D pooling over positions, stride 1, 'same' length. x (B, H, S)."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    b, h, s = x.shape
+    flat = x.reshape(b * h, 1, s)
+    if kind == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    elif kind == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        raise ValueError(f"pooling must be 'max' or 'avg', got {kind!r}")
+    return out[..., :s].reshape(b, h, s)
+
+
+def group_reduce(x: torch.Tensor, groups: int, how: str) -> torch.Tensor:
+    """(B, H, N) -> (B, H_kv, N) over each GQA group (``mean`` or ``max``)."""
+    if groups == 1:
+        return x
+    b, h, n = x.shape
+    x = x.reshape(b, h // groups, groups, n)
+    return x.mean(2) if how == "mean" else x.amax(2)
+
+
+class Scorer:
+    """Base class: subclasses write ``score_heads`` (prefill) and ``decode_heads`` (decoding).
+
+    Parameters shared by all scorers: ``reduce`` is the GQA group reduction (``mean``/``max``).
+    ``stateful`` scorers (H2O) keep their prefill scores and add each decoding step's attention.
+    """
+
+    name = "base"
+    stateful = False
+    reduce = "mean"
+
+    def score_heads(self, inp: PrefillInputs) -> torch.Tensor:  # pragma: no cover - interface
+        """Per query head scores (B, H, S); only prefix columns (before the window) matter."""
+        raise NotImplementedError
+
+    def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per query head scores (B, H, N) over the cached entries during decoding.
+
+        probs: (B, H, q, N) attention of the current query rows over the cache (0 on empty
+        slots); positions: (B, H_kv, N) logical positions (-1 on empty slots). Default: the
+        current attention averaged over the query rows (TOVA's and CAKE's decoding rule).
+        """
+        return probs.mean(2)
+
+    def prefill(self, inp: PrefillInputs) -> torch.Tensor:
+        """KV-head scores (B, H_kv, S) with the window at +inf and padding at -inf."""
+        scores = group_reduce(self.score_heads(inp).float(), inp.num_groups, self.reduce)
+        return protect(scores, inp.key_valid, inp.window)
+
+    def decode(self, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """KV-head decoding scores (B, H_kv, N); the caller protects the window."""
+        groups = probs.shape[1] // positions.shape[1]
+        scores = group_reduce(self.decode_heads(probs, positions).float(), groups, self.reduce)
+        if self.stateful and previous is not None:
+            scores = scores + torch.where(torch.isfinite(previous), previous, torch.zeros_like(previous))
+        return scores
+
+    def describe(self) -> str:
+        return self.name
+
+
+def protect(scores: torch.Tensor, key_valid: torch.Tensor, window: int) -> torch.Tensor:
+    """Window (the last ``window`` valid positions) to +inf, padding to -inf. scores (B, H_kv, S)."""
+    from_right = key_valid.flip(-1).long().cumsum(-1).flip(-1)  # valid tokens at or after each position
+    in_window = key_valid & (from_right <= window)  # (B, S)
+    scores = scores.masked_fill(in_window[:, None, :], float("inf"))
+    return scores.masked_fill(~key_valid[:, None, :], float("-inf"))

@@ -1,0 +1,43 @@
+"""CAKE's attention-shift tolerant eviction indicator (CAKE paper, Section 4.3, Eq. 10).
+
+Qin et al., ICLR 2025, https://arxiv.org/abs/2503.12491.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import PrefillInputs, Scorer, pool1d, window_rows_mean_var
+from .snapkv import _check_pool, _pool_prefix
+
+
+@dataclass(frozen=True)
+class CakeScorer(Scorer):
+    """``mean_rows(A[..., n]) + gamma * var_rows(A[..., n])`` over the window rows, avg-pooled.
+
+    The variance term keeps tokens whose importance shifts over time (the mean alone favours
+    steadily attended ones). ``gamma = 200`` and avg pooling with kernel 5 (padding 2) are the
+    paper's and the authors' code's values; the variance is unbiased. While decoding, the score
+    is the current query's attention, avg-pooled, without a variance term (the authors' code).
+    """
+
+    gamma: float = 200.0
+    kernel: int = 5
+    pooling: str = "avg"
+    reduce: str = "mean"
+    name = "cake"
+
+    def __post_init__(self) -> None:
+        _check_pool(self.kernel, self.pooling, self.reduce)
+        if not self.gamma >= 0:
+            raise ValueError(f"CAKE gamma must be >= 0, got {self.gamma}")
+
+    def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
+        probs, row_valid = inp.window_attention()
+        mean, var = window_rows_mean_var(probs, row_valid)
+        return _pool_prefix(mean + self.gamma * var, probs.shape[2], self.kernel, self.pooling)
+
+    def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return pool1d(probs.mean(2), self.kernel, self.pooling)

@@ -1,0 +1,40 @@
+"""StreamingLLM: Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
+ICLR 2024, https://arxiv.org/abs/2309.17453."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import PrefillInputs, Scorer
+
+
+@dataclass(frozen=True)
+class StreamingScorer(Scorer):
+    """Keep the first ``n_sink`` tokens (the attention sinks, 4 in the paper) and the most
+    recent ones: the score is the position itself, the sinks +inf. Needs no attention."""
+
+    n_sink: int = 4
+    name = "streamingllm"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative int, got {self.n_sink!r}")
+
+    def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
+        b, h, s, _ = inp.query.shape
+        rank = inp.key_valid.long().cumsum(-1) - 1  # index among the valid tokens (B, S)
+        score = torch.where(rank < self.n_sink, torch.full_like(rank, 1 << 40), rank).float()
+        return score[:, None, :].expand(b, h, s)
+
+    def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        groups = probs.shape[1] // positions.shape[1]
+        pos = positions.float()  # (B, H_kv, N)
+        valid = positions >= 0
+        k = min(self.n_sink, pos.shape[-1])
+        if k > 0:  # the first n_sink kept positions are the sinks
+            first = torch.sort(torch.where(valid, pos, torch.full_like(pos, float("inf"))), dim=-1).values
+            sink = valid & (pos <= first[..., k - 1 : k])
+            pos = torch.where(sink, torch.full_like(pos, float(1 << 40)), pos)
+        return pos.repeat_interleave(groups, dim=1)

@@ -1,0 +1,42 @@
+"""Top-k selection: keep each head's highest-scoring entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..allocators.adakv import ranks_desc
+
+
+@dataclass
+class SelectionInputs:
+    """scores: (B, H_kv, N) with window +inf and empty/padding -inf; counts: (B, H_kv) int64
+    entries to keep per head (window included); value_norms: (B, H_kv, N) or None (CriticalKV)."""
+
+    scores: torch.Tensor
+    counts: torch.Tensor
+    value_norms: torch.Tensor | None = None
+
+
+class Selector:
+    name = "topk"
+    needs_value_norms = False
+
+    def select(self, inp: SelectionInputs) -> torch.Tensor:  # pragma: no cover - interface
+        """(B, H_kv, N) bool: the kept entries, exactly ``counts`` per head (fewer if a head
+        has fewer valid entries)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class TopK(Selector):
+    """The ``count`` highest scores of each head; ties go to the earlier position."""
+
+    name = "topk"
+
+    def select(self, inp: SelectionInputs) -> torch.Tensor:
+        return (ranks_desc(inp.scores) < inp.counts[..., None]) & (inp.scores > float("-inf"))

@@ -1,0 +1,118 @@
+"""Layer and head allocators: exact integer totals, caps, the published formulas."""
+
+import pytest
+import torch
+
+from kvcake.allocators import AdaKV, AllocationRequest, CakeAllocator, Pyramid, RandomSplit, Uniform
+from kvcake.allocators.cake import default_tau, preference
+
+
+def request(total, cap, window, n, prefs=None, final=True):
+    return AllocationRequest(
+        total=torch.tensor(total), cap=torch.tensor(cap), window=torch.tensor(window),
+        num_layers=n, preferences=prefs, final=final,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("alloc", [Uniform(), Pyramid(), RandomSplit(seed=3), CakeAllocator()])
+@pytest.mark.parametrize("per_layer,cap", [(64, 500), (100, 120), (37, 37), (300, 200), (33, 4000)])
+def test_budgets_are_exact_integers_within_caps(alloc, per_layer, cap):
+    n = 7
+    g = torch.Generator().manual_seed(per_layer)
+    prefs = torch.rand(2, n, generator=g, dtype=torch.float64) ** 3
+    req = request([per_layer * n, per_layer * n + 5], [cap, cap + 50], [min(32, cap)] * 2, n, prefs)
+    b = alloc.allocate(req)
+    assert b.dtype == torch.int64 and b.shape == (2, n)
+    expected = torch.minimum(req.total, req.cap * n)
+    assert torch.equal(b.sum(1), expected), (b, expected)
+    assert bool((b <= req.cap[:, None]).all())
+    assert bool((b >= torch.minimum(req.window, req.cap)[:, None]).all()), "every layer keeps its window"
+
+
+def test_pyramid_follows_the_formula():
+    n, avg, window, beta = 5, 132, 32, 20
+    b = Pyramid(beta=beta).allocate(request([avg * n], [10_000], [window], n))[0]
+    prefix = avg - window
+    lo, hi = prefix // beta, 2 * prefix - prefix // beta
+    expected = [window + lo + (hi - lo) * (n - 1 - i) / (n - 1) for i in range(n)]
+    assert b.tolist() == [round(x) for x in expected]
+    assert b[0] > b[-1]
+
+
+def test_cake_budgets_follow_the_preference_ratio():
+    prefs = torch.tensor([[1.0, 2.0, 4.0, 1.0]], dtype=torch.float64)
+    window, n, avg = 16, 4, 116
+    b = CakeAllocator().allocate(request([avg * n], [100_000], [window], n, prefs))[0]
+    pool = avg * n - n * window
+    expected = [window + pool * p / 8.0 for p in prefs[0].tolist()]
+    assert b.tolist() == [int(x) for x in expected]  # 66, 116, 216, 66: exact here
+
+
+def test_cake_caps_and_redistributes():
+    prefs = torch.tensor([[100.0, 1.0, 1.0]], dtype=torch.float64)
+    b = CakeAllocator().allocate(request([300], [150], [10], 3, prefs))[0]
+    assert b[0] == 150 and b.sum() == 300 and b[1] == b[2] == 75
+
+
+def test_cake_intermediate_stages_never_grow():
+    g = torch.Generator().manual_seed(0)
+    prefs = torch.rand(3, 12, generator=g, dtype=torch.float64)
+    total, cap, window = [64 * 12, 50 * 12, 90 * 12], [400, 300, 95], [32, 32, 32]
+    prev = None
+    for m in range(12):
+        b = CakeAllocator().allocate(request(total, cap, window, 12, prefs[:, : m + 1], final=(m == 11)))
+        if prev is not None:
+            assert bool((b[:, :-1] <= prev).all()), "Proposition 1: budgets only shrink"
+        prev = b
+    assert torch.equal(prev.sum(1), torch.minimum(torch.tensor(total), torch.tensor(cap) * 12))
+
+
+def test_preference_and_tau_defaults():
+    p = preference(torch.tensor([4.0]), torch.tensor([9.0]), 2.0, 0.5)
+    assert torch.allclose(p, torch.tensor([2.0 * 81.0], dtype=torch.float64))
+    assert default_tau("llama", 128) == (1.6, 0.6) and default_tau("llama", 1024) == (1.6, 0.4)
+    assert default_tau("mistral", 128) == (1.0, 0.8) and default_tau("qwen3", 128) == (0.4, 0.6)
+    assert default_tau("somethingelse", 128) == (1.6, 0.6)
+
+
+def adakv_reference(scores, budget, window, alpha):
+    """Direct, loop-based Ada-KV (Algorithm 1 with the safeguard) for one sequence."""
+    h, s = scores.shape
+    prefix_budget = budget - window
+    pin = int(alpha * prefix_budget)
+    kept = [set(range(s - window, s)) for _ in range(h)]
+    cands = []
+    for head in range(h):
+        order = sorted(range(s - window), key=lambda i: (-float(scores[head, i]), i))
+        kept[head] |= set(order[:pin])
+        cands += [(-float(scores[head, i]), head * s + i, head, i) for i in order[pin:]]
+    cands.sort()
+    for _, _, head, i in cands[: h * prefix_budget - h * pin]:
+        kept[head].add(i)
+    return kept
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+def test_adakv_equals_reference_and_keeps_safeguard(alpha):
+    g = torch.Generator().manual_seed(1)
+    h, s, window, budget = 3, 60, 6, 20
+    raw = torch.rand(2, h, s, generator=g) ** 4
+    raw[1, 0] *= 10  # one head dominates in the second sequence
+    scores = raw.clone()
+    scores[..., -window:] = float("inf")
+    keep = AdaKV(alpha=alpha).select(scores, torch.tensor([budget, budget]), torch.tensor([window, window]))
+    for b in range(2):
+        ref = adakv_reference(raw[b], budget, window, alpha)
+        got = [set(torch.nonzero(keep[b, head]).flatten().tolist()) for head in range(h)]
+        assert got == ref
+        assert int(keep[b].sum()) == h * budget, "the layer total is exact"
+        for head in range(h):
+            assert len(got[head]) >= window + int(alpha * (budget - window))
+    if alpha < 1.0:
+        counts = keep.sum(-1)
+        assert len(set(counts[1].tolist())) > 1, "a dominant head wins more entries"
+
+
+def test_adakv_bad_alpha():
+    with pytest.raises(ValueError, match="alpha"):
+        AdaKV(alpha=1.5)

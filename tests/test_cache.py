@@ -1,0 +1,184 @@
+"""KVCakeCache on tiny random models: the guarantees of the foundation issue."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvcake
+from kvcake import KVCakeCache, make_method
+
+
+def prompt(n, seed=0, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, n), generator=g)
+
+
+def prefill(model, ids, method, mask=None, **kw):
+    cache = KVCakeCache(model, method, **kw)
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache)
+    return cache, out.logits
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "cake-adakv", "h2o", "criticalkv"])
+def test_budget_covering_prompt_is_bit_identical(make_tiny_llama, impl, kv_heads, name):
+    model = make_tiny_llama(num_key_value_heads=kv_heads, attn_implementation=impl)
+    ids = prompt(90)
+    with torch.no_grad():
+        full_logits = model(ids).logits
+        full_out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    cache, logits = prefill(model, ids, make_method(name, budget=90))
+    assert torch.equal(logits, full_logits)
+    out, cache = kvcake.generate(model, ids, name, budget=200, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, full_out)
+    assert all(layer.plain for layer in cache.layers)
+
+
+def test_cascade_equals_one_shot_and_only_shrinks(tiny_llama):
+    ids = prompt(300, seed=1)
+    for heads in ("uniform", "adakv"):
+        spec = f"layers=cake,heads={heads},score=cake"
+        casc, _ = prefill(tiny_llama, ids, make_method(spec, budget=64, window=8), record=True)
+        once, _ = prefill(tiny_llama, ids, make_method(spec + ",layers.cascading=false", budget=64, window=8))
+        assert torch.equal(casc.budgets, once.budgets)
+        for a, b in zip(casc.layers, once.layers, strict=False):
+            assert torch.equal(a.padded_positions(), b.padded_positions()), "Theorem 1"
+            assert torch.equal(a.keys, b.keys)
+        # Proposition 1: a layer's kept set at stage m+1 is a subset of the one at stage m
+        by_layer: dict[int, list[torch.Tensor]] = {}
+        for _, lid, pos in casc.history:
+            by_layer.setdefault(lid, []).append(pos)
+        assert max(len(v) for v in by_layer.values()) > 1, "the cascade re-evicted some layer"
+        for seq in by_layer.values():
+            for before, after in zip(seq, seq[1:], strict=False):
+                for h in range(before.shape[1]):
+                    a = set(after[0, h][after[0, h] >= 0].tolist())
+                    assert a <= set(before[0, h][before[0, h] >= 0].tolist())
+
+
+def test_budgets_sum_exactly_and_window_kept(tiny_llama):
+    ids = prompt(257, seed=2)
+    cache, _ = prefill(tiny_llama, ids, make_method("cake", budget=50, window=16))
+    counts = cache.layer_counts()  # (B, L, H_kv)
+    assert int(counts[0, :, 0].sum()) == 50 * 4
+    assert torch.equal(cache.budgets[0], torch.as_tensor(counts[0, :, 0]))
+    for layer in cache.layers:
+        pos = layer.padded_positions()[0]
+        for h in range(pos.shape[0]):
+            assert set(range(257 - 16, 257)) <= set(pos[h].tolist())
+
+
+def test_cascade_peak_bound(tiny_llama):
+    s, budget, window = 400, 48, 8
+    ids = prompt(s, seed=3)
+    casc, _ = prefill(tiny_llama, ids, make_method("cake", budget=budget, window=window))
+    once, _ = prefill(tiny_llama, ids, make_method("cake-oneshot", budget=budget, window=window))
+    entry = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
+    layers = 4
+    bound = (budget * layers + s + layers) * entry  # total budget + one full layer (+ ceil slack)
+    assert casc.prefill_peak_kv_bytes <= bound
+    assert once.prefill_peak_kv_bytes == s * layers * entry > bound
+    assert casc.kv_bytes() == once.kv_bytes() == budget * layers * entry
+
+
+@pytest.mark.parametrize("name", ["cake", "h2o", "tova", "streamingllm", "cake-adakv"])
+def test_decoding_keeps_every_layer_at_its_budget(tiny_llama, name):
+    ids = prompt(200, seed=4)
+    ctx = kvcake.compress(tiny_llama, ids, name, budget=40, window=8)
+    cache = ctx.fork()
+    budget = cache.decode_budget.copy()
+    tok = ctx.logits.argmax(-1, keepdim=True)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        for _ in range(40):
+            out = tiny_llama(tok, past_key_values=cache)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            assert np.array_equal(cache.layer_counts(), budget)
+    assert cache.get_seq_length() == 240
+    assert cache.kv_bytes() == int(budget.sum()) * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake,decode=none", "adakv", "critical-adakv"])
+def test_chunk_equals_one_token_at_a_time(tiny_llama, name):
+    ids = prompt(160, seed=5)
+    follow = prompt(12, seed=6)
+    ctx = kvcake.compress(tiny_llama, ids, name, budget=48, window=8)
+    chunk_logits = ctx.forward(follow)[0]  # (12, vocab)
+    cache = ctx.fork()
+    steps = []
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        for i in range(follow.shape[1]):
+            steps.append(tiny_llama(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
+    torch.testing.assert_close(torch.stack(steps), chunk_logits, atol=1e-5, rtol=1e-5)
+    # through generate: the continuation of the compressed context with the follow-up as prompt
+    gen = ctx.generate(follow, max_new_tokens=5, do_sample=False)
+    cache = ctx.fork()
+    tok_ids = []
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        logits = tiny_llama(follow, past_key_values=cache).logits[:, -1]
+        for _ in range(5):
+            tok = logits.argmax(-1, keepdim=True)
+            tok_ids.append(tok)
+            logits = tiny_llama(tok, past_key_values=cache).logits[:, -1]
+    assert torch.equal(gen, torch.cat(tok_ids, 1))
+
+
+def test_positions_stay_logical(tiny_llama):
+    """After compression, the next token is rotated at the prompt's length: its logits equal a
+    forward with explicit position_ids = S (and differ from the physical length)."""
+    ids = prompt(150, seed=7)
+    ctx = kvcake.compress(tiny_llama, ids, "snapkv", budget=40, window=8)
+    nxt = torch.tensor([[5]])
+    implicit = ctx.forward(nxt)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        explicit = tiny_llama(nxt, position_ids=torch.tensor([[150]]), past_key_values=ctx.fork()).logits
+        physical = tiny_llama(nxt, position_ids=torch.tensor([[40]]), past_key_values=ctx.fork()).logits
+    assert ctx.cache.get_seq_length() == 150
+    assert torch.equal(implicit, explicit)
+    assert not torch.allclose(implicit, physical)
+
+
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "cake-adakv", "h2o"])
+def test_batch_matches_each_sequence_alone(tiny_llama, name):
+    a, b = prompt(180, seed=8)[0], prompt(130, seed=9)[0]
+    pad = torch.zeros(50, dtype=torch.long)
+    ids = torch.stack([a, torch.cat([pad, b])])
+    mask = torch.stack([torch.ones(180, dtype=torch.long), torch.cat([pad, torch.ones(130, dtype=torch.long)])])
+    out, cache = kvcake.generate(tiny_llama, ids, name, ratio=0.3, window=8, attention_mask=mask,
+                                 max_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
+    for i, (seq, n_pad) in enumerate(((a, 0), (b, 50))):
+        alone, solo = kvcake.generate(tiny_llama, seq[None], name, ratio=0.3, window=8, max_new_tokens=8,
+                                      do_sample=False, pad_token_id=0)  # fmt: skip
+        assert torch.equal(out[i, -8:], alone[0, -8:])
+        assert np.array_equal(cache.layer_counts()[i], solo.layer_counts()[0])
+        for lb, ls in zip(cache.layers, solo.layers, strict=False):
+            pb, ps = lb.padded_positions()[i], ls.padded_positions()[0]
+            for h in range(pb.shape[0]):
+                kept_b = sorted((pb[h][pb[h] >= 0] - n_pad).tolist())
+                assert kept_b == sorted(ps[h][ps[h] >= 0].tolist())
+                assert min(kept_b) >= 0, "padding is never kept"
+
+
+def test_kvcake_attention_without_our_cache_is_stock(tiny_llama):
+    ids = prompt(64, seed=10)
+    with torch.no_grad():
+        ref = tiny_llama(ids).logits
+        with kvcake.enable(tiny_llama):
+            got = tiny_llama(ids).logits
+    assert torch.equal(ref, got)
+    assert tiny_llama.config._attn_implementation == "sdpa"
+
+
+def test_cache_without_kvcake_attention_raises(tiny_llama):
+    cache = KVCakeCache(tiny_llama, "cake", budget=32)
+    with pytest.raises(RuntimeError, match="kvcake.enable"), torch.no_grad():
+        tiny_llama(prompt(64), past_key_values=cache)
+
+
+def test_attention_restored_after_error(tiny_llama):
+    cache = KVCakeCache(tiny_llama, "cake", budget=32)
+    with pytest.raises(ValueError), kvcake.enable(tiny_llama):
+        raise ValueError("boom")
+    assert tiny_llama.config._attn_implementation == "sdpa"
+    del cache
