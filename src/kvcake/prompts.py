@@ -1,0 +1,46 @@
+"""Turning a context and a question into token ids, the same way for every caller.
+
+The context and the question are tokenised separately and concatenated, so the question-aware
+scenario (compress both) and the context-only one (compress the context, then append the
+question) see exactly the same tokens. With a chat model the context opens the user turn and
+the question closes it; an answer prefix, if any, starts the assistant turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MARK = "\x00KVCAKE_SPLIT\x00"
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """context: (1, C) ids compressed in every scenario; question: (1, Q) ids that follow."""
+
+    context: torch.Tensor
+    question: torch.Tensor
+
+    @property
+    def full(self) -> torch.Tensor:
+        return torch.cat([self.context, self.question], dim=1)
+
+
+def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "", chat: bool | None = None) -> PromptIds:
+    """Token ids of ``context`` + ``question`` (+ ``answer_prefix``), split after the context.
+
+    ``chat=None`` uses the tokenizer's chat template when it has one."""
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + _MARK + question}], tokenize=False, add_generation_prompt=True
+        )
+        head, tail = text.split(_MARK)
+        tail += answer_prefix
+    else:
+        head, tail = context, question + answer_prefix
+    ctx = tokenizer(head, add_special_tokens=not chat, return_tensors="pt")["input_ids"]
+    q = tokenizer(tail, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return PromptIds(ctx, q)

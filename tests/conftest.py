@@ -1,0 +1,77 @@
+"""Shared fixtures: the real default model and tiny random Llama models.
+
+Models are session-scoped and shared between tests: do not modify them in place (use
+``make_tiny_llama`` for a private copy).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _tiny_llama(*, num_key_value_heads: int = 2, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+    """A 4-layer, 4-query-head random Llama (head_dim 16), float32, eval mode, seed 0."""
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=16,
+        max_position_embeddings=4096,
+        attn_implementation=attn_implementation,
+    )
+    with torch.random.fork_rng(devices=[]):  # same weights every time, global RNG untouched
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32).eval()
+
+
+_cached_tiny_llama = functools.cache(_tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama():
+    """Factory for a fresh (unshared) tiny Llama: ``make_tiny_llama(num_key_value_heads=..., attn_implementation=...)``."""
+    return _tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(request) -> LlamaForCausalLM:
+    """Shared tiny GQA Llama (4 query heads, 2 KV heads).
+
+    SDPA attention unless parametrised indirectly, e.g.
+    ``@pytest.mark.parametrize("tiny_llama", ["sdpa", "eager"], indirect=True)``.
+    """
+    return _cached_tiny_llama(num_key_value_heads=2, attn_implementation=getattr(request, "param", "sdpa"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mha(request) -> LlamaForCausalLM:
+    """Shared tiny multi-head Llama (4 query heads, 4 KV heads); parametrisable like ``tiny_llama``."""
+    return _cached_tiny_llama(num_key_value_heads=4, attn_implementation=getattr(request, "param", "sdpa"))
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """``(model, tokenizer)`` of the real default model (SmolLM2-135M-Instruct), loaded once.
+
+    Uses the normal conversion cache, so a test run converts the GGUF file at most once.
+    """
+    from kvcake.models import load_model
+
+    return load_model()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that uses the real model as ``integration``, so ``-m "not integration"`` skips it."""
+    for item in items:
+        if "default_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)

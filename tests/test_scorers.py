@@ -1,0 +1,168 @@
+"""Each scorer against a slow, obviously-right float64 reference built from the full attention
+matrix, on random post-RoPE tensors with left padding."""
+
+import pytest
+import torch
+
+from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer, StreamingScorer, TOVAScorer
+from kvcake.selectors import Critical, SelectionInputs, projected_value_norms
+
+B, H, HKV, S, D, W, PAD = 2, 4, 2, 48, 8, 8, 7
+SCALE = D**-0.5
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=g) * 2
+    k = torch.randn(B, HKV, S, D, generator=g) * 2
+    v = torch.randn(B, HKV, S, D, generator=g)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :PAD] = False  # the second sequence is left-padded
+    return q, k, v, valid
+
+
+def full_attention(q, k, valid):
+    """(B, H, S, S) float64 causal attention; rows of padding queries are zero."""
+    qd, kd = q.double(), k.double().repeat_interleave(H // HKV, dim=1)
+    a = torch.zeros(B, H, S, S, dtype=torch.float64)
+    for b in range(B):
+        for i in range(S):
+            if not valid[b, i]:
+                continue
+            cols = [j for j in range(i + 1) if valid[b, j]]
+            logits = torch.stack([(qd[b, :, i] * kd[b, :, j]).sum(-1) * SCALE for j in cols], -1)
+            a[b, :, i, cols] = torch.softmax(logits, -1)
+    return a
+
+
+def pool_ref(x, kernel, kind):
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    for i in range(n):
+        lo, hi = i - kernel // 2, i + kernel // 2 + 1
+        vals = [x[..., j] if 0 <= j < n else None for j in range(lo, hi)]
+        if kind == "max":
+            out[..., i] = torch.stack([t for t in vals if t is not None], -1).amax(-1)
+        else:  # count_include_pad=True, as torch's avg_pool1d
+            out[..., i] = sum(t for t in vals if t is not None) / kernel
+    return out
+
+
+def finish(per_head, valid, reduce="mean"):
+    x = per_head.reshape(B, HKV, H // HKV, S)
+    x = x.mean(2) if reduce == "mean" else x.amax(2)
+    x = x.clone()
+    for b in range(B):
+        idx = [j for j in range(S) if valid[b, j]]
+        x[b, :, idx[-W:]] = float("inf")
+        x[b, :, ~valid[b]] = float("-inf")
+    return x
+
+
+def window_stats(a, valid):
+    rows = a[:, :, -W:, :]  # all window rows are real tokens here
+    return rows.mean(2), rows.var(2, unbiased=True)
+
+
+def check(got, ref):
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.equal(got == float("inf"), ref == float("inf"))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(got[fin].double(), ref[fin], atol=1e-6, rtol=1e-5)
+
+
+def run(scorer, inputs):
+    q, k, v, valid = inputs
+    return scorer.prefill(PrefillInputs(q, k, v, valid, W, SCALE))
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_snapkv(inputs, pooling):
+    a = full_attention(inputs[0], inputs[1], inputs[3])
+    mean, _ = window_stats(a, inputs[3])
+    pooled = torch.cat([pool_ref(mean[..., : S - W], 7, pooling), mean[..., S - W :]], -1)
+    check(run(SnapKVScorer(pooling=pooling), inputs), finish(pooled, inputs[3]))
+
+
+def test_snapkv_group_max(inputs):
+    a = full_attention(inputs[0], inputs[1], inputs[3])
+    mean, _ = window_stats(a, inputs[3])
+    pooled = torch.cat([pool_ref(mean[..., : S - W], 7, "max"), mean[..., S - W :]], -1)
+    check(run(SnapKVScorer(reduce="max"), inputs), finish(pooled, inputs[3], "max"))
+
+
+def test_cake(inputs):
+    a = full_attention(inputs[0], inputs[1], inputs[3])
+    mean, var = window_stats(a, inputs[3])
+    ind = mean + 200.0 * var
+    pooled = torch.cat([pool_ref(ind[..., : S - W], 5, "avg"), ind[..., S - W :]], -1)
+    check(run(CakeScorer(), inputs), finish(pooled, inputs[3]))
+
+
+def test_tova(inputs):
+    a = full_attention(inputs[0], inputs[1], inputs[3])
+    last = a[:, :, -1, :].mean(1, keepdim=True).expand(B, H, S)
+    check(run(TOVAScorer(), inputs), finish(last, inputs[3]))
+
+
+def test_h2o_and_chunking(inputs):
+    a = full_attention(inputs[0], inputs[1], inputs[3])
+    acc = a.sum(2)
+    ref = finish(acc, inputs[3])
+    check(run(H2OScorer(chunk=7), inputs), ref)
+    assert torch.allclose(run(H2OScorer(chunk=7), inputs), run(H2OScorer(chunk=4096), inputs), atol=1e-6)
+
+
+def test_streaming(inputs):
+    got = run(StreamingScorer(n_sink=4), inputs)
+    for b, first in ((0, 0), (1, PAD)):
+        kept_order = got[b, 0, first + 4 : S - W]
+        assert bool((got[b, :, first : first + 4] > kept_order.max()).all()), "sinks score above the rest"
+        assert bool((kept_order[1:] > kept_order[:-1]).all()), "recent tokens score higher"
+
+
+def norms_ref(v, w):
+    g = H // HKV
+    out = torch.zeros(B, HKV, S, dtype=torch.float64)
+    for hk in range(HKV):
+        for j in range(g):
+            h = hk * g + j
+            wh = w.double()[:, h * D : (h + 1) * D]  # (hidden, d)
+            out[:, hk] += (v.double()[:, hk] @ wh.T).abs().sum(-1) / g
+    return out
+
+
+def test_projected_value_norms(inputs):
+    w = torch.randn(20, H * D, generator=torch.Generator().manual_seed(3))
+    got = projected_value_norms(inputs[2], w, H)
+    torch.testing.assert_close(got.double(), norms_ref(inputs[2], w), atol=1e-5, rtol=1e-5)
+
+
+def critical_ref(scores, norms, count, alpha=0.5, eps=1e-4):
+    """Direct two-stage selection for one head."""
+    n = scores.shape[0]
+    window = {i for i in range(n) if scores[i] == float("inf")}
+    prefix = [i for i in range(n) if torch.isfinite(scores[i])]
+    b = count - len(window)
+    b1 = int(alpha * b)
+    stage1 = sorted(prefix, key=lambda i: (-float(scores[i]), i))[:b1]
+    rest = [i for i in prefix if i not in stage1]
+    stage2 = sorted(rest, key=lambda i: (-float((scores[i] + eps) * norms[i]), i))[: b - b1]
+    return window | set(stage1) | set(stage2), set(stage1)
+
+
+def test_critical_equals_reference_and_keeps_stage_one(inputs):
+    scores = run(SnapKVScorer(), inputs)
+    w = torch.randn(20, H * D, generator=torch.Generator().manual_seed(4))
+    norms = projected_value_norms(inputs[2], w, H)
+    counts = torch.tensor([[20, 25], [18, 30]])
+    keep = Critical().select(SelectionInputs(scores, counts, norms))
+    topk_only = 0
+    for b in range(B):
+        for h in range(HKV):
+            got = set(torch.nonzero(keep[b, h]).flatten().tolist())
+            ref, stage1 = critical_ref(scores[b, h], norms[b, h], int(counts[b, h]))
+            assert got == ref and stage1 <= got and len(got) == int(counts[b, h])
+            top = set(torch.topk(torch.nan_to_num(scores[b, h], posinf=1e9), int(counts[b, h])).indices.tolist())
+            topk_only += got != top
+    assert topk_only > 0, "the value norms changed some selection"
