@@ -11,6 +11,7 @@ from .budget import BudgetSpec
 from .cache import KVCakeCache
 from .method import PRESETS, Method, list_methods, make_method
 from .models import DEFAULT_MODEL, load_model
+from .storage import ContextFileError, load_context, method_spec, save_context
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "PRESETS",
     "BudgetSpec",
     "CompressedContext",
+    "ContextFileError",
     "KVCakeCache",
     "Method",
     "__version__",
@@ -26,6 +28,9 @@ __all__ = [
     "enable",
     "generate",
     "list_methods",
+    "load_context",
     "load_model",
     "make_method",
+    "method_spec",
+    "save_context",
 ]

@@ -77,11 +77,10 @@ class Method:
                 raise TypeError(f"expected a {base.__name__}, got {type(part).__name__}")
 
     def describe(self) -> str:
-        parts = (
-            f"layers={self.layers.describe()},heads={self.heads.name},score={self.scorer.describe()},"
-            f"select={self.selector.describe()},decode={self.decode}"
-        )
-        return f"{self.name}[{parts}] {self.budget.describe()} window={self.budget.window}"
+        """The preset name and the full composed spec (every non-default option), with the budget."""
+        from .storage import method_spec  # storage builds on this module
+
+        return f"{self.name}[{method_spec(self)}] {self.budget.describe()} window={self.budget.window}"
 
     def replace(self, **changes) -> Method:
         return dataclasses.replace(self, **changes)

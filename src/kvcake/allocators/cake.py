@@ -71,6 +71,5 @@ class CakeAllocator(LayerAllocator):
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         if req.preferences is None:
             raise ValueError("the CAKE allocator needs layer preferences")
-        req.preferences.shape[1]
         x = waterfill(req.preferences, req.window, req.cap, req.total)
         return round_exact(x, req.cap, req.total) if req.final else round_up(x, req.cap)

@@ -1,0 +1,299 @@
+"""The ``kvcake`` command line, on a tiny random Llama saved with a word-level tokenizer.
+
+A few runs go through a real subprocess (``python -m kvcake.cli``: exit codes, stdout/stderr,
+no traceback); the rest call ``main(argv)`` in-process, which is the same code and much faster.
+"""
+
+import io
+import random
+import subprocess
+import sys
+import types
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from kvcake import cli
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|end|>", "<|assistant|>"]
+WORDS = [f"w{i}" for i in range(128 - len(SPECIALS))]
+TEMPLATE = (
+    "{% for m in messages %}<|user|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+SMALL = ["--budget", "24", "--window", "8", "--max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(make_tiny_llama, tmp_path_factory):
+    """A folder ``load_model`` reads: the tiny Llama, a word-level tokenizer with a chat
+    template, and a 150-word document ``doc.txt``."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=SPECIALS[4:],
+    )  # fmt: skip
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    make_tiny_llama().save_pretrained(folder)
+    rng = random.Random(0)
+    (folder / "doc.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(150)))
+    return folder
+
+
+def start(args, stdin=""):
+    """Start ``python -m kvcake.cli ARGS``; ``finish`` waits for it -> (code, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvcake.cli", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return proc, stdin
+
+
+def finish(started):
+    proc, stdin = started
+    out, err = proc.communicate(stdin, timeout=300)
+    return proc.returncode, out, err
+
+
+def call(capsys, monkeypatch, args, stdin=""):
+    """``main(ARGS)`` in-process -> (code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def model_args(folder):
+    return ["--model", str(folder)]
+
+
+def test_end_to_end_in_subprocesses(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The real entry point: answer two questions from a saved context; refuse a bad method."""
+    kvc = str(tmp_path / "doc.kvc")
+    save = [
+        "save",
+        *model_args(tiny_dir),
+        "--context-file",
+        str(tiny_dir / "doc.txt"),
+        "--out",
+        kvc,
+        *SMALL[:4],
+    ]
+    assert call(capsys, monkeypatch, save)[0] == 0
+    # both start at once: each spends seconds importing torch and transformers
+    chat = start(["chat", "--load", kvc, "--max-new-tokens", "6"], stdin="w5 w6\nw7 w8\n\nw9\n")
+    bad = start(["generate", *model_args(tiny_dir), "--prompt", "hi", "--method", "nope"])
+    code, out, err = finish(chat)
+    assert code == 0, err
+    assert len(out.splitlines()) == 2, "two answers, then the empty line ends the chat"
+    assert "context: cake kept 192 of" in err and "Traceback" not in err
+    code, out, err = finish(bad)
+    assert code == 2 and out == ""
+    assert err.startswith("kvcake: error: unknown method 'nope'") and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+def test_generate_question_aware(tiny_dir, capsys, monkeypatch):
+    code, out, err = call(capsys, monkeypatch, ["generate", *model_args(tiny_dir), "--prompt", "w1 w2 " * 60,
+                                                *SMALL])  # fmt: skip
+    assert code == 0, err
+    assert len(out.split()) == 6 and set(out.split()) <= set(WORDS)
+    assert err.count("\n") == 1  # the summary line
+    assert (
+        "cache: cake kept" in err and "KV entries" in err and "prefill 123 tokens" in err and "tok/s" in err
+    )
+
+
+def test_help_lists_every_command_with_examples(capsys, monkeypatch):
+    code, out, _ = call(capsys, monkeypatch, ["--help"])
+    assert code == 0
+    for name, command in cli.COMMANDS.items():
+        assert f"    {name}" in out and command.examples[0] in out
+    assert "examples:" in out
+    for name in cli.COMMANDS:
+        code, out, _ = call(capsys, monkeypatch, [name, "--help"])
+        assert code == 0 and "--model" in out
+
+
+def test_methods_lists_every_preset(capsys, monkeypatch):
+    from kvcake.method import PRESETS
+
+    code, out, _ = call(capsys, monkeypatch, ["methods"])
+    assert code == 0
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == list(PRESETS)
+    assert "tau1=auto" in lines[list(PRESETS).index("cake")]
+
+
+def test_chat_answers_equal_fresh_contexts(tiny_dir, capsys, monkeypatch):
+    """Each question is answered from its own fork: asking two in a row gives the answers each
+    one gets on a freshly compressed context."""
+    base = [*model_args(tiny_dir), "--context-file", str(tiny_dir / "doc.txt"), *SMALL]
+    questions = ["w5 w6 w7", "w40 w41"]
+    code, out, err = call(capsys, monkeypatch, ["chat", *base], stdin="\n".join(questions) + "\n")
+    assert code == 0, err
+    chat_answers = out.splitlines()
+    fresh = []
+    for q in questions:
+        code, out, err = call(capsys, monkeypatch, ["generate", *base, "--question", q])
+        assert code == 0, err
+        fresh.append(out.strip())
+        assert "context: cake kept 192 of" in err  # 24 per layer x 4 layers x 2 KV heads
+    assert chat_answers == fresh
+    assert all(answer.split() and set(answer.split()) <= set(WORDS) for answer in fresh)
+
+
+def test_saved_context_answers_like_a_fresh_one(tiny_dir, tmp_path, capsys, monkeypatch):
+    base = [*model_args(tiny_dir), "--method", "cake-adakv", "--budget", "24", "--window", "8"]
+    kvc = str(tmp_path / "doc.kvc")
+    code, out, err = call(capsys, monkeypatch, ["save", *base, "--context-file", str(tiny_dir / "doc.txt"),
+                                                "--out", kvc])  # fmt: skip
+    assert code == 0, err
+    assert out.strip() == kvc and "bytes written" in err
+    ask = ["--question", "w3 w4", "--max-new-tokens", "6"]
+    _, fresh, _ = call(
+        capsys, monkeypatch, ["generate", *base, "--context-file", str(tiny_dir / "doc.txt"), *ask]
+    )
+    code, loaded, err = call(capsys, monkeypatch, ["generate", "--load", kvc, *model_args(tiny_dir), *ask])
+    assert code == 0, err
+    assert loaded == fresh and loaded.strip()
+    code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, "--method", "snapkv", *ask])
+    assert code == 2 and "--load uses the method saved" in err
+
+
+def test_no_chat_template_and_ratio(tiny_dir, capsys, monkeypatch):
+    code, out, err = call(capsys, monkeypatch, ["generate", *model_args(tiny_dir), "--no-chat-template",
+                                                "--context-file", str(tiny_dir / "doc.txt"), "--question", "w9",
+                                                "--method", "snapkv", "--ratio", "0.25", "--window", "8"])  # fmt: skip
+    assert code == 0, err
+    assert "snapkv kept" in err and out.strip()
+
+
+def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
+    import matplotlib.image
+
+    out_dir = tmp_path / "figs"
+    code, out, err = call(capsys, monkeypatch, ["inspect", *model_args(tiny_dir), "--context-file",
+                                                str(tiny_dir / "doc.txt"), "--out", str(out_dir), *SMALL[:4]])  # fmt: skip
+    assert code == 0, err
+    paths = out.splitlines()
+    assert len(paths) == 4
+    for p in paths:
+        assert p.startswith(str(out_dir)) and matplotlib.image.imread(p).shape[:2] == (800, 1200)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--context-file", "missing.txt", "--question", "q"], "no such file"),
+        (["chat", "--context-file", "missing.txt"], "no such file"),
+        (["generate", "--load", "missing.kvc", "--question", "q"], "no such context file"),
+        (["generate", "--prompt", "w1", "--method", "layers=cake,heads=nope"], "unknown heads 'nope'"),
+        (["save", "--context-file", "DOC", "--out", "x.kvc", "--method", "cake,layers.bogus=1"], "bad option"),
+        (["generate", "--prompt", "w1", "--budget", "0"], "budget must be positive"),
+        (["generate", "--prompt", "w1", "--budget", "-5"], "budget must be positive"),
+        (["generate", "--prompt", "w1", "--ratio", "1.5"], "ratio must be in"),
+        (["generate", "--prompt", "w1", "--budget", "16"], "window (32) is larger than the budget"),
+        (["generate", "--prompt", "w1", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["generate", "--context-file", "DOC"], "need --question"),
+        (["inspect", "--prompt", "w1", "--out", "o", "--ada-method", "adakv2"], "unknown method 'adakv2'"),
+    ],
+)  # fmt: skip
+def test_input_errors_are_one_line(tiny_dir, tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    args = [str(tiny_dir / "doc.txt") if a == "DOC" else a for a in args]
+    code, out, err = call(capsys, monkeypatch, [*args, *model_args(tiny_dir)])
+    assert code == 2
+    assert err.startswith("kvcake: error: ") and err.count("\n") == 1 and message in err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_corrupted_and_foreign_context_files(tiny_dir, tmp_path, capsys, monkeypatch, make_tiny_llama):
+    kvc = tmp_path / "doc.kvc"
+    code, _, err = call(capsys, monkeypatch, ["save", *model_args(tiny_dir), "--context-file",
+                                              str(tiny_dir / "doc.txt"), "--out", str(kvc), *SMALL[:4]])  # fmt: skip
+    assert code == 0, err
+    data = kvc.read_bytes()
+    (tmp_path / "cut.kvc").write_bytes(data[: len(data) // 3])
+    code, _, err = call(
+        capsys, monkeypatch, ["chat", "--load", str(tmp_path / "cut.kvc"), *model_args(tiny_dir)]
+    )
+    assert code == 2 and "truncated" in err and err.count("\n") == 1
+    other = tmp_path / "mha"
+    make_tiny_llama(num_key_value_heads=4).save_pretrained(other)
+    for f in tiny_dir.glob("tokenizer*"):
+        (other / f.name).write_bytes(f.read_bytes())
+    code, _, err = call(capsys, monkeypatch, ["chat", "--load", str(kvc), "--model", str(other)])
+    assert code == 2 and "was saved for model" in err and err.count("\n") == 1
+
+
+def test_usage_errors_exit_2(capsys, monkeypatch):
+    assert call(capsys, monkeypatch, [])[0] == 2
+    code, _, err = call(capsys, monkeypatch, ["generate", "--prompt", "x", "--budget", "abc"])
+    assert code == 2 and "invalid int value" in err
+    code, _, err = call(capsys, monkeypatch, ["generate", "--prompt", "x", "--budget", "3", "--ratio", "0.5"])
+    assert code == 2 and "not allowed with" in err
+
+
+def test_extension_commands_plug_in(capsys, monkeypatch):
+    """The hook point others use: a module in EXTENSIONS with configure_parser(subparsers) and run(args)."""
+    module = types.ModuleType("fake_ext")
+
+    def configure_parser(subparsers):
+        p = subparsers.add_parser("fake", help="a fake extension")
+        p.add_argument("--n", type=int, required=True)
+        return p
+
+    def run(args):
+        if args.n < 0:
+            raise ValueError("n must be >= 0")
+        print(f"fake ran with {args.n}")
+        return 0
+
+    module.configure_parser, module.run, module.EXAMPLES = configure_parser, run, ("kvcake fake --n 3",)
+    monkeypatch.setitem(sys.modules, "fake_ext", module)
+    monkeypatch.setattr(cli, "EXTENSIONS", {"fake": "fake_ext", "missing": "no_such_package.cli"})
+    assert call(capsys, monkeypatch, ["fake", "--n", "3"])[:2] == (0, "fake ran with 3\n")
+    code, _, err = call(capsys, monkeypatch, ["fake", "--n", "-1"])
+    assert code == 2 and err == "kvcake: error: n must be >= 0\n"
+    code, out, _ = call(capsys, monkeypatch, ["--help"])
+    assert "a fake extension" in out and "kvcake fake --n 3" in out and "missing" not in out
+
+
+@pytest.mark.integration
+def test_real_model_document_questions(tmp_path, capsys, monkeypatch):
+    """SmolLM2 with its chat template. A budget covering the document answers exactly like
+    plain ``model.generate`` on the same ids; a compressed one answers the same fresh, from
+    ``chat`` and from a saved file."""
+    import torch
+
+    import kvcake
+    from kvcake.prompts import build_prompt
+
+    doc = tmp_path / "doc.txt"
+    filler = "The weather was mild and the market was busy as usual. "
+    doc.write_text(filler * 4 + "The secret password is PINEAPPLE. " + filler * 4 + "\n")
+    question = "What is the secret password?"
+    ask = ["--context-file", str(doc), "--question", question, "--max-new-tokens", "10"]
+    code, full, err = call(capsys, monkeypatch, ["generate", *ask, "--budget", "4096"])
+    assert code == 0, err
+    assert "(100.0%)" in err
+    model, tokenizer = kvcake.load_model()
+    ids = build_prompt(tokenizer, doc.read_text().strip() + "\n\n", question).full
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    assert full.strip() == tokenizer.decode(ref[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    code, fresh, err = call(
+        capsys, monkeypatch, ["generate", *ask, "--method", "cake-adakv", "--budget", "64"]
+    )
+    assert code == 0 and fresh.strip(), err
+    kvc = str(tmp_path / "doc.kvc")
+    save = ["save", "--context-file", str(doc), "--out", kvc, "--method", "cake-adakv", "--budget", "64"]
+    assert call(capsys, monkeypatch, save)[0] == 0
+    code, chat, err = call(capsys, monkeypatch, ["chat", "--load", kvc, "--max-new-tokens", "10"],
+                           stdin=f"{question}\n{question}\n")  # fmt: skip
+    assert code == 0, err
+    assert chat.splitlines() == [fresh.strip()] * 2

@@ -1,0 +1,203 @@
+"""Saving and loading compressed contexts: exact round trips, clear refusals, atomic writes."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+import kvcake
+from kvcake import storage
+from kvcake.method import PRESETS
+from kvcake.storage import ContextFileError, load_context, method_spec, read_context_info, save_context
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_llama, tmp_path_factory):
+    """(context, path) of a CAKE-compressed context saved once for the refusal tests."""
+    ctx = kvcake.compress(tiny_llama, ids(160), "cake", budget=24, window=8)
+    path = tmp_path_factory.mktemp("ctx") / "cake.kvc"
+    save_context(ctx, path, extra={"note": "hello"})
+    return ctx, path
+
+
+def assert_same_state(a: kvcake.KVCakeCache, b: kvcake.KVCakeCache) -> None:
+    assert a.method == b.method
+    assert np.array_equal(a.layer_counts(), b.layer_counts())
+    assert np.array_equal(a.decode_budget, b.decode_budget)
+    assert torch.equal(a.budgets, b.budgets)
+    assert a.kv_bytes() == b.kv_bytes() and a.peak_kv_bytes == b.peak_kv_bytes
+    for x, y in zip(
+        a.entropy + a.variance + a.preferences, b.entropy + b.variance + b.preferences, strict=True
+    ):
+        assert torch.equal(x, y)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        assert (la.layout, la.plain, la.length) == (lb.layout, lb.plain, lb.length)
+        for name in ("keys", "values", "positions", "scores"):
+            ta, tb = getattr(la, name), getattr(lb, name)
+            assert (ta is None and tb is None) or torch.equal(ta, tb), name
+        if la.layout == "ragged":
+            assert torch.equal(la.meta.offsets, lb.meta.offsets) and la.meta.max_len == lb.meta.max_len
+
+
+# h2o keeps its scores for decoding-time eviction; cake-adakv is ragged; criticalkv grows (decode=none)
+@pytest.mark.parametrize("name", ["cake", "cake-adakv", "h2o", "criticalkv"])
+def test_round_trip_is_exact(tiny_llama, tmp_path, name):
+    ctx = kvcake.compress(tiny_llama, ids(150, seed=1), name, budget=24, window=8)
+    assert any(layer.layout == "ragged" for layer in ctx.cache.layers) == (name == "cake-adakv")
+    path = tmp_path / "ctx.kvc"
+    ctx.save(path)  # CompressedContext.save -> storage.save_context
+    loaded = load_context(tiny_llama, path)
+    assert_same_state(ctx.cache, loaded.cache)
+    assert torch.equal(loaded.input_ids, ctx.input_ids) and torch.equal(loaded.logits, ctx.logits)
+    question = ids(6, seed=2)
+    assert torch.equal(ctx.forward(question), loaded.forward(question)), "next-token logits differ"
+    gen = {"max_new_tokens": 12, "do_sample": False}
+    assert torch.equal(ctx.generate(question, **gen), loaded.generate(question, **gen))
+    assert_same_state(ctx.cache, loaded.cache)  # answering changed neither
+
+
+@pytest.mark.parametrize(
+    "spec", [*PRESETS, "cake,layers.tau1=1.0,score.gamma=100", "layers=random,layers.seed=3,heads=adakv,heads.alpha=0.5",
+             "snapkv,score.pooling=avg,score.kernel=3,select=critical,select.alpha=0.25,decode=fixed"],
+)  # fmt: skip
+def test_method_spec_round_trips(spec):
+    for size in ({"budget": 64, "window": 16}, {"ratio": 0.3}):
+        method = kvcake.make_method(spec, **size)
+        text = method_spec(method)
+        rebuilt = kvcake.make_method(text, **size).replace(name=method.name)
+        assert rebuilt == method and rebuilt.describe() == method.describe()
+
+
+def test_info_is_readable_without_a_model(saved):
+    ctx, path = saved
+    info = read_context_info(path)
+    assert info["format_version"] == storage.FORMAT_VERSION
+    assert info["method"]["describe"] == ctx.cache.method.describe()
+    assert info["model"]["num_layers"] == 4 and info["model"]["num_kv_heads"] == 2
+    assert info["budgets"] == ctx.cache.budgets.tolist()
+    assert info["extra"] == {"note": "hello"}
+
+
+def test_other_model_is_refused(saved, tiny_mha):
+    _, path = saved
+    with pytest.raises(ContextFileError, match=r"was saved for model .*2 KV heads.*; this is .*4 KV heads"):
+        load_context(tiny_mha, path)
+
+
+def test_other_dtype_is_refused(saved, make_tiny_llama):
+    _, path = saved
+    with pytest.raises(ContextFileError, match="bfloat16"):
+        load_context(make_tiny_llama().to(torch.bfloat16), path)
+
+
+def test_missing_file(tiny_llama, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such context file"):
+        load_context(tiny_llama, tmp_path / "nope.kvc")
+
+
+@pytest.mark.parametrize("keep", [0, 5, 8, 100, "header", "half", "all-but-one"])
+def test_truncated_file_is_refused(saved, tiny_llama, tmp_path, keep):
+    _, path = saved
+    data = path.read_bytes()
+    n = {"header": 8 + struct.unpack("<Q", data[:8])[0], "half": len(data) // 2, "all-but-one": len(data) - 1}
+    cut = tmp_path / "cut.kvc"
+    cut.write_bytes(data[: n.get(keep, keep)])
+    with pytest.raises(ContextFileError, match="truncated|corrupted|not a kvcake"):
+        load_context(tiny_llama, cut)
+
+
+def test_any_flipped_byte_is_refused(saved, tiny_llama, tmp_path):
+    """A flip anywhere (length prefix, JSON header, tensor data) fails loudly, never loads."""
+    ctx, path = saved
+    data = path.read_bytes()
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    where = {0, 3, 9, header_end // 2, header_end - 1, header_end, len(data) - 1}
+    where |= set(np.linspace(0, len(data) - 1, 25).astype(int).tolist())
+    bad = tmp_path / "bad.kvc"
+    for i in sorted(where):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x5A
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(ContextFileError):
+            load_context(tiny_llama, bad)
+    assert torch.equal(load_context(tiny_llama, path).logits, ctx.logits)  # the original still loads
+
+
+def _rewrite(path, out, edit_meta=None, drop=None):
+    """Re-encode a saved file with its metadata edited or a tensor removed (valid checksum)."""
+    tensors = safetensors.torch.load(path.read_bytes())
+    with safetensors.safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["kvcake"])
+    if edit_meta:
+        edit_meta(meta)
+    if drop:
+        del tensors[drop]
+    text = json.dumps(meta, sort_keys=True)
+    safetensors.torch.save_file(
+        tensors, str(out), metadata={"kvcake": text, "kvcake.sha256": storage._digest(text, tensors)}
+    )
+    return out
+
+
+def test_newer_format_version_is_refused(saved, tiny_llama, tmp_path):
+    _, path = saved
+    out = _rewrite(path, tmp_path / "v99.kvc", edit_meta=lambda m: m.update(format_version=99))
+    with pytest.raises(ContextFileError, match="format version 99.*upgrade kvcake"):
+        load_context(tiny_llama, out)
+    out = _rewrite(path, tmp_path / "v0.kvc", edit_meta=lambda m: m.update(format_version="1"))
+    with pytest.raises(ContextFileError, match="format version"):
+        load_context(tiny_llama, out)
+
+
+def test_missing_tensor_is_refused(saved, tiny_llama, tmp_path):
+    _, path = saved
+    out = _rewrite(path, tmp_path / "partial.kvc", drop="layers.2.values")
+    with pytest.raises(ContextFileError, match=r"incomplete: 'layers.2.values' is missing"):
+        load_context(tiny_llama, out)
+
+
+def test_foreign_files_are_refused(tiny_llama, tmp_path):
+    plain = tmp_path / "weights.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(3)}, str(plain))
+    text = tmp_path / "notes.kvc"
+    text.write_text("just some text, long enough to have a header length\n" * 4)
+    for path in (plain, text):
+        with pytest.raises(ContextFileError, match="not a kvcake context file|truncated"):
+            load_context(tiny_llama, path)
+
+
+def test_save_is_atomic(saved, monkeypatch, tmp_path):
+    ctx, _ = saved
+    target = tmp_path / "ctx.kvc"
+
+    def crash(fh, data):  # half the bytes reach the disk, then the process "dies"
+        fh.write(data[: len(data) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage, "_write_chunks", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_context(ctx, target)
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    save_context(ctx, target)
+    before = target.read_bytes()
+    monkeypatch.setattr(storage, "_write_chunks", crash)
+    with pytest.raises(OSError):
+        save_context(ctx, target)
+    assert target.read_bytes() == before and list(tmp_path.iterdir()) == [target]  # the old file survives
+
+
+def test_unprefilled_cache_is_refused(tiny_llama, saved, tmp_path):
+    ctx, _ = saved
+    empty = kvcake.CompressedContext(tiny_llama, kvcake.KVCakeCache(tiny_llama, "cake", budget=24, window=8),
+                                     ctx.input_ids, ctx.attention_mask, ctx.logits)  # fmt: skip
+    with pytest.raises(ValueError, match="prefilled"):
+        save_context(empty, tmp_path / "x.kvc")
+    assert not (tmp_path / "x.kvc").exists()
