@@ -91,11 +91,11 @@ def test_decoding_keeps_every_layer_at_its_budget(tiny_llama, name):
     budget = cache.decode_budget.copy()
     tok = ctx.logits.argmax(-1, keepdim=True)
     with kvcake.enable(tiny_llama), torch.no_grad():
-        for _ in range(40):
+        for _ in range(50):
             out = tiny_llama(tok, past_key_values=cache)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             assert np.array_equal(cache.layer_counts(), budget)
-    assert cache.get_seq_length() == 240
+    assert cache.get_seq_length() == 250
     assert cache.kv_bytes() == int(budget.sum()) * 2 * 16 * 4
 
 
@@ -182,3 +182,19 @@ def test_attention_restored_after_error(tiny_llama):
         raise ValueError("boom")
     assert tiny_llama.config._attn_implementation == "sdpa"
     del cache
+
+
+def test_ragged_bytes_are_the_sum_of_head_budgets(tiny_mha):
+    """Ada-KV's heads hold different counts; the ragged layer stores exactly their sum, less than
+    a layout that pads every head to the longest one (what masking-based libraries hold)."""
+    ids = prompt(300, seed=11)
+    cache, _ = prefill(tiny_mha, ids, make_method("adakv", budget=48, window=8))
+    counts = cache.layer_counts()[0]  # (L, H_kv)
+    assert (counts.max(1) > counts.min(1)).any(), "heads differ"
+    assert (counts.sum(1) == 48 * 4).all(), "each layer's total is exact"
+    entry = 2 * 16 * 4
+    assert cache.kv_bytes() == int(counts.sum()) * entry
+    padded = int(counts.max(1).sum()) * 4 * entry
+    assert cache.kv_bytes() < padded
+    for layer in cache.layers:
+        assert layer.layout == "ragged" and layer.keys.shape == (int(layer.counts.sum()), 16)
