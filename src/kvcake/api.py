@@ -54,18 +54,20 @@ def generate(
     budget: int | None = None,
     ratio: float | None = None,
     window: int = 32,
+    progress: bool = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns the output ids and the cache.
 
     The prompt (question included: question-aware compression) is compressed during prefill.
+    ``progress=True`` shows a progress bar over the layers while the prompt is prefilled.
     """
     _check_ids(input_ids, model)
     m = _as_method(method, budget, ratio, window)
     for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
         if generate_kwargs.get(bad) not in (None, 1):
             raise ValueError(f"{bad}= is not supported with a compressed cache (it needs to roll the cache back)")
-    cache = KVCakeCache(model, m)
+    cache = KVCakeCache(model, m, progress=progress)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
     return out, cache
@@ -130,6 +132,7 @@ def compress(
     budget: int | None = None,
     ratio: float | None = None,
     window: int = 32,
+    progress: bool = False,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
 
@@ -139,7 +142,7 @@ def compress(
     m = _as_method(method, budget, ratio, window)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    cache = KVCakeCache(model, m)
+    cache = KVCakeCache(model, m, progress=progress)
     with enable(model), torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])

@@ -71,7 +71,13 @@ class KVCakeCache(Cache):
     """
 
     def __init__(
-        self, model: torch.nn.Module, method: Method | str = "cake", *, record: bool = False, **budget_kwargs
+        self,
+        model: torch.nn.Module,
+        method: Method | str = "cake",
+        *,
+        record: bool = False,
+        progress: bool = False,
+        **budget_kwargs,
     ) -> None:
         self.info: ModelInfo = describe_model(model)
         self.method = make_method(method, **budget_kwargs) if isinstance(method, str) else method
@@ -97,6 +103,9 @@ class KVCakeCache(Cache):
         self.record = record
         self.history: list[tuple[int, int, torch.Tensor]] = []
         self._stage = -1
+        # progress=True shows a bar over the layers during prefill (long prompts on a CPU).
+        self.progress = progress
+        self._bar = None
         layers = self.method.layers
         if isinstance(layers, CakeAllocator) and (layers.tau1 is None or layers.tau2 is None):
             self._tau: tuple[float, float] | None = None  # resolved once the budget is known
@@ -158,6 +167,10 @@ class KVCakeCache(Cache):
         self._stage = layer_idx
         if layer_idx == 0:
             self._start(key_valid)
+            if self.progress:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=self.info.num_layers, desc=f"prefill {query.shape[2]} tokens", unit="layer")
         inputs = PrefillInputs(
             query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
             window=m.budget.window, scaling=scaling,
@@ -187,6 +200,11 @@ class KVCakeCache(Cache):
             if self.budgets is None:
                 self.budgets = self._allocate(None, final=True)
             self._evict_layer(layer_idx, self.budgets[:, layer_idx])
+        if self._bar is not None:
+            self._bar.update(1)
+            if last:
+                self._bar.close()
+                self._bar = None
         if last:
             self._finish_prefill()
 
@@ -204,7 +222,10 @@ class KVCakeCache(Cache):
         window = torch.clamp(lengths, max=self.method.budget.window)
         self.seq = SequenceBudgets(lengths, per_layer, per_layer * self.info.num_layers, window)
         if bool((per_layer >= lengths).all()):
-            logger.info("budget covers the whole prompt: the cache keeps everything (no-op)")
+            logger.warning(
+                "the budget (%s) covers the whole prompt (%d tokens): nothing is compressed",
+                self.method.budget.describe(), int(lengths.max()),
+            )
 
     def _resolve_tau(self) -> tuple[float, float]:
         if self._tau is None:

@@ -280,11 +280,15 @@ def _report(line: str) -> None:
     sys.stderr.flush()
 
 
+# Prompts at least this long show a per-layer prefill bar on an interactive terminal.
+_PROGRESS_MIN_TOKENS = 1024
+
+
 def _compress(model, ids: torch.Tensor, method):
     from .api import compress
 
     start = time.perf_counter()
-    ctx = compress(model, ids, method)
+    ctx = compress(model, ids, method, progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty())
     seconds = time.perf_counter() - start
     logger.info("compressed %d tokens in %.2f s (%s) with %s", ids.shape[1], seconds,
                 _rate(ids.shape[1], seconds), method.describe())  # fmt: skip
@@ -371,7 +375,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     ids = _prompt_ids(tokenizer, args.prompt, _use_chat(tokenizer, args.chat_template)).to(args.device)
     streamer = _Streamer(tokenizer)
     start = time.perf_counter()
-    out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer, **gen)
+    out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,
+                          progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(), **gen)  # fmt: skip
     first = (streamer.first or time.perf_counter()) - start
     _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + first token {first:.2f} s "
             f"({_rate(ids.shape[1], first)}) | {out.shape[1] - ids.shape[1]} new tokens, decode "
