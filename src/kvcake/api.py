@@ -46,6 +46,35 @@ def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
         )
 
 
+def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict) -> None:
+    """Refuse, before any compute, the generation modes a compressed cache cannot serve, whether
+    asked for by keyword or through a ``generation_config`` (the model's default included)."""
+    if "past_key_values" in generate_kwargs:
+        raise ValueError(
+            "kvcake.generate makes its own KVCakeCache: to pass your own, call model.generate(..., "
+            "past_key_values=cache) inside `with kvcake.enable(model):`"
+        )
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def setting(name: str):
+        return generate_kwargs[name] if name in generate_kwargs else getattr(config, name, None)
+
+    for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
+        value = setting(bad)
+        if value not in (None, 1):
+            shown = value if isinstance(value, int) else type(value).__name__
+            source = "" if bad in generate_kwargs else " (from the generation config)"
+            raise ValueError(
+                f"{bad}={shown}{source} is not supported with a compressed cache: it needs to roll the "
+                "cache back or reorder it; decode greedily or by sampling instead"
+            )
+    if setting("use_cache") is False:
+        raise ValueError(
+            "use_cache=False would feed the whole sequence again at every step into the compressed "
+            "cache: drop use_cache=False (kvcake always decodes with its cache)"
+        )
+
+
 def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -64,9 +93,7 @@ def generate(
     """
     _check_ids(input_ids, model)
     m = _as_method(method, budget, ratio, window)
-    for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
-        if generate_kwargs.get(bad) not in (None, 1):
-            raise ValueError(f"{bad}= is not supported with a compressed cache (it needs to roll the cache back)")
+    _check_generate_kwargs(model, generate_kwargs)
     cache = KVCakeCache(model, m, progress=progress)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)

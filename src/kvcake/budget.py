@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Budgets beyond this many entries per layer are all "unbounded" (see BudgetSpec.per_layer).
+MAX_BUDGET = 1 << 40
+
 
 @dataclass(frozen=True)
 class BudgetSpec:
@@ -25,7 +28,7 @@ class BudgetSpec:
         with ``ratio``.
     ratio:
         Kept fraction of each sequence's prompt, in ``(0, 1]``; the per-layer average is
-        ``round(ratio * prompt_length)``.
+        ``round(ratio * prompt_length)``, or the window for a prompt no longer than it.
     window:
         The observation window ``Sw`` (default 32, SnapKV and CAKE): the last ``window``
         prompt tokens are always kept and their queries drive the scores.
@@ -50,6 +53,8 @@ class BudgetSpec:
                 raise ValueError(f"ratio must be in (0, 1], got {self.ratio}: pass e.g. ratio=0.25")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be a positive int, got {self.window!r}")
+        if self.window > MAX_BUDGET:
+            raise ValueError(f"window ({self.window}) is beyond any prompt: pass at most {MAX_BUDGET}")
         if self.budget is not None and self.window > self.budget:
             raise ValueError(
                 f"window ({self.window}) is larger than the budget ({self.budget}): the window is part of "
@@ -59,8 +64,15 @@ class BudgetSpec:
     def per_layer(self, lengths: torch.Tensor) -> torch.Tensor:
         """Average per-layer budget of each sequence. ``lengths``: (B,) int64 valid prompt lengths."""
         if self.budget is not None:
-            return torch.full_like(lengths, self.budget)
+            # Any budget above the longest possible prompt means "keep everything"; capping it
+            # keeps ``per_layer * L`` and Ada-KV's ``H_kv * B'`` far from int64 overflow.
+            return torch.full_like(lengths, min(self.budget, MAX_BUDGET))
         avg = torch.clamp(torch.round(lengths.double() * self.ratio).long(), min=1)
+        # The budget never falls below the window, as with budget= (window <= budget): a prompt
+        # no longer than the window is all window and kept whole, and decoding with a fixed
+        # budget keeps the newest ``window`` tokens. (A smaller budget would evict window
+        # entries, and top-k among their equal +inf scores keeps the oldest, not the newest.)
+        avg = torch.where(lengths <= self.window, torch.full_like(avg, self.window), avg)
         short = (avg < self.window) & (lengths > self.window)
         if bool(short.any()):
             i = int(short.nonzero()[0, 0])

@@ -80,9 +80,9 @@ class KVCakeCache(Cache):
         **budget_kwargs,
     ) -> None:
         self.info: ModelInfo = describe_model(model)
-        self.method = make_method(method, **budget_kwargs) if isinstance(method, str) else method
-        if budget_kwargs and not isinstance(method, str):
+        if budget_kwargs and isinstance(method, Method):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
+        self.method = method if isinstance(method, Method) else make_method(method, **budget_kwargs)
         self.model_type = self.info.model_type
         from .layer import KVCakeLayer
 
@@ -114,11 +114,25 @@ class KVCakeCache(Cache):
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if not self.prefilled and layer_idx == 0 and layer.is_initialized:
+            raise RuntimeError(
+                "this KVCakeCache's prefill did not finish (an earlier forward was interrupted by an "
+                "error): its state is incomplete, so make a new KVCakeCache"
+            )
         if self._unconsumed is not None:
+            PENDING.set(None)  # do not keep this cache's keys alive past the error
             raise RuntimeError(
                 "KVCakeCache was updated but the kvcake attention did not run for layer "
                 f"{self._unconsumed}: run the model inside `with kvcake.enable(model):` (or use "
-                "kvcake.generate / kvcake.compress), otherwise nothing is compressed"
+                "kvcake.generate / kvcake.compress), otherwise nothing is compressed. If it already ran "
+                f"inside, this architecture ({self.model_type}) does not call transformers' attention "
+                "interface (e.g. ALiBi models) and kvcake cannot compress it"
+            )
+        if layer.is_initialized and key_states.shape[0] != layer.batch:
+            raise ValueError(
+                f"this KVCakeCache holds a batch of {layer.batch} sequences but got {key_states.shape[0]}: "
+                "a cache serves one batch of prompts, so make a new KVCakeCache per prompt (or batch)"
             )
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx

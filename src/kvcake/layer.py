@@ -101,14 +101,12 @@ class KVCakeLayer(CacheLayerMixin):
         )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.keys is None:
-            return
-        if self.layout == "ragged":
-            raise NotImplementedError(
-                "beam search over a ragged (per-head budget) cache is not supported: use greedy or "
-                "sampling, or a method with uniform head budgets"
-            )
-        self.batch_select_indices(beam_idx)
+        # Refused for every layout (README: beam search is not supported): the cache's
+        # per-sequence state (budgets, decoding budgets) is not reordered with the beams.
+        raise NotImplementedError(
+            "beam search is not supported with a compressed KV cache (kvcake): use greedy decoding "
+            "or sampling (num_beams=1), or a plain DynamicCache for beam search"
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.keys is None:

@@ -59,16 +59,19 @@ def waterfill(weights: torch.Tensor, base: torch.Tensor, cap: torch.Tensor, tota
     base = base.double()[:, None]
     cap_ = cap.double()[:, None]
     total = total.double()
-    n = w.shape[1]
     base_total = torch.minimum(base, cap_).sum(1)
     # All-zero weights would starve every layer: fall back to equal weights.
     w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w))
+    w = w / w.amax(1, keepdim=True)  # scale-free (preferences span many orders of magnitude)
+    # What the layers can reach: zero-weight layers never grow past their base.
+    reach = torch.where(w > 0, cap_, torch.minimum(base, cap_)).sum(1)
     hi = torch.full_like(total, 1.0)
-    for _ in range(200):  # grow hi until it over-fills (or everything is capped)
+    for _ in range(200):  # grow each sequence's hi until it over-fills (or all it can reach is filled)
         filled = torch.minimum(cap_, base + hi[:, None] * w).sum(1)
-        if bool(((filled >= total) | (filled >= cap_.expand(-1, n).sum(1))).all()):
+        done = (filled >= total) | (filled >= reach)
+        if bool(done.all()):
             break
-        hi = hi * 2
+        hi = torch.where(done, hi, hi * 2)  # per sequence: a shared hi would coarsen the others' bisection
     lo = torch.zeros_like(total)
     for _ in range(100):
         mid = (lo + hi) / 2

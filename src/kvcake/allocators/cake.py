@@ -64,6 +64,8 @@ class CakeAllocator(LayerAllocator):
     needs_preferences = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cascading, bool):  # a typo like cascading=flase must not read as True
+            raise ValueError(f"CAKE cascading must be true or false, got {self.cascading!r}")
         for t in (self.tau1, self.tau2):
             if t is not None and not t > 0:
                 raise ValueError(f"CAKE temperatures must be positive, got tau1={self.tau1}, tau2={self.tau2}")

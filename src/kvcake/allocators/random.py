@@ -17,6 +17,10 @@ class RandomSplit(LayerAllocator):
     seed: int = 0
     name = "random"
 
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"random allocation seed must be an int, got {self.seed!r}")
+
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed)
         w = torch.rand(req.num_layers, generator=g, dtype=torch.float64)

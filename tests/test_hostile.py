@@ -1,0 +1,424 @@
+"""Hostile and odd input: each case either works correctly or raises an error that names the
+problem and what to do, and nothing leaves the model changed (its attention implementation,
+hooks and logits are as before, errors included)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+import kvcake
+from kvcake import KVCakeCache, make_method
+from kvcake.cache import PENDING
+
+PROBE = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(123))
+
+
+def ids(n, seed=0, batch=1):
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _snapshot(model):
+    impls = [(sub, sub.config._attn_implementation) for sub in model.modules()
+             if getattr(sub, "config", None) is not None and hasattr(sub.config, "_attn_implementation")]  # fmt: skip
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return impls, hooks
+
+
+@contextlib.contextmanager
+def untouched(model):
+    """Asserts on exit that the model is as it was: attention implementation of every (sub)config,
+    no added hooks, no pending kvcake state, and the same logits for a plain forward."""
+    impls, hooks = _snapshot(model)
+    before = _logits(model)
+    yield
+    assert [(s, s.config._attn_implementation) for s, _ in impls] == impls, "attention implementation changed"
+    assert _snapshot(model)[1] == hooks, "hooks left on the model"
+    assert PENDING.get() is None
+    assert torch.equal(_logits(model), before), "plain forward changed"
+
+
+def _logits(model):
+    probe = PROBE.clamp(max=model.config.vocab_size - 1)
+    extra = {"decoder_input_ids": probe[:, :5]} if model.config.is_encoder_decoder else {}
+    with torch.no_grad():
+        return model(probe, **extra).logits
+
+
+# -- prompts -----------------------------------------------------------------------------------
+def test_empty_prompt(tiny_llama):
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with untouched(tiny_llama):
+        for fn in (kvcake.generate, kvcake.compress):
+            with pytest.raises(ValueError, match="the prompt is empty: give at least one token"):
+                fn(tiny_llama, empty, "cake", budget=16, window=8)
+        with pytest.raises(TypeError, match=r"input_ids must be a \(batch, length\) tensor"):
+            kvcake.generate(tiny_llama, torch.tensor([1, 2, 3]), "cake", budget=16)
+        # A plain forward of nothing fails inside the model itself (transformers' reshape), before
+        # the cache sees anything: documented, not ours to intercept.
+        cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
+        with pytest.raises(RuntimeError, match="0 elements"), kvcake.enable(tiny_llama), torch.no_grad():
+            tiny_llama(empty, past_key_values=cache)
+
+
+def test_prompt_longer_than_the_models_positions(tiny_llama):
+    too_long = ids(tiny_llama.config.max_position_embeddings + 1)
+    with untouched(tiny_llama):
+        for fn in (kvcake.generate, kvcake.compress):
+            with pytest.raises(ValueError, match="model has 4096 positions: shorten it"):
+                fn(tiny_llama, too_long, "snapkv", budget=16)
+
+
+def test_right_padding_and_all_padding_raise(tiny_llama):
+    x = ids(60, batch=2)
+    right = torch.ones_like(x)
+    right[1, -10:] = 0
+    empty = torch.ones_like(x)
+    empty[1] = 0
+    with untouched(tiny_llama):
+        for fn, extra in ((kvcake.generate, {"max_new_tokens": 2}), (kvcake.compress, {})):
+            with pytest.raises(ValueError, match="kvcake needs left padding.*padding_side='left'"):
+                fn(tiny_llama, x, "cake", budget=16, window=8, attention_mask=right, **extra)
+            with pytest.raises(ValueError, match="empty .all padding.: give every sequence at least one token"):
+                fn(tiny_llama, x, "cake", budget=16, window=8, attention_mask=empty, **extra)
+        cache = KVCakeCache(tiny_llama, "adakv", budget=16, window=8)
+        with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
+            tiny_llama(x, attention_mask=right, past_key_values=cache)
+
+
+# -- budgets -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"budget": 0}, ValueError, "budget must be positive, got 0: pass e.g. budget=128"),
+        ({"budget": -5}, ValueError, "budget must be positive"),
+        ({"budget": float("nan")}, TypeError, "budget must be an int, got float"),
+        ({"budget": 12.5}, TypeError, "budget must be an int"),
+        ({"budget": True}, TypeError, "budget must be an int, got bool"),
+        ({"budget": "64"}, TypeError, "budget must be an int, got str"),
+        ({"ratio": 0.0}, ValueError, r"ratio must be in \(0, 1\], got 0.0: pass e.g. ratio=0.25"),
+        ({"ratio": -0.2}, ValueError, r"ratio must be in \(0, 1\]"),
+        ({"ratio": 1.0001}, ValueError, r"ratio must be in \(0, 1\]"),
+        ({"ratio": float("nan")}, ValueError, r"ratio must be in \(0, 1\]"),
+        ({"ratio": float("inf")}, ValueError, r"ratio must be in \(0, 1\]"),
+        ({"ratio": True}, TypeError, "ratio must be a number, got bool"),
+        ({"budget": 16, "window": 32}, ValueError, r"window \(32\) is larger than the budget \(16\).*lower window="),
+        ({"budget": 16, "window": 0}, ValueError, "window must be a positive int, got 0"),
+        ({"budget": 16, "window": 2.5}, ValueError, "window must be a positive int"),
+        ({"budget": 10**31, "window": 10**30}, ValueError, "is beyond any prompt: pass at most"),
+        ({}, ValueError, "give exactly one of budget= .entries per layer. or ratio="),
+        ({"budget": 64, "ratio": 0.5}, ValueError, "give exactly one of budget"),
+    ],
+)
+def test_bad_budgets_raise_everywhere(tiny_llama, kwargs, error, match):
+    with untouched(tiny_llama):
+        with pytest.raises(error, match=match):
+            make_method("cake", **kwargs)
+        with pytest.raises(error, match=match):
+            kvcake.generate(tiny_llama, ids(50), "cake", **kwargs, max_new_tokens=2)
+        with pytest.raises(error, match=match):
+            KVCakeCache(tiny_llama, "adakv", **kwargs)
+
+
+def test_ratio_too_small_for_the_window(tiny_llama):
+    with untouched(tiny_llama), pytest.raises(ValueError, match="smaller than the window .8.: raise ratio= or lower window="):
+        kvcake.compress(tiny_llama, ids(60), "cake", ratio=0.1, window=8)
+
+
+@pytest.mark.parametrize("budget", [10**6, 2**61, 2**63 - 1, 10**30])
+def test_huge_budget_is_a_bit_identical_no_op(tiny_llama, budget):
+    """Every budget covering the prompt is a no-op, also far beyond int64 arithmetic (the
+    per-layer budget times the number of layers must not overflow into a tiny budget)."""
+    x = ids(70, seed=1)
+    with torch.no_grad():
+        full = tiny_llama.generate(x, max_new_tokens=6, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)  # fmt: skip
+    with untouched(tiny_llama):
+        for spec in ("cake", "adakv", "h2o", "pyramidkv", "layers=random,score=tova"):
+            out, cache = kvcake.generate(tiny_llama, x, spec, budget=budget, max_new_tokens=6, do_sample=False,
+                                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+            assert torch.equal(out.sequences, full.sequences), spec
+            assert cache.budgets.tolist() == [[70] * 4] and all(layer.plain for layer in cache.layers)
+            if cache.method.scorer.stateful and cache.method.decode == "fixed":
+                # H2O accumulates every step's attention for later evictions, so its decoding steps
+                # run kvcake's float32 attention instead of the stock kernel: equal up to rounding.
+                for a, b in zip(out.logits, full.logits, strict=True):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(out.logits, full.logits, strict=True)), spec
+
+
+def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
+    """With left padding the cache drops the padding entries, so attention runs over the compacted
+    layer: the same greedy tokens, logits equal to float rounding (not bit for bit)."""
+    x = ids(60, seed=2, batch=2)
+    mask = torch.ones_like(x)
+    mask[1, :25] = 0
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+          "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
+    with torch.no_grad():
+        full = tiny_llama.generate(x, **kw)
+    for spec in ("cake", "adakv"):
+        out, cache = kvcake.generate(tiny_llama, x, spec, budget=2**62, **kw)
+        assert torch.equal(out.sequences, full.sequences)
+        for a, b in zip(out.logits, full.logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert cache.budgets.tolist() == [[60] * 4, [35] * 4]
+
+
+# -- methods -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("cakee", "unknown method 'cakee'; presets: streamingllm"),
+        ("", "method must be a preset name or a composed string"),
+        ("=cake", "unknown method key ''; valid: layers, heads, score, select, decode"),
+        ("cake,foo=1", "unknown method key 'foo'"),
+        ("cake,window", "bad method part 'window': expected key=value"),
+        ("layers=cascade", "unknown layers 'cascade'; valid: cake, cake-oneshot, pyramid, random, uniform"),
+        ("heads=ada", "unknown heads 'ada'; valid: adakv, uniform"),
+        ("score=h3o", "unknown score 'h3o'; valid: cake, h2o, snapkv, streamingllm, tova"),
+        ("cake,xyz.a=1", "unknown method part 'xyz'"),
+        ("cake,layers.foo=1", "bad option for layers=cake: .*unexpected keyword argument 'foo'"),
+        ("cake,heads.alpha=0.1", "bad option for heads=uniform"),
+        ("cake,score.gamma=abc", "bad option for score=cake"),
+        ("cake,score.gamma=nan", "CAKE gamma must be >= 0"),
+        ("cake,score.kernel=4", "pooling kernel must be a positive odd int"),
+        ("cake,score.reduce=min", "GQA reduction must be 'mean' or 'max'"),
+        ("adakv,heads.alpha=nan", "Ada-KV safeguard alpha must be in"),
+        ("criticalkv,select.alpha=1.5", "CriticalKV first-stage ratio alpha must be in"),
+        ("criticalkv,select.eps=-1", "CriticalKV eps must be >= 0"),
+        ("cake,layers.tau1=0", "CAKE temperatures must be positive"),
+        ("cake,layers.cascading=flase", "CAKE cascading must be true or false, got 'flase'"),
+        ("layers=random,layers.seed=abc", "random allocation seed must be an int, got 'abc'"),
+        ("pyramidkv,layers.beta=0", "pyramid beta must be a positive int"),
+        ("streamingllm,score.n_sink=-1", "n_sink must be a non-negative int"),
+        ("h2o,score.chunk=0", "H2O chunk must be a positive int"),
+        ("cake,decode=sometimes", r"decode policy must be one of \('none', 'fixed'\)"),
+    ],
+)
+def test_unknown_methods_and_options(tiny_llama, spec, match):
+    with untouched(tiny_llama):
+        with pytest.raises(ValueError, match=match):
+            make_method(spec, budget=64)
+        with pytest.raises(ValueError, match=match):
+            kvcake.generate(tiny_llama, ids(30), spec, budget=16, window=8, max_new_tokens=2)
+
+
+def test_method_object_and_budget_twice(tiny_llama):
+    method = make_method("cake", budget=16, window=8)
+    with untouched(tiny_llama):
+        with pytest.raises(ValueError, match="give budget=/ratio= either to make_method or here, not both"):
+            kvcake.generate(tiny_llama, ids(30), method, budget=16)
+        with pytest.raises(ValueError, match="pass budget=/ratio= to make_method, not with a Method object"):
+            KVCakeCache(tiny_llama, method, budget=16)
+        for bad in (None, 3, ["cake"]):
+            with pytest.raises(ValueError, match="method must be a preset name or a composed string"):
+                KVCakeCache(tiny_llama, bad, budget=16)
+
+
+# -- models the integration does not support ----------------------------------------------------
+SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4}  # fmt: skip
+
+
+def _build(config):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        cls = {
+            "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
+            "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
+            "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM,
+        }[config.model_type]  # fmt: skip
+        return cls(config).eval()
+
+
+UNSUPPORTED = {
+    "mistral-sliding": (
+        lambda: tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=16, max_position_embeddings=512),
+        r"mistral: sliding-window attention \(window 16\) is not supported by kvcake; set config.sliding_window=None",
+    ),
+    "qwen2-sliding": (
+        lambda: tf.Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                               max_window_layers=1),  # fmt: skip
+        r"qwen2: layers of type \['sliding_attention'\] are not supported by kvcake",
+    ),
+    "gemma3-sliding": (
+        lambda: tf.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=16),
+        r"gemma3_text: layers of type \['sliding_attention'\] are not supported.*compressed twice",
+    ),
+    "t5": (
+        lambda: tf.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        "t5: encoder-decoder models .cross-attention. are not supported by kvcake",
+    ),
+    "bart": (
+        lambda: tf.BartConfig(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128),  # fmt: skip
+        "bart: encoder-decoder models .cross-attention. are not supported by kvcake",
+    ),
+    "deepseek-v3-mla": (
+        lambda: tf.DeepseekV3Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1,
+        ),
+        r"deepseek_v3: latent attention \(MLA\) is not supported by kvcake: it has no per-head keys",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_models_are_refused_up_front(name):
+    make_config, match = UNSUPPORTED[name]
+    model = _build(make_config())
+    with untouched(model):
+        with pytest.raises(ValueError, match=match):
+            KVCakeCache(model, "cake", budget=16, window=8)
+        with pytest.raises(ValueError, match=match), kvcake.enable(model):
+            pass
+        with pytest.raises(ValueError, match=match):
+            kvcake.generate(model, ids(30), "cake", budget=16, window=8, max_new_tokens=2)
+        with pytest.raises(ValueError, match=match):
+            kvcake.compress(model, ids(30), "snapkv", budget=16, window=8)
+
+
+def test_attention_outside_the_interface_is_refused():
+    """ALiBi models (Bloom) compute attention without transformers' attention interface: the
+    kvcake attention never runs, and the cache says so instead of silently keeping everything."""
+    model = _build(tf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4))
+    with untouched(model), pytest.raises(RuntimeError, match=r"this architecture \(bloom\) does not call"):
+        kvcake.generate(model, ids(30), "cake", budget=16, window=8, max_new_tokens=2)
+
+
+# -- one cache, one conversation -----------------------------------------------------------------
+def test_generate_and_compress_always_make_a_fresh_cache(tiny_llama):
+    x, y = ids(60, seed=3), ids(45, seed=4)
+    out1, c1 = kvcake.generate(tiny_llama, x, "cake", budget=16, window=8, max_new_tokens=3, do_sample=False)
+    out2, c2 = kvcake.generate(tiny_llama, y, "cake", budget=16, window=8, max_new_tokens=3, do_sample=False)
+    alone, _ = kvcake.generate(tiny_llama, y, "cake", budget=16, window=8, max_new_tokens=3, do_sample=False)
+    assert c1 is not c2 and c2.get_seq_length() == 47 and torch.equal(out2, alone)
+    assert kvcake.compress(tiny_llama, x, "cake", budget=16, window=8).cache is not \
+        kvcake.compress(tiny_llama, x, "cake", budget=16, window=8).cache  # fmt: skip
+
+
+def test_reused_cache_with_another_batch_size_raises(tiny_llama):
+    cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
+    with untouched(tiny_llama), kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama(ids(60), past_key_values=cache)
+        with pytest.raises(ValueError, match="holds a batch of 1 sequences but got 2.*make a new KVCakeCache"):
+            tiny_llama(ids(30, batch=2), past_key_values=cache)
+
+
+def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
+    """An error in the middle of the prompt's forward (here a hook on layer 2) leaves layers 0-1
+    compressed and the rest empty: reusing that cache would treat the prompt as a continuation of
+    itself. The cache refuses instead."""
+    cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
+
+    class Boom(Exception):
+        pass
+
+    def boom(module, args):
+        raise Boom
+
+    with untouched(tiny_llama):
+        handle = tiny_llama.model.layers[2].register_forward_pre_hook(boom)
+        try:
+            with pytest.raises(Boom), kvcake.enable(tiny_llama), torch.no_grad():
+                tiny_llama(ids(60), past_key_values=cache)
+        finally:
+            handle.remove()
+        assert not cache.prefilled and cache.layers[0].keys.shape[-2] < 60
+        with pytest.raises(RuntimeError, match="prefill did not finish.*make a new KVCakeCache"), \
+                kvcake.enable(tiny_llama), torch.no_grad():  # fmt: skip
+            tiny_llama(ids(60), past_key_values=cache)
+
+
+def test_reused_cache_is_a_continuation(tiny_llama):
+    """Current, documented behaviour: transformers cannot tell a new prompt from a continuation,
+    so a prefilled cache given to a new generate call treats the new ids after its length as
+    appended tokens (budgets and kept prompt entries unchanged), and a shorter prompt fails inside
+    transformers. Use a new cache per prompt (kvcake.generate does) or ctx.fork()."""
+    cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama.generate(ids(60), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        budgets = cache.budgets.clone()
+        tiny_llama.generate(ids(90, seed=5), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        assert torch.equal(cache.budgets, budgets) and cache.get_seq_length() == 92
+        with pytest.raises(RuntimeError):
+            tiny_llama.generate(ids(20, seed=6), past_key_values=cache, max_new_tokens=3, do_sample=False)
+
+
+def test_cache_without_the_kvcake_attention_raises(tiny_llama):
+    cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
+    with untouched(tiny_llama), pytest.raises(RuntimeError, match=r"run the model inside `with kvcake.enable\(model\):`"):
+        with torch.no_grad():
+            tiny_llama(ids(40), past_key_values=cache)
+
+
+# -- generation modes that roll the cache back or reorder it -------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_beams": 2}, "num_beams=2 is not supported with a compressed cache: .*decode greedily or by sampling"),
+        ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3 is not supported"),
+        ({"generation_config": tf.GenerationConfig(num_beams=2, max_new_tokens=3)},
+         r"num_beams=2 \(from the generation config\) is not supported"),
+        ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
+        ({"past_key_values": None}, "kvcake.generate makes its own KVCakeCache"),
+    ],
+)
+def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
+    with untouched(tiny_llama), pytest.raises(ValueError, match=match):
+        kvcake.generate(tiny_llama, ids(40), "cake", budget=16, window=8, max_new_tokens=3, **kwargs)
+
+
+def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):
+    with untouched(tiny_llama), pytest.raises(ValueError, match="assistant_model=LlamaForCausalLM is not supported"):
+        kvcake.generate(tiny_llama, ids(40), "cake", budget=16, window=8, max_new_tokens=3,
+                        assistant_model=make_tiny_llama())  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ["cake", "adakv"])  # a dense and a ragged cache
+@pytest.mark.parametrize("mode", ["beams", "beam-sample", "assistant", "prompt-lookup"])
+def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_tiny_llama, spec, mode):
+    kwargs = {
+        "beams": {"num_beams": 2},
+        "beam-sample": {"num_beams": 2, "do_sample": True},
+        "assistant": {"assistant_model": make_tiny_llama()},
+        "prompt-lookup": {"prompt_lookup_num_tokens": 3},
+    }[mode]
+    match = "beam search is not supported with a compressed KV cache" if "beam" in mode else \
+        "a compressed KV cache cannot be cropped"  # fmt: skip
+    cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
+    with untouched(tiny_llama), pytest.raises(NotImplementedError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with kvcake.enable(tiny_llama), torch.no_grad():
+            tiny_llama.generate(ids(40), past_key_values=cache, max_new_tokens=4, **kwargs)
+
+
+def test_sampling_several_sequences_per_prompt_works(tiny_llama):
+    """num_return_sequences expands the prompt before prefill: each copy is compressed alike."""
+    torch.manual_seed(0)
+    out, cache = kvcake.generate(tiny_llama, ids(50), "cake", budget=16, window=8, max_new_tokens=4,
+                                 do_sample=True, num_return_sequences=2)  # fmt: skip
+    assert out.shape == (2, 54) and torch.equal(cache.budgets[0], cache.budgets[1])
+
+
+def test_errors_inside_enable_restore_the_model(tiny_llama):
+    """An error raised by kvcake in the middle of a forward (right padding, found at layer 0)
+    leaves the attention implementation, hooks and logits as they were."""
+    x = ids(50, batch=2)
+    right = torch.ones_like(x)
+    right[0, -3:] = 0
+    cache = KVCakeCache(tiny_llama, "critical-adakv", budget=16, window=8)
+    with untouched(tiny_llama):
+        with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
+            assert tiny_llama.config._attn_implementation == "kvcake_sdpa"
+            tiny_llama(x, attention_mask=right, past_key_values=cache)
