@@ -1,0 +1,265 @@
+"""``kvcake bench {memory,prefill,decode,bandwidth,all}``: the benchmarks from the command line.
+
+``kvcake.cli`` adds the subcommand with ``configure_parser(subparsers)`` and calls ``run(args)``;
+``python -m kvcake.bench ...`` runs the same parser on its own (``main``). Every bench prints its
+markdown tables, writes ``OUT/<bench>.json`` and ``OUT/<bench>.png``; ``--doc PATH`` also renders
+the results into a markdown page (``docs/benchmarks.md`` is made this way by
+``scripts/bench_all.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+EXAMPLES = (
+    "kvcake bench memory --lengths 1024,2048,4096 --out bench-results",
+    "kvcake bench decode --lengths 4k,16k --budgets 128,512 --methods snapkv,cake,adakv",
+    "kvcake bench all --quick --out bench-results",
+)
+
+BENCHES = ("bandwidth", "memory", "prefill", "decode", "all", "report")
+
+# Defaults sized so that `bench all` takes about a quarter of an hour on two CPU cores (see
+# docs/benchmarks.md for the measured time); --quick is a minute-scale smoke run.
+DEFAULTS = {
+    "memory_lengths": (1024, 2048, 4096, 8192, 16384),
+    "rss_lengths": (4096,),
+    "prefill_lengths": (4096,),
+    "decode_lengths": (1024, 4096, 8192, 16384),
+    "budget": 128,
+    "budgets": (128, 512),
+    "repeats": 3,
+    "steps": 12,
+    "rounds": 3,
+    "bandwidth_mib": 1024,
+}
+QUICK = {
+    "memory_lengths": (512, 1024),
+    "rss_lengths": (1024,),
+    "prefill_lengths": (1024,),
+    "decode_lengths": (512, 1024, 2048),
+    "budget": 128,
+    "budgets": (128,),
+    "repeats": 2,
+    "steps": 6,
+    "rounds": 2,
+    "bandwidth_mib": 256,
+}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """``"1024,2k,4096"`` -> (1024, 2048, 4096): ``k`` means 1024."""
+    values = []
+    for part in (x.strip().lower() for x in text.split(",") if x.strip()):
+        try:
+            values.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return tuple(values)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    # Method specs may contain commas ("snapkv,decode=fixed"): separate several with ';'.
+    sep = ";" if ";" in text else ","
+    names = tuple(x.strip() for x in text.split(sep) if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one method")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> argparse.ArgumentParser:
+    p.add_argument("which", choices=BENCHES,
+                   help="which benchmark to run ('all': every one; 'report': redraw the figures and rewrite "
+                        "--doc from the JSON already in --out, measuring nothing)")  # fmt: skip
+    p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
+    p.add_argument("--lengths", type=_ints, default=None,
+                   help="prompt/context lengths for every bench, e.g. 1024,2048,4096 (4k works too); longer "
+                        "than the model's positions runs a random model of its shape")  # fmt: skip
+    p.add_argument("--memory-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--rss-lengths", type=_ints, default=None, help="lengths of the per-method process-memory runs"
+    )
+    p.add_argument("--prefill-lengths", type=_ints, default=None)
+    p.add_argument("--decode-lengths", type=_ints, default=None)
+    p.add_argument("--methods", type=_names, default=None,
+                   help="method presets or composed specs, comma-separated (';' if a spec has commas); "
+                        "the full cache is always included")  # fmt: skip
+    p.add_argument("--budget", type=int, default=None, help="average KV entries per layer (memory, prefill)")
+    p.add_argument("--budgets", type=_ints, default=None, help="budgets for the decode bench, e.g. 128,512")
+    p.add_argument(
+        "--policies", type=_names, default=("fixed", "none"), help="decoding policies (decode bench)"
+    )
+    p.add_argument("--window", type=int, default=32, help="observation window")
+    p.add_argument("--repeats", type=int, default=None, help="rounds of alternating prefill runs")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per cache")
+    p.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds the decode steps are spread over"
+    )
+    p.add_argument("--bandwidth-mib", type=int, default=None, help="size of the bandwidth probe tensor")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: float32 on CPU, bfloat16 on CUDA")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument("--out", default="bench-results", help="folder for <bench>.json and <bench>.png")
+    p.add_argument("--doc", default=None, help="also write a markdown page with every table and figure")
+    p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
+    if standalone:  # under `kvcake`, the top-level parser owns -v
+        p.add_argument("-v", "--verbose", action="count", default=0, help="progress on stderr")
+    return p
+
+
+def configure_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``kvcake``'s ``argparse`` subparsers."""
+    p = subparsers.add_parser("bench", help="memory / prefill / decode benchmarks (JSON, PNG, markdown)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    return add_arguments(p)
+
+
+def _setting(args, name: str):
+    given = getattr(args, name, None)
+    if given is not None:
+        return given
+    if name.endswith("_lengths") and name != "rss_lengths" and args.lengths is not None:
+        return args.lengths
+    return (QUICK if args.quick else DEFAULTS)[name]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench(es) named by ``args.which``; returns the exit status (0; 2 on bad input)."""
+    import torch
+
+    from . import bandwidth, memory, speed
+    from .common import DTYPES, describe_machine, load_models, machine_lines, pick_device, write_json
+
+    package_logger = logging.getLogger("kvcake")
+    if getattr(args, "verbose", 0) and not package_logger.handlers:  # `kvcake` configures its own
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)
+    if args.which == "report":
+        return _report(args)
+    try:
+        device = pick_device(args.device)
+    except (ValueError, RuntimeError) as err:
+        print(f"kvcake bench: {err}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = (
+        DTYPES[args.dtype]
+        if args.dtype != "auto"
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    out = Path(args.out)
+    started = time.perf_counter()
+    which = BENCHES[:4] if args.which == "all" else (args.which,)
+    models = None if which == ("bandwidth",) else load_models(args.model, device=device, dtype=dtype)
+    attn = models.model.config._attn_implementation if models else "-"
+    machine = describe_machine(device, dtype, attn)
+    print(
+        "\n".join(
+            ["# kvcake bench " + args.which, "", *(f"- {line}" for line in machine_lines(machine)), ""]
+        ),
+        flush=True,
+    )
+    budget = _setting(args, "budget")
+    methods = args.methods
+    results: dict[str, dict] = {}
+    bw_bytes = _setting(args, "bandwidth_mib") * 2**20
+    for bench in which:
+        print(f"\n## {bench}\n", flush=True)
+        t0 = time.perf_counter()
+        if bench == "bandwidth":
+            results[bench] = bandwidth.run(device, size_bytes=bw_bytes, out=out, machine=machine)
+        elif bench == "memory":
+            results[bench] = memory.run(
+                models, lengths=_setting(args, "memory_lengths"), methods=methods or memory.DEFAULT_METHODS,
+                budget=budget, rss_lengths=_setting(args, "rss_lengths"), window=args.window, out=out,
+                machine=machine,
+            )  # fmt: skip
+        elif bench == "prefill":
+            results[bench] = speed.run_prefill(
+                models, lengths=_setting(args, "prefill_lengths"), methods=methods or speed.PREFILL_METHODS,
+                budget=budget, repeats=_setting(args, "repeats"), window=args.window, out=out, machine=machine,
+            )  # fmt: skip
+        else:
+            results[bench] = speed.run_decode(
+                models, lengths=_setting(args, "decode_lengths"), methods=methods or speed.DECODE_METHODS,
+                budgets=_setting(args, "budgets"), policies=args.policies, steps=_setting(args, "steps"),
+                rounds=_setting(args, "rounds"), window=args.window, bandwidth_bytes=bw_bytes, out=out,
+                machine=machine,
+            )  # fmt: skip
+        results[bench]["seconds"] = time.perf_counter() - t0
+    total = time.perf_counter() - started
+    print(
+        f"\nwrote {', '.join(str(out / f'{b}.json') for b in results)} (+ .png) in {total / 60:.1f} min",
+        flush=True,
+    )
+    if args.doc:
+        from .report import render
+
+        doc = Path(args.doc)
+        argv = getattr(args, "argv", None)
+        prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
+        command = " ".join([prefix, *(shlex.quote(a) for a in argv)])
+        run_info = dict(command=command, total_s=total, date=datetime.date.today().isoformat(), machine=machine,
+                        benches=list(results), doc=str(doc))  # fmt: skip
+        write_json(out / "run.json", run_info)
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(render(results, figures=out, doc=doc, **_render_args(run_info)))
+        print(f"wrote {doc}", flush=True)
+    return 0
+
+
+def _render_args(run_info: dict) -> dict:
+    keys = ("machine", "command", "total_s", "date")
+    return {k: run_info[k] for k in keys}
+
+
+def _report(args: argparse.Namespace) -> int:
+    """Redraw the figures and rewrite the page from ``OUT/*.json`` (after a change to the report)."""
+    from . import bandwidth, memory, speed
+    from .report import render
+
+    out = Path(args.out)
+    try:
+        run_info = json.loads((out / "run.json").read_text())
+        results = {b: json.loads((out / f"{b}.json").read_text()) for b in run_info["benches"]}
+    except (OSError, ValueError, KeyError) as err:
+        print(f"kvcake bench report: no complete results in {out} ({err}); run 'all' with --doc first",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    plots = {"memory": memory.plot, "prefill": speed.plot_prefill, "decode": speed.plot_decode}
+    for bench, result in results.items():
+        if bench in plots:
+            plots[bench](result, out / f"{bench}.png")
+        elif bench == "bandwidth":
+            bandwidth.plot(result, out / "bandwidth.png")
+    doc = Path(args.doc or run_info["doc"])
+    doc.write_text(render(results, figures=out, doc=doc, **_render_args(run_info)))
+    print(f"wrote {doc} from {out}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcake.bench``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcake.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser, standalone=True)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return run(args)

@@ -1,0 +1,273 @@
+"""Memory: KV bytes during and after prefill, next to their theoretical values, and process peak.
+
+For every prompt length, one forward pass fills the full cache (a transformers ``DynamicCache``)
+and every method's ``KVCakeCache`` (``common.shared_prefill``); each cache's bytes are read off
+its own tensors. Theory, per sequence, with ``E = H_kv * d * 2 * bytes_per_element`` the bytes of
+one entry over the KV heads (keys and values):
+
+- full cache: ``S * L * E``;
+- compressed, end of prefill: ``sum_l budget_l * E``; for a ragged (Ada-KV) cache the per-head
+  counts: ``sum_{l,h} count_{l,h} * d * 2 * bytes``, which must equal the budget sum;
+- peak during prefill: a method that evicts each layer right after its attention (SnapKV,
+  PyramidKV, Ada-KV) peaks at ``max_m (sum_{l<m} budget_l + S) * E``; CAKE with cascading never
+  holds more than the total budget plus one layer's full prompt, ``(B_total + S) * E``; CAKE
+  without cascading holds all ``L`` full layers until the last one: ``S * L * E``.
+
+The process's peak memory is measured in separate runs, one per method (``common.PeakMemory``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..attention import enable
+from .common import (
+    BenchModels,
+    FullCache,
+    MiB,
+    PeakMemory,
+    build_cache,
+    fmt,
+    log_axes,
+    markdown_table,
+    new_figure,
+    prompt_ids,
+    save_figure,
+    shared_prefill,
+    verdict,
+    write_json,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_METHODS = ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv")
+TOLERANCE = 0.05  # targets: cascade peak <= 1.05 x bound; no-cascade peak within 5% of the full cache
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Shape of a model's KV cache: ``L`` layers, ``H_kv`` KV heads, head dim ``d``, element bytes."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    elem_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "elem_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one kept position in one layer over all KV heads: ``H_kv * d * 2 * bytes``."""
+        return self.kv_heads * self.head_dim * 2 * self.elem_bytes
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> KVShape:
+        from ..adapters import describe_model
+
+        info = describe_model(model)
+        elem = next(model.parameters()).element_size()
+        return cls(info.num_layers, info.num_kv_heads, info.head_dim, elem)
+
+
+def full_kv_bytes(length: int, shape: KVShape, batch: int = 1) -> int:
+    """``S * L * H_kv * d * 2 * bytes`` (times the batch)."""
+    return batch * length * shape.layers * shape.entry_bytes
+
+
+def compressed_kv_bytes(budgets, shape: KVShape) -> int:
+    """Bytes of a cache holding ``budgets`` entries per (sequence, layer) and per KV head.
+
+    budgets: (L,) or (B, L) integers."""
+    return int(np.asarray(budgets, dtype=np.int64).sum()) * shape.entry_bytes
+
+
+def ragged_kv_bytes(counts, shape: KVShape) -> int:
+    """Bytes of a cache holding ``counts`` (B, L, H_kv) entries per head: ``sum * d * 2 * bytes``."""
+    return int(np.asarray(counts, dtype=np.int64).sum()) * shape.head_dim * 2 * shape.elem_bytes
+
+
+def cascade_peak_bound(total_budget: int, length: int, shape: KVShape) -> int:
+    """CAKE's cascading bound: the total budget plus one layer's full prompt, ``(B_total + S) * E``,
+    never more than the full cache."""
+    return min(total_budget + length, length * shape.layers) * shape.entry_bytes
+
+
+def layerwise_peak(budgets, length: int, shape: KVShape) -> int:
+    """Peak of a method that evicts each layer right after its own attention, ``(L,)`` budgets:
+    the evicted layers before ``m`` plus layer ``m``'s full prompt, at the worst ``m``."""
+    b = np.minimum(np.asarray(budgets, dtype=np.int64).reshape(-1), length)
+    before = np.concatenate([[0], np.cumsum(b)[:-1]])  # sum_{l<m} b_l
+    return int((before + length).max()) * shape.entry_bytes
+
+
+def peak_theory(method, budgets, length: int, shape: KVShape) -> tuple[int, str]:
+    """(theoretical prefill peak, which rule) for a ``kvcake.Method`` with final (L,) budgets."""
+    layers = method.layers
+    if getattr(layers, "needs_preferences", False):
+        if getattr(layers, "cascading", False):
+            return cascade_peak_bound(int(np.sum(budgets)), length, shape), "B_total + S (bound)"
+        return full_kv_bytes(length, shape), "S*L (all layers full)"
+    return layerwise_peak(budgets, length, shape), "layer-wise"
+
+
+def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int) -> list[dict]:
+    model, label = models.for_length(length)
+    shape = KVShape.of(model)
+    ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
+                             model.config.vocab_size, models.device)  # fmt: skip
+    caches = [build_cache(model, spec, budget, window) for spec in methods]
+    full = FullCache()
+    logger.info("memory: prefill %d tokens once into the full cache and %s", length, ", ".join(methods))
+    shared_prefill(model, ids, caches, full)
+    full_theory = full_kv_bytes(length, shape)
+    rows = [dict(method="full", length=length, model=label, prompt=source, peak=full.peak_kv_bytes,
+                 end=full.kv_bytes(), peak_theory=full_theory, peak_rule="S*L", end_theory=full_theory)]  # fmt: skip
+    for spec, cache in zip(methods, caches, strict=True):
+        budgets = cache.budgets[0].tolist()
+        counts = cache.layer_counts()
+        peak_t, rule = peak_theory(cache.method, budgets, length, shape)
+        rows.append(dict(
+            method=spec, length=length, model=label, prompt=source, peak=cache.prefill_peak_kv_bytes,
+            end=cache.kv_bytes(), peak_theory=peak_t, peak_rule=rule,
+            end_theory=compressed_kv_bytes(budgets, shape), counts_bytes=ragged_kv_bytes(counts, shape),
+            budgets=budgets, total_budget=int(np.sum(budgets)),
+            layout=sorted({layer.layout for layer in cache.layers}),
+            cascade_bound=cascade_peak_bound(int(cache.seq.total[0]), length, shape),
+            entry_bytes=shape.entry_bytes,
+        ))  # fmt: skip
+    return rows
+
+
+def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: int) -> dict:
+    model, label = models.for_length(length)
+    ids, _ = prompt_ids(models.tokenizer if model is models.model else None, length,
+                        model.config.vocab_size, models.device)  # fmt: skip
+    with PeakMemory(models.device) as mem:
+        cache = FullCache() if spec == "full" else build_cache(model, spec, budget, window)
+        ctx = contextlib.nullcontext() if spec == "full" else enable(model)
+        with ctx, torch.no_grad():
+            model(ids, past_key_values=cache, logits_to_keep=1)
+        kv_peak = cache.peak_kv_bytes if spec == "full" else cache.prefill_peak_kv_bytes
+    del cache
+    return dict(method=spec, length=length, model=label, base=mem.base, peak=mem.peak,
+                delta=mem.peak - mem.base, kv_peak=kv_peak, how=mem.how)  # fmt: skip
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The three memory targets, one entry per (target, length) found in ``rows``."""
+    out = []
+    by = {(r["method"], r["length"]): r for r in rows}
+    for (method, length), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        full = by.get(("full", length))
+        if method == "cake":
+            ratio = r["peak"] / r["cascade_bound"]
+            out.append(dict(target="CAKE cascade peak <= 1.05 x (B_total + one full layer)", length=length,
+                            value=ratio, ok=ratio <= 1 + TOLERANCE))  # fmt: skip
+        elif method == "cake-oneshot" and full is not None:
+            ratio = r["peak"] / full["peak"]
+            out.append(dict(target="CAKE without cascade: peak within 5% of the full cache", length=length,
+                            value=ratio, ok=abs(ratio - 1) <= TOLERANCE))  # fmt: skip
+        elif method == "adakv":
+            ok = r["end"] == r["counts_bytes"] == r["end_theory"] and "ragged" in r["layout"]
+            out.append(dict(target="Ada-KV ragged bytes == sum of budgets", length=length,
+                            value=r["end"] / r["end_theory"], ok=ok))  # fmt: skip
+    return out
+
+
+def tables(result: dict) -> str:
+    kv = result["kv"]
+    rows = [
+        (r["length"], r["method"], fmt(r["peak"] / MiB), fmt(r["peak_theory"] / MiB), fmt(r["peak"] / r["peak_theory"], 3),
+         r["peak_rule"], fmt(r["end"] / MiB, 2), fmt(r["end_theory"] / MiB, 2), fmt(r["end"] / r["end_theory"], 3),
+         r["model"])
+        for r in kv
+    ]  # fmt: skip
+    text = [f"KV cache bytes, budget {result['budget']} per layer (MiB = 2^20 bytes; measured / theory):", "",
+            markdown_table(("S", "method", "peak MiB", "theory", "ratio", "peak rule", "end MiB", "theory",
+                            "ratio", "model"), rows)]  # fmt: skip
+    if result["rss"]:
+        rss = [(r["length"], r["method"], fmt(r["base"] / MiB, 0), fmt(r["peak"] / MiB, 0), fmt(r["delta"] / MiB, 0),
+                fmt(r["kv_peak"] / MiB, 1), fmt((r["delta"] - r["kv_peak"]) / MiB, 0)) for r in result["rss"]]  # fmt: skip
+        kind = "device memory (allocated)" if result["rss"][0]["how"].startswith("cuda") else "process RSS"
+        text += ["", f"Peak {kind} during one prefill, one run per method ({result['rss'][0]['how']}):", "",
+                 markdown_table(("S", "method", "before MiB", "peak MiB", "peak - before", "KV peak MiB",
+                                 "rest (activations, allocator)"), rss)]  # fmt: skip
+    checks = [(c["target"], c["length"], fmt(c["value"], 3), verdict(c["ok"])) for c in result["targets"]]
+    text += ["", "Targets:", "", markdown_table(("target", "S", "measured ratio", "verdict"), checks)]
+    return "\n".join(text)
+
+
+def plot(result: dict, path: Path) -> Path:
+    fig, (ax, ax2) = new_figure(2)
+    kv = result["kv"]
+    methods = list(dict.fromkeys(r["method"] for r in kv))
+    for i, m in enumerate(methods):
+        rs = sorted((r for r in kv if r["method"] == m), key=lambda r: r["length"])
+        xs = [r["length"] for r in rs]
+        color = "k" if m == "full" else f"C{i}"
+        width, z = (3.5, 1) if m == "full" else (1.5, 2)  # cake-oneshot's peak lies on the full cache's
+        ax.plot(xs, [r["peak"] / MiB for r in rs], "o-", color=color, lw=width, zorder=z, label=f"{m} peak")
+        if m != "full":
+            ax.plot(xs, [r["end"] / MiB for r in rs], "s--", color=color, alpha=0.7, label=f"{m} end")
+        if m == "cake":
+            ax.plot(xs, [r["cascade_bound"] / MiB for r in rs], ":", color="k", label="cascade bound")
+    ax.set(yscale="log", xlabel="prompt tokens", ylabel="KV cache MiB",
+           title=f"KV bytes in prefill (budget {result['budget']}/layer)")  # fmt: skip
+    log_axes(ax, sorted({r["length"] for r in kv}))
+    ax.legend(fontsize=7, ncol=2)
+    if result["rss"]:
+        rs = result["rss"]
+        labels = [f"{r['method']}\n{r['length']}" for r in rs]
+        ax2.bar(range(len(rs)), [r["kv_peak"] / MiB for r in rs], label="KV peak")
+        ax2.bar(range(len(rs)), [(r["delta"] - r["kv_peak"]) / MiB for r in rs],
+                bottom=[r["kv_peak"] / MiB for r in rs], label="rest of the growth")  # fmt: skip
+        ax2.set_xticks(range(len(rs)), labels, fontsize=7, rotation=45)
+        ax2.set(ylabel="MiB over the memory before the prefill", title="Peak memory growth during prefill")
+        ax2.legend(fontsize=8)
+    else:
+        ax2.set_axis_off()
+    return save_figure(fig, path)
+
+
+def run(
+    models: BenchModels,
+    *,
+    lengths=(1024, 2048, 4096, 8192),
+    methods=DEFAULT_METHODS,
+    budget: int = 128,
+    rss_lengths=(4096,),
+    window: int = 32,
+    out: str | Path | None = None,
+    machine: dict | None = None,
+    echo: bool = True,
+) -> dict:
+    """Measure KV bytes at every length and process peak memory at ``rss_lengths``.
+
+    Writes ``out/memory.json`` and ``out/memory.png`` when ``out`` is given, prints the tables when
+    ``echo``; returns the result dict (keys ``kv``, ``rss``, ``targets``, ``machine``, ...)."""
+    methods = tuple(m for m in methods if m != "full")
+    kv = [row for s in lengths for row in _kv_rows(models, s, methods, budget, window)]
+    rss = []
+    for s in rss_lengths:
+        for spec in ("full", *methods):
+            logger.info("memory: peak process memory, %s at %d tokens", spec, s)
+            rss.append(_rss_row(models, s, spec, budget, window))
+    result = dict(bench="memory", machine=machine, budget=budget, window=window, lengths=list(lengths),
+                  methods=list(methods), kv=kv, rss=rss)  # fmt: skip
+    result["targets"] = targets(kv)
+    if echo:
+        print(tables(result), flush=True)
+    if out is not None:
+        out = Path(out)
+        write_json(out / "memory.json", result)
+        plot(result, out / "memory.png")
+    return result

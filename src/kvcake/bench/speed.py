@@ -1,0 +1,400 @@
+"""Speed: prefill time over the full cache's, and decode time per token against its memory bound.
+
+Prefill. Each method's prompt forward is timed against the full cache's, alternately in one run
+(``full, m1, full, m2, ...``, repeated), so slow drifts of a shared machine hit both sides of a
+pair alike; a method's ratio is the median of its ``method / preceding full`` pairs. The time
+spent inside the cache (scoring, budget allocation, eviction: ``BenchCache.prefill_hook_s``) is
+broken out from the model's own forward.
+
+Decode. For every context length one forward pass prefills the full cache and every (method,
+budget, decoding policy) cache together (``common.shared_prefill``); each is then decoded alone,
+greedy, one token per step, in interleaved rounds after a warm-up. Decoding reads every weight
+and every cached entry once per token, so ``time/token >= (weight bytes + cache bytes) /
+bandwidth``, with the read bandwidth measured in the same run (``bandwidth.measure``). Compressing
+the cache can therefore speed a step up by at most ``(W + C_full) / (W + C_method)``: the
+"allowed" speed-up the achieved one is compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ..attention import enable
+from .bandwidth import measure as measure_bandwidth
+from .common import (
+    BenchCache,
+    BenchModels,
+    Clock,
+    FullCache,
+    MiB,
+    build_cache,
+    fmt,
+    log_axes,
+    markdown_table,
+    median,
+    new_figure,
+    prompt_ids,
+    save_figure,
+    shared_prefill,
+    verdict,
+    weight_bytes,
+    write_json,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFILL_METHODS = ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv")
+DECODE_METHODS = ("snapkv", "pyramidkv", "cake", "adakv")  # cake-oneshot decodes exactly like cake
+PREFILL_TARGET = 1.05  # every method within 5% of the full cache's prefill time at 4k tokens
+PREFILL_TARGET_LENGTH = 4096
+SPEEDUP_TARGET = 0.70  # achieved speed-up >= 70% of the allowed one, at the longest context
+EVICT_TARGET = 0.10  # decoding-time eviction < 10% of a decode step
+
+
+# -- prefill -------------------------------------------------------------------------------------
+def _prefill_once(model, ids, spec: str, budget: int, window: int, clock: Clock) -> dict:
+    with torch.no_grad():
+        if spec == "full":
+            t, _ = clock.time(lambda: model(ids, past_key_values=DynamicCache(), logits_to_keep=1))
+            return dict(s=t, hook_s=0.0, evict_s=0.0)
+        cache = build_cache(model, spec, budget, window)
+        with enable(model):
+            t, _ = clock.time(lambda: model(ids, past_key_values=cache, logits_to_keep=1))
+    return dict(s=t, hook_s=cache.prefill_hook_s, evict_s=cache.prefill_evict_s)
+
+
+def run_prefill(
+    models: BenchModels,
+    *,
+    lengths=(PREFILL_TARGET_LENGTH,),
+    methods=PREFILL_METHODS,
+    budget: int = 128,
+    repeats: int = 3,
+    window: int = 32,
+    out: str | Path | None = None,
+    machine: dict | None = None,
+    echo: bool = True,
+) -> dict:
+    """Prefill time of each method over the full cache's, measured alternately.
+
+    Writes ``out/prefill.json`` and ``out/prefill.png``; returns the result dict (``rows``,
+    ``runs``, ``targets``)."""
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    methods = tuple(m for m in methods if m != "full")
+    clock = Clock(models.device)
+    runs, rows = [], []
+    for length in lengths:
+        model, label = models.for_length(length)
+        ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
+                                 model.config.vocab_size, models.device)  # fmt: skip
+        warm_ids = ids[:, : min(length, 256)]
+        for spec in ("full", *methods):  # warm-up: first-call costs out of the way
+            _prefill_once(model, warm_ids, spec, min(budget, warm_ids.shape[1]), min(window, budget), clock)
+        for r in range(repeats):
+            for spec in methods:
+                logger.info("prefill %d tokens, round %d/%d: full vs %s", length, r + 1, repeats, spec)
+                full = _prefill_once(model, ids, "full", budget, window, clock)
+                mine = _prefill_once(model, ids, spec, budget, window, clock)
+                runs.append(dict(length=length, round=r, method=spec, full_s=full["s"], **mine))
+        fulls = [x["full_s"] for x in runs if x["length"] == length]
+        for spec in methods:
+            mine = [x for x in runs if x["length"] == length and x["method"] == spec]
+            t = median([x["s"] for x in mine])
+            rows.append(dict(
+                length=length, model=label, prompt=source, method=spec, full_s=median(fulls), s=t,
+                ratio=median([x["s"] / x["full_s"] for x in mine]),
+                ratio_of_medians=t / median(fulls),
+                hook_s=median([x["hook_s"] for x in mine]), evict_s=median([x["evict_s"] for x in mine]),
+                full_spread=(max(fulls) - min(fulls)) / median(fulls), n=len(mine),
+            ))  # fmt: skip
+    at = PREFILL_TARGET_LENGTH if PREFILL_TARGET_LENGTH in lengths else max(lengths)
+    result = dict(bench="prefill", machine=machine, budget=budget, window=window, repeats=repeats,
+                  lengths=list(lengths), methods=list(methods), rows=rows, runs=runs, target_length=at)  # fmt: skip
+    result["targets"] = [
+        dict(target=f"prefill time within {PREFILL_TARGET - 1:.0%} of the full cache's", length=at,
+             method=r["method"], value=r["ratio"], in_cache=r["hook_s"] / r["full_s"],
+             ok=r["ratio"] <= PREFILL_TARGET)
+        for r in rows if r["length"] == at
+    ]  # fmt: skip
+    if echo:
+        print(prefill_tables(result), flush=True)
+    if out is not None:
+        out = Path(out)
+        write_json(out / "prefill.json", result)
+        plot_prefill(result, out / "prefill.png")
+    return result
+
+
+def prefill_tables(result: dict) -> str:
+    rows = [
+        (r["length"], r["method"], fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3),
+         fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0), fmt(100 * r["hook_s"] / r["full_s"], 1),
+         fmt(100 * r["full_spread"], 0), r["n"])
+        for r in result["rows"]
+    ]  # fmt: skip
+    head = (f"Prefill time, budget {result['budget']} per layer, alternating full/method runs "
+            f"({result['repeats']} rounds; times are medians):")  # fmt: skip
+    table = markdown_table(("S", "method", "full s", "method s", "ratio (paired median)", "ratio of medians",
+                            "in-cache ms", "of which eviction ms", "in-cache % of full", "full-run spread %",
+                            "pairs"), rows)  # fmt: skip
+    checks = [(c["method"], c["length"], fmt(c["value"], 3), fmt(100 * c["in_cache"], 1), verdict(c["ok"]))
+              for c in result["targets"]]  # fmt: skip
+    return "\n".join([head, "", table, "", f"Target: prefill <= {PREFILL_TARGET:.2f} x full at {result['target_length']} tokens:",
+                      "", markdown_table(("method", "S", "ratio", "in-cache % of full", "verdict"), checks)])  # fmt: skip
+
+
+def plot_prefill(result: dict, path: Path) -> Path:
+    fig, (ax, ax2) = new_figure(2)
+    rows = result["rows"]
+    labels = [f"{r['method']}\n{r['length']}" for r in rows]
+    xs = range(len(rows))
+    ax.bar(xs, [r["ratio"] for r in rows], color="C0")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(PREFILL_TARGET, color="C3", ls="--", label=f"target {PREFILL_TARGET:.2f}")
+    ax.set_xticks(list(xs), labels, fontsize=7, rotation=45)
+    ax.set(ylabel="method / full prefill time (paired median)", title="Prefill time over the full cache")
+    ax.set_ylim(
+        min(0.8, min((r["ratio"] for r in rows), default=1) - 0.05),
+        max(1.2, max((r["ratio"] for r in rows), default=1) + 0.05),
+    )
+    ax.legend(fontsize=8)
+    model_s = [r["s"] - r["hook_s"] for r in rows]
+    ax2.bar(xs, model_s, label="model forward", color="C2")
+    ax2.bar(
+        xs,
+        [r["hook_s"] - r["evict_s"] for r in rows],
+        bottom=model_s,
+        label="scoring + allocation",
+        color="C1",
+    )
+    ax2.bar(xs, [r["evict_s"] for r in rows], bottom=[m + r["hook_s"] - r["evict_s"] for m, r in zip(model_s, rows, strict=True)],
+            label="eviction", color="C3")  # fmt: skip
+    ax2.scatter(
+        list(xs), [r["full_s"] for r in rows], color="k", marker="_", s=300, label="full cache", zorder=3
+    )
+    ax2.set_xticks(list(xs), labels, fontsize=7, rotation=45)
+    ax2.set(ylabel="seconds (median)", title="Where the prefill time goes")
+    ax2.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+# -- decode --------------------------------------------------------------------------------------
+def _step(model, cache, tok: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=tok, past_key_values=cache)
+    return out.logits[:, -1:].argmax(-1)  # (1, 1) greedy
+
+
+def _attention_for(model, cache):
+    """The kvcake attention for a compressed cache; the stock one, untouched, for the full cache."""
+    return enable(model) if isinstance(cache, BenchCache) else contextlib.nullcontext()
+
+
+def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, int, str]]:
+    return [(m, b, p) for m in methods for b in budgets for p in policies if b < length]
+
+
+def run_decode(
+    models: BenchModels,
+    *,
+    lengths=(1024, 2048, 4096, 8192, 16384),
+    methods=DECODE_METHODS,
+    budgets=(128, 512),
+    policies=("fixed", "none"),
+    steps: int = 12,
+    rounds: int = 3,
+    warmup: int = 2,
+    window: int = 32,
+    bandwidth_bytes: int = 2**30,
+    ragged_length: int = 4096,
+    out: str | Path | None = None,
+    machine: dict | None = None,
+    echo: bool = True,
+) -> dict:
+    """Decode time per token for the full cache and every (method, budget, policy) at every
+    context length, with the memory bound and the allowed speed-up.
+
+    ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds. Writes
+    ``out/decode.json`` and ``out/decode.png``; returns the result dict."""
+    if steps < rounds or rounds < 1:
+        raise ValueError("need rounds >= 1 and steps >= rounds")
+    methods = tuple(m for m in methods if m != "full")
+    clock = Clock(models.device)
+    band = measure_bandwidth(models.device, bandwidth_bytes)
+    rows = []
+    for length in lengths:
+        model, label = models.for_length(length)
+        w_bytes = weight_bytes(model)
+        ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
+                                 model.config.vocab_size, models.device)  # fmt: skip
+        configs = _decode_configs(methods, budgets, policies, length)
+        caches = [build_cache(model, f"{m},decode={p}", b, window) for m, b, p in configs]
+        full = FullCache()
+        logger.info(
+            "decode: prefill %d tokens once into the full cache and %d compressed caches", length, len(caches)
+        )
+        if caches:
+            shared_prefill(model, ids, caches, full)
+        else:
+            with torch.no_grad():
+                model(ids, past_key_values=full, logits_to_keep=1)
+        full.tracking = False
+        entries = [(("full", 0, "-"), full), *zip(configs, caches, strict=True)]
+        tok = ids[:, -1:]
+        state = {key: dict(cache=c, tok=tok, times=[], bytes=[]) for key, c in entries}
+        with torch.no_grad():
+            for st in state.values():
+                with _attention_for(model, st["cache"]):
+                    for _ in range(warmup):
+                        st["tok"] = _step(model, st["cache"], st["tok"])
+                if isinstance(st["cache"], BenchCache):
+                    st["cache"].decode_hook_s, st["cache"].decode_hook_calls = 0.0, 0
+            per_round = steps // rounds
+            for r in range(rounds):
+                logger.info(
+                    "decode at %d tokens: round %d/%d over %d caches", length, r + 1, rounds, len(state)
+                )
+                for st in state.values():
+                    with _attention_for(model, st["cache"]):
+                        for _ in range(per_round):
+                            t, st["tok"] = clock.time(lambda st=st, m=model: _step(m, st["cache"], st["tok"]))
+                            st["times"].append(t)
+                            st["bytes"].append(st["cache"].kv_bytes())
+        full_s = median(state[("full", 0, "-")]["times"])
+        full_bytes = sum(state[("full", 0, "-")]["bytes"]) / len(state[("full", 0, "-")]["bytes"])
+        for (m, b, p), st in state.items():
+            s = median(st["times"])
+            c_bytes = sum(st["bytes"]) / len(st["bytes"])
+            hook = (
+                st["cache"].decode_hook_s / len(st["times"]) if isinstance(st["cache"], BenchCache) else 0.0
+            )
+            allowed = (w_bytes + full_bytes) / (w_bytes + c_bytes)
+            rows.append(dict(
+                length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=st["times"],
+                kv_bytes=c_bytes, weight_bytes=w_bytes, bound_s=(w_bytes + c_bytes) / (band["read_gbps"] * 1e9),
+                speedup=full_s / s, allowed=allowed, fraction=(full_s / s) / allowed, hook_s=hook,
+                hook_share=hook / s,
+            ))  # fmt: skip
+        del state, entries, caches, full
+        gc.collect()
+    result = dict(bench="decode", machine=machine, bandwidth=band, lengths=list(lengths), methods=list(methods),
+                  budgets=list(budgets), policies=list(policies), steps=steps, rounds=rounds, warmup=warmup,
+                  window=window, rows=rows, ragged_length=ragged_length)  # fmt: skip
+    result["targets"] = decode_targets(rows)
+    if echo:
+        print(decode_tables(result), flush=True)
+    if out is not None:
+        out = Path(out)
+        write_json(out / "decode.json", result)
+        plot_decode(result, out / "decode.png")
+    return result
+
+
+def decode_targets(rows: list[dict]) -> list[dict]:
+    if not rows:
+        return []
+    longest = max(r["length"] for r in rows)
+    out = []
+    for r in rows:
+        if r["length"] != longest or r["method"] == "full":
+            continue
+        out.append(dict(target=f"speed-up >= {SPEEDUP_TARGET:.0%} of allowed", length=longest, method=r["method"],
+                        budget=r["budget"], policy=r["policy"], value=r["fraction"],
+                        detail=f"{r['speedup']:.2f}x of {r['allowed']:.2f}x", ok=r["fraction"] >= SPEEDUP_TARGET))  # fmt: skip
+        if r["policy"] == "fixed":
+            out.append(dict(target=f"eviction < {EVICT_TARGET:.0%} of a step", length=longest, method=r["method"],
+                            budget=r["budget"], policy=r["policy"], value=r["hook_share"],
+                            detail=f"{r['hook_s'] * 1e3:.1f} of {r['s'] * 1e3:.1f} ms", ok=r["hook_share"] < EVICT_TARGET))  # fmt: skip
+    return out
+
+
+def _row_cells(r: dict) -> tuple:
+    return (r["length"], r["method"], r["budget"] or "-", r["policy"], fmt(r["s"] * 1e3), fmt(r["bound_s"] * 1e3),
+            fmt(r["bound_s"] / r["s"], 2), fmt(r["kv_bytes"] / MiB, 1), fmt(r["speedup"], 2), fmt(r["allowed"], 2),
+            fmt(r["fraction"], 2), fmt(r["hook_s"] * 1e3, 1) if r["policy"] == "fixed" else "-",
+            fmt(100 * r["hook_share"], 1) if r["policy"] == "fixed" else "-")  # fmt: skip
+
+
+_DECODE_HEADERS = ("context", "method", "budget", "decode", "ms/token", "bound ms", "bound/actual", "KV MiB",
+                   "speed-up", "allowed", "achieved/allowed", "eviction ms", "eviction %")  # fmt: skip
+
+
+def ragged_table(result: dict) -> str:
+    at = result["ragged_length"]
+    rows = [r for r in result["rows"] if r["length"] == at and r["method"] in ("full", "snapkv", "adakv")]
+    if not rows:
+        return ""
+    rows.sort(key=lambda r: (r["budget"], r["policy"], r["method"]))
+    cells = [(r["method"], "ragged" if r["method"] == "adakv" else "uniform" if r["budget"] else "full",
+              r["budget"] or "-", r["policy"], fmt(r["s"] * 1e3), fmt(r["kv_bytes"] / MiB, 2), fmt(r["speedup"], 2))
+             for r in rows]  # fmt: skip
+    return (f"Ragged (Ada-KV) vs uniform (SnapKV) vs full cache, decode at {at} tokens ({rows[0]['model']}):\n\n"
+            + markdown_table(("method", "layout", "budget", "decode", "ms/token", "KV MiB", "speed-up vs full"), cells))  # fmt: skip
+
+
+def decode_tables(result: dict) -> str:
+    b = result["bandwidth"]
+    head = (f"Decode time per token (median of {result['steps']} steps in {result['rounds']} rounds after "
+            f"{result['warmup']} warm-up steps); bound = (weights + KV bytes) / {b['read_gbps']:.1f} GB/s read "
+            f"bandwidth measured in this run:")  # fmt: skip
+    parts = [head, "", markdown_table(_DECODE_HEADERS, [_row_cells(r) for r in result["rows"]])]
+    rag = ragged_table(result)
+    if rag:
+        parts += ["", rag]
+    checks = [(c["target"], c["length"], c["method"], c["budget"], c["policy"], fmt(c["value"], 3), c["detail"],
+               verdict(c["ok"])) for c in result["targets"]]  # fmt: skip
+    parts += ["", "Targets at the longest context:", "",
+              markdown_table(("target", "context", "method", "budget", "decode", "value", "numbers", "verdict"), checks)]  # fmt: skip
+    return "\n".join(parts)
+
+
+def plot_decode(result: dict, path: Path) -> Path:
+    policies = result["policies"]
+    fig, axes = new_figure(len(policies) + 1, width=5.2)
+    rows = result["rows"]
+    full = sorted((r for r in rows if r["method"] == "full"), key=lambda r: r["length"])
+    styles = ["-", "--", ":", "-."]
+    for ax, policy in zip(axes, policies, strict=False):
+        ax.plot([r["length"] for r in full], [r["s"] * 1e3 for r in full], "ko-", label="full")
+        ax.plot(
+            [r["length"] for r in full],
+            [r["bound_s"] * 1e3 for r in full],
+            "k:",
+            alpha=0.6,
+            label="full: bound",
+        )
+        for i, m in enumerate(result["methods"]):
+            for j, b in enumerate(result["budgets"]):
+                rs = sorted((r for r in rows if r["method"] == m and r["budget"] == b and r["policy"] == policy),
+                            key=lambda r: r["length"])  # fmt: skip
+                if rs:
+                    ax.plot([r["length"] for r in rs], [r["s"] * 1e3 for r in rs], marker="o", ms=3,
+                            ls=styles[j % len(styles)], color=f"C{i}", label=f"{m} {b}")  # fmt: skip
+        small = [r for r in rows if r["method"] != "full" and r["policy"] == policy]
+        if small:
+            lo = min(small, key=lambda r: r["bound_s"])
+            ax.axhline(lo["bound_s"] * 1e3, color="C7", ls=":", label="compressed: bound")
+        ax.set(xlabel="context tokens", ylabel="ms per token", title=f"decode={policy}")
+        log_axes(ax, sorted({r["length"] for r in rows}))
+        ax.set_yscale("linear")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6, ncol=2)
+    ax = axes[-1]
+    longest = max((r["length"] for r in rows), default=0)
+    rs = [r for r in rows if r["length"] == longest and r["method"] != "full"]
+    xs = range(len(rs))
+    ax.bar([x - 0.2 for x in xs], [r["allowed"] for r in rs], width=0.4, label="allowed by bytes", color="C7")
+    ax.bar([x + 0.2 for x in xs], [r["speedup"] for r in rs], width=0.4, label="achieved", color="C0")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(
+        list(xs), [f"{r['method']} {r['budget']}\n{r['policy']}" for r in rs], fontsize=6, rotation=60
+    )
+    ax.set(ylabel="speed-up over full cache", title=f"at {longest} tokens")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)

@@ -1,0 +1,253 @@
+"""Smoke and invariant tests of ``kvcake.bench`` on the tiny random model.
+
+No timing is asserted: performance targets live in the printed tables, not in tests. What is
+asserted: well-formed JSON and non-empty PNGs, the theoretical-bytes helpers on hand-checked
+numbers, byte invariants that hold on any machine, and that one shared prefill gives every cache
+exactly what its own prefill would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kvcake
+from kvcake import bench
+from kvcake.bench import cli
+from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BUDGET, WINDOW = 16, 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: the tiny model gains nothing from two, and on a shared machine every
+    multi-threaded kernel can wait a scheduler slice for its second thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def models(tiny_llama):
+    return BenchModels(tiny_llama, None, "tiny", torch.device("cpu"), torch.float32)
+
+
+def _check_outputs(out, name: str) -> dict:
+    data = json.loads((out / f"{name}.json").read_text())
+    png = (out / f"{name}.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+    assert data["bench"] == name
+    return data
+
+
+# -- theory helpers, hand-checked on the default model's shape -----------------------------------
+SMOLLM2 = bench.KVShape(layers=30, kv_heads=3, head_dim=64, elem_bytes=4)
+
+
+def test_entry_bytes():
+    assert SMOLLM2.entry_bytes == 3 * 64 * 2 * 4 == 1536
+
+
+def test_full_kv_bytes():
+    # 1024 tokens x 30 layers x 1536 bytes = 45 MiB exactly
+    assert bench.full_kv_bytes(1024, SMOLLM2) == 47_185_920 == 45 * 2**20
+    assert bench.full_kv_bytes(1024, SMOLLM2, batch=2) == 2 * 47_185_920
+
+
+def test_compressed_and_ragged_bytes():
+    assert bench.compressed_kv_bytes([128] * 30, SMOLLM2) == 3840 * 1536 == 5_898_240
+    assert bench.compressed_kv_bytes(np.full((2, 30), 128), SMOLLM2) == 2 * 5_898_240
+    counts = np.array([[[100, 128, 156]] * 30])  # (B=1, L=30, H_kv=3): per-head, same total
+    assert bench.ragged_kv_bytes(counts, SMOLLM2) == 384 * 30 * 64 * 2 * 4 == 5_898_240
+
+
+def test_peak_bounds():
+    # cascade: (B_total + S) entries, capped at the full cache
+    assert bench.cascade_peak_bound(3840, 1024, SMOLLM2) == (3840 + 1024) * 1536 == 7_471_104
+    assert bench.cascade_peak_bound(10**6, 1024, SMOLLM2) == bench.full_kv_bytes(1024, SMOLLM2)
+    # layer-wise: before layer m, the earlier layers' budgets; plus layer m's full prompt
+    shape = bench.KVShape(layers=3, kv_heads=1, head_dim=1, elem_bytes=1)  # one entry = 2 bytes
+    assert bench.layerwise_peak([10, 20, 30], 100, shape) == (10 + 20 + 100) * 2
+    assert bench.layerwise_peak([200, 200, 200], 100, shape) == 300 * 2  # budgets capped by the prompt
+
+
+def test_kvshape_rejects_nonsense():
+    with pytest.raises(ValueError):
+        bench.KVShape(layers=0, kv_heads=1, head_dim=1, elem_bytes=4)
+
+
+# -- shared prefill ---------------------------------------------------------------------------------
+def test_shared_prefill_equals_separate_prefills(tiny_llama):
+    """Every cache filled by one shared prefill holds exactly what its own prefill gives it."""
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(1))
+    specs = ["snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv", "snapkv,decode=fixed"]
+    shared = [build_cache(tiny_llama, s, BUDGET, WINDOW) for s in specs]
+    full = bench.FullCache()
+    bench.shared_prefill(tiny_llama, ids, shared, full)
+    assert not shared[0].followers and shared[0].full is None  # detached after the prefill
+    solo_full = bench.FullCache()
+    with torch.no_grad():
+        tiny_llama(ids, past_key_values=solo_full)
+    assert full.peak_kv_bytes == solo_full.peak_kv_bytes == dynamic_cache_bytes(solo_full)
+    for a, b in zip(full.layers, solo_full.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+    for spec, cache in zip(specs, shared, strict=True):
+        solo = build_cache(tiny_llama, spec, BUDGET, WINDOW)
+        with kvcake.enable(tiny_llama), torch.no_grad():
+            tiny_llama(ids, past_key_values=solo)
+        assert cache.prefill_peak_kv_bytes == solo.prefill_peak_kv_bytes, spec
+        assert cache.kv_bytes() == solo.kv_bytes(), spec
+        np.testing.assert_array_equal(cache.layer_counts(), solo.layer_counts())
+        for a, b in zip(cache.layers, solo.layers, strict=True):
+            assert torch.equal(a.positions, b.positions), spec
+            torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+
+
+# -- the benches ------------------------------------------------------------------------------------
+def test_memory_bench(models, tmp_path, capsys):
+    result = bench.bench_memory(
+        models, lengths=(48, 96), budget=BUDGET, window=WINDOW, rss_lengths=(48,), out=tmp_path
+    )
+    data = _check_outputs(tmp_path, "memory")
+    assert len(data["kv"]) == 2 * 6 and len(data["rss"]) == 6
+    assert "| S | method |" in capsys.readouterr().out
+    rows = {(r["method"], r["length"]): r for r in result["kv"]}
+    for s in (48, 96):
+        full = rows[("full", s)]
+        assert (
+            full["peak"]
+            == full["end"]
+            == full["peak_theory"]
+            == bench.full_kv_bytes(s, bench.KVShape.of(models.model))
+        )
+        for m in ("snapkv", "pyramidkv", "adakv"):  # layer-wise eviction: the formula is exact
+            assert rows[(m, s)]["peak"] == rows[(m, s)]["peak_theory"], m
+        for m in ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv"):
+            assert rows[(m, s)]["end"] == rows[(m, s)]["end_theory"] == rows[(m, s)]["counts_bytes"], m
+        assert rows[("cake-oneshot", s)]["peak"] == full["peak"]
+        cake = rows[("cake", s)]
+        layers = bench.KVShape.of(models.model).layers
+        assert cake["peak"] <= cake["cascade_bound"] + (layers - 1) * cake["entry_bytes"]
+        assert rows[("adakv", s)]["layout"] == ["ragged"]
+    assert all(t["ok"] for t in result["targets"])
+    assert all(r["peak"] > 0 for r in result["rss"])
+
+
+def test_memory_bench_beyond_the_models_positions(models, tmp_path):
+    """Prompts longer than the model's positions run a random model of the same shape."""
+    n = models.max_positions + 8
+    result = bench.bench_memory(
+        models, lengths=(n,), methods=("cake",), budget=BUDGET, window=WINDOW, rss_lengths=()
+    )
+    assert {r["model"] for r in result["kv"]} == {"random (tiny shape)"}
+    full = next(r for r in result["kv"] if r["method"] == "full")
+    assert full["peak"] == bench.full_kv_bytes(n, bench.KVShape.of(models.model))
+
+
+def test_prefill_bench(models, tmp_path):
+    result = bench.bench_prefill(models, lengths=(64,), methods=("snapkv", "cake"), budget=BUDGET, window=WINDOW,
+                                 repeats=1, out=tmp_path)  # fmt: skip
+    data = _check_outputs(tmp_path, "prefill")
+    assert [r["method"] for r in data["rows"]] == ["snapkv", "cake"]
+    assert [r["method"] for r in data["runs"]] == ["snapkv", "cake"]  # alternating with full runs
+    for r in result["rows"]:
+        assert r["s"] > 0 and r["full_s"] > 0 and np.isfinite(r["ratio"])
+        assert 0 < r["evict_s"] <= r["hook_s"] < r["s"]
+    assert {t["method"] for t in result["targets"]} == {"snapkv", "cake"}
+
+
+def test_decode_bench(models, tmp_path, capsys):
+    result = bench.bench_decode(models, lengths=(48, 64), methods=("snapkv", "adakv"), budgets=(BUDGET,),
+                                steps=2, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,
+                                ragged_length=64, out=tmp_path)  # fmt: skip
+    data = _check_outputs(tmp_path, "decode")
+    assert len(data["rows"]) == 2 * (1 + 2 * 2)  # per length: full + 2 methods x 2 policies
+    assert "Ragged (Ada-KV) vs uniform" in capsys.readouterr().out
+    for r in result["rows"]:
+        assert r["s"] > 0 and r["bound_s"] > 0 and r["kv_bytes"] > 0 and len(r["times"]) == 2
+        assert r["allowed"] >= 1.0 or r["method"] != "full"
+    full = [r for r in result["rows"] if r["method"] == "full"]
+    assert all(r["allowed"] == pytest.approx(1.0) and r["speedup"] == pytest.approx(1.0) for r in full)
+    fixed = [r for r in result["rows"] if r["policy"] == "fixed"]
+    assert all(r["hook_s"] > 0 for r in fixed)
+    assert {t["length"] for t in result["targets"]} == {64}
+
+
+def test_bandwidth(tmp_path):
+    result = bench.bench_bandwidth("cpu", size_bytes=2**20, repeats=2, out=tmp_path)
+    _check_outputs(tmp_path, "bandwidth")
+    assert result["read_gbps"] > 0 and result["copy_gbps"] > 0 and len(result["read_s"]) == 2
+    with pytest.raises(ValueError):
+        bench.measure_bandwidth("cpu", size_bytes=16)
+
+
+def test_peak_memory_sees_an_allocation():
+    with bench.PeakMemory(torch.device("cpu")) as mem:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, written
+        del x
+    assert mem.peak >= mem.base and mem.how
+
+
+# -- command line ----------------------------------------------------------------------------------
+def test_cli_parses_as_a_kvcake_subcommand():
+    parser = argparse.ArgumentParser(prog="kvcake")
+    sub = parser.add_subparsers(dest="command")
+    cli.configure_parser(sub)
+    args = parser.parse_args(["bench", "memory", "--lengths", "1k,2048", "--methods", "snapkv,cake",
+                              "--budget", "64", "--out", "x", "--quick"])  # fmt: skip
+    assert args.command == "bench" and args.which == "memory"
+    assert args.lengths == (1024, 2048) and args.methods == ("snapkv", "cake") and args.budget == 64
+    assert args.quick and args.out == "x"
+    args = parser.parse_args(
+        ["bench", "decode", "--methods", "snapkv,decode=fixed;cake", "--budgets", "128,512"]
+    )
+    assert args.methods == ("snapkv,decode=fixed", "cake") and args.budgets == (128, 512)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "nonsense"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "memory", "--lengths", "0"])
+
+
+def test_cli_all_writes_every_file_and_the_page(models, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("kvcake.bench.common.load_models", lambda *a, **k: models)
+    out, doc = tmp_path / "figures", tmp_path / "docs" / "benchmarks.md"
+    argv = ["all", "--lengths", "48,64", "--rss-lengths", "48", "--budget", str(BUDGET), "--budgets", str(BUDGET),
+            "--window", str(WINDOW), "--methods", "snapkv,cake,cake-oneshot,adakv", "--repeats", "1", "--steps", "2",
+            "--rounds", "1", "--bandwidth-mib", "1", "--out", str(out), "--doc", str(doc)]  # fmt: skip
+    assert cli.main(argv) == 0
+    for name in ("bandwidth", "memory", "prefill", "decode"):
+        _check_outputs(out, name)
+    page = doc.read_text()
+    for heading in ("# Benchmarks", "## Memory", "## Prefill time", "## Decode time per token"):
+        assert heading in page
+    assert "](../figures/memory.png)" in page and "PASS" in page
+    assert "python -m kvcake.bench all" in page
+    assert "torch_threads" in capsys.readouterr().out
+    # 'report' redraws the figures and rewrites the same page from the JSON, measuring nothing
+    (out / "memory.png").unlink()
+    doc.write_text("")
+    monkeypatch.setattr(
+        "kvcake.bench.common.load_models", lambda *a, **k: pytest.fail("report loads no model")
+    )
+    assert cli.main(["report", "--out", str(out)]) == 0
+    assert doc.read_text() == page and (out / "memory.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_cli_report_without_results(tmp_path, capsys):
+    assert cli.main(["report", "--out", str(tmp_path)]) == 2
+    assert "no complete results" in capsys.readouterr().err
+
+
+def test_bench_plugs_into_the_kvcake_command():
+    kvcake_cli = pytest.importorskip("kvcake.cli")
+    if not hasattr(kvcake_cli, "build_parser"):
+        pytest.skip("kvcake.cli has no build_parser")
+    args = kvcake_cli.build_parser().parse_args(["-v", "bench", "prefill", "--prefill-lengths", "2k"])
+    assert args.run is cli.run and args.verbose == 1 and args.prefill_lengths == (2048,)
