@@ -98,6 +98,8 @@ class KVCakeCache(Cache):
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0
         self._unconsumed: int | None = None
+        self._layer_bytes: list[int] | None = None
+        self._held_bytes = 0
         # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N)
         # on the CPU, -1 = empty): used by tests of the cascade's guarantees.
         self.record = record
@@ -137,7 +139,7 @@ class KVCakeCache(Cache):
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx
         PENDING.set((self, layer_idx, keys))
-        self._track_bytes()
+        self._track_bytes(layer_idx)
         return keys, values
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -156,8 +158,16 @@ class KVCakeCache(Cache):
         """Kept entries over sequences, layers and KV heads."""
         return sum(layer.entries() for layer in self.layers)
 
-    def _track_bytes(self) -> None:
-        now = self.kv_bytes()
+    def _track_bytes(self, layer_idx: int) -> None:
+        """Update the peak from layer ``layer_idx``'s change (a running total: re-summing every
+        layer on each update would cost O(L) per layer and step)."""
+        if getattr(self, "_layer_bytes", None) is None or len(self._layer_bytes) != len(self.layers):
+            self._layer_bytes = [layer.kv_bytes() for layer in self.layers]
+            self._held_bytes = sum(self._layer_bytes)
+        new = self.layers[layer_idx].kv_bytes()
+        self._held_bytes += new - self._layer_bytes[layer_idx]
+        self._layer_bytes[layer_idx] = new
+        now = self._held_bytes
         self.peak_kv_bytes = max(self.peak_kv_bytes, now)
         if not self.prefilled:
             self.prefill_peak_kv_bytes = max(self.prefill_peak_kv_bytes, now)
@@ -276,7 +286,7 @@ class KVCakeCache(Cache):
             return  # nothing to evict in this layer at this stage
         keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
         layer.evict(keep, counts_host, ragged=m.heads.ragged)
-        self._track_bytes()
+        self._track_bytes(layer_idx)
         if self.record:
             self.history.append((self._stage, layer_idx, layer.padded_positions().cpu().clone()))
 
@@ -323,7 +333,7 @@ class KVCakeCache(Cache):
         counts = np.minimum(layer.counts, budget)
         keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
         layer.evict(keep, counts, ragged=layer.layout == "ragged")
-        self._track_bytes()
+        self._track_bytes(layer_idx)
 
 
 def new_cache(model: torch.nn.Module, method: Method | str = "cake", **budget_kwargs) -> KVCakeCache:
