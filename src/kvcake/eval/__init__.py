@@ -1,4 +1,5 @@
-"""Evaluation data and scoring: RULER / NeedleBench-style synthetic tasks and LongBench."""
+"""Evaluation: RULER / NeedleBench-style synthetic tasks, LongBench, their scoring, and the runner
+(``run_eval``, ``kvcake eval``) that scores compression methods on them in both scenarios."""
 
 from kvcake.eval.haystack import FileHaystack, Haystack, NoiseHaystack, PaulGrahamHaystack, resolve_haystack
 from kvcake.eval.longbench import LongBenchSample, load_longbench, truncate_prompt, truncate_split
@@ -9,11 +10,13 @@ from kvcake.eval.metrics import (
     string_match_all,
     string_match_part,
 )
+from kvcake.eval.runner import EvalResult, run_eval
 from kvcake.eval.tasks import TASKS, Sample, make_samples
 
 __all__ = [
     "LONGBENCH_METRICS",
     "TASKS",
+    "EvalResult",
     "FileHaystack",
     "Haystack",
     "LongBenchSample",
@@ -23,6 +26,7 @@ __all__ = [
     "load_longbench",
     "make_samples",
     "resolve_haystack",
+    "run_eval",
     "score_longbench",
     "score_ruler",
     "string_match_all",

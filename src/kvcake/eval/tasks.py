@@ -467,7 +467,9 @@ NIAH_NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
 # "restated": the fact said twice in one insertion, with the question's own wording. The
 # default model (SmolLM2-135M) retrieves RULER's one-word needle in only 3-6 of 10 prompts with
 # the FULL cache at 2k tokens; restated, 9 of 10 (measured: see the README's Limitations).
-RESTATED_NEEDLE = "The special magic {type_s} for {key} is {value}. Remember it: the {type_s} for {key} is {value}."
+RESTATED_NEEDLE = (
+    "The special magic {type_s} for {key} is {value}. Remember it: the {type_s} for {key} is {value}."
+)
 NEEDLE_STYLES = ("ruler", "restated")
 
 
@@ -566,7 +568,9 @@ def _build_niah(
     queries = [keys[i] for i in asked]
     answers = [val for i in asked for val in values[i]]
     query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
-    preamble, question, prefix = _niah_texts(cfg.value_type, query, cfg.num_queries * v == 1, cfg.needle_style)
+    preamble, question, prefix = _niah_texts(
+        cfg.value_type, query, cfg.num_queries * v == 1, cfg.needle_style
+    )
     depths = _depths(cfg.depth, len(needles), rng)
     answer_needle = next(i for i, (_, val) in enumerate(needles) if val == answers[0])
     return _build_with_needles(
