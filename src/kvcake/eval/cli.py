@@ -28,6 +28,55 @@ EXAMPLES = (
 
 SYNTHETIC_SUITE_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 
+NOTES_RESULTS = """## Observations
+
+Written by hand from the run of 2026-11-22 (the tables above are regenerated from the results file
+on every run; this text is not, so check it against them after a rerun).
+
+- **Question-aware retrieval does not separate the methods; fidelity does.** On `niah_single` and
+  `niah_multikey` every method keeps the answer at every ratio down to 0.1 (the question sits in
+  the observation window, so even StreamingLLM's recent tokens are enough once the needle is
+  restated). The KL tables by task do separate them: at ratio 0.25 the SnapKV family (`snapkv`,
+  `criticalkv`, `adakv`, `critical-adakv`) is at 0.001-0.003 nats/token, `pyramidkv` 0.003-0.004,
+  TOVA and H2O 0.006-0.014, StreamingLLM 0.017-0.040, and CAKE 0.025-0.031.
+- **The full cache itself fails `variable_tracking`** (30 at 2k, 0 at 4k): its scores say nothing
+  there. At 2k its KL is two orders of magnitude above the NIAH tasks' and dominates the mean KL
+  of each summary table (at 4k, where the full cache's own continuation is an off-task numbered list, the KL is
+  small for every method). On it, H2O and CAKE move the model least (question-aware KL 0.09 at
+  ratio 0.25, against 0.26 for SnapKV and 0.67 for StreamingLLM): accumulated attention (H2O) and
+  layer budgets that follow attention dispersion (CAKE) both help when the facts are spread over
+  the whole context.
+- **Context-only compression collapses**, as the Ada-KV and CriticalKV papers report for larger
+  models: with the full cache at 100 on both NIAH tasks, the compressed caches score 0-75 on them
+  even at ratio 0.5 (0-25 at ratio 0.1); wrong answers are made-up words ("love", "fantasy") or,
+  on `niah_multikey`, often the needle's key instead of its value. H2O
+  is the most robust (lowest KL at every ratio, 0.05 at ratio 0.5 against 0.17 for SnapKV): its
+  scores come from every query of the context, not only from the last 32 tokens, which here are
+  filler unrelated to the question. CriticalKV's output-aware selection helps most in this
+  scenario (KL 0.085 vs SnapKV's 0.17 at ratio 0.5; `critical-adakv` 0.13 vs `adakv` 0.19), which
+  is the CriticalKV paper's claim. Ada-KV's per-head budgets do not beat uniform SnapKV on this
+  model (3 KV heads per layer leave little to redistribute).
+- **CAKE starves the early layers of this model.** Its preference allocation with the
+  temperatures the authors use for Llama-3.1-8B (`tau1=1.6`, `tau2=0.6`, and `tau2=0.4` from 512
+  entries per layer on: `kvcake.allocators.cake.default_tau`, applied to every `llama`-type model)
+  gave 11 of the 30 layers (0-6 and 8-11, in the `niah_single` 2k prompt inspected) little more
+  than their 32-token window while the last layers kept their whole prompt; the attention outputs
+  of those layers are perturbed by up to 120% (`eval_results_layers.png`). Hence CAKE's high
+  attention perturbation, its failure in the context-only scenario (0 at every ratio) and a
+  non-monotonic curve (question-aware perturbation 0.28, 0.40, 0.24 at ratios 0.1, 0.25, 0.5): at
+  2k tokens ratio 0.25 is 520 entries per layer, past the switch to `tau2=0.4`. The
+  implementation follows the paper's formula; the defaults do not transfer. A one-sample probe
+  with flatter temperatures (`cake,layers.tau1=1.0,layers.tau2=3.0`) brought CAKE's KL on
+  `niah_single` to SnapKV's level or below (0.0016 vs 0.0018 at ratio 0.25, 0.0001 vs 0.0003 at
+  0.5); the temperatures should be tuned per model before drawing conclusions about CAKE here.
+- **`cake` and `cake-oneshot` give identical numbers everywhere**: the cascade evicts stage by
+  stage yet ends at the one-shot cache (the CAKE paper's Theorem 1), while holding less memory
+  during prefill (see `docs/benchmarks.md`).
+- PyramidKV has about the same mean attention perturbation as SnapKV but twice its KL
+  (question-aware, ratio 0.5: 0.083 vs 0.038): its smaller budgets in the late layers presumably
+  cost more at the output than its larger early ones save.
+"""
+
 SUITES: dict[str, dict[str, object]] = {
     "results": {
         "methods": None,  # filled below: the full cache and every preset
@@ -45,13 +94,17 @@ SUITES: dict[str, dict[str, object]] = {
             "model: `niah_single` and `niah_multikey` with the needles in the *restated* wording (with RULER's "
             "own wording this 135M model misses the one-word needle in most prompts even with the full cache, "
             "which would leave nothing to compare), and `variable_tracking` (one chain of 4 hops; the full cache "
-            "names only some of the five variables). 2k and 4k tokens of Paul Graham essays, 2 samples each, "
+            "scores 30 at 2k tokens and 0 at 4k). 2k and 4k tokens of Paul Graham essays, 2 samples each, "
             "so every cell of the summary tables averages 12 prompts (3 tasks x 2 lengths x 2 samples) and a "
             "score difference of 10 points or less is noise. The other synthetic tasks (`niah_multivalue`, "
             "`niah_multiquery`, `common_words`, `multi_needle_reasoning`) were left out to keep the run near an "
-            "hour on two CPU cores: the full cache scored 0 on each of them in a one-sample check, so they "
-            "would add fidelity numbers but no task signal."
+            "hour on two CPU cores: the full cache scored 0 on `niah_multivalue`, `common_words` and "
+            "`multi_needle_reasoning` in a one-sample check at 2k tokens (`niah_multiquery` was not checked), "
+            "so they would add fidelity numbers but little task signal. `scripts/eval_results.sh --threads 1` "
+            "runs the command below; one thread because other jobs shared the two cores during the run (two "
+            "threads were then 2.5-6x slower)."
         ),
+        "notes": NOTES_RESULTS,
     },
 }
 
