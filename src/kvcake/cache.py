@@ -336,6 +336,19 @@ class KVCakeCache(Cache):
         self._track_bytes(layer_idx)
 
 
+def cache_kv_bytes(cache: Cache) -> int:
+    """Bytes of keys and values any transformers ``Cache`` holds now: ``kv_bytes()`` for a
+    KVCakeCache, else read off its layers' ``keys``/``values`` (e.g. a ``DynamicCache``)."""
+    if isinstance(cache, KVCakeCache):
+        return cache.kv_bytes()
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
 def new_cache(model: torch.nn.Module, method: Method | str = "cake", **budget_kwargs) -> KVCakeCache:
     """Shorthand for ``KVCakeCache(model, method, **budget_kwargs)``."""
     return KVCakeCache(model, method, **budget_kwargs)

@@ -16,16 +16,11 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
+from kvcake.cache import cache_kv_bytes
 from kvcake.eval.tasks import make_samples
 from kvcake.prompts import build_prompt
 
 logger = logging.getLogger("kvcake.demo")
-
-
-def _kv_bytes(cache) -> int:
-    if isinstance(cache, kvcake.KVCakeCache):
-        return cache.kv_bytes()
-    return sum(la.keys.numel() * la.keys.element_size() * 2 for la in cache.layers if la.keys is not None)
 
 
 def _run(model, ids, cache, max_new_tokens):
@@ -34,7 +29,7 @@ def _run(model, ids, cache, max_new_tokens):
         t0 = time.perf_counter()
         out = model(ids, past_key_values=cache, logits_to_keep=1)
         t1 = time.perf_counter()
-        peak = _kv_bytes(cache)
+        peak = cache_kv_bytes(cache)
         tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
         for _ in range(max_new_tokens - 1):
             if int(tokens[-1]) in _eos(model):

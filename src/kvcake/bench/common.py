@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from ..cache import KVCakeCache
+from ..cache import KVCakeCache, cache_kv_bytes
 from ..method import Method, make_method
 from ..ragged import flash_available
 
@@ -344,12 +344,7 @@ def _current_rss() -> int:
 # -- instrumented caches -------------------------------------------------------------------------
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
     """Bytes of keys and values a transformers ``DynamicCache`` holds, read off its layers."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    return cache_kv_bytes(cache)
 
 
 class FullCache(DynamicCache):

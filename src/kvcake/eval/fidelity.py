@@ -58,7 +58,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcake.api import CompressedContext
 from kvcake.attention import enable
-from kvcake.cache import PENDING, KVCakeCache
+from kvcake.cache import PENDING, KVCakeCache, cache_kv_bytes
 from kvcake.method import Method
 from kvcake.scorers import PrefillInputs, Scorer
 
@@ -300,14 +300,7 @@ def replay_compress(
 
 def cache_bytes(cache) -> int:
     """Bytes of keys and values a cache holds (``kv_bytes()`` for a KVCakeCache)."""
-    if hasattr(cache, "kv_bytes"):
-        return int(cache.kv_bytes())
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    return cache_kv_bytes(cache)
 
 
 # --------------------------------------------------------------------------------------------
