@@ -179,6 +179,13 @@ def _plot_metric(records: Sequence[Record], metric: str, path: Path, methods: Se
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
+    return _save(fig, axes, ylabel, path)
+
+
+def _save(fig, axes, ylabel: str, path: Path) -> Path:
+    """Shared ending of the per-scenario figures: y label, one legend on the right, save, close."""
+    import matplotlib.pyplot as plt
+
     axes[0][0].set_ylabel(ylabel)
     handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
@@ -219,13 +226,7 @@ def _plot_layers(records: Sequence[Record], path: Path, methods: Sequence[str] |
         ax.set_xlabel("layer")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("attention-output perturbation (rel. L1)")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, axes, "attention-output perturbation (rel. L1)", path)
 
 
 def write_plots(records: Sequence[Record], prefix: str | os.PathLike[str],
