@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..standalone import standalone_main
+
 EXAMPLES = (
     "kvcake bench memory --lengths 1024,2048,4096 --out bench-results",
     "kvcake bench decode --lengths 4k,16k --budgets 128,512 --methods snapkv,cake,adakv",
@@ -253,13 +255,4 @@ def _report(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvcake.bench``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kvcake.bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser, standalone=True)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    args.argv = argv
-    return run(args)
+    return standalone_main("python -m kvcake.bench", __doc__, add_arguments, run, argv)

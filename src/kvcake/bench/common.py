@@ -1,5 +1,6 @@
-"""What every benchmark shares: the machine's description, models and prompts, clocks, process
-memory, instrumented caches, and the JSON / markdown / PNG writers.
+"""What every benchmark shares: the machine's description, models and prompts; the clocks and process
+memory (``probes``), the instrumented caches (``caches``) and the JSON / markdown / PNG writers
+(``output``), imported from here as before.
 
 Conventions: one sequence per batch (``B = 1``); bytes are bytes (``MiB = 2**20``); times are
 seconds in JSON and milliseconds in tables.
@@ -8,27 +9,22 @@ seconds in JSON and milliseconds in tables.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import importlib.metadata
-import json
 import logging
 import os
 import platform
-import resource
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
-from ..cache import KVCakeCache, cache_kv_bytes
-from ..method import Method, make_method
 from ..ragged import flash_available
+from .caches import BenchCache, FullCache, build_cache, dynamic_cache_bytes, shared_prefill
+from .output import fmt, log_axes, markdown_table, median, new_figure, save_figure, verdict, write_json
+from .probes import Clock, PeakMemory
 
 logger = logging.getLogger(__name__)
 
@@ -241,275 +237,31 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-# -- clocks and memory -------------------------------------------------------------------------
-class Clock:
-    """Wall time on the CPU; on CUDA, events around the work and a synchronize before reading."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def time(self, fn: Callable[[], object]) -> tuple[float, object]:
-        """(seconds, result) of ``fn()``."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.sync()
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3, out
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-
-
-def _proc_status(key: str) -> int | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def _trim_heap() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's resident high-water mark (Linux >= 4.0); False where not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-@dataclass
-class PeakMemory:
-    """Peak memory of the process over a ``with`` block.
-
-    CPU: resident set size. The heap is trimmed and the kernel's high-water mark (``VmHWM``, what
-    ``getrusage().ru_maxrss`` reports) is reset on entry, so the peak is this block's; where that
-    reset is impossible the value is the process's lifetime peak (``how`` says which). RSS counts
-    weights, activations and what the allocator keeps, not just the KV cache.
-    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (tensors only).
-    """
-
-    device: torch.device
-    base: int = 0
-    peak: int = 0
-    how: str = ""
-
-    def __enter__(self) -> PeakMemory:
-        _trim_heap()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            self.how = "cuda max_memory_allocated"
-        elif _reset_peak_rss() and _proc_status("VmHWM") is not None:
-            self.base = _proc_status("VmRSS") or 0
-            self.how = "VmHWM after clear_refs"
-        else:
-            self.base = _current_rss()
-            self.how = "ru_maxrss (lifetime peak, not reset)"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        elif self.how.startswith("VmHWM"):
-            self.peak = _proc_status("VmHWM") or 0
-        else:
-            scale = 1 if sys.platform == "darwin" else 1024
-            self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-def _current_rss() -> int:
-    rss = _proc_status("VmRSS")
-    if rss is not None:
-        return rss
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-# -- instrumented caches -------------------------------------------------------------------------
-def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of keys and values a transformers ``DynamicCache`` holds, read off its layers."""
-    return cache_kv_bytes(cache)
-
-
-class FullCache(DynamicCache):
-    """transformers' ``DynamicCache``, plus its peak bytes (a full cache only grows)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peak_kv_bytes = 0
-        self.tracking = True  # set False before timing decode steps: the sum costs a little
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.tracking:
-            self.peak_kv_bytes = max(self.peak_kv_bytes, dynamic_cache_bytes(self))
-        return out
-
-    def kv_bytes(self) -> int:
-        return dynamic_cache_bytes(self)
-
-
-class BenchCache(KVCakeCache):
-    """A ``KVCakeCache`` that times its own work and can share one prefill with other caches.
-
-    Timers (seconds, wall clock, device synchronised): ``prefill_hook_s`` inside
-    ``after_prefill_attention`` (scoring, allocation, eviction), ``prefill_evict_s`` the part in
-    ``_evict_layer`` (selection and the copy), ``decode_hook_s`` inside ``after_extend_attention``
-    (decoding-time scoring and eviction). Overriding a private method is acceptable here: the
-    benchmark measures the core, it does not change it.
-
-    Followers (``follow``): other caches fed the very same keys, values and queries during this
-    cache's prefill, so one forward pass yields every method's compressed cache at once. Each
-    follower stores, scores and evicts on its own exactly as it would alone (the model's attention
-    reads the full prompt either way); ``detach()`` ends the sharing before decoding.
-    """
-
-    def __init__(self, model: torch.nn.Module, method: Method | str, **kwargs) -> None:
-        super().__init__(model, method, **kwargs)
-        self.clock = Clock(next(model.parameters()).device)
-        self.prefill_hook_s = 0.0
-        self.prefill_evict_s = 0.0
-        self.decode_hook_s = 0.0
-        self.decode_hook_calls = 0
-        self.followers: list[BenchCache] = []
-        self.full: FullCache | None = None
-
-    def follow(self, caches: Iterable[BenchCache], full: FullCache | None = None) -> BenchCache:
-        self.followers = list(caches)
-        self.full = full
-        return self
-
-    def detach(self) -> None:
-        self.followers, self.full = [], None
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        for other in self.followers:
-            other.update(key_states, value_states, layer_idx, *args, **kwargs)
-            other.consume(layer_idx)
-        if self.full is not None:
-            self.full.update(key_states, value_states, layer_idx)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def after_prefill_attention(self, layer_idx, module, query, key_valid, scaling) -> None:
-        self.clock.sync()
-        t0 = time.perf_counter()
-        super().after_prefill_attention(layer_idx, module, query, key_valid, scaling)
-        self.clock.sync()
-        self.prefill_hook_s += time.perf_counter() - t0
-        for other in self.followers:
-            other.after_prefill_attention(layer_idx, module, query, key_valid, scaling)
-
-    def _evict_layer(self, layer_idx, budget) -> None:
-        self.clock.sync()
-        t0 = time.perf_counter()
-        super()._evict_layer(layer_idx, budget)
-        self.clock.sync()
-        self.prefill_evict_s += time.perf_counter() - t0
-
-    def after_extend_attention(self, layer_idx, probs) -> None:
-        self.clock.sync()
-        t0 = time.perf_counter()
-        super().after_extend_attention(layer_idx, probs)
-        self.clock.sync()
-        self.decode_hook_s += time.perf_counter() - t0
-        self.decode_hook_calls += 1
-
-
-def build_cache(model: torch.nn.Module, spec: str, budget: int, window: int = 32) -> BenchCache:
-    return BenchCache(model, make_method(spec, budget=budget, window=window))
-
-
-def shared_prefill(
-    model: torch.nn.Module, ids: torch.Tensor, caches: Sequence[BenchCache], full: FullCache | None = None
-) -> None:
-    """Prefill ``ids`` (1, S) once into every cache of ``caches`` (and ``full``): see ``BenchCache``."""
-    from ..attention import enable
-
-    if not caches:
-        raise ValueError("shared_prefill needs at least one KVCakeCache")
-    lead = caches[0].follow(caches[1:], full)
-    try:
-        with enable(model), torch.no_grad():
-            model(ids, past_key_values=lead, logits_to_keep=1)
-    finally:
-        lead.detach()
-
-
-# -- statistics and output -------------------------------------------------------------------------
-def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def fmt(x: float | None, digits: int = 1) -> str:
-    if x is None or (isinstance(x, float) and x != x):
-        return "-"
-    return f"{x:.{digits}f}"
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def write_json(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=_jsonable) + "\n")
-    return path
-
-
-def _jsonable(x):
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if hasattr(x, "__dataclass_fields__"):
-        return asdict(x)
-    return str(x)
-
-
-def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.2):
-    """A matplotlib figure that touches no global backend state (no pyplot)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width * ncols, height), layout="constrained")
-    axes = fig.subplots(1, ncols, squeeze=False)[0]
-    return fig, list(axes)
-
-
-def log_axes(ax, xticks=None) -> None:
-    """Log-log axes with plain numbers at the given x ticks and no minor-tick labels."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    ax.set_xscale("log")
-    if xticks is not None:
-        ax.set_xticks(list(xticks), [str(x) for x in xticks])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-
-
-def save_figure(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+__all__ = [  # the caches, clocks and writers live in their own modules; imported from here as before
+    "DTYPES",
+    "MiB",
+    "BenchCache",
+    "BenchModels",
+    "Clock",
+    "FullCache",
+    "PeakMemory",
+    "build_cache",
+    "describe_machine",
+    "dynamic_cache_bytes",
+    "fmt",
+    "load_models",
+    "log_axes",
+    "machine_lines",
+    "markdown_table",
+    "median",
+    "new_figure",
+    "pick_device",
+    "prompt_ids",
+    "random_model_like",
+    "save_figure",
+    "shared_prefill",
+    "thread_probe",
+    "verdict",
+    "weight_bytes",
+    "write_json",
+]

@@ -22,6 +22,11 @@ def _fig(figures: Path, doc: Path, name: str, alt: str) -> str:
     return f"![{alt}]({Path(rel).as_posix()})"
 
 
+def _section(title: str, intro: str, tables: str, figure: str) -> list[str]:
+    """The opening every section shares: its heading, what was measured, the tables, the figure."""
+    return [f"## {title}", "", intro, "", tables, "", figure, ""]
+
+
 def _machine(machine: dict, total_s: float, command: str, date: str) -> str:
     rows = [
         ("device", machine.get("device_name")),
@@ -75,7 +80,7 @@ def _span(values) -> str:
 
 
 def _memory(result: dict, figures: Path, doc: Path) -> str:
-    parts = ["## Memory", "",
+    parts = _section("Memory",
              "One prefill per length fills the full cache (transformers' `DynamicCache`) and every method's "
              "`KVCakeCache` together (they all read the same keys, values and queries; each stores, scores and "
              "evicts on its own); bytes are read off each cache's tensors. Theory: `E = H_kv * d * 2 * bytes`; "
@@ -83,8 +88,8 @@ def _memory(result: dict, figures: Path, doc: Path) -> str:
              "`max_m (sum_{l<m} budget_l + S) * E`, CAKE's cascade bound `(B_total + S) * E`, CAKE without "
              "cascade `S * L * E`. Prompts longer than the model's positions run a randomly initialised model "
              "of the same shape (its memory is the real model's; its attention, and so CAKE's layer budgets, "
-             "are not).", "",
-             memory_bench.tables(result), "", _fig(figures, doc, "memory.png", "memory"), ""]  # fmt: skip
+             "are not).",
+             memory_bench.tables(result), _fig(figures, doc, "memory.png", "memory"))  # fmt: skip
     t = result["targets"]
     kv = result["kv"]
     longest = max(r["length"] for r in kv)
@@ -167,13 +172,13 @@ def _memory(result: dict, figures: Path, doc: Path) -> str:
 
 
 def _prefill(result: dict, figures: Path, doc: Path) -> str:
-    parts = ["## Prefill time", "",
+    parts = _section("Prefill time",
              "Full-cache and method prefills alternate in one run (`full, m1, full, m2, ...`, repeated); a "
              "method's ratio is the median over its pairs of `method / preceding full`. *In-cache* is the time "
              "inside `KVCakeCache.after_prefill_attention` (scoring, CAKE's preference and allocation, "
              "eviction), timed by a subclass in the bench; *eviction* is the part in `_evict_layer` "
-             "(selection, and the copy of kept entries).", "",
-             speed.prefill_tables(result), "", _fig(figures, doc, "prefill.png", "prefill"), ""]  # fmt: skip
+             "(selection, and the copy of kept entries).",
+             speed.prefill_tables(result), _fig(figures, doc, "prefill.png", "prefill"))  # fmt: skip
     t = result["targets"]
     if not t:
         return "\n".join(parts)
@@ -218,7 +223,7 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
 
 def _decode(result: dict, figures: Path, doc: Path) -> str:
     b = result["bandwidth"]
-    parts = ["## Decode time per token", "",
+    parts = _section("Decode time per token",
              f"Read bandwidth measured in this run: {b['read_gbps']:.1f} GB/s (copy: {b['copy_gbps']:.1f} GB/s), "
              f"over a {b['size_bytes'] / MiB:.0f} MiB tensor. *bound* = (weight bytes + KV bytes held) / read "
              "bandwidth: decoding reads every weight and every cached entry once per token. *allowed* = "
@@ -226,8 +231,8 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
              "target's measure. *eviction* is the time inside `after_extend_attention` per step (decode=fixed "
              "only); the attention that returns probabilities for it is in the step time but not in this "
              "column. One prefill per context fills every cache; each is then decoded alone, greedy, with "
-             "interleaved rounds.", "",
-             speed.decode_tables(result), "", _fig(figures, doc, "decode.png", "decode"), ""]  # fmt: skip
+             "interleaved rounds.",
+             speed.decode_tables(result), _fig(figures, doc, "decode.png", "decode"))  # fmt: skip
     rows = result["rows"]
     t = result["targets"]
     if not rows or not t:

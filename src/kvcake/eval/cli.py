@@ -21,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ..standalone import standalone_main
+
 EXAMPLES = (
     "kvcake eval --methods full,snapkv,cake --ratios 0.1,0.25 --tasks niah_single --lengths 2k --samples 2",
     "kvcake eval --suite results   # regenerates docs/results.md (about an hour on 2 CPU cores)",
@@ -306,13 +308,4 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvcake.eval``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kvcake.eval",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser, standalone=True)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    args.argv = argv
-    return run(args)
+    return standalone_main("python -m kvcake.eval", __doc__, add_arguments, run, argv)

@@ -1,0 +1,123 @@
+"""Instrumented caches: a full ``DynamicCache`` that tracks its peak bytes, and a ``KVCakeCache``
+that times its own work and shares one prefill with other caches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from ..cache import KVCakeCache, cache_kv_bytes
+from ..method import Method, make_method
+from .probes import Clock
+
+
+def dynamic_cache_bytes(cache: DynamicCache) -> int:
+    """Bytes of keys and values a transformers ``DynamicCache`` holds, read off its layers."""
+    return cache_kv_bytes(cache)
+
+
+class FullCache(DynamicCache):
+    """transformers' ``DynamicCache``, plus its peak bytes (a full cache only grows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak_kv_bytes = 0
+        self.tracking = True  # set False before timing decode steps: the sum costs a little
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.tracking:
+            self.peak_kv_bytes = max(self.peak_kv_bytes, dynamic_cache_bytes(self))
+        return out
+
+    def kv_bytes(self) -> int:
+        return dynamic_cache_bytes(self)
+
+
+class BenchCache(KVCakeCache):
+    """A ``KVCakeCache`` that times its own work and can share one prefill with other caches.
+
+    Timers (seconds, wall clock, device synchronised): ``prefill_hook_s`` inside
+    ``after_prefill_attention`` (scoring, allocation, eviction), ``prefill_evict_s`` the part in
+    ``_evict_layer`` (selection and the copy), ``decode_hook_s`` inside ``after_extend_attention``
+    (decoding-time scoring and eviction). Overriding a private method is acceptable here: the
+    benchmark measures the core, it does not change it.
+
+    Followers (``follow``): other caches fed the very same keys, values and queries during this
+    cache's prefill, so one forward pass yields every method's compressed cache at once. Each
+    follower stores, scores and evicts on its own exactly as it would alone (the model's attention
+    reads the full prompt either way); ``detach()`` ends the sharing before decoding.
+    """
+
+    def __init__(self, model: torch.nn.Module, method: Method | str, **kwargs) -> None:
+        super().__init__(model, method, **kwargs)
+        self.clock = Clock(next(model.parameters()).device)
+        self.prefill_hook_s = 0.0
+        self.prefill_evict_s = 0.0
+        self.decode_hook_s = 0.0
+        self.decode_hook_calls = 0
+        self.followers: list[BenchCache] = []
+        self.full: FullCache | None = None
+
+    def follow(self, caches: Iterable[BenchCache], full: FullCache | None = None) -> BenchCache:
+        self.followers = list(caches)
+        self.full = full
+        return self
+
+    def detach(self) -> None:
+        self.followers, self.full = [], None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        for other in self.followers:
+            other.update(key_states, value_states, layer_idx, *args, **kwargs)
+            other.consume(layer_idx)
+        if self.full is not None:
+            self.full.update(key_states, value_states, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def after_prefill_attention(self, layer_idx, module, query, key_valid, scaling) -> None:
+        self.clock.sync()
+        t0 = time.perf_counter()
+        super().after_prefill_attention(layer_idx, module, query, key_valid, scaling)
+        self.clock.sync()
+        self.prefill_hook_s += time.perf_counter() - t0
+        for other in self.followers:
+            other.after_prefill_attention(layer_idx, module, query, key_valid, scaling)
+
+    def _evict_layer(self, layer_idx, budget) -> None:
+        self.clock.sync()
+        t0 = time.perf_counter()
+        super()._evict_layer(layer_idx, budget)
+        self.clock.sync()
+        self.prefill_evict_s += time.perf_counter() - t0
+
+    def after_extend_attention(self, layer_idx, probs) -> None:
+        self.clock.sync()
+        t0 = time.perf_counter()
+        super().after_extend_attention(layer_idx, probs)
+        self.clock.sync()
+        self.decode_hook_s += time.perf_counter() - t0
+        self.decode_hook_calls += 1
+
+
+def build_cache(model: torch.nn.Module, spec: str, budget: int, window: int = 32) -> BenchCache:
+    return BenchCache(model, make_method(spec, budget=budget, window=window))
+
+
+def shared_prefill(
+    model: torch.nn.Module, ids: torch.Tensor, caches: Sequence[BenchCache], full: FullCache | None = None
+) -> None:
+    """Prefill ``ids`` (1, S) once into every cache of ``caches`` (and ``full``): see ``BenchCache``."""
+    from ..attention import enable
+
+    if not caches:
+        raise ValueError("shared_prefill needs at least one KVCakeCache")
+    lead = caches[0].follow(caches[1:], full)
+    try:
+        with enable(model), torch.no_grad():
+            model(ids, past_key_values=lead, logits_to_keep=1)
+    finally:
+        lead.detach()

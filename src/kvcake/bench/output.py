@@ -1,0 +1,75 @@
+"""Statistics and output of the benchmarks: medians, number formats, markdown tables, JSON and
+figures that touch no global matplotlib state."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "__dataclass_fields__"):
+        return asdict(x)
+    return str(x)
+
+
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.2):
+    """A matplotlib figure that touches no global backend state (no pyplot)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def log_axes(ax, xticks=None) -> None:
+    """Log-log axes with plain numbers at the given x ticks and no minor-tick labels."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    if xticks is not None:
+        ax.set_xticks(list(xticks), [str(x) for x in xticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def save_figure(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
