@@ -1,0 +1,5 @@
+"""``python -m kvcake.cli``: the ``kvcake`` command."""
+
+from kvcake.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""What the commands share once the options are parsed: reading inputs, laying out prompts,
+compressing, streaming the answer and the one-line summaries on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .options import _load, _method
+
+logger = logging.getLogger("kvcake.cli")
+
+
+def _read_text(path: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"no such file: {p}" if not p.exists() else f"{p} is not a file")
+    text = p.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{p} is empty")
+    return text
+
+
+def _use_chat(tokenizer, flag: bool | None) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if flag and not has:
+        raise ValueError("--chat-template: this tokenizer has no chat template (use --no-chat-template)")
+    return has if flag is None else flag
+
+
+def _context_ids(tokenizer, document: str, chat: bool) -> torch.Tensor:
+    from ..prompts import build_prompt
+
+    return build_prompt(tokenizer, document.strip() + "\n\n", "", chat=chat).context
+
+
+def _question_ids(tokenizer, question: str, chat: bool) -> torch.Tensor:
+    from ..prompts import build_prompt
+
+    if not question.strip():
+        raise ValueError("the question is empty")
+    return build_prompt(tokenizer, "", question, chat=chat).question
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+    from ..prompts import build_prompt
+
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    return build_prompt(tokenizer, prompt, "", chat=chat).full
+
+
+def _check_generation(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+
+
+def _gen_kwargs(args: argparse.Namespace, tokenizer) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+
+
+class _Streamer:
+    """Prints new tokens as whole words (transformers' ``TextStreamer``) and times them."""
+
+    def __init__(self, tokenizer) -> None:
+        from transformers import TextStreamer
+
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer.on_finalized_text = self._write
+        self._inner = streamer
+
+    @staticmethod
+    def _write(text: str, stream_end: bool = False) -> None:
+        sys.stdout.write(text + ("\n" if stream_end else ""))
+        sys.stdout.flush()
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._inner.next_tokens_are_prompt:
+            self.last = time.perf_counter()
+            self.first = self.first or self.last
+            self.count += value.numel()
+        self._inner.put(value)
+
+    def end(self) -> None:
+        self._inner.end()
+
+    def decode_rate(self) -> float | None:
+        if self.count < 2 or self.first is None or self.last <= self.first:
+            return None
+        return (self.count - 1) / (self.last - self.first)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def cache_summary(cache, label: str) -> str:
+    """One line: entries and bytes kept against a full cache holding the same tokens."""
+    info = cache.info
+    tokens = cache.layers[0].length
+    batch = cache.layers[0].batch
+    kept = cache.kept_entries()
+    full = batch * tokens * info.num_layers * info.num_kv_heads
+    element = cache.layers[0].keys.element_size()
+    full_bytes = full * 2 * info.head_dim * element
+    return (f"{label}: {cache.method.name} kept {kept:,} of {full:,} KV entries ({100 * kept / full:.1f}%), "
+            f"{_fmt_bytes(cache.kv_bytes())} vs {_fmt_bytes(full_bytes)} full "
+            f"({100 * cache.kv_bytes() / full_bytes:.1f}%)")  # fmt: skip
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "- tok/s"
+
+
+def _report(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+# Prompts at least this long show a per-layer prefill bar on an interactive terminal.
+_PROGRESS_MIN_TOKENS = 1024
+
+
+def _compress(model, ids: torch.Tensor, method):
+    from ..api import compress
+
+    start = time.perf_counter()
+    ctx = compress(model, ids, method, progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty())
+    seconds = time.perf_counter() - start
+    logger.info("compressed %d tokens in %.2f s (%s) with %s", ids.shape[1], seconds,
+                _rate(ids.shape[1], seconds), method.describe())  # fmt: skip
+    return ctx, seconds
+
+
+def _context_from_args(args: argparse.Namespace):
+    """(model, tokenizer, compressed context, chat layout, prefill line) from --context-file or --load."""
+    if args.load:
+        from ..storage import load_context, read_context_info
+
+        if args.method or args.budget is not None or args.ratio is not None or args.window is not None:
+            raise ValueError(
+                "--load uses the method saved with the context: drop --method/--budget/--ratio/--window"
+            )
+        info = read_context_info(args.load)
+        extra = info.get("extra") or {}
+        model, tokenizer = _load(args, extra.get("model"))
+        start = time.perf_counter()
+        ctx = load_context(model, args.load)
+        chat = extra.get("chat")
+        if chat is None:
+            chat = _use_chat(tokenizer, args.chat_template)
+        elif args.chat_template is not None and args.chat_template != chat:
+            logger.warning("%s was made %s the chat template: its questions are too", args.load,
+                           "with" if chat else "without")  # fmt: skip
+        line = f"loaded {ctx.input_ids.shape[1]} context tokens from {args.load} in {time.perf_counter() - start:.2f} s"
+        return model, tokenizer, ctx, chat, line
+    method = _method(args)
+    document = _read_text(args.context_file)
+    model, tokenizer = _load(args)
+    chat = _use_chat(tokenizer, args.chat_template)
+    ids = _context_ids(tokenizer, document, chat).to(args.device)
+    ctx, seconds = _compress(model, ids, method)
+    line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
+    return model, tokenizer, ctx, chat, line
+
+
+def _answer(ctx, tokenizer, question: str, chat: bool, gen: dict) -> tuple[torch.Tensor, _Streamer, float]:
+    q_ids = _question_ids(tokenizer, question, chat).to(ctx.input_ids.device)
+    streamer = _Streamer(tokenizer)
+    start = time.perf_counter()
+    out = ctx.generate(q_ids, streamer=streamer, **gen)
+    return out, streamer, start
+
+
+def _fmt_rate(streamer: _Streamer) -> str:
+    rate = streamer.decode_rate()
+    return "-" if rate is None else f"{rate:.1f} tok/s"

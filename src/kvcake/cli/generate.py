@@ -1,0 +1,71 @@
+"""``kvcake generate``: answer a prompt, or a question about a document."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .common import (
+    _PROGRESS_MIN_TOKENS,
+    _answer,
+    _check_generation,
+    _context_from_args,
+    _fmt_rate,
+    _gen_kwargs,
+    _prompt_ids,
+    _rate,
+    _report,
+    _Streamer,
+    _use_chat,
+    cache_summary,
+)
+from .options import _generation_args, _layout_args, _load, _method, _method_args
+
+
+def _configure_generate(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the whole prompt, compressed with the question (question-aware)")
+    src.add_argument(
+        "--context-file", help="a document to compress; --question is asked after it (context-only)"
+    )
+    src.add_argument(
+        "--load", metavar="FILE", help="a context saved with 'kvcake save'; --question is asked after it"
+    )
+    p.add_argument("--question", help="the question asked after --context-file or --load")
+    _method_args(p)
+    _layout_args(p)
+    _generation_args(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    _check_generation(args)
+    if args.prompt is not None and args.question is not None:
+        raise ValueError("--question goes with --context-file or --load; put it inside --prompt instead")
+    if args.prompt is None and args.question is None:
+        raise ValueError("--context-file and --load need --question")
+    if args.prompt is None:
+        model, tokenizer, ctx, chat, prefill = _context_from_args(args)
+        gen = _gen_kwargs(args, tokenizer)
+        out, streamer, start = _answer(ctx, tokenizer, args.question, chat, gen)
+        first = (streamer.first or time.perf_counter()) - start
+        _report(f"{cache_summary(ctx.cache, 'context')} | {prefill} | question + first token {first:.2f} s | "
+                f"{out.shape[1]} new tokens, decode {_fmt_rate(streamer)}")  # fmt: skip
+        return 0
+    from ..api import generate
+
+    method = _method(args)
+    model, tokenizer = _load(args)
+    gen = _gen_kwargs(args, tokenizer)
+    ids = _prompt_ids(tokenizer, args.prompt, _use_chat(tokenizer, args.chat_template)).to(args.device)
+    streamer = _Streamer(tokenizer)
+    start = time.perf_counter()
+    out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,
+                          progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(), **gen)  # fmt: skip
+    first = (streamer.first or time.perf_counter()) - start
+    _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + first token {first:.2f} s "
+            f"({_rate(ids.shape[1], first)}) | {out.shape[1] - ids.shape[1]} new tokens, decode "
+            f"{_fmt_rate(streamer)}")  # fmt: skip
+    return 0
