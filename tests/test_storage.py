@@ -141,7 +141,7 @@ def _rewrite(path, out, edit_meta=None, drop=None):
         del tensors[drop]
     text = json.dumps(meta, sort_keys=True)
     safetensors.torch.save_file(
-        tensors, str(out), metadata={"kvcake": text, "kvcake.sha256": storage._digest(text, tensors)}
+        tensors, str(out), metadata={"kvcake": text, "kvcake.sha256": storage.format._digest(text, tensors)}
     )
     return out
 
@@ -181,14 +181,14 @@ def test_save_is_atomic(saved, monkeypatch, tmp_path):
         fh.write(data[: len(data) // 2])
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage, "_write_chunks", crash)
+    monkeypatch.setattr(storage.writer, "_write_chunks", crash)
     with pytest.raises(OSError, match="disk full"):
         save_context(ctx, target)
     assert not target.exists() and list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     save_context(ctx, target)
     before = target.read_bytes()
-    monkeypatch.setattr(storage, "_write_chunks", crash)
+    monkeypatch.setattr(storage.writer, "_write_chunks", crash)
     with pytest.raises(OSError):
         save_context(ctx, target)
     assert target.read_bytes() == before and list(tmp_path.iterdir()) == [target]  # the old file survives

@@ -5,15 +5,15 @@ cache), CriticalKV (output-aware selection) and the baselines they compare with,
 composable parts: a layer allocator x a head allocator x a token scorer x a selector.
 """
 
-from .api import CompressedContext, compress, generate
+from .api import compress, generate
 from .attention import enable
 from .budget import BudgetSpec
 from .cache import KVCakeCache
-from .method import PRESETS, Method, list_methods, make_method
+from .context import CompressedContext
+from .method import PRESETS, Method, list_methods, make_method, method_spec
 from .models import DEFAULT_MODEL, load_model
-from .storage import ContextFileError, load_context, method_spec, save_context
-
-__version__ = "0.1.0"
+from .storage import ContextFileError, load_context, save_context
+from .version import __version__
 
 __all__ = [
     "DEFAULT_MODEL",

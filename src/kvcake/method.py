@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .allocators import AdaKV, CakeAllocator, LayerAllocator, Pyramid, RandomSplit, Uniform, UniformHeads
 from .allocators.adakv import HeadAllocator
@@ -78,8 +79,6 @@ class Method:
 
     def describe(self) -> str:
         """The preset name and the full composed spec (every non-default option), with the budget."""
-        from .storage import method_spec  # storage builds on this module
-
         return f"{self.name}[{method_spec(self)}] {self.budget.describe()} window={self.budget.window}"
 
     def replace(self, **changes) -> Method:
@@ -183,3 +182,56 @@ def list_methods() -> list[tuple[str, str]]:
         (name, f"{desc} [layers={p[0]}, heads={p[1]}, score={p[2]}, select={p[3]}, decode={p[4]}]")
         for name, (*p, desc) in PRESETS.items()
     ]
+
+
+# -- the method as a string make_method rebuilds ----------------------------------------------------
+def method_spec(method: Method) -> str:
+    """A composed string that ``make_method(spec, budget=..., ratio=..., window=...)`` turns
+    back into an equal method (same parts, same field values; the name is kept separately).
+
+    Each part is named by its registry key and every field that differs from its default is
+    written as ``part.field=value``. Raises ``ValueError`` for a part that is not in a registry
+    or whose options cannot be written as text (the round trip is checked, never assumed).
+    """
+    tokens: list[str] = []
+    for key, part, registry in (
+        ("layers", method.layers, LAYER_ALLOCATORS),
+        ("heads", method.heads, HEAD_ALLOCATORS),
+        ("score", method.scorer, SCORERS),
+        ("select", method.selector, SELECTORS),
+    ):
+        name = next((k for k, factory in registry.items() if factory is type(part)), None)
+        if name is None:
+            raise ValueError(f"cannot save a method whose {key} part {type(part).__name__} is not registered")
+        tokens.append(f"{key}={name}")
+        if dataclasses.is_dataclass(part):
+            for f in dataclasses.fields(part):
+                if not f.init:
+                    continue
+                value = getattr(part, f.name)
+                default = f.default if f.default is not dataclasses.MISSING else None
+                if value == default and type(value) is type(default):
+                    continue
+                tokens.append(f"{key}.{f.name}={_format_value(value)}")
+    tokens.append(f"decode={method.decode}")
+    spec = ",".join(tokens)
+    rebuilt = _rebuild_method(
+        spec, method.budget.budget, method.budget.ratio, method.budget.window, method.name
+    )
+    if rebuilt != method:
+        raise ValueError(f"cannot save method {method.describe()}: it does not round-trip through {spec!r}")
+    return spec
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str) and value and not any(c in value for c in ",="):
+        return value
+    raise ValueError(f"cannot write the method option {value!r} as text")
+
+
+def _rebuild_method(spec: str, budget: int | None, ratio: float | None, window: int, name: str) -> Method:
+    return make_method(spec, budget=budget, ratio=ratio, window=window).replace(name=name)

@@ -1,0 +1,46 @@
+"""Save a compressed context to disk and load it back, bit for bit.
+
+File format (one file, conventionally ``*.kvc``): an ordinary safetensors file. The tensors
+are the cache's exact state; the JSON description lives in the safetensors metadata header
+under the key ``"kvcake"``, and a SHA-256 digest of that JSON plus every tensor (name, dtype,
+shape, bytes) under ``"kvcake.sha256"``, so a corrupted file is refused instead of answering
+wrongly (safetensors itself checks the header's structure, not the data).
+
+Tensors (``l`` is a layer index, ``B`` the batch, ``L`` the layers, ``H_kv`` the KV heads):
+
+* ``context.input_ids`` / ``context.attention_mask`` (B, S), ``context.logits`` (B, vocab);
+* ``layers.l.keys`` / ``layers.l.values``: dense (B, H_kv, N, d) or ragged flattened (T, d);
+  ``layers.l.positions`` (same layout, -1 = empty slot); ``layers.l.counts`` (B, H_kv);
+  ``layers.l.lengths`` (B * H_kv,) for ragged layers; ``layers.l.scores`` when the cache keeps
+  its eviction scores while decoding (H2O with the ``fixed`` policy);
+* ``cache.budgets`` (B, L), ``cache.decode_budget`` (B, L, H_kv), ``cache.stage_budgets.i``
+  (B, i + 1) for the cascade's stages, ``cache.entropy`` / ``cache.variance`` /
+  ``cache.preferences`` (L, B) for CAKE allocation, ``cache.seq.*`` (B,) the per-sequence
+  budget facts.
+
+The JSON holds the format version, the library version, the model (fingerprint, type, shapes,
+dtype), the method (``Method.describe()``, a composed ``spec`` string that ``make_method``
+rebuilds exactly, and its budget, ratio and window), each layer's layout and logical length,
+the final budgets, and a free ``extra`` dict for the caller (the CLI keeps its prompt layout
+there).
+
+Writing is atomic: the bytes go to a temporary file in the target's folder, which is fsynced
+and renamed over the target with ``os.replace``; a crash leaves the old file (or none).
+
+Modules: ``format`` (shared by both sides), ``writer`` (``save_context``), ``reader``
+(``read_context_info``, ``load_context``). ``method_spec`` lives with the method (``kvcake.method``).
+"""
+
+from ..method import method_spec
+from .format import FORMAT_VERSION, ContextFileError
+from .reader import load_context, read_context_info
+from .writer import save_context
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ContextFileError",
+    "load_context",
+    "method_spec",
+    "read_context_info",
+    "save_context",
+]

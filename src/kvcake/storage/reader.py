@@ -1,0 +1,184 @@
+"""Reading a compressed context back: header checks, digest, model match, the exact cache state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ..cache import KVCakeCache, SequenceBudgets
+from ..context import CompressedContext
+from ..method import _rebuild_method
+from ..ragged import RaggedMeta
+from .format import _DIGEST_KEY, _MAX_HEADER, _META_KEY, ContextFileError, _digest, _read_header
+from .writer import _model_meta
+
+logger = logging.getLogger("kvcake.storage")
+
+
+def read_context_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON description of a saved context (model, method, budgets, ``extra``), read from
+    its header only: cheap, and no model needed. Raises ``FileNotFoundError`` or
+    ``ContextFileError``."""
+    p = Path(path).expanduser()
+    size = _file_size(p)
+    with open(p, "rb") as fh:
+        head = fh.read(8)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            head += fh.read(min(n, _MAX_HEADER + 1))
+    return _read_header(p, head, size)
+
+
+def _file_size(p: Path) -> int:
+    if not p.exists():
+        raise FileNotFoundError(f"no such context file: {p}")
+    if p.is_dir():
+        raise ContextFileError(f"{p} is a directory, not a kvcake context file")
+    return p.stat().st_size
+
+
+def load_context(model: torch.nn.Module, path: str | os.PathLike[str]) -> CompressedContext:
+    """Rebuild the :class:`~kvcake.api.CompressedContext` saved at ``path`` for ``model``.
+
+    The cache gets exactly the saved state (entries, positions, layouts, budgets, decoding
+    budgets, scores), so next-token logits and generations equal those of the saved context.
+    Tensors go to the model's device.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ContextFileError
+        The file was saved for another model (fingerprint), with another KV dtype, in an
+        unknown format version, or it is truncated, corrupted or incomplete.
+    """
+    p = Path(path).expanduser()
+    size = _file_size(p)
+    data = p.read_bytes()
+    meta = _read_header(p, data, size)
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as err:  # safetensors raises its own error type for any malformed file
+        raise ContextFileError(f"{p} is corrupted or truncated: safetensors cannot read it ({err})") from None
+    header_len = struct.unpack("<Q", data[:8])[0]
+    stored = json.loads(data[8 : 8 + header_len])["__metadata__"]
+    del data
+    if stored.get(_DIGEST_KEY) != _digest(stored[_META_KEY], tensors):
+        raise ContextFileError(f"{p} is corrupted: its checksum does not match its contents")
+    _check_model(p, meta, model)
+    try:
+        return _rebuild(model, meta, tensors)
+    except KeyError as err:
+        raise ContextFileError(f"{p} is incomplete: {err.args[0]!r} is missing") from None
+    except ContextFileError as err:
+        raise ContextFileError(f"{p}: {err}") from None
+
+
+def _describe_saved(m: dict[str, Any]) -> str:
+    name = m.get("name_or_path") or "?"
+    return (f"{name!r} ({m.get('model_type')}, {m.get('num_layers')} layers, {m.get('num_kv_heads')} KV heads "
+            f"x {m.get('head_dim')}, fingerprint {m.get('fingerprint')})")  # fmt: skip
+
+
+def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> None:
+    saved = meta.get("model") or {}
+    here = _model_meta(model)
+    if saved.get("fingerprint") != here["fingerprint"] or any(
+        saved.get(k) != here[k] for k in ("model_type", "num_layers", "num_kv_heads", "head_dim")
+    ):
+        raise ContextFileError(
+            f"{path} was saved for model {_describe_saved(saved)}; this is {_describe_saved(here)}"
+        )
+    if meta.get("kv_dtype") != here["dtype"]:
+        raise ContextFileError(
+            f"{path} holds {meta.get('kv_dtype')} keys and values but the model runs in {here['dtype']}: "
+            f"load the model with dtype=torch.{meta.get('kv_dtype')}"
+        )
+
+
+def _rebuild(
+    model: torch.nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> CompressedContext:
+    device = next(model.parameters()).device
+    m = meta["method"]
+    try:
+        method = _rebuild_method(m["spec"], m["budget"], m["ratio"], m["window"], m["name"])
+    except ValueError as err:
+        raise ContextFileError(f"its method {m.get('describe')!r} cannot be rebuilt: {err}") from None
+    if method.describe() != m["describe"]:
+        raise ContextFileError(
+            f"its method rebuilds as {method.describe()!r}, not the saved {m['describe']!r}"
+        )
+    cache = KVCakeCache(model, method)
+    info = cache.info
+    batch = meta["context"]["batch"]
+    layers_meta = meta["layers"]
+    if len(layers_meta) != info.num_layers:
+        raise ContextFileError(f"it has {len(layers_meta)} layers, the model {info.num_layers}")
+    for lid, (layer, lm) in enumerate(zip(cache.layers, layers_meta, strict=True)):
+        prefix = f"layers.{lid}."
+        keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
+        positions, counts = tensors[prefix + "positions"], tensors[prefix + "counts"]
+        if tuple(counts.shape) != (batch, info.num_kv_heads) or keys.shape != values.shape:
+            raise ContextFileError(f"layer {lid} has inconsistent shapes")
+        if lm["layout"] == "dense":
+            n = keys.shape[2] if keys.dim() == 4 else -1
+            if (
+                tuple(keys.shape) != (batch, info.num_kv_heads, n, info.head_dim)
+                or positions.shape != keys.shape[:3]
+            ):
+                raise ContextFileError(f"layer {lid}: dense keys {tuple(keys.shape)} do not fit the model")
+            layer.meta = None
+        elif lm["layout"] == "ragged":
+            lengths = tensors[prefix + "lengths"]
+            total = int(lengths.sum())
+            if (tuple(keys.shape) != (total, info.head_dim) or tuple(positions.shape) != (total,)
+                    or not torch.equal(lengths, counts.reshape(-1))):  # fmt: skip
+                raise ContextFileError(f"layer {lid}: ragged keys {tuple(keys.shape)} do not fit its lengths")
+            layer.meta = RaggedMeta.from_lengths(lengths.to(device), int(lm["max_len"]))
+        else:
+            raise ContextFileError(f"layer {lid} has an unknown layout {lm['layout']!r}")
+        layer.keys, layer.values = keys.to(device), values.to(device)
+        layer.positions = positions.to(device)
+        layer.scores = tensors[prefix + "scores"].to(device) if lm["has_scores"] else None
+        layer.norms = None
+        layer.counts = counts.numpy().astype(np.int64)
+        layer.layout, layer.plain, layer.length = lm["layout"], bool(lm["plain"]), int(lm["length"])
+        layer.batch, layer.kv_heads = batch, info.num_kv_heads
+        layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
+        layer.is_initialized = True
+    c = meta["cache"]
+    cache.budgets = tensors["cache.budgets"]
+    cache.decode_budget = tensors["cache.decode_budget"].numpy().astype(np.int64)
+    cache.stage_budgets = [tensors[f"cache.stage_budgets.{i}"] for i in range(c["num_stages"])]
+    for name in ("entropy", "variance", "preferences"):
+        key = f"cache.{name}"
+        setattr(cache, name, [row.to(device) for row in tensors[key]] if key in tensors else [])
+    if "cache.seq.lengths" in tensors:
+        cache.seq = SequenceBudgets(**{f.name: tensors[f"cache.seq.{f.name}"]
+                                       for f in dataclasses.fields(SequenceBudgets)})  # fmt: skip
+    cache._tau = tuple(c["tau"]) if c["tau"] is not None else None
+    cache.peak_kv_bytes = int(c["peak_kv_bytes"])
+    cache.prefill_peak_kv_bytes = int(c["prefill_peak_kv_bytes"])
+    cache.prefilled = True
+    if cache.kept_entries() != c["kept_entries"] or cache.kv_bytes() != c["kv_bytes"]:
+        raise ContextFileError("the rebuilt cache does not hold what was saved")
+    ctx = CompressedContext(
+        model,
+        cache,
+        tensors["context.input_ids"].to(device),
+        tensors["context.attention_mask"].to(device),
+        tensors["context.logits"].to(device),
+    )
+    if tuple(ctx.input_ids.shape) != (batch, meta["context"]["length"]):
+        raise ContextFileError("its context ids do not match its description")
+    return ctx

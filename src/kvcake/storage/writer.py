@@ -1,0 +1,169 @@
+"""Writing a compressed context: its tensors and JSON into one safetensors file, atomically."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ..adapters import describe_model
+from ..cache import KVCakeCache, SequenceBudgets
+from ..method import method_spec
+from ..version import __version__
+from .format import _CHUNK, _DIGEST_KEY, _META_KEY, FORMAT_NAME, FORMAT_VERSION, _digest
+
+logger = logging.getLogger("kvcake.storage")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning its storage (safetensors refuses shared storage)."""
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def _model_meta(model: torch.nn.Module) -> dict[str, Any]:
+    from ..models import model_fingerprint
+
+    info = describe_model(model)
+    return {
+        "fingerprint": model_fingerprint(model),
+        "name_or_path": str(getattr(model.config, "_name_or_path", "") or ""),
+        "model_type": info.model_type,
+        "num_layers": info.num_layers,
+        "num_heads": info.num_heads,
+        "num_kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
+
+
+def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None = None) -> Path:
+    """Write ``ctx`` to ``path`` atomically (see the module docstring for the format).
+
+    Parameters
+    ----------
+    ctx:
+        A prefilled :class:`~kvcake.context.CompressedContext` (from :func:`kvcake.compress`); its type
+        is not imported here, because ``CompressedContext.save`` calls this function.
+    path:
+        Target file; its folder is created if needed, an existing file is replaced.
+    extra:
+        JSON-serialisable facts to keep with the context (returned by ``read_context_info``).
+
+    Returns the path written.
+    """
+    cache = ctx.cache
+    if not isinstance(cache, KVCakeCache) or not cache.prefilled:
+        raise ValueError("only a prefilled KVCakeCache can be saved (make it with kvcake.compress)")
+    method = cache.method
+    tensors: dict[str, torch.Tensor] = {
+        "context.input_ids": _host(ctx.input_ids),
+        "context.attention_mask": _host(ctx.attention_mask),
+        "context.logits": _host(ctx.logits),
+        "cache.budgets": _host(cache.budgets),
+        "cache.decode_budget": torch.from_numpy(np.ascontiguousarray(cache.decode_budget, dtype=np.int64)),
+    }
+    for i, stage in enumerate(cache.stage_budgets):
+        tensors[f"cache.stage_budgets.{i}"] = _host(stage)
+    for name in ("entropy", "variance", "preferences"):
+        values = getattr(cache, name)
+        if values:
+            tensors[f"cache.{name}"] = _host(torch.stack([v.to("cpu") for v in values]))  # (L, B)
+    if cache.seq is not None:
+        for f in dataclasses.fields(SequenceBudgets):
+            tensors[f"cache.seq.{f.name}"] = _host(getattr(cache.seq, f.name))
+    layers_meta = []
+    kv_dtype = None
+    for lid, layer in enumerate(cache.layers):
+        if layer.keys is None:
+            raise ValueError(f"layer {lid} of the cache is empty: nothing to save")
+        kv_dtype = layer.keys.dtype
+        prefix = f"layers.{lid}."
+        tensors[prefix + "keys"] = _host(layer.keys)
+        tensors[prefix + "values"] = _host(layer.values)
+        tensors[prefix + "positions"] = _host(layer.positions)
+        tensors[prefix + "counts"] = torch.from_numpy(np.ascontiguousarray(layer.counts, dtype=np.int64))
+        if layer.scores is not None:
+            tensors[prefix + "scores"] = _host(layer.scores)
+        entry = {"layout": layer.layout, "plain": bool(layer.plain), "length": int(layer.length),
+                 "has_scores": layer.scores is not None}  # fmt: skip
+        if layer.layout == "ragged":
+            tensors[prefix + "lengths"] = _host(layer.meta.lengths)
+            entry["max_len"] = int(layer.meta.max_len)
+        layers_meta.append(entry)
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "kvcake_version": __version__,
+        "model": _model_meta(ctx.model),
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "method": {
+            "describe": method.describe(),
+            "name": method.name,
+            "spec": method_spec(method),
+            "budget": method.budget.budget,
+            "ratio": method.budget.ratio,
+            "window": method.budget.window,
+        },
+        "context": {"batch": int(ctx.input_ids.shape[0]), "length": int(ctx.input_ids.shape[1])},
+        "cache": {
+            "prefilled": True,
+            "peak_kv_bytes": int(cache.peak_kv_bytes),
+            "prefill_peak_kv_bytes": int(cache.prefill_peak_kv_bytes),
+            "tau": list(cache._tau) if cache._tau is not None else None,
+            "num_stages": len(cache.stage_budgets),
+            "kv_bytes": int(cache.kv_bytes()),
+            "kept_entries": int(cache.kept_entries()),
+        },
+        "budgets": cache.budgets.tolist(),
+        "layers": layers_meta,
+        "extra": extra or {},
+    }
+    meta_json = json.dumps(meta, sort_keys=True)
+    blob = safetensors.torch.save(
+        tensors, metadata={_META_KEY: meta_json, _DIGEST_KEY: _digest(meta_json, tensors)}
+    )
+    target = Path(path).expanduser()
+    _write_atomically(target, blob)
+    logger.info("saved %s (%d bytes, %s)", target, len(blob), method.describe())
+    return target
+
+
+def _write_chunks(fh, data: bytes) -> None:
+    view = memoryview(data)
+    for start in range(0, len(view), _CHUNK):
+        fh.write(view[start : start + _CHUNK])
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    """Temporary file in the target's folder, fsync, ``os.replace``; nothing left on failure."""
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a directory: give a file name such as {target / 'context.kvc'}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            _write_chunks(fh, data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable (not possible on every platform)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
