@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-from kvcake import models
+from kvcake import conversion, models
 from kvcake.models import (
     DEFAULT_MODEL,
     BuiltinModel,
@@ -170,7 +170,7 @@ def test_atomic_write_replaces_stale_folder_and_cleans_up(tmp_path):
     def build(folder):
         (folder / "new.txt").write_text("new")
 
-    models._write_atomically(target, build)
+    conversion._write_atomically(target, build)
     assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
@@ -183,7 +183,7 @@ def test_atomic_write_failure_leaves_nothing_half_written(tmp_path):
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError, match="conversion failed"):
-        models._write_atomically(target, build)
+        conversion._write_atomically(target, build)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -195,10 +195,10 @@ def test_cache_validity_requires_matching_metadata(tmp_path):
         "gguf_mtime_ns": 5,
         "transformers_version": "5",
     }
-    assert not models._cache_is_valid(tmp_path, expected)  # no metadata
-    (tmp_path / models._CACHE_META).write_text(json.dumps(expected))
-    assert not models._cache_is_valid(tmp_path, expected)  # no weights
+    assert not conversion._cache_is_valid(tmp_path, expected)  # no metadata
+    (tmp_path / conversion._CACHE_META).write_text(json.dumps(expected))
+    assert not conversion._cache_is_valid(tmp_path, expected)  # no weights
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert models._cache_is_valid(tmp_path, expected)
+    assert conversion._cache_is_valid(tmp_path, expected)
     for key, value in [("gguf_size", 11), ("gguf_mtime_ns", 6), ("transformers_version", "6")]:
-        assert not models._cache_is_valid(tmp_path, {**expected, key: value})
+        assert not conversion._cache_is_valid(tmp_path, {**expected, key: value})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvcake import models
+from kvcake import conversion
 from kvcake.models import DEFAULT_MODEL, convert_gguf, load_model, model_fingerprint, resolve_builtin
 
 pytestmark = pytest.mark.integration
@@ -78,13 +78,13 @@ def test_cached_reload_matches_gguf_logits(fresh_conversion):
 def test_fresh_cache_loads_fast_and_is_complete(fresh_conversion):
     assert fresh_conversion["load_s"] < 5
     folder = fresh_conversion["cache"] / DEFAULT_MODEL
-    assert {"config.json", "model.safetensors", "tokenizer.json", models._CACHE_META} <= {
+    assert {"config.json", "model.safetensors", "tokenizer.json", conversion._CACHE_META} <= {
         p.name for p in folder.iterdir()
     }
     assert not [p for p in fresh_conversion["cache"].iterdir() if p.name.startswith(".")]  # no temp dirs
-    expected = models._source_meta(fresh_conversion["gguf"])
-    assert models._cache_is_valid(folder, expected)
-    assert not models._cache_is_valid(folder, {**expected, "transformers_version": "0.0.0"})
+    expected = conversion._source_meta(fresh_conversion["gguf"])
+    assert conversion._cache_is_valid(folder, expected)
+    assert not conversion._cache_is_valid(folder, {**expected, "transformers_version": "0.0.0"})
 
 
 def test_cached_model_casts_to_bfloat16(fresh_conversion):

@@ -1,0 +1,183 @@
+"""Converting a GGUF checkpoint once into a folder that reloads in about a second, and the
+on-disk cache of those folders (validity check, atomic writes). Loading lives in ``models``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+logger = logging.getLogger("kvcake.models")
+
+# Bump when the layout of a converted folder changes, to invalidate old caches.
+_CACHE_FORMAT = 1
+_CACHE_META = "kvcake-cache.json"
+
+
+def convert_gguf(
+    gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[str]
+) -> tuple[PreTrainedModel, Any]:
+    """De-quantise a GGUF file to float32 and write it as a folder ``from_pretrained`` loads fast.
+
+    ``save_pretrained`` refuses a model loaded from GGUF, so this writes the three parts itself:
+    the config without its ``quantization_config`` (the weights are no longer quantised), the
+    weights with ``safetensors.torch.save_model`` (which stores tied tensors once) and the
+    tokenizer. The folder is built next to ``out_dir`` and moved into place with one rename, so
+    an interrupted conversion never leaves a half-written folder that later loads would trust.
+
+    Parameters
+    ----------
+    gguf_file:
+        Path of the ``.gguf`` file.
+    out_dir:
+        Folder to create. An existing folder there is replaced.
+
+    Returns
+    -------
+    ``(model, tokenizer)`` as loaded from the GGUF file (float32, CPU), e.g. to compare with a
+    reload of ``out_dir``.
+    """
+    gguf_path = Path(gguf_file).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"No such GGUF file: {gguf_path}")
+    target = Path(out_dir).expanduser()
+    meta = _source_meta(gguf_path)
+    logger.info("Converting %s to %s (one-off; takes ~20-30 s on 2 CPU cores)", gguf_path.name, target)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+
+    def build(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        (tmp / _CACHE_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+    _write_atomically(target, build)
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return model, tokenizer
+
+
+_VOLATILE_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+        "architectures",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+
+def _strip_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: _strip_volatile(v)
+            for k, v in value.items()
+            if k not in _VOLATILE_KEYS and not str(k).startswith("_attn_implementation")
+        }
+    if isinstance(value, list | tuple):
+        return [_strip_volatile(v) for v in value]
+    return value
+
+
+def _source_meta(gguf_path: Path) -> dict[str, Any]:
+    stat = gguf_path.stat()
+    return {
+        "format": _CACHE_FORMAT,
+        "gguf_file": gguf_path.name,
+        "gguf_size": stat.st_size,
+        "gguf_mtime_ns": stat.st_mtime_ns,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _cache_is_valid(folder: Path, expected: dict[str, Any]) -> bool:
+    try:
+        meta = json.loads((folder / _CACHE_META).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta == expected and (folder / "model.safetensors").is_file()
+
+
+def _ensure_converted(gguf_path: Path, folder: Path) -> Path:
+    """Return ``folder``, converting ``gguf_path`` into it first unless a valid copy is there."""
+    expected = _source_meta(gguf_path)
+    if _cache_is_valid(folder, expected):
+        logger.debug("Using cached conversion %s", folder)
+        return folder
+    if folder.exists():
+        logger.info("Cached conversion %s is stale (GGUF file or transformers changed)", folder)
+    model, tokenizer = convert_gguf(gguf_path, folder)
+    del model, tokenizer  # reloaded from the folder, so every load returns the same objects
+    return folder
+
+
+def _write_atomically(target: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build`` on a fresh temporary folder beside ``target``, then rename it to ``target``.
+
+    If another process finished the same folder first, its copy wins and ours is discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        if target.exists():
+            # os.replace cannot overwrite a non-empty folder: move the stale one aside first.
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+            try:
+                os.replace(target, stale / "old")
+            except FileNotFoundError:
+                pass  # another process removed it meanwhile
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            logger.info("%s was written concurrently by another process; using that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_tied_embeddings(model: PreTrainedModel, folder: Path) -> None:
+    """Fail loudly if a model that ties its output head to its embeddings came back untied.
+
+    The converted folder stores a tied matrix once; a loader that did not re-tie it would
+    leave the head randomly initialised and the model silently broken.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is embed.weight:
+        return
+    if head.weight.shape != embed.weight.shape or not torch.equal(head.weight, embed.weight):
+        raise RuntimeError(
+            f"{folder}: the config ties the output head to the input embeddings but the loaded "
+            "weights differ. Delete this folder to rebuild it."
+        )
