@@ -19,6 +19,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "kvcake"
 MAX_LINES = 400
+# Files not yet split (issue 11), each held at its current length so it cannot grow; delete an
+# entry once its file is split. Every other file must stay within MAX_LINES.
+NOT_YET_SPLIT = {"kvcake/eval/runner.py": 741, "kvcake/eval/report.py": 425, "kvcake/eval/fidelity.py": 414}
 
 
 def _modules() -> dict[str, Path]:
@@ -136,7 +139,11 @@ def test_no_import_cycle():
 
 def test_no_source_file_over_the_limit():
     lines = {path: len(path.read_text(encoding="utf-8").splitlines()) for path in _modules().values()}
-    long = {str(p.relative_to(SRC)): n for p, n in lines.items() if n > MAX_LINES}
+    long = {
+        name: n
+        for p, n in lines.items()
+        if n > NOT_YET_SPLIT.get(name := p.relative_to(SRC).as_posix(), MAX_LINES)
+    }
     assert not long, f"files over {MAX_LINES} lines (split them by responsibility): {long}"
 
 
