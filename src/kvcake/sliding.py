@@ -54,15 +54,18 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
 @dataclass(frozen=True)
 class KVBytes:
-    """Bytes of keys and values of a cache, in parts.
+    """Bytes (and entries) of keys and values of a cache, in parts.
 
     sliding: held by the sliding-window layers (at most their window); compressed: held by the
     full-attention layers kvcake compresses; full: what transformers' ``DynamicCache`` would
-    hold for the same tokens (sliding layers at their window, global layers every token)."""
+    hold for the same tokens (sliding layers at their window, global layers every token).
+    ``entries`` / ``full_entries``: the same totals in (sequence, layer, KV head, token) entries."""
 
     sliding: int
     compressed: int
     full: int
+    entries: int = 0
+    full_entries: int = 0
 
     @property
     def total(self) -> int:
@@ -76,17 +79,53 @@ class KVBytes:
 
 def kv_bytes_parts(cache: Cache) -> KVBytes:
     """Split a KVCakeCache's bytes into sliding and compressed layers, against the full cache."""
-    sliding = compressed = full = 0
+    sliding = compressed = full = entries = full_entries = 0
     for layer in cache.layers:
         if layer.keys is None:
             continue
         held = layer.kv_bytes()
+        entries += layer.entries()
         if isinstance(layer, SlidingLayer):
             sliding += held
             full += held
+            full_entries += layer.entries()
         else:
             compressed += held
-            b, hkv = layer.batch, layer.kv_heads
-            entry = layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size()
-            full += b * hkv * layer.length * entry
-    return KVBytes(sliding, compressed, full)
+            n = layer.batch * layer.kv_heads * layer.length
+            entry = (
+                layer.keys.shape[-1] * layer.keys.element_size()
+                + layer.values.shape[-1] * layer.values.element_size()
+            )
+            full += n * entry
+            full_entries += n
+    return KVBytes(sliding, compressed, full, entries, full_entries)
+
+
+def copy_sliding_state(source, target: SlidingLayer) -> None:
+    """Give ``target`` what the sliding layer ``source`` of a full ``DynamicCache`` holds (the
+    last ``window - 1`` keys/values and the count of tokens seen), e.g. to replay a recorded
+    full-cache forward into a KVCakeCache. A layer that kept every token is cut to the window."""
+    seen = getattr(source, "cumulative_length", None)
+    if seen is None:  # a plain DynamicLayer: it holds every token
+        seen = source.keys.shape[-2]
+    keep = target.sliding_window - 1
+    target.lazy_initialization(source.keys, source.values)
+    target.keys, target.values = source.keys[:, :, -keep:], source.values[:, :, -keep:]
+    target.cumulative_length = int(seen)
+
+
+def sliding_entry(layer: SlidingLayer) -> dict:
+    """The JSON facts a saved context keeps for a sliding layer (its keys/values go alongside)."""
+    return {"layout": "sliding", "window": int(layer.sliding_window), "length": int(layer.cumulative_length)}
+
+
+def restore_sliding(layer: SlidingLayer, keys, values, entry: dict, device) -> str | None:
+    """Load a saved sliding layer into ``layer``; returns what does not fit, or None."""
+    if not isinstance(layer, SlidingLayer) or entry.get("window") != layer.sliding_window:
+        return f"a sliding layer of window {entry.get('window')} where the model has {type(layer).__name__}"
+    if keys.dim() != 4 or keys.shape != values.shape or keys.shape[2] > layer.sliding_window - 1:
+        return f"sliding keys {tuple(keys.shape)} do not fit its window {layer.sliding_window}"
+    layer.lazy_initialization(keys.to(device), values.to(device))
+    layer.keys, layer.values = keys.to(device), values.to(device)
+    layer.cumulative_length = int(entry["length"])
+    return None

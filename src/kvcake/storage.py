@@ -49,6 +49,7 @@ from .api import CompressedContext
 from .cache import KVCakeCache, SequenceBudgets
 from .method import HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS, Method, make_method
 from .ragged import RaggedMeta
+from .sliding import SlidingLayer, restore_sliding, sliding_entry
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,9 @@ def save_context(ctx: CompressedContext, path: str | os.PathLike[str], *, extra:
         prefix = f"layers.{lid}."
         tensors[prefix + "keys"] = _host(layer.keys)
         tensors[prefix + "values"] = _host(layer.values)
+        if isinstance(layer, SlidingLayer):  # hybrid models: kept as transformers holds it
+            layers_meta.append(sliding_entry(layer))
+            continue
         tensors[prefix + "positions"] = _host(layer.positions)
         tensors[prefix + "counts"] = torch.from_numpy(np.ascontiguousarray(layer.counts, dtype=np.int64))
         if layer.scores is not None:
@@ -429,6 +433,15 @@ def _rebuild(
     for lid, (layer, lm) in enumerate(zip(cache.layers, layers_meta, strict=True)):
         prefix = f"layers.{lid}."
         keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
+        if lm["layout"] == "sliding" or isinstance(layer, SlidingLayer):
+            err = (
+                restore_sliding(layer, keys, values, lm, device)
+                if lm["layout"] == "sliding"
+                else "not sliding"
+            )
+            if err:
+                raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
+            continue
         positions, counts = tensors[prefix + "positions"], tensors[prefix + "counts"]
         if tuple(counts.shape) != (batch, info.num_kv_heads) or keys.shape != values.shape:
             raise ContextFileError(f"layer {lid} has inconsistent shapes")
