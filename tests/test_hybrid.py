@@ -4,7 +4,7 @@ transformers' own, untouched; every guarantee of the compressed cache holds on t
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
 import kvcake
 from conftest import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -179,6 +179,10 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="soft-capping"):
         KVCakeCache(_gemma3(layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0),
                     "cake", budget=32)  # fmt: skip
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=16))  # fmt: skip
+    with pytest.raises(ValueError, match="nothing to compress|no full-attention layer"):
+        KVCakeCache(mistral, "cake", budget=32)
     chunked = Gemma3TextConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"])
     chunked.attention_chunk_size = 8  # as Llama 4 names it
     with pytest.raises(ValueError, match="chunked_attention"):
