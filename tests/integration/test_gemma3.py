@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import describe_model
@@ -40,7 +41,9 @@ def test_gemma3_270m_hybrid_compression(gemma3):
     s = ids.shape[1]
     assert s > WINDOW + 64, "the sliding layers must roll"
     with torch.no_grad():
-        full_logits = model(ids).logits[:, -1]
+        mask = torch.ones_like(ids)  # the same call as kvcake.compress, with transformers' own cache
+        full_logits = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+                            logits_to_keep=1).logits[:, -1]  # fmt: skip
     same = kvcake.compress(model, ids, "cake", budget=s)  # a budget covering the prompt: the full cache
     assert torch.equal(same.logits, full_logits)
     ctx = kvcake.compress(model, ids, "cake", ratio=0.25)
