@@ -187,3 +187,22 @@ def test_refusals_name_the_problem():
     chunked.attention_chunk_size = 8  # as Llama 4 names it
     with pytest.raises(ValueError, match="chunked_attention"):
         layer_windows(chunked, "gemma3_text")
+
+
+def test_a_qwen2_hybrid_compresses_its_full_layers_only():
+    """Qwen2 with max_window_layers=1: layer 0 full attention, layer 1 sliding (formerly refused)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                         max_window_layers=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    ids = prompt(60, seed=12)
+    with torch.no_grad():
+        full = model(ids).logits
+    _, same = prefill(model, ids, make_method("snapkv", budget=64, window=8))
+    assert torch.equal(same, full)
+    cache, _ = prefill(model, ids, make_method("snapkv", budget=20, window=8))
+    assert cache.compressed == (0,) and cache.layer_counts().shape == (1, 1, 2)
+    assert int(cache.layer_counts().max()) == 20 and cache.layers[1].keys.shape[2] == 15
