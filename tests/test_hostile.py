@@ -241,16 +241,12 @@ def _build(config):
 UNSUPPORTED = {
     "mistral-sliding": (
         lambda: tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=16, max_position_embeddings=512),
-        r"mistral: sliding-window attention \(window 16\) is not supported by kvcake; set config.sliding_window=None",
+        r"mistral: every layer uses sliding-window attention \(window 16\).*set config.sliding_window=None",
     ),
-    "qwen2-sliding": (
-        lambda: tf.Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
-                               max_window_layers=1),  # fmt: skip
-        r"qwen2: layers of type \['sliding_attention'\] are not supported by kvcake",
-    ),
-    "gemma3-sliding": (
+    # (a Qwen2 config with max_window_layers=1 mixes full and sliding layers: a supported hybrid)
+    "gemma3-sliding": (  # 2 layers of Gemma 3's 5-sliding-1-global pattern: both slide
         lambda: tf.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=16),
-        r"gemma3_text: layers of type \['sliding_attention'\] are not supported.*compressed twice",
+        r"gemma3_text: every layer uses sliding-window attention.*no full-attention layer to compress",
     ),
     "t5": (
         lambda: tf.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),

@@ -2,9 +2,11 @@
 output projection is, and which CAKE temperatures fit the family.
 
 Supported: decoder-only models whose attention modules call transformers' attention interface
-after RoPE and after ``past_key_values.update`` with full (non-sliding) causal attention over
-plain per-head keys and values: Llama, Mistral (without sliding window), Qwen2/Qwen3, Phi-3,
-Gemma (1), Granite, OLMo and similar.
+after RoPE and after ``past_key_values.update`` with causal attention over plain per-head keys
+and values: Llama, Mistral (without sliding window), Qwen2/Qwen3, Phi-3, Gemma (1), Granite, OLMo
+and similar; and hybrids whose ``config.layer_types`` mixes ``sliding_attention`` with
+``full_attention`` (Gemma 3, ...): their sliding layers keep transformers' own sliding-window
+cache and only the full-attention ("global") layers are compressed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 # Families whose attention layout we know; others pass the structural checks or are refused.
 KNOWN_FAMILIES = {
@@ -30,18 +33,33 @@ class ModelInfo:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Per layer: the sliding window of a sliding layer, None for a full-attention layer (the
+    # layers kvcake compresses). Empty means every layer is full attention.
+    windows: tuple[int | None, ...] = ()
 
     @property
     def groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def compressed_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers, the only ones kvcake compresses."""
+        if not self.windows:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, w in enumerate(self.windows) if w is None)
+
+    @property
+    def hybrid(self) -> bool:
+        return any(w is not None for w in self.windows)
+
 
 def describe_model(model: torch.nn.Module) -> ModelInfo:
     """Check that kvcake can compress this model and return its shapes.
 
-    Raises ``ValueError`` up front for what would otherwise give wrong answers: sliding-window or
-    chunked layers (their cache already drops entries), encoder-decoders (cross-attention),
-    latent attention (MLA: no per-head keys to evict), linear-attention hybrids.
+    Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
+    layer slides (nothing to compress), chunked layers, encoder-decoders (cross-attention),
+    latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention logit
+    soft-capping (Gemma 2). Sliding layers of a hybrid are reported in ``windows``.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -53,26 +71,51 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     for attr in ("kv_lora_rank", "q_lora_rank"):
         if getattr(text, attr, None):
             raise ValueError(f"{mtype}: latent attention (MLA) is not supported by kvcake: it has no per-head keys")
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        kinds = sorted({t for t in layer_types if t != "full_attention"})
+    if getattr(text, "attn_logit_softcapping", None) is not None:
         raise ValueError(
-            f"{mtype}: layers of type {kinds} are not supported by kvcake (only full causal attention); "
-            "a sliding-window layer already evicts by position and would be compressed twice"
+            f"{mtype}: attention logit soft-capping (attn_logit_softcapping="
+            f"{text.attn_logit_softcapping}) is not supported by kvcake: its scores would read "
+            "uncapped attention. Gemma 2 uses it; Gemma 3 does not"
         )
-    sliding = getattr(text, "sliding_window", None)
-    use_sliding = getattr(text, "use_sliding_window", True)
-    if sliding is not None and use_sliding and sliding < getattr(text, "max_position_embeddings", 1 << 30):
-        raise ValueError(
-            f"{mtype}: sliding-window attention (window {sliding}) is not supported by kvcake; "
-            "set config.sliding_window=None if the model was trained without it"
-        )
+    windows = layer_windows(text, mtype)
     num_heads = getattr(text, "num_attention_heads", None)
     if num_heads is None:
         raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
     num_kv = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return ModelInfo(mtype, text.num_hidden_layers, num_heads, num_kv, head_dim)
+    return ModelInfo(mtype, text.num_hidden_layers, num_heads, num_kv, head_dim, windows)
+
+
+def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
+    """Per layer, the sliding window (a sliding layer, left to transformers) or None (a
+    full-attention layer, compressed by kvcake), read with transformers' own
+    ``get_layer_types_and_kwargs`` (which also infers the types of configs without
+    ``layer_types`` from ``sliding_window`` / ``attention_chunk_size``).
+
+    Raises ``ValueError`` for chunked, linear or other layer types, and for a model whose every
+    layer slides: its cache is already bounded and there is nothing to compress."""
+    types, kwargs = get_layer_types_and_kwargs(text)
+    max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
+    windows: list[int | None] = []
+    for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
+        window = kw.get("sliding_window")
+        if kind == "full_attention" or (kind == "sliding_attention" and (window is None or window >= max_pos)):
+            windows.append(None)  # a window beyond every position is full attention
+        elif kind == "sliding_attention":
+            windows.append(int(window))
+        else:
+            raise ValueError(
+                f"{mtype}: layer {i} is of type {kind!r}, which kvcake does not support (only "
+                "full_attention and sliding_attention layers): chunked attention drops keys at chunk "
+                "boundaries and linear/recurrent layers hold no per-token keys to evict"
+            )
+    if all(w is not None for w in windows):
+        raise ValueError(
+            f"{mtype}: every layer uses sliding-window attention (window {windows[0]}), so its cache is "
+            "already bounded and kvcake has no full-attention layer to compress; use transformers' "
+            "DynamicCache, or set config.sliding_window=None if the model was trained without it"
+        )
+    return tuple(windows) if any(w is not None for w in windows) else ()
 
 
 def output_projection(module: torch.nn.Module) -> torch.Tensor:

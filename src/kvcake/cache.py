@@ -16,6 +16,11 @@ decoding policy each layer and head is evicted back to its budget every step.
 The cache reports the *logical* length (tokens seen), so transformers derives RoPE positions
 and the 2-D padding mask in logical columns; the attention maps them onto the physical
 entries through their stored positions.
+
+Hybrid models (Gemma 3): sliding-window layers get transformers' own sliding layer
+(``sliding.py``) and are never scored or evicted; "layers" in budgets, allocation and the
+cascade mean the ``L_g`` full-attention layers (``info.compressed_layers``), in model order:
+``budgets`` is ``(B, L_g)``, ``budget=128`` keeps 128 entries per global layer.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .method import Method, make_method
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, TopK, projected_value_norms
+from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +58,7 @@ class SequenceBudgets:
 
     lengths: torch.Tensor  # valid prompt tokens
     per_layer: torch.Tensor  # average budget per layer
-    total: torch.Tensor  # B_total = per_layer * L
+    total: torch.Tensor  # B_total = per_layer * L_g (compressed layers)
     window: torch.Tensor  # protected window, min(Sw, length)
 
 
@@ -86,14 +92,17 @@ class KVCakeCache(Cache):
         self.model_type = self.info.model_type
         from .layer import KVCakeLayer
 
-        super().__init__(layers=[KVCakeLayer() for _ in range(self.info.num_layers)])
+        windows = self.info.windows or (None,) * self.info.num_layers
+        super().__init__(layers=[KVCakeLayer() if w is None else SlidingLayer(w) for w in windows])
+        self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
+        self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None
-        self.budgets: torch.Tensor | None = None  # (B, L) final layer budgets
+        self.budgets: torch.Tensor | None = None  # (B, L_g) final budgets of the compressed layers
         self.stage_budgets: list[torch.Tensor] = []  # cascade history, (B, m+1) per stage
         self.preferences: list[torch.Tensor] = []  # per layer (B,) float64
         self.entropy: list[torch.Tensor] = []
         self.variance: list[torch.Tensor] = []
-        self.decode_budget: np.ndarray | None = None  # (B, L, H_kv), host
+        self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0
@@ -117,7 +126,11 @@ class KVCakeCache(Cache):
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if not self.prefilled and layer_idx == 0 and layer.is_initialized:
+        if isinstance(layer, SlidingLayer):  # transformers' own sliding layer, never compressed
+            keys, values = layer.update(key_states, value_states, *args, **kwargs)
+            self._track_bytes(layer_idx)
+            return keys, values
+        if not self.prefilled and layer_idx == self.compressed[0] and layer.is_initialized:
             raise RuntimeError(
                 "this KVCakeCache's prefill did not finish (an earlier forward was interrupted by an "
                 "error): its state is incomplete, so make a new KVCakeCache"
@@ -143,7 +156,7 @@ class KVCakeCache(Cache):
         return keys, values
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.layers[0].crop(tokens_to_remove)
+        self.layers[self.compressed[0]].crop(tokens_to_remove)
 
     @property
     def is_croppable(self) -> bool:
@@ -151,8 +164,12 @@ class KVCakeCache(Cache):
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes of keys and values the cache holds now."""
+        """Bytes of keys and values the cache holds now (sliding layers included)."""
         return sum(layer.kv_bytes() for layer in self.layers)
+
+    def kv_bytes_parts(self) -> KVBytes:
+        """Bytes held by the sliding and the compressed layers, and the full cache's."""
+        return kv_bytes_parts(self)
 
     def kept_entries(self) -> int:
         """Kept entries over sequences, layers and KV heads."""
@@ -173,8 +190,8 @@ class KVCakeCache(Cache):
             self.prefill_peak_kv_bytes = max(self.prefill_peak_kv_bytes, now)
 
     def layer_counts(self) -> np.ndarray:
-        """(B, L, H_kv) entries kept per sequence, layer and KV head."""
-        return np.stack([layer.counts for layer in self.layers], axis=1)
+        """(B, L_g, H_kv) entries kept per sequence, compressed layer and KV head."""
+        return np.stack([self.layers[lid].counts for lid in self.compressed], axis=1)
 
     # -- called by the attention function ------------------------------------------------------
     def consume(self, layer_idx: int) -> None:
@@ -189,12 +206,13 @@ class KVCakeCache(Cache):
         layer = self.layers[layer_idx]
         m = self.method
         self._stage = layer_idx
-        if layer_idx == 0:
+        g = self._slot[layer_idx]  # budget column of this layer
+        if g == 0:
             self._start(key_valid)
             if self.progress:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=self.info.num_layers, desc=f"prefill {query.shape[2]} tokens", unit="layer")
+                self._bar = tqdm(total=len(self.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
         inputs = PrefillInputs(
             query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
             window=m.budget.window, scaling=scaling,
@@ -213,17 +231,17 @@ class KVCakeCache(Cache):
             self.entropy.append(entropy.double())
             self.variance.append(variance.double())
             self.preferences.append(preference(entropy, variance, tau1, tau2))
-        last = layer_idx == self.info.num_layers - 1
+        last = g == len(self.compressed) - 1
         if m.layers.needs_preferences:
             if m.layers.cascading or last:
                 budgets = self._allocate(torch.stack(self.preferences, 1), final=last)
                 self.stage_budgets.append(budgets)
-                for lid in range(layer_idx + 1):
-                    self._evict_layer(lid, budgets[:, lid])
+                for j in range(g + 1):
+                    self._evict_layer(self.compressed[j], budgets[:, j])
         else:
             if self.budgets is None:
                 self.budgets = self._allocate(None, final=True)
-            self._evict_layer(layer_idx, self.budgets[:, layer_idx])
+            self._evict_layer(layer_idx, self.budgets[:, g])
         if self._bar is not None:
             self._bar.update(1)
             if last:
@@ -244,7 +262,7 @@ class KVCakeCache(Cache):
             raise ValueError("a sequence in the batch is empty (all padding): give every sequence at least one token")
         per_layer = self.method.budget.per_layer(lengths)
         window = torch.clamp(lengths, max=self.method.budget.window)
-        self.seq = SequenceBudgets(lengths, per_layer, per_layer * self.info.num_layers, window)
+        self.seq = SequenceBudgets(lengths, per_layer, per_layer * len(self.compressed), window)
         if bool((per_layer >= lengths).all()):
             logger.warning(
                 "the budget (%s) covers the whole prompt (%d tokens): nothing is compressed",
@@ -262,7 +280,7 @@ class KVCakeCache(Cache):
     def _allocate(self, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
         s = self.seq
         req = AllocationRequest(
-            total=s.total, cap=s.lengths, window=s.window, num_layers=self.info.num_layers,
+            total=s.total, cap=s.lengths, window=s.window, num_layers=len(self.compressed),
             preferences=preferences, final=final,
         )  # fmt: skip
         budgets = self.method.layers.allocate(req)
@@ -293,17 +311,17 @@ class KVCakeCache(Cache):
     def _finish_prefill(self) -> None:
         if self.budgets is None:
             self.budgets = self.stage_budgets[-1]
-        counts = self.layer_counts()  # (B, L, H_kv)
+        counts = self.layer_counts()  # (B, L_g, H_kv)
         lengths = self.seq.lengths.numpy()[:, None, None]
         avg = self.seq.per_layer.numpy()[:, None, None]
         # A head that was compressed keeps its count while decoding; one that kept its whole
         # prompt may grow to the average budget before eviction starts.
         self.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
         keep_scores = self.method.scorer.stateful and self.method.decode == "fixed"
-        for layer in self.layers:
-            layer.norms = None
+        for lid in self.compressed:
+            self.layers[lid].norms = None
             if not keep_scores:
-                layer.scores = None
+                self.layers[lid].scores = None
         self.prefilled = True
 
     def wants_probs(self, layer_idx: int, q: int) -> bool:
@@ -311,7 +329,7 @@ class KVCakeCache(Cache):
         if not self.prefilled or self.method.decode != "fixed":
             return False
         layer = self.layers[layer_idx]
-        return layer.scores is not None or bool((layer.counts > self.decode_budget[:, layer_idx]).any())
+        return layer.scores is not None or bool((layer.counts > self.decode_budget[:, self._slot[layer_idx]]).any())
 
     def after_extend_attention(self, layer_idx: int, probs: torch.Tensor | None) -> None:
         """Decoding-time eviction (policy ``fixed``): each head back to its budget, by the
@@ -319,7 +337,7 @@ class KVCakeCache(Cache):
         if probs is None:
             return
         layer = self.layers[layer_idx]
-        budget = self.decode_budget[:, layer_idx]  # (B, H_kv)
+        budget = self.decode_budget[:, self._slot[layer_idx]]  # (B, H_kv)
         over = bool((layer.counts > budget).any())
         positions = layer.padded_positions()  # (B, H_kv, N)
         scores = self.method.scorer.decode(probs, positions, layer.padded(layer.scores, float("-inf")))

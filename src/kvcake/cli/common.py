@@ -107,17 +107,16 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cache_summary(cache, label: str) -> str:
-    """One line: entries and bytes kept against a full cache holding the same tokens."""
-    info = cache.info
-    tokens = cache.layers[0].length
-    batch = cache.layers[0].batch
-    kept = cache.kept_entries()
-    full = batch * tokens * info.num_layers * info.num_kv_heads
-    element = cache.layers[0].keys.element_size()
-    full_bytes = full * 2 * info.head_dim * element
-    return (f"{label}: {cache.method.name} kept {kept:,} of {full:,} KV entries ({100 * kept / full:.1f}%), "
-            f"{_fmt_bytes(cache.kv_bytes())} vs {_fmt_bytes(full_bytes)} full "
-            f"({100 * cache.kv_bytes() / full_bytes:.1f}%)")  # fmt: skip
+    """One line: bytes kept against transformers' full cache holding the same tokens (sliding
+    layers of a hybrid at their window in both), split into sliding and compressed layers."""
+    p = cache.kv_bytes_parts()
+    line = (f"{label}: {cache.method.name} kept {p.entries:,} of {p.full_entries:,} KV entries "
+            f"({100 * p.entries / p.full_entries:.1f}%), {_fmt_bytes(p.total)} vs {_fmt_bytes(p.full)} full "
+            f"({100 * p.fraction:.1f}%)")  # fmt: skip
+    if p.sliding:
+        line += (f"; sliding layers {_fmt_bytes(p.sliding)} (their window), "
+                 f"{len(cache.compressed)} global layers {_fmt_bytes(p.compressed)}")  # fmt: skip
+    return line
 
 
 def _rate(tokens: int, seconds: float) -> str:

@@ -61,6 +61,7 @@ from kvcake.attention import enable
 from kvcake.cache import PENDING, KVCakeCache, cache_kv_bytes
 from kvcake.method import Method
 from kvcake.scorers import PrefillInputs, Scorer
+from kvcake.sliding import SlidingLayer, copy_sliding_state
 
 __all__ = [
     "Captured",
@@ -284,6 +285,9 @@ def replay_compress(
     valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         for layer in range(len(kv.layers)):
+            if isinstance(kv.layers[layer], SlidingLayer):  # left as the full cache holds it
+                copy_sliding_state(cache.layers[layer], kv.layers[layer])
+                continue
             query = captured.query(layer, chunks)
             keys, values = cache.layers[layer].keys, cache.layers[layer].values
             if query.shape[2] != keys.shape[2] or keys.shape[2] != input_ids.shape[1]:

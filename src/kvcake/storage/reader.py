@@ -18,6 +18,7 @@ from ..cache import KVCakeCache, SequenceBudgets
 from ..context import CompressedContext
 from ..method import _rebuild_method
 from ..ragged import RaggedMeta
+from ..sliding import SlidingLayer, restore_sliding
 from .format import _DIGEST_KEY, _MAX_HEADER, _META_KEY, ContextFileError, _digest, _read_header
 from .writer import _model_meta
 
@@ -127,6 +128,15 @@ def _rebuild(
     for lid, (layer, lm) in enumerate(zip(cache.layers, layers_meta, strict=True)):
         prefix = f"layers.{lid}."
         keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
+        if lm["layout"] == "sliding" or isinstance(layer, SlidingLayer):
+            err = (
+                restore_sliding(layer, keys, values, lm, device)
+                if lm["layout"] == "sliding"
+                else "not sliding"
+            )
+            if err:
+                raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
+            continue
         positions, counts = tensors[prefix + "positions"], tensors[prefix + "counts"]
         if tuple(counts.shape) != (batch, info.num_kv_heads) or keys.shape != values.shape:
             raise ContextFileError(f"layer {lid} has inconsistent shapes")

@@ -17,6 +17,7 @@ import torch
 from ..adapters import describe_model
 from ..cache import KVCakeCache, SequenceBudgets
 from ..method import method_spec
+from ..sliding import SlidingLayer, sliding_entry
 from ..version import __version__
 from .format import _CHUNK, _DIGEST_KEY, _META_KEY, FORMAT_NAME, FORMAT_VERSION, _digest
 
@@ -88,6 +89,9 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
         prefix = f"layers.{lid}."
         tensors[prefix + "keys"] = _host(layer.keys)
         tensors[prefix + "values"] = _host(layer.values)
+        if isinstance(layer, SlidingLayer):  # hybrid models: kept as transformers holds it
+            layers_meta.append(sliding_entry(layer))
+            continue
         tensors[prefix + "positions"] = _host(layer.positions)
         tensors[prefix + "counts"] = torch.from_numpy(np.ascontiguousarray(layer.counts, dtype=np.int64))
         if layer.scores is not None:

@@ -1,0 +1,208 @@
+"""Hybrid sliding/global models (Gemma 3) on a tiny random config: sliding layers are
+transformers' own, untouched; every guarantee of the compressed cache holds on the global layers."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+import kvcake
+from conftest import TINY_GEMMA3_WINDOW, _tiny_gemma3
+from kvcake import KVCakeCache, make_method
+from kvcake.adapters import describe_model, layer_windows
+from kvcake.sliding import SlidingLayer
+
+GLOBAL = (2, 5)  # the full-attention layers of the tiny hybrid
+SLIDING = (0, 1, 3, 4)
+ENTRY = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
+
+
+def prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (1, n), generator=g)
+
+
+def prefill(model, ids, method, mask=None, **kw):
+    cache = KVCakeCache(model, method, **kw)
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache)
+    return cache, out.logits
+
+
+def test_describe_model_reports_windows(tiny_gemma3):
+    info = describe_model(tiny_gemma3)
+    assert info.compressed_layers == GLOBAL and info.hybrid
+    assert info.windows == (12, 12, None, 12, 12, None)
+    cache = KVCakeCache(tiny_gemma3, "cake", budget=32)
+    assert [isinstance(layer, SlidingLayer) for layer in cache.layers] == [i in SLIDING for i in range(6)]
+    assert cache.is_sliding == [i in SLIDING for i in range(6)]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "h2o", "criticalkv", "streamingllm"])
+def test_budget_covering_prompt_is_bit_identical(impl, name):
+    model = _tiny_gemma3(impl)
+    ids = prompt(60)
+    with torch.no_grad():
+        full_logits = model(ids).logits
+        full_out = model.generate(ids, max_new_tokens=10, do_sample=False)
+    _, logits = prefill(model, ids, make_method(name, budget=64, window=8))
+    assert torch.equal(logits, full_logits)
+    out, cache = kvcake.generate(model, ids, name, budget=200, window=8, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, full_out)
+    assert all(cache.layers[lid].plain for lid in GLOBAL)
+
+
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "h2o", "tova"])
+def test_sliding_layers_are_never_evicted(tiny_gemma3, name):
+    """Every sliding layer holds exactly the last window-1 tokens, step after step; the layers
+    before the first global layer are bit-identical to transformers' DynamicCache; eviction
+    only ever records global layers."""
+    ids = prompt(80, seed=1)
+    ctx = kvcake.compress(tiny_gemma3, ids, name, budget=24, window=4)
+    cache = ctx.fork()
+    cache.record = True
+    full = DynamicCache(config=tiny_gemma3.config)
+    tok = ctx.logits.argmax(-1, keepdim=True)
+    with torch.no_grad():
+        tiny_gemma3(ids, past_key_values=full)
+        with kvcake.enable(tiny_gemma3):
+            for step in range(20):
+                tiny_gemma3(tok, past_key_values=cache)
+                tiny_gemma3(tok, past_key_values=full)
+                seen = 80 + step + 1
+                for lid in SLIDING:
+                    layer = cache.layers[lid]
+                    assert layer.cumulative_length == seen
+                    assert layer.keys.shape[2] == TINY_GEMMA3_WINDOW - 1
+                for lid in (0, 1):
+                    assert torch.equal(cache.layers[lid].keys, full.layers[lid].keys)
+                    assert torch.equal(cache.layers[lid].values, full.layers[lid].values)
+                tok = (tok + 1) % 128
+    assert {lid for _, lid, _ in ctx.cache.history} <= set(GLOBAL)
+    assert {lid for _, lid, _ in cache.history} <= set(GLOBAL)
+
+
+def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
+    s = 150
+    cache, _ = prefill(tiny_gemma3, prompt(s, seed=2), make_method("cake", budget=30, window=8))
+    counts = cache.layer_counts()  # (B, L_g, H_kv)
+    assert counts.shape == (1, 2, 2) and cache.budgets.shape == (1, 2)
+    assert int(counts[0, :, 0].sum()) == 30 * 2
+    assert torch.equal(cache.budgets[0], torch.as_tensor(counts[0, :, 0]))
+    parts = cache.kv_bytes_parts()
+    assert parts.sliding == len(SLIDING) * (TINY_GEMMA3_WINDOW - 1) * ENTRY
+    assert parts.compressed == 30 * 2 * ENTRY
+    assert parts.total == cache.kv_bytes()
+    assert parts.full == parts.sliding + s * len(GLOBAL) * ENTRY
+    full = DynamicCache(config=tiny_gemma3.config)
+    with torch.no_grad():
+        tiny_gemma3(prompt(s, seed=2), past_key_values=full)
+    assert parts.full == kvcake.cache.cache_kv_bytes(full)
+    # ratio is the kept fraction of the global layers' prompt entries
+    cache, _ = prefill(tiny_gemma3, prompt(s, seed=2), make_method("snapkv", ratio=0.2, window=8))
+    assert cache.kv_bytes_parts().compressed == round(0.2 * s) * len(GLOBAL) * ENTRY
+
+
+def test_cascade_equals_one_shot_over_global_layers(tiny_gemma3):
+    ids = prompt(200, seed=3)
+    for heads in ("uniform", "adakv"):
+        spec = f"layers=cake,heads={heads},score=cake"
+        casc, _ = prefill(tiny_gemma3, ids, make_method(spec, budget=40, window=8), record=True)
+        once, _ = prefill(
+            tiny_gemma3, ids, make_method(spec + ",layers.cascading=false", budget=40, window=8)
+        )
+        assert torch.equal(casc.budgets, once.budgets)
+        assert len(casc.stage_budgets) == len(GLOBAL)  # one stage per global layer
+        for lid in GLOBAL:
+            assert torch.equal(casc.layers[lid].padded_positions(), once.layers[lid].padded_positions())
+            assert torch.equal(casc.layers[lid].keys, once.layers[lid].keys)
+        assert [lid for _, lid, _ in casc.history].count(GLOBAL[0]) == 2, "the cascade re-evicted layer 2"
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake,decode=none", "adakv"])
+def test_chunk_equals_one_token_at_a_time(tiny_gemma3, name):
+    ids, follow = prompt(100, seed=5), prompt(20, seed=6)  # 20 > window: the sliding layers roll
+    ctx = kvcake.compress(tiny_gemma3, ids, name, budget=32, window=8)
+    chunk_logits = ctx.forward(follow)[0]
+    cache = ctx.fork()
+    steps = []
+    with kvcake.enable(tiny_gemma3), torch.no_grad():
+        for i in range(follow.shape[1]):
+            steps.append(tiny_gemma3(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
+    torch.testing.assert_close(torch.stack(steps), chunk_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv"])
+def test_batch_with_left_padding_matches_each_alone(tiny_gemma3, name):
+    a, b = prompt(120, seed=8)[0], prompt(90, seed=9)[0]
+    pad = torch.zeros(30, dtype=torch.long)
+    ids = torch.stack([a, torch.cat([pad, b])])
+    mask = torch.stack(
+        [torch.ones(120, dtype=torch.long), torch.cat([pad, torch.ones(90, dtype=torch.long)])]
+    )
+    out, cache = kvcake.generate(tiny_gemma3, ids, name, ratio=0.3, window=8, attention_mask=mask,
+                                 max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
+    for i, (seq, n_pad) in enumerate(((a, 0), (b, 30))):
+        alone, solo = kvcake.generate(tiny_gemma3, seq[None], name, ratio=0.3, window=8, max_new_tokens=8, min_new_tokens=8,
+                                      do_sample=False, pad_token_id=0)  # fmt: skip
+        assert torch.equal(out[i, -8:], alone[0, -8:])
+        assert np.array_equal(cache.layer_counts()[i], solo.layer_counts()[0])
+        for lid in GLOBAL:
+            pb, ps = cache.layers[lid].padded_positions()[i], solo.layers[lid].padded_positions()[0]
+            for h in range(pb.shape[0]):
+                assert sorted((pb[h][pb[h] >= 0] - n_pad).tolist()) == sorted(ps[h][ps[h] >= 0].tolist())
+
+
+def test_saved_context_round_trips_sliding_layers(tiny_gemma3, tmp_path):
+    ids, follow = prompt(90, seed=10), prompt(6, seed=11)
+    ctx = kvcake.compress(tiny_gemma3, ids, "cake", budget=24, window=4)
+    path = kvcake.storage.save_context(ctx, tmp_path / "ctx.kvcake")
+    back = kvcake.storage.load_context(tiny_gemma3, path)
+    for lid in SLIDING:
+        layer = back.cache.layers[lid]
+        assert isinstance(layer, SlidingLayer) and layer.cumulative_length == 90
+        assert torch.equal(layer.keys, ctx.cache.layers[lid].keys)
+    assert torch.equal(back.forward(follow), ctx.forward(follow))
+
+
+def _gemma3(**overrides):
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, sliding_window=8)  # fmt: skip
+    kw.update(overrides)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**kw))
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="every layer uses sliding-window"):
+        KVCakeCache(_gemma3(layer_types=["sliding_attention"] * 2), "cake", budget=32)
+    with pytest.raises(ValueError, match="soft-capping"):
+        KVCakeCache(_gemma3(layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0),
+                    "cake", budget=32)  # fmt: skip
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=16))  # fmt: skip
+    with pytest.raises(ValueError, match="nothing to compress|no full-attention layer"):
+        KVCakeCache(mistral, "cake", budget=32)
+    chunked = Gemma3TextConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"])
+    chunked.attention_chunk_size = 8  # as Llama 4 names it
+    with pytest.raises(ValueError, match="chunked_attention"):
+        layer_windows(chunked, "gemma3_text")
+
+
+def test_a_qwen2_hybrid_compresses_its_full_layers_only():
+    """Qwen2 with max_window_layers=1: layer 0 full attention, layer 1 sliding (formerly refused)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                         max_window_layers=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    ids = prompt(60, seed=12)
+    with torch.no_grad():
+        full = model(ids).logits
+    _, same = prefill(model, ids, make_method("snapkv", budget=64, window=8))
+    assert torch.equal(same, full)
+    cache, _ = prefill(model, ids, make_method("snapkv", budget=20, window=8))
+    assert cache.compressed == (0,) and cache.layer_counts().shape == (1, 1, 2)
+    assert int(cache.layer_counts().max()) == 20 and cache.layers[1].keys.shape[2] == 15
