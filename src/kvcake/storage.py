@@ -47,6 +47,7 @@ import torch
 from .adapters import describe_model
 from .api import CompressedContext
 from .cache import KVCakeCache, SequenceBudgets
+from .devices import input_device, layer_devices, output_device
 from .method import HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS, Method, make_method
 from .ragged import RaggedMeta
 
@@ -353,7 +354,8 @@ def load_context(model: torch.nn.Module, path: str | os.PathLike[str]) -> Compre
 
     The cache gets exactly the saved state (entries, positions, layouts, budgets, decoding
     budgets, scores), so next-token logits and generations equal those of the saved context.
-    Tensors go to the model's device.
+    Each layer's tensors go to its layer's device (models split with ``device_map`` too), the
+    context's ids to the input device, budgets and preferences stay on the host.
 
     Raises
     ------
@@ -410,7 +412,6 @@ def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> No
 def _rebuild(
     model: torch.nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
 ) -> CompressedContext:
-    device = next(model.parameters()).device
     m = meta["method"]
     try:
         method = _rebuild_method(m["spec"], m["budget"], m["ratio"], m["window"], m["name"])
@@ -422,12 +423,13 @@ def _rebuild(
         )
     cache = KVCakeCache(model, method)
     info = cache.info
+    devices = layer_devices(model, info.num_layers)
     batch = meta["context"]["batch"]
     layers_meta = meta["layers"]
     if len(layers_meta) != info.num_layers:
         raise ContextFileError(f"it has {len(layers_meta)} layers, the model {info.num_layers}")
     for lid, (layer, lm) in enumerate(zip(cache.layers, layers_meta, strict=True)):
-        prefix = f"layers.{lid}."
+        prefix, device = f"layers.{lid}.", devices[lid]
         keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
         positions, counts = tensors[prefix + "positions"], tensors[prefix + "counts"]
         if tuple(counts.shape) != (batch, info.num_kv_heads) or keys.shape != values.shape:
@@ -464,7 +466,7 @@ def _rebuild(
     cache.stage_budgets = [tensors[f"cache.stage_budgets.{i}"] for i in range(c["num_stages"])]
     for name in ("entropy", "variance", "preferences"):
         key = f"cache.{name}"
-        setattr(cache, name, [row.to(device) for row in tensors[key]] if key in tensors else [])
+        setattr(cache, name, list(tensors[key]) if key in tensors else [])  # host, as when compressed
     if "cache.seq.lengths" in tensors:
         cache.seq = SequenceBudgets(**{f.name: tensors[f"cache.seq.{f.name}"]
                                        for f in dataclasses.fields(SequenceBudgets)})  # fmt: skip
@@ -477,9 +479,9 @@ def _rebuild(
     ctx = CompressedContext(
         model,
         cache,
-        tensors["context.input_ids"].to(device),
-        tensors["context.attention_mask"].to(device),
-        tensors["context.logits"].to(device),
+        tensors["context.input_ids"].to(input_device(model)),
+        tensors["context.attention_mask"].to(input_device(model)),
+        tensors["context.logits"].to(output_device(model)),
     )
     if tuple(ctx.input_ids.shape) != (batch, meta["context"]["length"]):
         raise ContextFileError("its context ids do not match its description")
