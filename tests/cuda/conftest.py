@@ -17,7 +17,9 @@ from transformers import LlamaForCausalLM
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="no CUDA device visible (set KVCAKE_TEST_DEVICE=cpu to run these on the CPU)")
+    skip = pytest.mark.skip(
+        reason="no CUDA device visible (set KVCAKE_TEST_DEVICE=cpu to run these on the CPU)"
+    )
     here = os.path.dirname(__file__)
     for item in items:
         if str(item.fspath).startswith(here):

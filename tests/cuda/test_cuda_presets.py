@@ -56,7 +56,9 @@ def test_budget_covering_prompt_is_bit_identical(on_device, name, dtype):
     with kvcake.enable(model), torch.no_grad():
         logits = model(prompt, past_key_values=cache).logits
     assert torch.equal(logits, full_logits)
-    out, cache = kvcake.generate(model, prompt, name, budget=200, window=8, max_new_tokens=10, do_sample=False)
+    out, cache = kvcake.generate(
+        model, prompt, name, budget=200, window=8, max_new_tokens=10, do_sample=False
+    )
     assert torch.equal(out, full_out)
     assert all(layer.plain for layer in cache.layers)
 
