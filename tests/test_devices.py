@@ -33,7 +33,8 @@ HOST_MARK = "# host"
 
 def unplaced_factories(root: Path) -> list[str]:
     """``file:line call`` for each ``torch.<factory>(...)`` under ``root`` with no ``device=``,
-    not moved by an immediate ``.to(...)`` and not marked ``# host`` on one of its lines."""
+    not moved by an immediate ``.to(...)`` and not marked ``# host`` on one of its lines or the
+    line above."""
     found = []
     for path in sorted(root.rglob("*.py")):
         text = path.read_text()
@@ -55,7 +56,8 @@ def unplaced_factories(root: Path) -> list[str]:
                 continue
             if any(k.arg == "device" for k in node.keywords) or id(node) in moved:
                 continue
-            if any(HOST_MARK in line for line in lines[node.lineno - 1 : node.end_lineno]):
+            marked = lines[max(node.lineno - 2, 0) : node.end_lineno]  # its lines and the one above
+            if any(HOST_MARK in line for line in marked):
                 continue
             found.append(f"{path.relative_to(root.parent)}:{node.lineno} torch.{f.attr}")
     return found
@@ -80,8 +82,15 @@ def test_the_scan_can_fail(tmp_path):
         "c = torch.zeros(2)  # host: a count\n"
         "d = torch.tensor([1]).to(x.device)\n"
         "e = torch.full(\n    (2,),\n    1,\n)\n"
+        "# host: bookkeeping\n"
+        "f = torch.ones(2)\n"
+        "g = torch.ones(2)\n"
     )
-    assert unplaced_factories(pkg) == ["pkg/m.py:2 torch.arange", "pkg/m.py:6 torch.full"]
+    assert unplaced_factories(pkg) == [
+        "pkg/m.py:2 torch.arange",
+        "pkg/m.py:6 torch.full",
+        "pkg/m.py:12 torch.ones",
+    ]
 
 
 # -- the core functions on the meta device -------------------------------------------------------

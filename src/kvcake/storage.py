@@ -184,7 +184,8 @@ def save_context(ctx: CompressedContext, path: str | os.PathLike[str], *, extra:
         "context.attention_mask": _host(ctx.attention_mask),
         "context.logits": _host(ctx.logits),
         "cache.budgets": _host(cache.budgets),
-        "cache.decode_budget": torch.from_numpy(np.ascontiguousarray(cache.decode_budget, dtype=np.int64)),  # host: saved
+        # host: saved from numpy
+        "cache.decode_budget": torch.from_numpy(np.ascontiguousarray(cache.decode_budget, dtype=np.int64)),
     }
     for i, stage in enumerate(cache.stage_budgets):
         tensors[f"cache.stage_budgets.{i}"] = _host(stage)
@@ -205,7 +206,8 @@ def save_context(ctx: CompressedContext, path: str | os.PathLike[str], *, extra:
         tensors[prefix + "keys"] = _host(layer.keys)
         tensors[prefix + "values"] = _host(layer.values)
         tensors[prefix + "positions"] = _host(layer.positions)
-        tensors[prefix + "counts"] = torch.from_numpy(np.ascontiguousarray(layer.counts, dtype=np.int64))  # host: saved
+        # host: saved from numpy
+        tensors[prefix + "counts"] = torch.from_numpy(np.ascontiguousarray(layer.counts, dtype=np.int64))
         if layer.scores is not None:
             tensors[prefix + "scores"] = _host(layer.scores)
         entry = {"layout": layer.layout, "plain": bool(layer.plain), "length": int(layer.length),
