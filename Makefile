@@ -48,11 +48,6 @@ test-cuda: $(if $(PY),,setup)
 FLOOR_VENV := .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
 FLOOR_PINS := transformers==5.0.0 accelerate==1.1.0 gguf==0.10.0
-# The fast suite minus the slow hypothesis/fuzz files and the eval/bench faces (their own
-# code paths barely touch transformers): the cache, every preset, storage, the CLI and the models.
-FLOOR_TESTS := tests --ignore=tests/test_fuzz.py --ignore=tests/test_properties.py \
-	--ignore=tests/eval --ignore=tests/test_bench.py
-
 $(FLOOR_STAMP): pyproject.toml Makefile
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install $(TORCH_PIN)
@@ -61,7 +56,7 @@ $(FLOOR_STAMP): pyproject.toml Makefile
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate, gguf; print('floor:', transformers.__version__, accelerate.__version__)"
-	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration" $(FLOOR_TESTS)
+	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration"
 
 lint: setup
 	$(BIN)/ruff check src tests
