@@ -47,7 +47,7 @@ test-cuda: $(if $(PY),,setup)
 # declared floor is untested (README). Keep these in step with pyproject.toml's dependencies.
 FLOOR_VENV := .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
-FLOOR_PINS := transformers==5.0.0 accelerate==1.1.0 gguf==0.11.0
+FLOOR_PINS := transformers==5.0.0 accelerate==1.2.0 gguf==0.11.0
 $(FLOOR_STAMP): pyproject.toml Makefile
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install $(TORCH_PIN)
