@@ -35,3 +35,17 @@ def test_floor_pins_are_the_declared_floors():
         assert _same(version, declared[name]), (
             f"{name}: make test-floor installs {version}, pyproject declares >={declared[name]}"
         )
+
+
+def test_layer_serves_both_transformers_5_layer_apis():
+    """transformers 5.0 asks a layer for ``get_max_cache_shape`` and passes ``cache_position`` to
+    ``get_mask_sizes``; later 5.x ask for ``get_max_length`` and pass the query length."""
+    import torch
+
+    from kvcake.layer import KVCakeLayer
+
+    layer = KVCakeLayer()
+    kv = torch.zeros(1, 2, 3, 4)
+    layer.update(kv, kv)
+    assert layer.get_max_cache_shape() == layer.get_max_length() == -1
+    assert layer.get_mask_sizes(torch.arange(3, 5)) == layer.get_mask_sizes(2) == (5, 0)

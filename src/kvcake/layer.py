@@ -82,7 +82,7 @@ class KVCakeLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # transformers builds the mask over logical columns; the kvcake attention maps it onto
-        # what the layer physically holds through ``positions``. transformers < 5.3 passes the
+        # what the layer physically holds through ``positions``. Older transformers 5.x (5.0) pass the
         # new tokens' cache_position (a tensor) instead of their count.
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
@@ -94,7 +94,7 @@ class KVCakeLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # the name of get_max_length in transformers < 5.3
+    def get_max_cache_shape(self) -> int:  # get_max_length's name in older transformers 5.x (5.0)
         return -1
 
     def reset(self) -> None:
