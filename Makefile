@@ -52,6 +52,7 @@ $(FLOOR_STAMP): pyproject.toml Makefile
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install $(TORCH_PIN)
 	$(FLOOR_VENV)/bin/python -m pip install $(FLOOR_PINS) safetensors tqdm numpy matplotlib pytest hypothesis
+	$(FLOOR_VENV)/bin/python -m pip install --no-deps $(DATA_PINS)
 	touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
