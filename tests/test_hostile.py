@@ -347,7 +347,8 @@ def test_reused_cache_is_a_continuation(tiny_llama):
         budgets = cache.budgets.clone()
         tiny_llama.generate(ids(90, seed=5), past_key_values=cache, max_new_tokens=3, do_sample=False)
         assert torch.equal(cache.budgets, budgets) and cache.get_seq_length() == 92
-        with pytest.raises(RuntimeError):
+        # transformers' own error, whose type changed: IndexError in 5.0, RuntimeError later
+        with pytest.raises((RuntimeError, IndexError)):
             tiny_llama.generate(ids(20, seed=6), past_key_values=cache, max_new_tokens=3, do_sample=False)
 
 

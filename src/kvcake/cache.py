@@ -228,8 +228,10 @@ class KVCakeCache(Cache):
             _, var = window_rows_mean_var(sub, row_valid)
             variance = var.sum((1, 2))  # (B,)
             tau1, tau2 = self._resolve_tau()
-            self.entropy.append(entropy.double())
-            self.variance.append(variance.double())
+            # host: (B,) per layer, stacked across layers that may sit on different devices
+            entropy, variance = entropy.double().cpu(), variance.double().cpu()
+            self.entropy.append(entropy)
+            self.variance.append(variance)
             self.preferences.append(preference(entropy, variance, tau1, tau2))
         last = g == len(self.compressed) - 1
         if m.layers.needs_preferences:

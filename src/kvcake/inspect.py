@@ -71,7 +71,7 @@ def kept_mask(cache: KVCakeCache, length: int) -> np.ndarray:
     rows = []
     for layer in (cache.layers[lid] for lid in cache.compressed):
         pos = layer.padded_positions()[0].cpu()  # (H_kv, N), -1 = empty
-        mask = torch.zeros(pos.shape[0], length + 1, dtype=torch.bool)
+        mask = torch.zeros(pos.shape[0], length + 1, dtype=torch.bool)  # host: pos is on the CPU
         mask.scatter_(1, torch.where((pos >= 0) & (pos < length), pos, length), True)
         rows.append(mask[:, :length].numpy())
     return np.stack(rows)

@@ -80,15 +80,21 @@ class KVCakeLayer(CacheLayerMixin):
         self.counts = self.counts + add
         return self.keys, self.values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # transformers builds the mask over logical columns; the kvcake attention maps it onto
-        # what the layer physically holds through ``positions``.
+        # what the layer physically holds through ``positions``. Older transformers 5.x (5.0) pass the
+        # new tokens' cache_position (a tensor) instead of their count.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.length
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # get_max_length's name in older transformers 5.x (5.0)
         return -1
 
     def reset(self) -> None:

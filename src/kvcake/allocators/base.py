@@ -4,6 +4,10 @@ Layout convention: budgets are ``(B, n)`` int64, one row per sequence, one colum
 (``n`` is the number of layers seen so far during a cascade, ``L`` at the end). Every
 allocator reserves the window for each layer and shares the rest, and every result sums
 exactly to ``min(total, sum(caps))`` per sequence.
+
+Device: allocation is host bookkeeping (a few numbers per layer, with ``.tolist()`` in the
+exact rounding), so every tensor of a request lives on the CPU; the cache moves preferences to
+the host before allocating and moves each layer's budget to that layer's device to evict.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ class AllocationRequest:
     preferences: torch.Tensor | None = None
     final: bool = True
 
+    def __post_init__(self) -> None:
+        named = {"total": self.total, "cap": self.cap, "window": self.window, "preferences": self.preferences}
+        away = {k: str(t.device) for k, t in named.items() if t is not None and t.device.type != "cpu"}
+        if away:
+            raise ValueError(
+                f"allocation runs on the host, but {away} are not on the CPU: pass them with .cpu() "
+                "(budgets are host bookkeeping; move each layer's budget to its device after allocating)"
+            )
+
 
 class LayerAllocator:
     """Base class. ``needs_preferences`` tells the cache to compute CAKE's preference scores;
@@ -55,7 +68,7 @@ def waterfill(weights: torch.Tensor, base: torch.Tensor, cap: torch.Tensor, tota
     so a layer that hits its cap gives its excess to the others. If ``total >= n * cap``
     everything is capped.
     """
-    w = weights.double()
+    w = weights.double().to(cap.device)  # preferences may come from the model's device
     base = base.double()[:, None]
     cap_ = cap.double()[:, None]
     total = total.double()
@@ -102,7 +115,7 @@ def round_exact(x: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torc
     frac = torch.where(fl < cap_, x - fl.double(), torch.full_like(x, -1.0))
     order = torch.argsort(frac, dim=1, descending=True, stable=True)
     ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(x.shape[1]).expand_as(order).contiguous())
+    ranks.scatter_(1, order, torch.arange(x.shape[1], device=x.device).expand_as(order).contiguous())
     add = (ranks < need[:, None]) & (fl < cap_)
     out = fl + add.long()
     # Rare float slack: shave or pad one entry at a time so the sum is exact.

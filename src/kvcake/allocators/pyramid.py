@@ -31,7 +31,11 @@ class Pyramid(LayerAllocator):
         avg_prefix = (req.total.double() / n - req.window.double()).clamp(min=0)  # (B,)
         lo = torch.floor(avg_prefix / self.beta)
         hi = 2 * avg_prefix - lo
-        frac = torch.linspace(1.0, 0.0, n, dtype=torch.float64) if n > 1 else torch.ones(1, dtype=torch.float64)
+        dev = req.total.device  # the host (allocation is host bookkeeping)
+        if n > 1:
+            frac = torch.linspace(1.0, 0.0, n, dtype=torch.float64, device=dev)
+        else:
+            frac = torch.ones(1, dtype=torch.float64, device=dev)
         x = lo[:, None] + (hi - lo)[:, None] * frac[None, :]  # (B, L) prefix budgets
         # Linear profile as weights over the pool: identical to the formula when nothing is capped.
         return round_exact(waterfill(x, req.window, req.cap, req.total), req.cap, req.total)

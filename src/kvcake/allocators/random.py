@@ -22,7 +22,7 @@ class RandomSplit(LayerAllocator):
             raise ValueError(f"random allocation seed must be an int, got {self.seed!r}")
 
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed)
-        w = torch.rand(req.num_layers, generator=g, dtype=torch.float64)
+        g = torch.Generator().manual_seed(self.seed)  # host: the same weights on every machine
+        w = torch.rand(req.num_layers, generator=g, dtype=torch.float64).to(req.total.device)  # host
         w = w[None, :].expand(req.total.shape[0], -1)
         return round_exact(waterfill(w, req.window, req.cap, req.total), req.cap, req.total)

@@ -96,7 +96,7 @@ def thread_probe(size: int = 256, repeats: int = 50) -> dict:
     """Median time of a ``size x size`` float32 matmul with one thread and with torch's current
     thread count and the core count: on cores shared with other work, a multi-threaded kernel waits for its
     descheduled threads, and the second number is then far worse than the first."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size), torch.randn(size, size)  # host: a CPU thread probe
     threads = torch.get_num_threads()
     out = {}
     try:
@@ -222,13 +222,13 @@ def prompt_ids(tokenizer, length: int, vocab_size: int, device: torch.device) ->
     if text is not None:
         key = id(tokenizer)
         if key not in _TOKENS:
-            _TOKENS[key] = torch.tensor(
+            _TOKENS[key] = torch.tensor(  # host: cached once, moved per call
                 tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long
             )
         ids = _TOKENS[key]
         reps = -(-length // ids.numel())
         return ids.repeat(reps)[:length][None].to(device), "essays"
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # host: the same ids on every machine
     return torch.randint(0, vocab_size, (1, length), generator=gen).to(device), "random ids"
 
 

@@ -45,7 +45,8 @@ class PrefillInputs:
             k = _expand_kv(self.keys.float(), self.num_groups)  # (B, H, S, d)
             s_len, w = k.shape[2], q.shape[2]
             logits = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, w, S)
-            causal = torch.arange(s_len)[None, :] <= torch.arange(s_len - w, s_len)[:, None]  # (w, S)
+            cols = torch.arange(s_len, device=k.device)
+            causal = cols[None, :] <= torch.arange(s_len - w, s_len, device=k.device)[:, None]  # (w, S)
             allowed = causal[None, None] & self.key_valid[:, None, None, :]
             row_valid = self.key_valid[:, -w:]  # (B, w)
             logits = logits.masked_fill(~allowed, float("-inf"))

@@ -24,7 +24,8 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
     """
     b, hkv, s, d = values.shape
     groups = num_heads // hkv
-    w = o_weight.float().reshape(o_weight.shape[0], num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
+    w = o_weight.to(values.device).float()  # the values' device (one layer of a split model)
+    w = w.reshape(o_weight.shape[0], num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
     w = w.reshape(hkv, groups, d, -1)  # (H_kv, G, d, hidden)
     out = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
     for start in range(0, s, _NORM_CHUNK):

@@ -16,6 +16,7 @@ import torch
 
 from ..cache import KVCakeCache, SequenceBudgets
 from ..context import CompressedContext
+from ..devices import input_device, layer_devices, output_device
 from ..method import _rebuild_method
 from ..ragged import RaggedMeta
 from ..sliding import SlidingLayer, restore_sliding
@@ -52,7 +53,8 @@ def load_context(model: torch.nn.Module, path: str | os.PathLike[str]) -> Compre
 
     The cache gets exactly the saved state (entries, positions, layouts, budgets, decoding
     budgets, scores), so next-token logits and generations equal those of the saved context.
-    Tensors go to the model's device.
+    Each layer's tensors go to its layer's device (models split with ``device_map`` too), the
+    context's ids to the input device, budgets and preferences stay on the host.
 
     Raises
     ------
@@ -109,7 +111,6 @@ def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> No
 def _rebuild(
     model: torch.nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
 ) -> CompressedContext:
-    device = next(model.parameters()).device
     m = meta["method"]
     try:
         method = _rebuild_method(m["spec"], m["budget"], m["ratio"], m["window"], m["name"])
@@ -122,11 +123,12 @@ def _rebuild(
     cache = KVCakeCache(model, method)
     info = cache.info
     batch = meta["context"]["batch"]
+    devices = layer_devices(model, info.num_layers)
     layers_meta = meta["layers"]
     if len(layers_meta) != info.num_layers:
         raise ContextFileError(f"it has {len(layers_meta)} layers, the model {info.num_layers}")
     for lid, (layer, lm) in enumerate(zip(cache.layers, layers_meta, strict=True)):
-        prefix = f"layers.{lid}."
+        prefix, device = f"layers.{lid}.", devices[lid]
         keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
         if lm["layout"] == "sliding" or isinstance(layer, SlidingLayer):
             err = (
@@ -172,7 +174,7 @@ def _rebuild(
     cache.stage_budgets = [tensors[f"cache.stage_budgets.{i}"] for i in range(c["num_stages"])]
     for name in ("entropy", "variance", "preferences"):
         key = f"cache.{name}"
-        setattr(cache, name, [row.to(device) for row in tensors[key]] if key in tensors else [])
+        setattr(cache, name, list(tensors[key]) if key in tensors else [])  # host, as when compressed
     if "cache.seq.lengths" in tensors:
         cache.seq = SequenceBudgets(**{f.name: tensors[f"cache.seq.{f.name}"]
                                        for f in dataclasses.fields(SequenceBudgets)})  # fmt: skip
@@ -185,9 +187,9 @@ def _rebuild(
     ctx = CompressedContext(
         model,
         cache,
-        tensors["context.input_ids"].to(device),
-        tensors["context.attention_mask"].to(device),
-        tensors["context.logits"].to(device),
+        tensors["context.input_ids"].to(input_device(model)),
+        tensors["context.attention_mask"].to(input_device(model)),
+        tensors["context.logits"].to(output_device(model)),
     )
     if tuple(ctx.input_ids.shape) != (batch, meta["context"]["length"]):
         raise ContextFileError("its context ids do not match its description")

@@ -69,6 +69,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
         "context.attention_mask": _host(ctx.attention_mask),
         "context.logits": _host(ctx.logits),
         "cache.budgets": _host(cache.budgets),
+        # host: saved from numpy
         "cache.decode_budget": torch.from_numpy(np.ascontiguousarray(cache.decode_budget, dtype=np.int64)),
     }
     for i, stage in enumerate(cache.stage_budgets):
@@ -93,6 +94,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             layers_meta.append(sliding_entry(layer))
             continue
         tensors[prefix + "positions"] = _host(layer.positions)
+        # host: saved from numpy
         tensors[prefix + "counts"] = torch.from_numpy(np.ascontiguousarray(layer.counts, dtype=np.int64))
         if layer.scores is not None:
             tensors[prefix + "scores"] = _host(layer.scores)

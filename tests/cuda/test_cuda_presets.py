@@ -1,0 +1,79 @@
+"""Every preset on the test device: runs in half precision, keeps host bookkeeping on the host
+and the cache on the device, sums its budgets exactly, changes nothing when the budget covers
+the prompt, and appends a chunk exactly like single steps (float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cuda_helpers import DEVICE, HALF, ids
+
+import kvcake
+from kvcake import PRESETS, KVCakeCache, make_method
+
+HOST = torch.device("cpu")
+NO_DECODE_EVICTION = [p for p in PRESETS if make_method(p, budget=64).decode == "none"]
+
+
+def _same(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_prefills_and_generates(on_device, name, dtype):
+    model = on_device(dtype)
+    prompt = ids(200, seed=1, batch=2)
+    out, cache = kvcake.generate(model, prompt, name, budget=40, window=8, max_new_tokens=12, do_sample=False)
+    assert out.shape == (2, 212) and _same(out.device, DEVICE)
+    assert bool(((out >= 0) & (out < model.config.vocab_size)).all())
+    assert torch.equal(cache.budgets.sum(1), torch.tensor([40 * 4, 40 * 4])), "budgets sum exactly"
+    assert cache.budgets.device == HOST and cache.seq.lengths.device == HOST
+    assert all(p.device == HOST for p in cache.preferences + cache.entropy + cache.variance)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values, layer.positions):
+            assert _same(t.device, DEVICE) and (t is layer.positions or t.dtype == dtype)
+        assert torch.isfinite(layer.keys.float()).all() and torch.isfinite(layer.values.float()).all()
+    method = make_method(name, budget=40, window=8)
+    counts = cache.layer_counts()  # (B, L, H_kv)
+    if method.decode == "fixed":
+        assert np.array_equal(counts, cache.decode_budget), "decoding keeps every head at its budget"
+    else:
+        per_layer = counts.sum(2) if method.heads.ragged else counts[..., 0] * 2
+        assert np.array_equal(per_layer, (cache.budgets.numpy() + 11) * 2), "prompt budget + 11 decoded"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_budget_covering_prompt_is_bit_identical(on_device, name, dtype):
+    model = on_device(dtype)
+    prompt = ids(90, seed=2)
+    with torch.no_grad():
+        full_logits = model(prompt).logits
+        full_out = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    cache = KVCakeCache(model, make_method(name, budget=90, window=8))
+    with kvcake.enable(model), torch.no_grad():
+        logits = model(prompt, past_key_values=cache).logits
+    assert torch.equal(logits, full_logits)
+    out, cache = kvcake.generate(
+        model, prompt, name, budget=200, window=8, max_new_tokens=10, do_sample=False
+    )
+    assert torch.equal(out, full_out)
+    assert all(layer.plain for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", NO_DECODE_EVICTION)
+def test_chunk_equals_single_steps(on_device, name):
+    model = on_device(torch.float32)
+    ctx = kvcake.compress(model, ids(160, seed=3), name, budget=48, window=8)
+    follow = ids(24, seed=4)
+    chunk = ctx.forward(follow)[0]  # (24, vocab)
+    cache = ctx.fork()
+    steps = []
+    with kvcake.enable(model), torch.no_grad():
+        for i in range(follow.shape[1]):
+            steps.append(model(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
+    # float32 on a GPU: a chunk and single steps run different kernels (tiled vs one row),
+    # so the sums are reordered; 1e-5 is ~100x float32's epsilon on logits of size ~1.
+    torch.testing.assert_close(torch.stack(steps), chunk, atol=1e-5, rtol=1e-5)
