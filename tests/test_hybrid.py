@@ -7,10 +7,10 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
 import kvcake
-from conftest import TINY_GEMMA3_WINDOW, _tiny_gemma3
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import describe_model, layer_windows
 from kvcake.sliding import SlidingLayer
+from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
 
 GLOBAL = (2, 5)  # the full-attention layers of the tiny hybrid
 SLIDING = (0, 1, 3, 4)
