@@ -13,6 +13,8 @@ from .method import PRESETS, Method, list_methods, make_method
 from .models import DEFAULT_MODEL, load_model
 from .storage import ContextFileError, load_context, method_spec, save_context
 
+from .calibration import calibrate  # noqa: E402,I001  (builds on the eval fidelity code, which imports the above)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "KVCakeCache",
     "Method",
     "__version__",
+    "calibrate",
     "compress",
     "enable",
     "generate",

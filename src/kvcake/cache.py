@@ -255,7 +255,7 @@ class KVCakeCache(Cache):
         if self.tau is None:
             layers = self.method.layers
             avg = float(self.seq.per_layer.double().mean())
-            self.tau = resolve_tau(self._fingerprint, self.model_type, avg, layers.tau1, layers.tau2)
+            self.tau = resolve_tau(self._fingerprint, self.model_type, avg, layers.tau1, layers.tau2, layers.tau_from)
         return self.tau.tau1, self.tau.tau2
 
     @property

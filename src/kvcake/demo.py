@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{kv / 2**20:9.2f} MiB {100 * kv / full_bytes:5.1f}% {peak / 2**20:7.2f} MiB")  # fmt: skip
     cake = caches[method.name]
     budgets = cake.budgets[0].tolist()
-    print(f"\n{method.describe()}")
+    print(f"\n{method.describe()}" + (f"\nCAKE temperatures: {cake.tau.describe()}" if cake.tau else ""))
     print(f"Per-layer budgets (entries per KV head; total {sum(budgets)} = {args.budget} x {len(budgets)} layers):")
     for i, b in enumerate(budgets):
         print(f"  layer {i:2d} {b:5d} {_bar(b, max(budgets))}")

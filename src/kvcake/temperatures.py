@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .allocators.cake import FALLBACK_TAU, default_tau, family_key
-from .models import default_cache_root
+from .allocators.cake import FALLBACK_TAU, CakeAllocator, default_tau, family_key
+from .models import default_cache_root, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -140,21 +140,25 @@ def find_calibration(fingerprint: str) -> tuple[Calibration, str] | None:
 
 
 def resolve_tau(
-    fingerprint: str, model_type: str, budget: float, tau1: float | None = None, tau2: float | None = None
+    fingerprint: str, model_type: str, budget: float, tau1: float | None = None, tau2: float | None = None,
+    tau_from: str = "auto",
 ) -> TauChoice:
     """The temperatures for a model at ``budget`` average entries per layer (see the module doc).
 
-    A user value wins for its own temperature; the other comes from the rest of the cascade."""
+    A user value wins for its own temperature; the other comes from the rest of the cascade.
+    ``tau_from="family"`` or ``"fallback"`` skips the calibrations (and the warning): ablations."""
     if tau1 is not None and tau2 is not None:
         return TauChoice(tau1, tau2, "user")
-    found = find_calibration(fingerprint)
-    if found is not None:
+    found = find_calibration(fingerprint) if tau_from == "auto" else None
+    if tau_from == "fallback":
+        (t1, t2), source = FALLBACK_TAU, "fallback"
+    elif found is not None:
         (t1, t2), source = found[0].at(budget), found[1]
     elif family_key(model_type) is not None:
         (t1, t2), source = default_tau(model_type, budget), "family"
     else:
         (t1, t2), source = FALLBACK_TAU, "fallback"
-    if source in ("family", "fallback") and fingerprint not in _warned:
+    if tau_from == "auto" and source in ("family", "fallback") and fingerprint not in _warned:
         _warned.add(fingerprint)
         what = f"the {model_type!r} family's default" if source == "family" else "a flat fallback"
         logger.warning(
@@ -167,13 +171,17 @@ def resolve_tau(
     return TauChoice(t1, t2, source)
 
 
-def tau_source_label(fingerprint: str, model_type: str, tau1: float | None, tau2: float | None) -> str:
+def tau_source_label(
+    fingerprint: str, model_type: str, tau1: float | None, tau2: float | None, tau_from: str = "auto"
+) -> str:
     """A short identity of the temperatures a CAKE method will use on this model, at any budget
     (e.g. ``calibrated:<hash>``): part of an eval cell's key, so a new calibration reruns it."""
     if tau1 is not None and tau2 is not None:
         return f"user:{tau1:g}/{tau2:g}"
-    found = find_calibration(fingerprint)
-    if found is not None:
+    found = find_calibration(fingerprint) if tau_from == "auto" else None
+    if tau_from == "fallback":
+        base = f"fallback:{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}"
+    elif found is not None:
         digest = hashlib.sha256(json.dumps([p.__dict__ for p in found[0].points]).encode()).hexdigest()[:8]
         base = f"{found[1]}:{digest}"
     elif family_key(model_type) is not None:
@@ -182,3 +190,27 @@ def tau_source_label(fingerprint: str, model_type: str, tau1: float | None, tau2
         base = f"fallback:{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}"
     partial = "".join(f",{n}={v:g}" for n, v in (("tau1", tau1), ("tau2", tau2)) if v is not None)
     return base + partial
+
+
+def method_tau_label(model, method) -> str | None:
+    """:func:`tau_source_label` of a method on ``model``; ``None`` when its layers are not CAKE's."""
+    layers = method.layers
+    if not isinstance(layers, CakeAllocator):
+        return None
+    model_type = getattr(model.config, "model_type", "")
+    return tau_source_label(model_fingerprint(model), model_type, layers.tau1, layers.tau2, layers.tau_from)
+
+
+def describe_resolution() -> str:
+    """How CAKE presets choose their temperatures, and the calibrations shipped in the package."""
+    shipped = []
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        cal = Calibration.from_json(path.read_text(encoding="utf-8"), str(path))
+        pts = ", ".join(f"{p.tau1:g}/{p.tau2:g} at {p.budget:.0f}" for p in cal.points)
+        shipped.append(f"{cal.model or cal.fingerprint} ({pts} entries/layer)")
+    return (
+        "CAKE temperatures (tau1/tau2), when a method leaves them 'auto': the model's own calibration "
+        f"(`kvcake calibrate`, stored in {local_dir()}), else one shipped with kvcake "
+        f"[{'; '.join(shipped) or 'none'}], else the model family's default, else the flat fallback "
+        f"{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}. Caches report theirs as `cache.tau`."
+    )

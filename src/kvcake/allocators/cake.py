@@ -25,6 +25,9 @@ corner of the paper's ranges (tau1 <= 2, tau2 <= 3), so the allocation stays clo
 and no layer is starved; measured on SmolLM2 in docs/results.md."""
 
 
+TAU_FROM = ("auto", "family", "fallback")
+
+
 def family_key(model_type: str) -> str | None:
     """The ``TAU_DEFAULTS`` entry of a model type, or ``None`` when the family has none."""
     key = "qwen2" if model_type in ("qwen2", "qwen3") else model_type
@@ -63,6 +66,10 @@ class CakeAllocator(LayerAllocator):
         Temperatures of the spatial dispersion and temporal shift; ``None`` lets the cache pick
         them: the model's calibration, else its family's default, else a flat fallback
         (``kvcake.temperatures.resolve_tau``).
+    tau_from:
+        Where ``None`` temperatures come from: ``"auto"`` (calibration, else family, else
+        fallback), or ``"family"`` / ``"fallback"`` to force that step (ablations, e.g.
+        ``cake,layers.tau_from=family``).
     cascading:
         Manage memory stage by stage during prefill (Algorithm 1). ``False`` keeps every full
         layer until the end and evicts once (the paper's comparison point).
@@ -71,12 +78,15 @@ class CakeAllocator(LayerAllocator):
     tau1: float | None = None
     tau2: float | None = None
     cascading: bool = True
+    tau_from: str = "auto"
     name = "cake"
     needs_preferences = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.cascading, bool):  # a typo like cascading=flase must not read as True
             raise ValueError(f"CAKE cascading must be true or false, got {self.cascading!r}")
+        if self.tau_from not in TAU_FROM:
+            raise ValueError(f"CAKE tau_from must be one of {TAU_FROM}, got {self.tau_from!r}")
         for t in (self.tau1, self.tau2):
             if t is not None and not t > 0:
                 raise ValueError(f"CAKE temperatures must be positive, got tau1={self.tau1}, tau2={self.tau2}")

@@ -1,0 +1,100 @@
+"""The CAKE ablation of the results page: allocation alone, indicator alone, both, with the
+model family's default temperatures and with the calibrated ones; and the per-layer budget
+charts of default vs calibrated CAKE.
+
+The cells are ordinary eval cells (same tasks, scenarios, ratios and results file as the rest of
+the page, at the lengths of ``ABLATION_LENGTHS``), so the ones the main tables already hold
+(``cake``, ``snapkv``) are not run twice. CAKE cells carry the temperatures in force in their key
+(``tau``: source and calibration hash), so a new calibration reruns them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcake.eval.report import SCENARIO_TITLES, metric_table
+
+ABLATION: dict[str, str] = {
+    "snapkv": "baseline: uniform layers, SnapKV indicator",
+    "layers=uniform,score=cake": "CAKE indicator alone (uniform layers)",
+    "layers=cake,score=snapkv,layers.tau_from=family": "CAKE allocation alone, family-default tau",
+    "layers=cake,score=snapkv": "CAKE allocation alone, calibrated tau",
+    "cake,layers.tau_from=family": "both (CAKE), family-default tau",
+    "cake": "both (CAKE), calibrated tau",
+}
+"""Method spec -> what it isolates."""
+
+ABLATION_LENGTHS = (2048,)
+BUDGET_FIGURE = "eval_results_cake_budgets.png"
+
+
+def ablation_markdown(records: Sequence[dict[str, Any]], figure: str | os.PathLike[str] | None, doc: Path) -> str:
+    """The page section: what each row isolates, KL / attention perturbation / score tables per
+    scenario (the rows' ``ABLATION_LENGTHS`` cells only), and the budget chart."""
+    lengths = set(ABLATION_LENGTHS)
+    rs = [r for r in records if r["length"] in lengths and (r["method"] in ABLATION or r["method"] == "full")]
+    if not rs:
+        return ""
+    lines = [
+        "## CAKE ablation: allocation, indicator, temperatures",
+        "",
+        f"Prompts of {', '.join(str(n) for n in ABLATION_LENGTHS)} tokens only (the same cells as above where "
+        "a method is in both). *Family-default tau* is what CAKE used before calibration: the authors' "
+        "Llama-3.1-8B temperatures for every `llama`-type model (1.6/0.6, 1.6/0.4 from 512 entries per layer); "
+        "*calibrated* is the shipped calibration of this model (`kvcake calibrate`).",
+        "",
+        *(f"- `{m}`: {what}" for m, what in ABLATION.items()),
+        "",
+    ]
+    for sc in ("question", "context"):
+        sub = [r for r in rs if r["scenario"] == sc]
+        if not sub:
+            continue
+        lines += [f"### {SCENARIO_TITLES[sc]}", ""]
+        for metric, title in (("kl", "KL(full || compressed), nats/token"),
+                              ("attn_rel_l1", "attention-output perturbation"), ("score", "score (x100)")):  # fmt: skip
+            if any(r.get(metric) is not None for r in sub):
+                lines += [f"**{title}**", "", metric_table(sub, metric, ["full", *ABLATION]), ""]
+    if figure is not None:
+        lines += [f"![{Path(figure).stem}]({os.path.relpath(Path(figure), doc.parent)})", ""]
+    return "\n".join(lines)
+
+
+def budget_chart(model, tokenizer, path: Path, ratios: Sequence[float] = (0.1, 0.25, 0.5), length: int = 2048) -> Path:
+    """Per-layer budgets of CAKE with the family-default and the calibrated temperatures, on the
+    first ``niah_single`` prompt of ``length`` tokens (seed 0), one panel per ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    import torch
+
+    import kvcake
+    from kvcake.eval.tasks import make_samples
+    from kvcake.prompts import build_prompt
+
+    s = make_samples("niah_single", tokenizer, 1, length, seed=0, haystack="paul_graham", needle_style="restated")[0]
+    p = build_prompt(tokenizer, s.context_prompt(), s.question_prompt(answer_prefix=False), s.answer_prefix)
+    ids = torch.cat([p.context, p.question], dim=1)  # the question-aware prompt (1, S)
+    fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 3.6), sharey=True)
+    for ax, ratio in zip(np.atleast_1d(axes), ratios, strict=True):
+        for k, (spec, colour) in enumerate((("cake,layers.tau_from=family", "tab:red"), ("cake", "tab:green"))):
+            cache = kvcake.compress(model, ids, spec, ratio=ratio).cache
+            b = cache.budgets[0].numpy()
+            ax.bar(np.arange(len(b)) + (k - 0.5) * 0.4, b, width=0.4, color=colour,
+                   label=f"{'family default' if k == 0 else cache.tau.source} {cache.tau.tau1:.2g}/{cache.tau.tau2:.2g}")  # fmt: skip
+        ax.axhline(ratio * ids.shape[1], color="grey", linestyle="--", linewidth=1, label="uniform")
+        ax.set_title(f"ratio {ratio} ({ids.shape[1]} tokens)")
+        ax.set_xlabel("layer")
+        ax.legend(fontsize=7)
+    np.atleast_1d(axes)[0].set_ylabel("KV entries kept per KV head")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
