@@ -9,11 +9,10 @@ from .api import CompressedContext, compress, generate
 from .attention import enable
 from .budget import BudgetSpec
 from .cache import KVCakeCache
+from .calibration import calibrate  # noqa: E402,I001  (builds on the eval fidelity code, which imports the above)
 from .method import PRESETS, Method, list_methods, make_method
 from .models import DEFAULT_MODEL, load_model
 from .storage import ContextFileError, load_context, method_spec, save_context
-
-from .calibration import calibrate  # noqa: E402,I001  (builds on the eval fidelity code, which imports the above)
 
 __version__ = "0.1.0"
 

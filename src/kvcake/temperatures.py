@@ -89,10 +89,16 @@ class Calibration:
     def from_json(cls, text: str, source: str = "calibration") -> Calibration:
         try:
             body = json.loads(text)
-            points = tuple(TauPoint(float(p["budget"]), float(p["tau1"]), float(p["tau2"])) for p in body["points"])
-            return cls(str(body["fingerprint"]), points, str(body.get("model", "")), dict(body.get("meta", {})))
+            points = tuple(
+                TauPoint(float(p["budget"]), float(p["tau1"]), float(p["tau2"])) for p in body["points"]
+            )
+            return cls(
+                str(body["fingerprint"]), points, str(body.get("model", "")), dict(body.get("meta", {}))
+            )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
-            raise ValueError(f"{source}: not a kvcake calibration ({err}); rerun `kvcake calibrate`") from None
+            raise ValueError(
+                f"{source}: not a kvcake calibration ({err}); rerun `kvcake calibrate`"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,11 @@ def find_calibration(fingerprint: str) -> tuple[Calibration, str] | None:
 
 
 def resolve_tau(
-    fingerprint: str, model_type: str, budget: float, tau1: float | None = None, tau2: float | None = None,
+    fingerprint: str,
+    model_type: str,
+    budget: float,
+    tau1: float | None = None,
+    tau2: float | None = None,
     tau_from: str = "auto",
 ) -> TauChoice:
     """The temperatures for a model at ``budget`` average entries per layer (see the module doc).

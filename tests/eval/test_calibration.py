@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from word_tokenizer import WordTokenizer
 
 import kvcake
 from kvcake import temperatures
@@ -19,8 +20,6 @@ from kvcake.eval.fidelity import Captured, capture_queries, replay_compress
 from kvcake.eval.haystack import NoiseHaystack
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
-
-from word_tokenizer import WordTokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +106,9 @@ def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
         grid = {(a, b): x for a, b, x in meta["grid"]}
         best = min(grid.values())
         assert grid[(point.tau1, point.tau2)] == best and meta["loss"] == pytest.approx(best, abs=1e-6)
-        assert meta["evaluations"] <= 2 * meta["candidates"] + 2  # shared evaluations, one per distinct allocation
+        assert (
+            meta["evaluations"] <= 2 * meta["candidates"] + 2
+        )  # shared evaluations, one per distinct allocation
     saved = json.loads(temperatures.calibration_path(cal.fingerprint).read_text())
     assert saved["fingerprint"] == cal.fingerprint
     ctx = kvcake.compress(tiny_llama, _ids(96), "cake", ratio=0.2, window=4)

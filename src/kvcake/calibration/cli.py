@@ -37,12 +37,16 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
     p.add_argument("--text", default="paul_graham",
                    help="calibration text: paul_graham (default), noise, or a text file/folder")  # fmt: skip
-    p.add_argument("--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25)")
+    p.add_argument(
+        "--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25)"
+    )
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
     p.add_argument("--samples", type=int, default=3, help="samples per kind (context-only, needle question)")
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--grid", type=int, default=6, help="grid points per temperature axis")
-    p.add_argument("--out", default=None, help="folder to write the calibration to (default: beside the models)")
+    p.add_argument(
+        "--out", default=None, help="folder to write the calibration to (default: beside the models)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     return p
 

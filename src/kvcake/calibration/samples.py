@@ -28,7 +28,9 @@ from kvcake.eval.fidelity import Captured, capture_queries
 from kvcake.eval.haystack import Haystack
 
 NEEDLE = " The special magic number that the archivist hid is {value}."
-QUESTION = " Question: what is the special magic number that the archivist hid? Answer: The special magic number is"
+QUESTION = (
+    " Question: what is the special magic number that the archivist hid? Answer: The special magic number is"
+)
 KINDS = ("context", "question")
 
 

@@ -70,7 +70,10 @@ def search_grid(
         for axis, values in (("t1", t1), ("t2", t2)):
             v = best[0] if axis == "t1" else best[1]
             step = (values[-1] / values[0]) ** (1 / (len(values) - 1)) if len(values) > 1 else 2.0
-            for side, edge, new in (("lo", values[0], values[0] / step), ("hi", values[-1], values[-1] * step)):
+            for side, edge, new in (
+                ("lo", values[0], values[0] / step),
+                ("hi", values[-1], values[-1] * step),
+            ):
                 key = axis + side
                 if v == edge and grown[key] < max_extend and TAU_LIMITS[0] <= new <= TAU_LIMITS[1]:
                     values.insert(0 if side == "lo" else len(values), float(f"{new:.3g}"))
@@ -119,7 +122,9 @@ class Evaluator:
         self.model, self.samples, self.spec, self.score = model, list(samples), spec, score
         self.memos = [ScoreMemo() for _ in self.samples]
         self.done: dict[tuple[int, tuple[int, ...]], float] = {}
-        self.stats: list[tuple[torch.Tensor, torch.Tensor]] = [self._preference_stats(i) for i in range(len(samples))]
+        self.stats: list[tuple[torch.Tensor, torch.Tensor]] = [
+            self._preference_stats(i) for i in range(len(samples))
+        ]
         self.evaluations = 0
 
     def _method(self, layers: str) -> Method:
@@ -134,7 +139,9 @@ class Evaluator:
 
     def kl(self, i: int, method: Method) -> float:
         s = self.samples[i]
-        ctx = replay_compress(self.model, method, s.captured, s.cache, s.ids, s.logits, chunks=1, memo=self.memos[i])
+        ctx = replay_compress(
+            self.model, method, s.captured, s.cache, s.ids, s.logits, chunks=1, memo=self.memos[i]
+        )
         n = s.full_logprobs.shape[0]
         tf = teacher_force(self.model, ctx.cache, s.ids.shape[1], ctx.logits, s.appended, n)
         p = s.full_logprobs.exp()
@@ -170,5 +177,3 @@ class Evaluator:
         """Average entries per layer over the samples (the budget a calibration point is stored at)."""
         per = [float(self.spec.per_layer(torch.tensor([s.ids.shape[1]]))[0]) for s in self.samples]
         return sum(per) / len(per)
-
-

@@ -31,7 +31,9 @@ ABLATION_LENGTHS = (2048,)
 BUDGET_FIGURE = "eval_results_cake_budgets.png"
 
 
-def ablation_markdown(records: Sequence[dict[str, Any]], figure: str | os.PathLike[str] | None, doc: Path) -> str:
+def ablation_markdown(
+    records: Sequence[dict[str, Any]], figure: str | os.PathLike[str] | None, doc: Path
+) -> str:
     """The page section: what each row isolates, KL / attention perturbation / score tables per
     scenario (the rows' ``ABLATION_LENGTHS`` cells only), and the budget chart."""
     lengths = set(ABLATION_LENGTHS)
@@ -63,7 +65,9 @@ def ablation_markdown(records: Sequence[dict[str, Any]], figure: str | os.PathLi
     return "\n".join(lines)
 
 
-def budget_chart(model, tokenizer, path: Path, ratios: Sequence[float] = (0.1, 0.25, 0.5), length: int = 2048) -> Path:
+def budget_chart(
+    model, tokenizer, path: Path, ratios: Sequence[float] = (0.1, 0.25, 0.5), length: int = 2048
+) -> Path:
     """Per-layer budgets of CAKE with the family-default and the calibrated temperatures, on the
     first ``niah_single`` prompt of ``length`` tokens (seed 0), one panel per ratio."""
     import matplotlib
@@ -71,19 +75,22 @@ def budget_chart(model, tokenizer, path: Path, ratios: Sequence[float] = (0.1, 0
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
     import torch
 
     import kvcake
     from kvcake.eval.tasks import make_samples
     from kvcake.prompts import build_prompt
 
-    s = make_samples("niah_single", tokenizer, 1, length, seed=0, haystack="paul_graham", needle_style="restated")[0]
+    s = make_samples(
+        "niah_single", tokenizer, 1, length, seed=0, haystack="paul_graham", needle_style="restated"
+    )[0]
     p = build_prompt(tokenizer, s.context_prompt(), s.question_prompt(answer_prefix=False), s.answer_prefix)
     ids = torch.cat([p.context, p.question], dim=1)  # the question-aware prompt (1, S)
     fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 3.6), sharey=True)
     for ax, ratio in zip(np.atleast_1d(axes), ratios, strict=True):
-        for k, (spec, colour) in enumerate((("cake,layers.tau_from=family", "tab:red"), ("cake", "tab:green"))):
+        for k, (spec, colour) in enumerate(
+            (("cake,layers.tau_from=family", "tab:red"), ("cake", "tab:green"))
+        ):
             cache = kvcake.compress(model, ids, spec, ratio=ratio).cache
             b = cache.budgets[0].numpy()
             ax.bar(np.arange(len(b)) + (k - 0.5) * 0.4, b, width=0.4, color=colour,
@@ -98,3 +105,25 @@ def budget_chart(model, tokenizer, path: Path, ratios: Sequence[float] = (0.1, 0
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def run_section(
+    settings: dict[str, Any], args: Any, command: str, doc: Path | None, report_only: bool
+) -> str:
+    """Run the ablation's cells into the page's results file (resumable, like the rest), draw the
+    budget chart, and return the page section (``kvcake eval --suite results`` calls this)."""
+    import kvcake
+    from kvcake.eval.runner import run_eval
+
+    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    result = run_eval(
+        model, tokenizer, model_name=args.model, methods=("full", *ABLATION), ratios=settings["ratios"],
+        tasks=settings["tasks"], lengths=ABLATION_LENGTHS, samples=settings["samples"],
+        scenario=settings["scenario"], seed=args.seed, haystack=args.haystack, needle_style=args.needle_style,
+        max_new_tokens=args.max_new_tokens, fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens,
+        window=args.window, out=settings["out"], prefill=args.prefill, progress=not args.no_progress,
+        command=command + "  # CAKE ablation cells", compute=not report_only, report=False,
+    )  # fmt: skip
+    out = Path(str(settings["out"]))
+    figure = budget_chart(model, tokenizer, out.parent / BUDGET_FIGURE, tuple(settings["ratios"]))
+    return ablation_markdown(result.records, figure, doc or out)

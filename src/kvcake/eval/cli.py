@@ -105,6 +105,7 @@ SUITES: dict[str, dict[str, object]] = {
             "threads were then 2.5-6x slower)."
         ),
         "notes": NOTES_RESULTS,
+        "ablation": True,  # kvcake.eval.ablation: CAKE's parts and temperatures
     },
 }
 
@@ -223,6 +224,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
         out["methods"] = tuple(parse_methods(out["methods"]))
     out["intro"] = suite.get("intro", "")
     out["notes"] = suite.get("notes", "")
+    out["ablation"] = bool(suite.get("ablation", False))
     if out["ratios"] is None:
         out["ratios"] = () if out["budgets"] else (0.25,)
     return out
@@ -279,6 +281,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     if result.missing:
         print(f"{result.missing} requested cells are not in {result.path} yet (rerun without --report-only)")
+    if s["ablation"]:
+        from kvcake.eval.ablation import run_section
+
+        s["notes"] = f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only)}\n\n{s['notes']}"
     if s["doc"]:
         from kvcake.eval.report import render_page
 

@@ -63,9 +63,9 @@ from kvcake.eval.fidelity import (
 )
 from kvcake.eval.tasks import TASKS, make_samples
 from kvcake.method import make_method
-from kvcake.temperatures import method_tau_label
 from kvcake.models import model_fingerprint
 from kvcake.prompts import build_prompt
+from kvcake.temperatures import method_tau_label
 
 logger = logging.getLogger(__name__)
 
