@@ -39,7 +39,7 @@ def calibrate(
     samples: int = 3,
     length: int = 2048,
     continuation: int = 16,
-    grid: int = 6,
+    grid: int = 5,
     window: int = 32,
     seed: int = 0,
     save: bool | str | os.PathLike[str] = True,
@@ -67,8 +67,8 @@ def calibrate(
         folder, ``False`` only returns it.
 
     Returns the :class:`~kvcake.temperatures.Calibration`; its ``meta`` records, per point, the
-    loss of the best temperatures, of the family default, of the flat fallback, of uniform layer
-    budgets, the number of distinct allocations evaluated and the time taken.
+    loss of the best temperatures, of the family default and of the flat fallback (relative to
+    uniform layer budgets), uniform budgets' KL per kind, the number of distinct allocations evaluated and the time taken.
     """
     for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
                              ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
@@ -101,7 +101,7 @@ def calibrate(
             "setting": spec.describe(), "budget": budget, "tau1": result.best[0], "tau2": result.best[1],
             "loss": result.loss, "family_tau": list(family), "family_loss": ev.loss(*family),
             "fallback_tau": list(FALLBACK_TAU), "fallback_loss": ev.loss(*FALLBACK_TAU),
-            "uniform_loss": ev.uniform_loss(), "candidates": len(result.table),
+            "uniform_kl": ev.uniform, "candidates": len(result.table),
             "evaluations": ev.evaluations, "seconds": round(time.perf_counter() - t0, 1),
             "grid": [[a, b, round(x, 6)] for (a, b), x in sorted(result.table.items())],
         })  # fmt: skip

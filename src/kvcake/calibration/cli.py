@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (a few minutes)",
@@ -43,7 +44,7 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
     p.add_argument("--samples", type=int, default=3, help="samples per kind (context-only, needle question)")
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
-    p.add_argument("--grid", type=int, default=6, help="grid points per temperature axis")
+    p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
     p.add_argument(
         "--out", default=None, help="folder to write the calibration to (default: beside the models)"
     )
@@ -66,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
                     save=args.out if args.out else True)  # fmt: skip
     out = sys.stdout
     out.write(f"model {cal.model} (fingerprint {cal.fingerprint}), {cal.meta['seconds']} s\n")
-    out.write("setting      entries/layer  tau1   tau2   KL     family KL  fallback KL  uniform KL\n")
+    out.write("loss: KL to the full cache relative to uniform layer budgets (1.0), mean of both scenarios\n")
+    out.write("setting      entries/layer  tau1   tau2   loss    family  fallback\n")
     for p in cal.meta["points"]:
-        out.write(f"{p['setting']:<12} {p['budget']:>13.0f}  {p['tau1']:<6g} {p['tau2']:<6g} {p['loss']:.4f} "
-                  f"{p['family_loss']:>9.4f}  {p['fallback_loss']:>11.4f}  {p['uniform_loss']:>10.4f}\n")  # fmt: skip
-    out.write(f"saved to {calibration_path(cal.fingerprint, local_dir() if not args.out else None)}\n"
-              if not args.out else f"saved to {calibration_path(cal.fingerprint, __import__('pathlib').Path(args.out))}\n")  # fmt: skip
+        out.write(
+            f"{p['setting']:<12} {p['budget']:>13.0f}  {p['tau1']:<6g} {p['tau2']:<6g} {p['loss']:.4f}  "
+            f"{p['family_loss']:.4f}  {p['fallback_loss']:.4f}\n"
+        )
+    out.write(f"saved to {calibration_path(cal.fingerprint, Path(args.out) if args.out else local_dir())}\n")
     return 0

@@ -7,8 +7,9 @@ whole search: its ``H_l``/``V_l`` turn any (tau1, tau2) into a budget vector by 
 same vector share one evaluation; an evaluation replays the recorded forward into a fresh cache
 (:func:`~kvcake.eval.fidelity.replay_compress`, prefill scores memoised) and teacher-forces the
 sample's scored tokens. The loss is KL(full || compressed) of the next-token distributions,
-averaged over the scored positions of each sample, then over the samples of each kind, then
-over the two kinds (``context`` and ``question``, :mod:`kvcake.calibration.samples`).
+averaged over the scored positions of each sample and over the samples of each kind (``context``
+and ``question``, :mod:`kvcake.calibration.samples`), divided by the same mean for uniform layer
+budgets, then averaged over the two kinds: 1.0 is "as good as uniform budgets", lower is better.
 
 The grid is log-spaced over the paper's ranges (tau1 in 0.2-2, tau2 in 0.4-3); where the best
 point sits on an edge, the grid grows by one step past that edge (up to ``max_extend`` times per
@@ -18,6 +19,7 @@ to its final budget (:class:`FixedLayers`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,20 +160,27 @@ class Evaluator:
             self.done[key] = self.kl(i, self._method("uniform").replace(layers=FixedLayers(key[1])))
         return self.done[key]
 
-    def combine(self, per_sample: Sequence[float]) -> float:
-        """Mean over the samples of each kind, then over the kinds."""
+    def kind_means(self, per_sample: Sequence[float]) -> dict[str, float]:
         kinds: dict[str, list[float]] = {}
         for s, x in zip(self.samples, per_sample, strict=True):
             kinds.setdefault(s.kind, []).append(x)
-        return sum(sum(v) / len(v) for v in kinds.values()) / len(kinds)
+        return {k: sum(v) / len(v) for k, v in kinds.items()}
+
+    @functools.cached_property
+    def uniform(self) -> dict[str, float]:
+        """Mean KL per kind of uniform layer budgets with the same scorer (CAKE's indicator alone)."""
+        method = self._method("uniform")
+        return self.kind_means([self.kl(i, method) for i in range(len(self.samples))])
+
+    def combine(self, per_sample: Sequence[float]) -> float:
+        """Mean over the kinds of (mean KL of the kind) / (uniform budgets' mean KL of the kind):
+        each scenario weighs the same whatever its KL scale (a needle's digits cost far more nats
+        than a prose continuation), and 1.0 means "as good as uniform layer budgets"."""
+        means = self.kind_means(per_sample)
+        return sum(means[k] / max(self.uniform[k], 1e-12) for k in means) / len(means)
 
     def loss(self, tau1: float, tau2: float) -> float:
         return self.combine([self.sample_loss(i, tau1, tau2) for i in range(len(self.samples))])
-
-    def uniform_loss(self) -> float:
-        """The loss of uniform layer budgets with the same scorer (CAKE's indicator alone)."""
-        method = self._method("uniform")
-        return self.combine([self.kl(i, method) for i in range(len(self.samples))])
 
     def mean_budget(self) -> float:
         """Average entries per layer over the samples (the budget a calibration point is stored at)."""

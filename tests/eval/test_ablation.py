@@ -1,0 +1,29 @@
+"""The CAKE ablation section of the results page, from records."""
+
+from pathlib import Path
+
+from kvcake.eval.ablation import ABLATION, ABLATION_LENGTHS, ablation_markdown
+
+
+def _record(method, length, scenario, ratio, kl):
+    return {"method": method, "length": length, "scenario": scenario, "ratio": None if method == "full" else ratio,
+            "budget": None, "kl": kl, "attn_rel_l1": kl / 2, "score": 100.0}  # fmt: skip
+
+
+def test_ablation_tables_hold_every_ablation_method_at_its_lengths_only():
+    length = ABLATION_LENGTHS[0]
+    records = [_record(m, length, sc, r, 0.01 * (i + 1) + r)
+               for i, m in enumerate(["full", *ABLATION]) for sc in ("question", "context") for r in (0.1, 0.5)]  # fmt: skip
+    records.append(_record("cake", length * 2, "context", 0.1, 99.0))  # another length: left out
+    text = ablation_markdown(records, Path("docs/figures/x.png"), Path("docs/results.md"))
+    assert "### question-aware" in text and "### context-only" in text
+    for m in ABLATION:
+        assert f"`{m}`" in text
+    assert "99" not in text.replace("ratio 0.1", "")
+    assert "![x](figures/x.png)" in text
+    cake_kl = f"{0.01 * (1 + list(ABLATION).index('cake') + 1) + 0.1:.4f}"
+    assert cake_kl[:5] in text  # the mean of cake's cells at ratio 0.1
+
+
+def test_no_ablation_records_no_section():
+    assert ablation_markdown([_record("cake", 123, "context", 0.1, 0.1)], None, Path("d.md")) == ""
