@@ -68,7 +68,8 @@ def calibrate(
 
     Returns the :class:`~kvcake.temperatures.Calibration`; its ``meta`` records, per point, the
     loss of the best temperatures, of the family default and of the flat fallback (relative to
-    uniform layer budgets), uniform budgets' KL per kind, the number of distinct allocations evaluated and the time taken.
+    uniform layer budgets), uniform budgets' KL per kind, the number of distinct allocations
+    evaluated and the time taken.
     """
     for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
                              ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
@@ -109,7 +110,7 @@ def calibrate(
                     spec.describe(), *result.best, result.loss, len(result.table), ev.evaluations)  # fmt: skip
     meta = {
         "objective": "mean over kinds (context-only continuation, question-aware needle answer) of the "
-                     "mean KL(full || compressed) per scored token, nats",
+                     "mean KL(full || compressed) per scored token, relative to uniform layer budgets (1.0)",
         "text": str(haystack), "samples_per_kind": samples, "length": length, "continuation": continuation,
         "window": window, "seed": seed, "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,
