@@ -111,3 +111,29 @@ def test_tau_source_label_changes_with_the_calibration():
     after = temperatures.tau_source_label(fp, "llama", None, None)
     assert before == "family:llama" and after.startswith("calibrated:") and after != before
     assert temperatures.tau_source_label(fp, "llama", 1.0, 3.0) == "user:1/3"
+
+
+REAL_SHIPPED = temperatures.SHIPPED_DIR  # before the fixture points it elsewhere
+
+
+def test_every_shipped_calibration_is_valid_and_named_by_its_fingerprint():
+    files = sorted(REAL_SHIPPED.glob("*.json"))
+    assert files, "the default model's calibration must ship with the package"
+    for path in files:
+        cal = Calibration.from_json(path.read_text(), str(path))
+        assert path.stem == cal.fingerprint and len(cal.points) >= 2
+        assert [p.budget for p in cal.points] == sorted({p.budget for p in cal.points})
+
+
+def test_the_default_model_uses_its_shipped_calibration(default_model, monkeypatch, caplog):
+    model, tokenizer = default_model
+    monkeypatch.setattr(temperatures, "SHIPPED_DIR", REAL_SHIPPED)
+    cal, source = find_calibration(model_fingerprint(model))
+    assert source == "shipped"
+    caplog.set_level(logging.WARNING)
+    ids = tokenizer("The quick brown fox. " * 120, return_tensors="pt").input_ids
+    cache = kvcake.compress(model, ids, "cake", ratio=0.25).cache
+    assert cache.tau.source == "shipped" and cache._tau == pytest.approx(
+        cal.at(0.25 * ids.shape[1]), rel=0.01
+    )
+    assert not [r for r in caplog.records if "kvcake calibrate" in r.getMessage()]

@@ -293,6 +293,8 @@ def _run(args: argparse.Namespace) -> int:
         runs = load_records(runs_log_path(result.path))
         if args.report_only and runs and runs[-1].get("command"):
             command = runs[-1]["command"]  # the page shows the command that computed the cells
+            if args.suite:  # ... or the suite's own command, where some runs computed parts of it
+                command = next((r["command"] for r in reversed(runs) if "--suite" in str(r.get("command"))), command)
         doc.write_text(
             render_page(
                 result.records,
