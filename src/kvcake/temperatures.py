@@ -19,6 +19,7 @@ nearest point is used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -133,12 +134,18 @@ def save_calibration(cal: Calibration, folder: Path | None = None) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=32)
+def _read(path: Path, mtime_ns: int) -> Calibration:
+    """A calibration file, parsed once per version (every prompt of a CAKE cache asks)."""
+    return Calibration.from_json(path.read_text(encoding="utf-8"), str(path))
+
+
 def find_calibration(fingerprint: str) -> tuple[Calibration, str] | None:
     """The local calibration of ``fingerprint``, else the shipped one, with its source name."""
     for folder, source in ((local_dir(), "calibrated"), (SHIPPED_DIR, "shipped")):
         path = calibration_path(fingerprint, folder)
         if path.is_file():
-            cal = Calibration.from_json(path.read_text(encoding="utf-8"), str(path))
+            cal = _read(path, path.stat().st_mtime_ns)
             if cal.fingerprint != fingerprint:
                 raise ValueError(f"{path} is for model {cal.fingerprint}, not {fingerprint}: delete it")
             return cal, source
