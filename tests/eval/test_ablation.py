@@ -27,3 +27,18 @@ def test_ablation_tables_hold_every_ablation_method_at_its_lengths_only():
 
 def test_no_ablation_records_no_section():
     assert ablation_markdown([_record("cake", 123, "context", 0.1, 0.1)], None, Path("d.md")) == ""
+
+
+def test_targets_hold_or_fail_from_the_numbers():
+    from kvcake.eval.ablation import targets_markdown
+
+    kl = {"cake": 0.1, "snapkv": 0.2, "pyramidkv": 0.05, "cake-adakv": 0.1, "adakv": 0.3}
+    records = [_record(m, 2048, sc, 0.1, v) for m, v in kl.items() for sc in ("question", "context")]
+    rows = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line.split("|")[6].strip()
+            for line in targets_markdown(records).splitlines()[2:]}  # fmt: skip
+    assert rows[("`cake` kl <= `snapkv`", "context-only")] == "yes"
+    assert rows[("`cake` kl <= `pyramidkv`", "context-only")] == "**no**"
+    assert rows[("`cake-adakv` kl <= 0.85 x `snapkv`", "question-aware")] == "yes"  # 0.1 <= 0.17
+    assert rows[("`cake` score >= `snapkv`", "context-only")] == "yes"  # equal scores
+    assert "| - |" not in targets_markdown(records)
+    assert "| - |" in targets_markdown([r for r in records if r["method"] != "adakv"])

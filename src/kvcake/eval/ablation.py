@@ -116,10 +116,16 @@ def budget_chart(
 
 
 def run_section(
-    settings: dict[str, Any], args: Any, command: str, doc: Path | None, report_only: bool
+    settings: dict[str, Any],
+    args: Any,
+    command: str,
+    doc: Path | None,
+    report_only: bool,
+    main_records: Sequence[dict[str, Any]] = (),
 ) -> str:
     """Run the ablation's cells into the page's results file (resumable, like the rest), draw the
-    budget chart, and return the page section (``kvcake eval --suite results`` calls this)."""
+    budget chart, and return the page sections: the targets (from ``main_records``, the main
+    tables' cells) and the ablation (``kvcake eval --suite results`` calls this)."""
     import kvcake
     from kvcake.eval.runner import run_eval
 
@@ -133,5 +139,52 @@ def run_section(
         command=command + "  # CAKE ablation cells", compute=not report_only, report=False,
     )  # fmt: skip
     out = Path(str(settings["out"]))
+    targets = targets_markdown(main_records)
     figure = budget_chart(model, tokenizer, out.parent / BUDGET_FIGURE, tuple(settings["ratios"]))
-    return ablation_markdown(result.records, figure, doc or out)
+    section = ablation_markdown(result.records, figure, doc or out)
+    intro = (
+        "## Targets of issue 14 (CAKE with its calibrated temperatures)\n\nMeans over every prompt of the "
+        "tables above (3 tasks x 2 lengths x 2 samples), computed from the results file.\n\n"
+    )
+    return f"{intro}{targets}\n\n{section}" if main_records else section
+
+
+def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """Issue 14's targets for the default presets, checked on the main tables' cells (all tasks,
+    lengths and samples): mean KL and attention-output perturbation of ``cake`` at or below
+    ``snapkv``'s and ``pyramidkv``'s, its context-only score at least ``snapkv``'s, and
+    ``cake-adakv``'s KL at or below ``adakv``'s (and 15% below ``snapkv``'s at ratio 0.1)."""
+
+    def mean(method: str, scenario: str, ratio: float, metric: str) -> float | None:
+        vals = [r[metric] for r in records if r["method"] == method and r["scenario"] == scenario
+                and r.get("ratio") == ratio and r.get(metric) is not None]  # fmt: skip
+        return sum(vals) / len(vals) if vals else None
+
+    checks = []  # (what, scenario, ratio, value, reference, holds)
+    ratios = sorted({r["ratio"] for r in records if r.get("ratio") is not None})
+    for sc in ("question", "context"):
+        for ratio in ratios:
+            for metric in ("kl", "attn_rel_l1"):
+                for ref in ("snapkv", "pyramidkv"):
+                    checks.append((f"`cake` {metric} <= `{ref}`", sc, ratio, mean("cake", sc, ratio, metric),
+                                   mean(ref, sc, ratio, metric), 1.0))  # fmt: skip
+            checks.append(("`cake-adakv` kl <= `adakv`", sc, ratio, mean("cake-adakv", sc, ratio, "kl"),
+                           mean("adakv", sc, ratio, "kl"), 1.0))  # fmt: skip
+            if ratio == 0.1:
+                checks.append(("`cake-adakv` kl <= 0.85 x `snapkv`", sc, ratio, mean("cake-adakv", sc, ratio, "kl"),
+                               mean("snapkv", sc, ratio, "kl"), 0.85))  # fmt: skip
+    lines = ["| target | scenario | ratio | value | reference | holds |", "|---|---|---|---|---|---|"]
+    for what, sc, ratio, value, ref, factor in checks:
+        ok = None if value is None or ref is None else value <= factor * ref
+        lines.append(f"| {what} | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | {_num(ref)} | "
+                     f"{'-' if ok is None else 'yes' if ok else '**no**'} |")  # fmt: skip
+    for ratio in ratios:
+        value, ref = mean("cake", "context", ratio, "score"), mean("snapkv", "context", ratio, "score")
+        ok = None if value is None or ref is None else value >= ref
+        lines.append(f"| `cake` score >= `snapkv` | context-only | {ratio:g} | {_num(value, 100)} | {_num(ref, 100)} | "
+                     f"{'-' if ok is None else 'yes' if ok else '**no**'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _num(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.4g}"

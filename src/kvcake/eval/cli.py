@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
     if s["ablation"]:
         from kvcake.eval.ablation import run_section
 
-        s["notes"] = f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only)}\n\n{s['notes']}"
+        s["notes"] = f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only, result.records)}\n\n{s['notes']}"
     if s["doc"]:
         from kvcake.eval.report import render_page
 
