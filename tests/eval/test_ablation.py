@@ -5,8 +5,8 @@ from pathlib import Path
 from kvcake.eval.ablation import ABLATION, ABLATION_LENGTHS, ablation_markdown
 
 
-def _record(method, length, scenario, ratio, kl):
-    return {"method": method, "length": length, "scenario": scenario, "ratio": None if method == "full" else ratio,
+def _record(method, length, scenario, ratio, kl, seed=0):
+    return {"method": method, "task": "t", "seed": seed, "length": length, "scenario": scenario, "ratio": None if method == "full" else ratio,
             "budget": None, "kl": kl, "attn_rel_l1": kl / 2, "score": 100.0}  # fmt: skip
 
 
@@ -42,3 +42,12 @@ def test_targets_hold_or_fail_from_the_numbers():
     assert rows[("`cake` score >= `snapkv`", "context-only")] == "yes"  # equal scores
     assert "| - |" not in targets_markdown(records)
     assert "| - |" in targets_markdown([r for r in records if r["method"] != "adakv"])
+
+
+def test_targets_compare_the_same_prompts_only():
+    from kvcake.eval.ablation import targets_markdown
+
+    records = [_record("cake", 2048, "context", 0.1, 0.3, seed=0), _record("snapkv", 2048, "context", 0.1, 0.4, seed=0),
+               _record("snapkv", 2048, "context", 0.1, 0.01, seed=1)]  # fmt: skip
+    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv`" in line)
+    assert "| 0.3 | 0.4 | yes |" in row  # seed 1 has no cake cell: left out of both means
