@@ -38,11 +38,12 @@ def ablation_markdown(
     """The page section: what each row isolates, KL / attention perturbation / score tables per
     scenario (the rows' ``ABLATION_LENGTHS`` cells only), and the budget chart."""
     lengths = set(ABLATION_LENGTHS)
+    first = min((r.get("seed", 0) for r in records), default=0)  # the suite's base seed
     rs = [
         r
         for r in records
         if r["length"] in lengths
-        and r.get("sample", 0) < ABLATION_SAMPLES
+        and r.get("seed", 0) - first < ABLATION_SAMPLES
         and (r["method"] in ABLATION or r["method"] == "full")
     ]
     if not rs:
