@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcake.allocators import AdaKV, AllocationRequest, CakeAllocator, Pyramid, RandomSplit, Uniform
-from kvcake.allocators.cake import default_tau, preference
+from kvcake.allocators.cake import FALLBACK_TAU, default_tau, preference
 
 
 def request(total, cap, window, n, prefs=None, final=True):
@@ -72,7 +72,7 @@ def test_preference_and_tau_defaults():
     assert torch.allclose(p, torch.tensor([2.0 * 81.0], dtype=torch.float64))
     assert default_tau("llama", 128) == (1.6, 0.6) and default_tau("llama", 1024) == (1.6, 0.4)
     assert default_tau("mistral", 128) == (1.0, 0.8) and default_tau("qwen3", 128) == (0.4, 0.6)
-    assert default_tau("somethingelse", 128) == (1.6, 0.6)
+    assert default_tau("somethingelse", 128) == FALLBACK_TAU
 
 
 def adakv_reference(scores, budget, window, alpha):

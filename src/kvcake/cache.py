@@ -35,12 +35,14 @@ from transformers.cache_utils import Cache
 
 from .adapters import ModelInfo, describe_model, output_projection
 from .allocators import AllocationRequest, preference
-from .allocators.cake import CakeAllocator, default_tau
+from .allocators.cake import CakeAllocator
 from .method import Method, make_method
+from .models import model_fingerprint
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, TopK, projected_value_norms
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
+from .temperatures import TauChoice, resolve_tau
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +119,9 @@ class KVCakeCache(Cache):
         # progress=True shows a bar over the layers during prefill (long prompts on a CPU).
         self.progress = progress
         self._bar = None
-        layers = self.method.layers
-        if isinstance(layers, CakeAllocator) and (layers.tau1 is None or layers.tau2 is None):
-            self._tau: tuple[float, float] | None = None  # resolved once the budget is known
-        else:
-            self._tau = (getattr(layers, "tau1", None), getattr(layers, "tau2", None))
+        # CAKE's temperatures: resolved once the budget is known (kvcake.temperatures)
+        self.tau: TauChoice | None = None
+        self._fingerprint = model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -272,12 +272,19 @@ class KVCakeCache(Cache):
             )
 
     def _resolve_tau(self) -> tuple[float, float]:
-        if self._tau is None:
+        if self.tau is None:
             layers = self.method.layers
             avg = float(self.seq.per_layer.double().mean())
-            t1, t2 = default_tau(self.model_type, avg)
-            self._tau = (layers.tau1 or t1, layers.tau2 or t2)
-        return self._tau
+            self.tau = resolve_tau(self._fingerprint, self.model_type, avg, layers.tau1, layers.tau2, layers.tau_from)
+        return self.tau.tau1, self.tau.tau2
+
+    @property
+    def _tau(self) -> tuple[float, float] | None:  # the temperatures in force, as storage saves them
+        return None if self.tau is None else (self.tau.tau1, self.tau.tau2)
+
+    @_tau.setter
+    def _tau(self, value: tuple[float, float] | None) -> None:  # a context file read back
+        self.tau = None if value is None else TauChoice(float(value[0]), float(value[1]), "saved")
 
     def _allocate(self, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
         s = self.seq

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{kv / 2**20:9.2f} MiB {100 * kv / full_bytes:5.1f}% {peak / 2**20:7.2f} MiB")  # fmt: skip
     cake = caches[method.name]
     budgets = cake.budgets[0].tolist()
-    print(f"\n{method.describe()}")
+    print(f"\n{method.describe()}" + (f"\nCAKE temperatures: {cake.tau.describe()}" if cake.tau else ""))
     if cake.info.hybrid:  # Gemma 3 and kin: only the full-attention layers are compressed
         parts = cake.kv_bytes_parts()
         print(f"{cake.info.num_layers - len(budgets)} sliding-window layers keep their window "

@@ -83,7 +83,8 @@ def _plot_budgets(cache: KVCakeCache, method: Method, length: int, path: Path) -
     uniform = budgets.sum() / len(budgets)
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
-    ax.bar(layers, budgets, color="tab:orange", label=f"{method.name}: chosen budget")
+    tau = f" ({cache.tau.describe()})" if cache.tau else ""  # CAKE's temperatures and their source
+    ax.bar(layers, budgets, color="tab:orange", label=f"{method.name}: chosen budget{tau}")
     ax.axhline(uniform, color="tab:blue", linestyle="--", label=f"uniform split ({uniform:.1f} per layer)")
     if length <= 1.5 * budgets.max():  # the cap matters only when it is close to the bars
         ax.axhline(length, color="grey", linestyle=":", label=f"prompt length ({length})")

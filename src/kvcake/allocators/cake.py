@@ -19,14 +19,27 @@ TAU_DEFAULTS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "qwen2": ((0.4, 0.6), (1.5, 0.6)),
     "llama2": ((0.9, 2.3), (1.9, 1.8)),
 }
-FALLBACK_TAU = (1.6, 0.6)
+FALLBACK_TAU = (2.0, 3.0)
+"""For a model with no calibration and no family entry (``kvcake.temperatures``): the flattest
+corner of the paper's ranges (tau1 <= 2, tau2 <= 3), so the allocation stays close to uniform
+and no layer is starved; measured on SmolLM2 in docs/results.md."""
+
+
+TAU_FROM = ("auto", "family", "fallback")
+
+
+def family_key(model_type: str) -> str | None:
+    """The ``TAU_DEFAULTS`` entry of a model type, or ``None`` when the family has none."""
+    key = "qwen2" if model_type in ("qwen2", "qwen3") else model_type
+    return key if key in TAU_DEFAULTS else None
 
 
 def default_tau(model_type: str, avg_budget: float) -> tuple[float, float]:
     """tau for a model family: the 128L setting below 512 entries per layer, else the 1024L one.
-    Unknown families get 1.6/0.6 (METHODS.md)."""
-    key = "qwen2" if model_type in ("qwen2", "qwen3") else model_type
-    if key not in TAU_DEFAULTS:
+    Unknown families get :data:`FALLBACK_TAU`. Used only when the model has no calibration
+    (``kvcake.temperatures.resolve_tau``): these values do not transfer across models."""
+    key = family_key(model_type)
+    if key is None:
         return FALLBACK_TAU
     small, large = TAU_DEFAULTS[key]
     return small if avg_budget < 512 else large
@@ -50,8 +63,13 @@ class CakeAllocator(LayerAllocator):
     Parameters
     ----------
     tau1, tau2:
-        Temperatures of the spatial dispersion and temporal shift; ``None`` picks the model
-        family's default (see ``TAU_DEFAULTS``).
+        Temperatures of the spatial dispersion and temporal shift; ``None`` lets the cache pick
+        them: the model's calibration, else its family's default, else a flat fallback
+        (``kvcake.temperatures.resolve_tau``).
+    tau_from:
+        Where ``None`` temperatures come from: ``"auto"`` (calibration, else family, else
+        fallback), or ``"family"`` / ``"fallback"`` to force that step (ablations, e.g.
+        ``cake,layers.tau_from=family``).
     cascading:
         Manage memory stage by stage during prefill (Algorithm 1). ``False`` keeps every full
         layer until the end and evicts once (the paper's comparison point).
@@ -60,12 +78,15 @@ class CakeAllocator(LayerAllocator):
     tau1: float | None = None
     tau2: float | None = None
     cascading: bool = True
+    tau_from: str = "auto"
     name = "cake"
     needs_preferences = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.cascading, bool):  # a typo like cascading=flase must not read as True
             raise ValueError(f"CAKE cascading must be true or false, got {self.cascading!r}")
+        if self.tau_from not in TAU_FROM:
+            raise ValueError(f"CAKE tau_from must be one of {TAU_FROM}, got {self.tau_from!r}")
         for t in (self.tau1, self.tau2):
             if t is not None and not t > 0:
                 raise ValueError(f"CAKE temperatures must be positive, got tau1={self.tau1}, tau2={self.tau2}")

@@ -74,6 +74,7 @@ COMMANDS: dict[str, Command] = {}  # built-in subcommands, filled below
 EXTENSIONS: dict[str, str] = {
     "eval": "kvcake.eval.cli",
     "bench": "kvcake.bench.cli",
+    "calibrate": "kvcake.calibration.cli",
 }
 
 

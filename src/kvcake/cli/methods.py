@@ -27,12 +27,14 @@ def _part_defaults(method) -> str:
 
 def _run_methods(args: argparse.Namespace) -> int:
     from ..method import HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS, list_methods, make_method
+    from ..temperatures import describe_resolution
 
     rows = list_methods()
     width = max(len(name) for name, _ in rows)
     for name, desc in rows:
         defaults = _part_defaults(make_method(name, budget=DEFAULT_BUDGET))
         print(f"{name:<{width}}  {desc}" + (f"  defaults: {defaults}" if defaults else ""))
+    print(f"\n{describe_resolution()}")
     if args.parts:
         for key, registry in (("layers", LAYER_ALLOCATORS), ("heads", HEAD_ALLOCATORS), ("score", SCORERS),
                               ("select", SELECTORS)):  # fmt: skip

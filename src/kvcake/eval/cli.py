@@ -58,19 +58,31 @@ on every run; this text is not, so check it against them after a rerun).
   scenario (KL 0.085 vs SnapKV's 0.17 at ratio 0.5; `critical-adakv` 0.13 vs `adakv` 0.19), which
   is the CriticalKV paper's claim. Ada-KV's per-head budgets do not beat uniform SnapKV on this
   model (3 KV heads per layer leave little to redistribute).
-- **CAKE starves the early layers of this model.** Its preference allocation with the
-  temperatures the authors use for Llama-3.1-8B (`tau1=1.6`, `tau2=0.6`, and `tau2=0.4` from 512
-  entries per layer on: `kvcake.allocators.cake.default_tau`, applied to every `llama`-type model)
-  gave 11 of the 30 layers (0-6 and 8-11, in the `niah_single` 2k prompt inspected) little more
-  than their 32-token window while the last layers kept their whole prompt; the attention outputs
-  of those layers are perturbed by up to 120% (`eval_results_layers.png`). Hence CAKE's high
-  attention perturbation, its failure in the context-only scenario (0 at every ratio) and a
-  non-monotonic curve (question-aware perturbation 0.28, 0.40, 0.24 at ratios 0.1, 0.25, 0.5): at
-  2k tokens ratio 0.25 is 520 entries per layer, past the switch to `tau2=0.4`. The
-  implementation follows the paper's formula; the defaults do not transfer. A one-sample probe
-  with flatter temperatures (`cake,layers.tau1=1.0,layers.tau2=3.0`) brought CAKE's KL on
-  `niah_single` to SnapKV's level or below (0.0016 vs 0.0018 at ratio 0.25, 0.0001 vs 0.0003 at
-  0.5); the temperatures should be tuned per model before drawing conclusions about CAKE here.
+- **CAKE's temperatures (issue 14; rerun of 2026-11-23).** The run of 2026-11-22 used the authors'
+  Llama-3.1-8B temperatures (`tau1=1.6`, `tau2=0.6`, `0.4` from 512 entries per layer) for this
+  `llama`-type model; they left 11 of the first 12 layers little more than their 32-token window
+  (chart below, red) and gave CAKE the highest attention-output perturbation of all presets. CAKE now
+  uses the shipped calibration of this model (`kvcake calibrate`, README "Calibration"); its cells
+  (`cake`, `cake-adakv`, `cake-oneshot`; the `tau` field of each line says which temperatures) were
+  recomputed, the others reused. On sample 0 of every task and length (the prompts both runs have),
+  calibration cut CAKE's attention-output perturbation to SnapKV's level (question-aware 0.28 / 0.43
+  / 0.24 -> 0.18 / 0.15 / 0.08 at ratios 0.1 / 0.25 / 0.5; SnapKV 0.17 / 0.11 / 0.07) and its
+  context-only KL at 0.25 and 0.5 (0.78 -> 0.62, 0.43 -> 0.35), but *raised* its question-aware KL
+  (0.07 -> 0.20 at 0.25, 0.011 -> 0.11 at 0.5; SnapKV 0.18 and 0.08): the starved allocation, bad for
+  the per-layer outputs, was the best of all presets for the question-aware continuation of these
+  tasks (mostly `variable_tracking`, whose KL dominates the means); the ablation shows the same on
+  its 2k prompts (family-default allocation alone: question-aware KL 0.076 at ratio 0.25 against
+  SnapKV's 0.35, with twice SnapKV's attention perturbation). The calibration objective (prose
+  continuations and a differently worded needle) does not transfer to that. Most of issue 14's
+  targets are therefore **not** met (table "Targets of issue 14" above, all 12 prompts): `cake`'s KL
+  and attention perturbation stay above SnapKV's at every ratio in both scenarios (by 1% only at
+  context-only 0.1); it is at or below PyramidKV's KL in 4 of 6 cells, `cake-adakv` at or below
+  Ada-KV's in 2 of 6, and CAKE's indicator alone (`layers=uniform,score=cake`) is about as good as
+  SnapKV's. These cells were computed by four runs of the suite's cells (the `cake`/
+  `cake-adakv` cells and the ablation in parallel, split by seed and task to fit the time; same cell
+  keys as the suite command), merged into the results file; `cake-oneshot` was not rerun (it equals
+  `cake` cell for cell, CAKE's Theorem 1, tested in `tests/test_cache.py`), and the page lists its
+  cells as missing.
 - **`cake` and `cake-oneshot` give identical numbers everywhere**: the cascade evicts stage by
   stage yet ends at the one-shot cache (the CAKE paper's Theorem 1), while holding less memory
   during prefill (see `docs/benchmarks.md`).
@@ -138,6 +150,7 @@ SUITES: dict[str, dict[str, object]] = {
             "threads were then 2.5-6x slower)."
         ),
         "notes": NOTES_RESULTS,
+        "ablation": True,  # kvcake.eval.ablation: CAKE's parts and temperatures
     },
 }
 
@@ -272,6 +285,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
     out["intro"] = suite.get("intro", "")
     out["notes"] = suite.get("notes", "")
     out["section"], out["title"] = suite.get("section"), suite.get("title", "")
+    out["ablation"] = bool(suite.get("ablation", False))
     if out["ratios"] is None:
         out["ratios"] = () if out["budgets"] else (0.25,)
     return out
@@ -328,6 +342,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     if result.missing:
         print(f"{result.missing} requested cells are not in {result.path} yet (rerun without --report-only)")
+    if s["ablation"]:
+        from kvcake.eval.ablation import run_section
+
+        s["notes"] = f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only, result.records)}\n\n{s['notes']}"
     if s["doc"]:
         from kvcake.eval.report import render_page
         from kvcake.eval.section import keep_sections, write_section
@@ -337,6 +355,8 @@ def _run(args: argparse.Namespace) -> int:
         runs = load_records(runs_log_path(result.path))
         if args.report_only and runs and runs[-1].get("command"):
             command = runs[-1]["command"]  # the page shows the command that computed the cells
+            if args.suite:  # ... or the suite's own command, where some runs computed parts of it
+                command = next((r["command"] for r in reversed(runs) if "--suite" in str(r.get("command"))), command)
         page = render_page(
             result.records,
             figures=result.plots,

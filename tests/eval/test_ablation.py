@@ -1,0 +1,53 @@
+"""The CAKE ablation section of the results page, from records."""
+
+from pathlib import Path
+
+from kvcake.eval.ablation import ABLATION, ABLATION_LENGTHS, ablation_markdown
+
+
+def _record(method, length, scenario, ratio, kl, seed=0):
+    return {"method": method, "task": "t", "seed": seed, "length": length, "scenario": scenario, "ratio": None if method == "full" else ratio,
+            "budget": None, "kl": kl, "attn_rel_l1": kl / 2, "score": 100.0}  # fmt: skip
+
+
+def test_ablation_tables_hold_every_ablation_method_at_its_lengths_only():
+    length = ABLATION_LENGTHS[0]
+    records = [_record(m, length, sc, r, 0.01 * (i + 1) + r)
+               for i, m in enumerate(["full", *ABLATION]) for sc in ("question", "context") for r in (0.1, 0.5)]  # fmt: skip
+    records.append(_record("cake", length * 2, "context", 0.1, 99.0))  # another length: left out
+    text = ablation_markdown(records, Path("docs/figures/x.png"), Path("docs/results.md"))
+    assert "### question-aware" in text and "### context-only" in text
+    for m in ABLATION:
+        assert f"`{m}`" in text
+    assert "99" not in text.replace("ratio 0.1", "")
+    assert "![x](figures/x.png)" in text
+    cake_kl = f"{0.01 * (1 + list(ABLATION).index('cake') + 1) + 0.1:.4f}"
+    assert cake_kl[:5] in text  # the mean of cake's cells at ratio 0.1
+
+
+def test_no_ablation_records_no_section():
+    assert ablation_markdown([_record("cake", 123, "context", 0.1, 0.1)], None, Path("d.md")) == ""
+
+
+def test_targets_hold_or_fail_from_the_numbers():
+    from kvcake.eval.ablation import targets_markdown
+
+    kl = {"cake": 0.1, "snapkv": 0.2, "pyramidkv": 0.05, "cake-adakv": 0.1, "adakv": 0.3}
+    records = [_record(m, 2048, sc, 0.1, v) for m, v in kl.items() for sc in ("question", "context")]
+    rows = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line.split("|")[6].strip()
+            for line in targets_markdown(records).splitlines()[2:]}  # fmt: skip
+    assert rows[("`cake` kl <= `snapkv`", "context-only")] == "yes"
+    assert rows[("`cake` kl <= `pyramidkv`", "context-only")] == "**no**"
+    assert rows[("`cake-adakv` kl <= 0.85 x `snapkv`", "question-aware")] == "yes"  # 0.1 <= 0.17
+    assert rows[("`cake` score >= `snapkv`", "context-only")] == "yes"  # equal scores
+    assert "| - |" not in targets_markdown(records)
+    assert "| - |" in targets_markdown([r for r in records if r["method"] != "adakv"])
+
+
+def test_targets_compare_the_same_prompts_only():
+    from kvcake.eval.ablation import targets_markdown
+
+    records = [_record("cake", 2048, "context", 0.1, 0.3, seed=0), _record("snapkv", 2048, "context", 0.1, 0.4, seed=0),
+               _record("snapkv", 2048, "context", 0.1, 0.01, seed=1)]  # fmt: skip
+    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line)
+    assert "| 0.3 | 0.4 | yes |" in row  # seed 1 has no cake cell: left out of both means

@@ -1,0 +1,124 @@
+"""The temperature search: grid against brute force, budgets by arithmetic == the cache's,
+the fixed-budget replay == CAKE's cache, and ``kvcake.calibrate`` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+from word_tokenizer import WordTokenizer
+
+import kvcake
+from kvcake import temperatures
+from kvcake.budget import BudgetSpec
+from kvcake.calibration.search import FixedLayers, layer_budgets, search_grid, tau_grid
+from kvcake.eval.fidelity import Captured, capture_queries, replay_compress
+from kvcake.eval.haystack import NoiseHaystack
+from kvcake.method import make_method
+from kvcake.models import model_fingerprint
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(temperatures, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(temperatures, "_warned", set())
+
+
+def _ids(n: int = 80, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 120, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_tau_grid_is_log_spaced_over_the_range():
+    g = tau_grid(0.2, 2.0, 5)
+    assert g[0] == 0.2 and g[-1] == 2.0 and g == sorted(g)
+    ratios = [b / a for a, b in itertools.pairwise(g)]
+    assert max(ratios) / min(ratios) < 1.01
+    for bad in ((0, 1, 3), (2, 1, 3), (0.1, 1, 1)):
+        with pytest.raises(ValueError, match="temperature range"):
+            tau_grid(*bad)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_search_returns_the_brute_force_best_of_its_grid(seed):
+    rng = random.Random(seed)
+    t1s, t2s = tau_grid(0.2, 2.0, 5), tau_grid(0.4, 3.0, 4)
+    table = {(a, b): rng.random() for a in t1s for b in t2s}
+    inner = (t1s[rng.randrange(1, 4)], t2s[rng.randrange(1, 3)])
+    table[inner] = -1.0  # an interior optimum: no edge extension
+    calls = []
+    result = search_grid(lambda a, b: calls.append((a, b)) or table[(a, b)], t1s, t2s)
+    assert result.best == min(table, key=table.get) == inner and result.loss == -1.0
+    assert sorted(calls) == sorted(table)  # every grid point once, nothing else
+
+
+def test_search_extends_past_an_edge_to_the_known_optimum():
+    optimum = (5.0, 0.15)  # outside the paper's ranges on both axes
+
+    def loss(a, b):
+        return (math.log(a) - math.log(optimum[0])) ** 2 + (math.log(b) - math.log(optimum[1])) ** 2
+
+    result = search_grid(loss, tau_grid(0.2, 2.0, 5), tau_grid(0.4, 3.0, 5), max_extend=4)
+    assert result.best == min(result.table, key=result.table.get)
+    step1, step2 = (2.0 / 0.2) ** 0.25, (3.0 / 0.4) ** 0.25
+    assert abs(math.log(result.best[0] / optimum[0])) <= math.log(step1) / 2 + 0.01
+    assert abs(math.log(result.best[1] / optimum[1])) <= math.log(step2) / 2 + 0.01
+    limited = search_grid(loss, tau_grid(0.2, 2.0, 5), tau_grid(0.4, 3.0, 5), max_extend=0)
+    assert limited.best == (2.0, 0.4)  # no extension: the corner
+
+
+def _captured(model, ids):
+    from transformers import DynamicCache
+
+    captured, cache = Captured(), DynamicCache()
+    with capture_queries(model, captured), torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits[:, -1]
+    return captured, cache, logits
+
+
+@pytest.mark.parametrize("tau", [(0.3, 2.5), (1.6, 0.6), (4.0, 0.2)])
+def test_budgets_by_arithmetic_and_fixed_replay_equal_the_cache(tiny_llama, tau):
+    ids = _ids()
+    spec = f"cake,layers.tau1={tau[0]},layers.tau2={tau[1]}"
+    real = kvcake.compress(tiny_llama, ids, spec, budget=24, window=4).cache
+    b = layer_budgets(torch.stack(real.entropy, 1)[0], torch.stack(real.variance, 1)[0],
+                      BudgetSpec(budget=24, window=4), ids.shape[1], *tau)  # fmt: skip
+    assert b.tolist() == real.budgets[0].tolist()
+    captured, full, logits = _captured(tiny_llama, ids)
+    method = make_method("layers=uniform,score=cake,decode=fixed", budget=24, window=4)
+    fixed = replay_compress(tiny_llama, method.replace(layers=FixedLayers(tuple(b.tolist()))), captured, full,
+                            ids, logits).cache  # fmt: skip
+    for a, c in zip(real.layers, fixed.layers, strict=True):
+        assert torch.equal(a.padded_positions().sort(-1).values, c.padded_positions().sort(-1).values)
+    with pytest.raises(ValueError, match="fixed budgets"):
+        replay_compress(tiny_llama, method.replace(layers=FixedLayers((8,))), captured, full, ids, logits)
+
+
+def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
+    cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2, 0.4), text=NoiseHaystack(), samples=1,
+                           length=96, continuation=4, grid=3, window=4)  # fmt: skip
+    assert cal.fingerprint == model_fingerprint(tiny_llama) and len(cal.points) == 2
+    for point, meta in zip(cal.points, cal.meta["points"], strict=True):
+        grid = {(a, b): x for a, b, x in meta["grid"]}
+        best = min(grid.values())
+        assert grid[(point.tau1, point.tau2)] == best and meta["loss"] == pytest.approx(best, abs=1e-6)
+        assert (
+            meta["evaluations"] <= 2 * meta["candidates"] + 2
+        )  # shared evaluations, one per distinct allocation
+    saved = json.loads(temperatures.calibration_path(cal.fingerprint).read_text())
+    assert saved["fingerprint"] == cal.fingerprint
+    ctx = kvcake.compress(tiny_llama, _ids(96), "cake", ratio=0.2, window=4)
+    assert ctx.cache.tau.source == "calibrated" and ctx.cache._tau == pytest.approx(cal.at(0.2 * 96))
+
+
+def test_calibrate_rejects_bad_input(tiny_llama):
+    tok = WordTokenizer()
+    for kwargs, match in (({"samples": 0}, "samples"), ({"ratios": (), "budgets": ()}, "at least one"),
+                          ({"grid": 1}, "grid"), ({"length": 8}, "length"), ({"text": "/no/such/file"}, "haystack"),
+                          ({"ratios": (1.5,)}, "ratio")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            kvcake.calibrate(tiny_llama, tok, **kwargs)
