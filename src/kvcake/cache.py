@@ -40,6 +40,7 @@ from .method import Method, make_method
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, TopK, projected_value_norms
+from . import static
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class KVCakeCache(Cache):
         *,
         record: bool = False,
         progress: bool = False,
+        static: bool = True,
         **budget_kwargs,
     ) -> None:
         self.info: ModelInfo = describe_model(model)
@@ -117,6 +119,9 @@ class KVCakeCache(Cache):
         # progress=True shows a bar over the layers during prefill (long prompts on a CPU).
         self.progress = progress
         self._bar = None
+        # static=True (default): decode in preallocated buffers with in-place eviction
+        # (static.py); False keeps the dynamic reference path (sort + masked copy per step).
+        self.static = static
         layers = self.method.layers
         if isinstance(layers, CakeAllocator) and (layers.tau1 is None or layers.tau2 is None):
             self._tau: tuple[float, float] | None = None  # resolved once the budget is known
@@ -320,10 +325,14 @@ class KVCakeCache(Cache):
         # prompt may grow to the average budget before eviction starts.
         self.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
         keep_scores = self.method.scorer.stateful and self.method.decode == "fixed"
-        for lid in self.compressed:
-            self.layers[lid].norms = None
+        fixed = self.method.decode == "fixed"
+        for g, lid in enumerate(self.compressed):
+            layer = self.layers[lid]
+            layer.norms = None
             if not keep_scores:
-                self.layers[lid].scores = None
+                layer.scores = None
+            if self.static:
+                layer.static_plan = ("fixed", self.decode_budget[:, g]) if fixed else ("none", None)
         self.prefilled = True
 
     def wants_probs(self, layer_idx: int, q: int) -> bool:
@@ -331,14 +340,19 @@ class KVCakeCache(Cache):
         if not self.prefilled or self.method.decode != "fixed":
             return False
         layer = self.layers[layer_idx]
-        return layer.scores is not None or bool((layer.counts > self.decode_budget[:, self._slot[layer_idx]]).any())
+        # a static layer has not counted the new entry yet (it is in the spare slot)
+        counts = layer.counts + (1 if layer.static == "fixed" else 0)
+        return layer.scores is not None or bool((counts > self.decode_budget[:, self._slot[layer_idx]]).any())
 
     def after_extend_attention(self, layer_idx: int, probs: torch.Tensor | None) -> None:
         """Decoding-time eviction (policy ``fixed``): each head back to its budget, by the
         scorer's per-step scores; the newest ``window`` positions are protected."""
+        layer = self.layers[layer_idx]
+        if layer.static == "fixed":
+            self._place_static(layer, probs)
+            return
         if probs is None:
             return
-        layer = self.layers[layer_idx]
         budget = self.decode_budget[:, self._slot[layer_idx]]  # (B, H_kv)
         over = bool((layer.counts > budget).any())
         positions = layer.padded_positions()  # (B, H_kv, N)
@@ -354,6 +368,37 @@ class KVCakeCache(Cache):
         keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
         layer.evict(keep, counts, ragged=layer.layout == "ragged")
         self._track_bytes(layer_idx)
+
+
+    def _place_static(self, layer, probs: torch.Tensor | None) -> None:
+        """The in-place counterpart of the eviction above (static.py): one victim per head by
+        argmin, nothing sorted or copied but the new entry, nothing read back from the device."""
+        budget = layer.static_budget_host
+        over = bool((layer.counts + 1 > budget).any())  # host arrays
+        scores = None
+        if probs is not None:
+            positions = layer.padded(layer.positions, -1)  # (B, H_kv, N)
+            previous = layer.padded(layer.scores, float("-inf"))
+            scores = decode_scores(self.method.scorer, probs, positions, previous)
+            if layer.scores is not None:  # stateful (H2O): keep the accumulated sums
+                layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
+        window_floor = layer.length - 1 - self.method.budget.window
+        static.place_newest(layer, scores, over, window_floor)
+
+
+def decode_scores(scorer, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """``scorer.decode`` over a static layer, whose slots are not in position order: scorers
+    that pool over neighbours (``order_sensitive``) see the entries sorted by position (one
+    argsort of the positions, empties first like the reference's left padding)."""
+    if not scorer.order_sensitive:
+        return scorer.decode(probs, positions, previous)
+    order = positions.argsort(dim=-1, stable=True)  # (B, H_kv, N)
+    groups = probs.shape[1] // positions.shape[1]
+    q = probs.shape[2]
+    head_order = order.repeat_interleave(groups, dim=1)[:, :, None].expand(-1, -1, q, -1)
+    sorted_prev = None if previous is None else previous.gather(-1, order)
+    scores = scorer.decode(probs.gather(-1, head_order), positions.gather(-1, order), sorted_prev)
+    return torch.empty_like(scores).scatter_(-1, order, scores)
 
 
 def cache_kv_bytes(cache: Cache) -> int:
