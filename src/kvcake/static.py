@@ -42,7 +42,7 @@ def to_static(layer, budget: np.ndarray | None) -> None:
         cap = counts + GROWTH
     else:
         cap = np.maximum(counts, budget) + 1  # + the spare slot
-        layer.static_budget = torch.as_tensor(budget, device=dev)
+        layer.static_budget = torch.tensor(budget, device=dev)
         layer.static_budget_host = budget
     padded = {name: layer.padded(getattr(layer, name), fill) for name, fill in _fills(layer).items()}
     if layer.layout == "dense":
@@ -74,7 +74,7 @@ def to_static(layer, budget: np.ndarray | None) -> None:
         layer.seg_start = meta.offsets[:-1].reshape(b, h)  # (B, H_kv) first slot of each segment
         layer.spare = (meta.offsets[1:] - 1).reshape(b, h)  # (B, H_kv) flat spare slot (fixed)
         layer.capacity = cap
-    layer.lengths_dev = torch.as_tensor(counts, device=dev)  # (B, H_kv) kept entries, on device
+    layer.lengths_dev = torch.tensor(counts, device=dev)  # a copy: never shares the host array  # (B, H_kv) kept entries, on device
     layer.static = "fixed" if budget is not None else "none"
 
 
