@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from . import static
 from .adapters import ModelInfo, describe_model, output_projection
 from .allocators import AllocationRequest, preference
 from .allocators.cake import CakeAllocator, default_tau
@@ -40,7 +41,6 @@ from .method import Method, make_method
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, TopK, projected_value_norms
-from . import static
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 
 logger = logging.getLogger(__name__)
@@ -373,33 +373,8 @@ class KVCakeCache(Cache):
     def _place_static(self, layer, probs: torch.Tensor | None) -> None:
         """The in-place counterpart of the eviction above (static.py): one victim per head by
         argmin, nothing sorted or copied but the new entry, nothing read back from the device."""
-        budget = layer.static_budget_host
-        over = bool((layer.counts + 1 > budget).any())  # host arrays
-        scores = None
-        if probs is not None:
-            positions = layer.padded(layer.positions, -1)  # (B, H_kv, N)
-            previous = layer.padded(layer.scores, float("-inf"))
-            scores = decode_scores(self.method.scorer, probs, positions, previous)
-            if layer.scores is not None:  # stateful (H2O): keep the accumulated sums
-                layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
-        window_floor = layer.length - 1 - self.method.budget.window
-        static.place_newest(layer, scores, over, window_floor)
-
-
-def decode_scores(scorer, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-    """``scorer.decode`` over a static layer, whose slots are not in position order: scorers
-    that pool over neighbours (``order_sensitive``) see the entries sorted by position (one
-    argsort of the positions, empties first like the reference's left padding)."""
-    if not scorer.order_sensitive:
-        return scorer.decode(probs, positions, previous)
-    order = positions.argsort(dim=-1, stable=True)  # (B, H_kv, N)
-    groups = probs.shape[1] // positions.shape[1]
-    q = probs.shape[2]
-    head_order = order.repeat_interleave(groups, dim=1)[:, :, None].expand(-1, -1, q, -1)
-    sorted_prev = None if previous is None else previous.gather(-1, order)
-    scores = scorer.decode(probs.gather(-1, head_order), positions.gather(-1, order), sorted_prev)
-    return torch.empty_like(scores).scatter_(-1, order, scores)
-
+        scores = None if probs is None else static.decode_scores(layer, self.method.scorer, probs)
+        static.place_newest(layer, scores, layer.length - 1 - self.method.budget.window)
 
 def cache_kv_bytes(cache: Cache) -> int:
     """Bytes of keys and values any transformers ``Cache`` holds now: ``kv_bytes()`` for a

@@ -128,11 +128,33 @@ def _grow_if_full(layer) -> None:
     to_static(layer, None)
 
 
-def place_newest(layer, scores: torch.Tensor | None, over: bool, window_floor: int) -> None:
+def decode_scores(layer, scorer, probs: torch.Tensor) -> torch.Tensor:
+    """``scorer.decode`` over a static layer (B, H_kv, N), whose slots are not in position
+    order: scorers that pool over neighbours (``order_sensitive``) see the entries sorted by
+    position (one argsort of the positions, empties first like the reference's left padding).
+    Stateful scorers (H2O) keep the new sums in ``layer.scores``."""
+    positions = layer.padded(layer.positions, -1)  # (B, H_kv, N)
+    previous = layer.padded(layer.scores, float("-inf"))
+    if not scorer.order_sensitive:
+        scores = scorer.decode(probs, positions, previous)
+    else:
+        order = positions.argsort(dim=-1, stable=True)  # (B, H_kv, N)
+        groups, q = probs.shape[1] // positions.shape[1], probs.shape[2]
+        head_order = order.repeat_interleave(groups, dim=1)[:, :, None].expand(-1, -1, q, -1)  # (B, H, q, N)
+        prev = None if previous is None else previous.gather(-1, order)
+        sorted_scores = scorer.decode(probs.gather(-1, head_order), positions.gather(-1, order), prev)
+        scores = torch.empty_like(sorted_scores).scatter_(-1, order, sorted_scores)
+    if layer.scores is not None:
+        layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
+    return scores
+
+
+def place_newest(layer, scores: torch.Tensor | None, window_floor: int) -> None:
     """decode=fixed: move the spare entry into its slot and free the spare, on the device.
 
-    scores: (B, H_kv, N) decoding scores over the padded view, or None when no head is over
-    budget (host-known); window_floor: positions above it are protected (newest - window)."""
+    scores: (B, H_kv, N) decoding scores over the padded view (None only when no head is over
+    budget, which the host counts tell); window_floor: positions above it are protected."""
+    over = bool((layer.counts + 1 > layer.static_budget_host).any())  # host arrays
     pos = layer.padded(layer.positions, -1)  # (B, H_kv, N)
     n = pos.shape[-1]
     cols = torch.arange(n, device=pos.device)
