@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from . import static
 from .adapters import ModelInfo, describe_model, output_projection
 from .allocators import AllocationRequest, preference
 from .allocators.cake import CakeAllocator
@@ -85,6 +86,7 @@ class KVCakeCache(Cache):
         *,
         record: bool = False,
         progress: bool = False,
+        static: bool = True,
         **budget_kwargs,
     ) -> None:
         self.info: ModelInfo = describe_model(model)
@@ -122,6 +124,9 @@ class KVCakeCache(Cache):
         # CAKE's temperatures: resolved once the budget is known (kvcake.temperatures)
         self.tau: TauChoice | None = None
         self._fingerprint = model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
+        # static=True (default): decode in preallocated buffers with in-place eviction
+        # (static.py); False keeps the dynamic reference path (sort + masked copy per step).
+        self.static = static
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -273,9 +278,8 @@ class KVCakeCache(Cache):
 
     def _resolve_tau(self) -> tuple[float, float]:
         if self.tau is None:
-            layers = self.method.layers
-            avg = float(self.seq.per_layer.double().mean())
-            self.tau = resolve_tau(self._fingerprint, self.model_type, avg, layers.tau1, layers.tau2, layers.tau_from)
+            lay, avg = self.method.layers, float(self.seq.per_layer.double().mean())
+            self.tau = resolve_tau(self._fingerprint, self.model_type, avg, lay.tau1, lay.tau2, lay.tau_from)
         return self.tau.tau1, self.tau.tau2
 
     @property
@@ -327,10 +331,14 @@ class KVCakeCache(Cache):
         # prompt may grow to the average budget before eviction starts.
         self.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
         keep_scores = self.method.scorer.stateful and self.method.decode == "fixed"
-        for lid in self.compressed:
-            self.layers[lid].norms = None
+        fixed = self.method.decode == "fixed"
+        for g, lid in enumerate(self.compressed):
+            layer = self.layers[lid]
+            layer.norms = None
             if not keep_scores:
-                self.layers[lid].scores = None
+                layer.scores = None
+            if self.static:
+                layer.static_plan = ("fixed", self.decode_budget[:, g]) if fixed else ("none", None)
         self.prefilled = True
 
     def wants_probs(self, layer_idx: int, q: int) -> bool:
@@ -338,14 +346,19 @@ class KVCakeCache(Cache):
         if not self.prefilled or self.method.decode != "fixed":
             return False
         layer = self.layers[layer_idx]
-        return layer.scores is not None or bool((layer.counts > self.decode_budget[:, self._slot[layer_idx]]).any())
+        # a static layer has not counted the new entry yet (it is in the spare slot)
+        counts = layer.counts + (1 if layer.static == "fixed" else 0)
+        return layer.scores is not None or bool((counts > self.decode_budget[:, self._slot[layer_idx]]).any())
 
     def after_extend_attention(self, layer_idx: int, probs: torch.Tensor | None) -> None:
         """Decoding-time eviction (policy ``fixed``): each head back to its budget, by the
         scorer's per-step scores; the newest ``window`` positions are protected."""
+        layer = self.layers[layer_idx]
+        if layer.static == "fixed":
+            self._place_static(layer, probs)
+            return
         if probs is None:
             return
-        layer = self.layers[layer_idx]
         budget = self.decode_budget[:, self._slot[layer_idx]]  # (B, H_kv)
         over = bool((layer.counts > budget).any())
         positions = layer.padded_positions()  # (B, H_kv, N)
@@ -361,6 +374,12 @@ class KVCakeCache(Cache):
         keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
         layer.evict(keep, counts, ragged=layer.layout == "ragged")
         self._track_bytes(layer_idx)
+
+    def _place_static(self, layer, probs: torch.Tensor | None) -> None:
+        """The in-place counterpart of the eviction above (static.py): one victim per head by
+        argmin, nothing sorted or copied but the new entry, nothing read back from the device."""
+        scores = None if probs is None else static.decode_scores(layer, self.method.scorer, probs)
+        static.place_newest(layer, scores, layer.length - 1 - self.method.budget.window)
 
 
 def cache_kv_bytes(cache: Cache) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import static
 from .ragged import RaggedMeta, ragged_attention
 
 
@@ -42,6 +43,11 @@ class KVCakeLayer(CacheLayerMixin):
         self.meta: RaggedMeta | None = None
         self.batch = 0
         self.kv_heads = 0
+        # static decode storage (static.py): None = the dynamic reference layout, else the
+        # decoding policy it serves; ``static_plan`` is set by the cache after the prompt:
+        # ("fixed", (B, H_kv) budgets) or ("none", None), or None to stay dynamic.
+        self.static: str | None = None
+        self.static_plan: tuple[str, np.ndarray | None] | None = None
 
     # -- transformers' CacheLayerMixin interface ---------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -56,6 +62,16 @@ class KVCakeLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         b, hkv, q, _ = key_states.shape
         valid = kwargs.get("valid")
+        one_step = q == 1 and valid is None
+        if self.static is not None and not one_step:
+            static.to_dynamic(self)  # multi-token appends take the reference path
+        elif self.static is None and one_step and self.static_plan is not None and not self.plain:
+            static.to_static(self, self.static_plan[1])
+        if self.static is not None:
+            pos = torch.full((b, hkv, 1), self.length, dtype=torch.long, device=key_states.device)
+            self.length += 1
+            static.append(self, key_states, value_states, pos)
+            return self.keys, self.values
         qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
         pos = torch.where(valid, qpos, torch.full_like(qpos, -1)) if valid is not None else qpos
         pos = pos[:, None, :].expand(b, hkv, q).contiguous()  # (B, H_kv, q)
@@ -117,6 +133,8 @@ class KVCakeLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.keys is None:
             return
+        if self.static is not None:
+            static.to_dynamic(self)
         if self.layout == "ragged":
             raise NotImplementedError("expanding a ragged cache over the batch is not supported")
         for name in ("keys", "values", "positions", "scores", "norms"):
@@ -129,6 +147,8 @@ class KVCakeLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.keys is None:
             return
+        if self.static is not None:
+            static.to_dynamic(self)
         if self.layout == "ragged":
             raise NotImplementedError("selecting sequences of a ragged cache is not supported")
         idx = indices.to(self.keys.device)
@@ -141,13 +161,14 @@ class KVCakeLayer(CacheLayerMixin):
 
     # -- views and eviction ----------------------------------------------------------------
     def padded(self, tensor: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-        """A per-entry tensor as (B, H_kv, N); ragged layers scatter into the longest segment."""
+        """A per-entry tensor as (B, H_kv, N, ...); ragged layers scatter into the longest segment."""
         if tensor is None or self.layout == "dense":
             return tensor
         m = self.meta
-        out = torch.full((self.batch * self.kv_heads, m.max_len), fill, dtype=tensor.dtype, device=tensor.device)
+        shape = (self.batch * self.kv_heads, m.max_len, *tensor.shape[1:])  # keys/values keep d
+        out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
         out[m.seg, m.local] = tensor
-        return out.reshape(self.batch, self.kv_heads, m.max_len)
+        return out.reshape(self.batch, self.kv_heads, *shape[1:])
 
     def unpad(self, tensor: torch.Tensor) -> torch.Tensor:
         """Inverse of ``padded`` for a (B, H_kv, N) tensor."""
@@ -257,7 +278,8 @@ class KVCakeLayer(CacheLayerMixin):
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
-                query, self.keys, self.values, self.positions, self.meta, qpos, scaling, return_probs
+                query, self.keys, self.values, self.positions, self.meta, qpos, scaling, return_probs,
+                compact=self.static is None,
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
                 g = probs.shape[1]

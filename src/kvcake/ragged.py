@@ -73,7 +73,7 @@ def ragged_attention_reference(
     acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
     logits = torch.einsum("td,trd->tr", keys.to(acc), qs[seg].to(acc)) * scaling  # (T, G*q)
     qpos = query_positions.repeat_interleave(hkv, dim=0)  # (S, q)
-    visible = positions[:, None] <= qpos[seg]  # (T, q)
+    visible = (positions[:, None] >= 0) & (positions[:, None] <= qpos[seg])  # (T, q); -1 = empty slot
     visible = visible[:, None, :].expand(-1, g, -1).reshape(-1, g * q)  # (T, G*q)
     logits = logits.masked_fill(~visible, float("-inf"))
     seg_max = torch.full((n_seg, g * q), float("-inf"), dtype=acc, device=keys.device)
@@ -142,9 +142,11 @@ def ragged_attention(
     query_positions: torch.Tensor,
     scaling: float,
     return_probs: bool = False,
+    compact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch: flash varlen on CUDA when installed and no probabilities are needed, else the
-    PyTorch reference. Same arguments and result as ``ragged_attention_reference``."""
-    if not return_probs and flash_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
+    PyTorch reference. Same arguments and result as ``ragged_attention_reference``; ``compact``
+    False (static storage: empty slots inside segments) needs the reference, which masks them."""
+    if compact and not return_probs and flash_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
         return ragged_attention_flash(query, keys, values, meta, scaling), None
     return ragged_attention_reference(query, keys, values, positions, meta, query_positions, scaling, return_probs)

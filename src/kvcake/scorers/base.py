@@ -99,10 +99,13 @@ class Scorer:
 
     Parameters shared by all scorers: ``reduce`` is the GQA group reduction (``mean``/``max``).
     ``stateful`` scorers (H2O) keep their prefill scores and add each decoding step's attention.
+    ``order_sensitive`` scorers read neighbouring entries while decoding (pooling), so a cache
+    whose slots are not in position order must sort them first (``cache.decode_scores``).
     """
 
     name = "base"
     stateful = False
+    order_sensitive = False
     reduce = "mean"
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:  # pragma: no cover - interface

@@ -39,5 +39,9 @@ class CakeScorer(Scorer):
         mean, var = window_rows_mean_var(probs, row_valid)
         return _pool_prefix(mean + self.gamma * var, probs.shape[2], self.kernel, self.pooling)
 
+    @property
+    def order_sensitive(self) -> bool:
+        return self.kernel > 1
+
     def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return pool1d(probs.mean(2), self.kernel, self.pooling)

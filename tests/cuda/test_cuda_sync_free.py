@@ -1,0 +1,47 @@
+"""Static decode steps never synchronise with the GPU, for every preset.
+
+``torch.cuda.set_sync_debug_mode("error")`` turns every host synchronisation (``.item()``,
+``.cpu()``, a blocking copy, a data-dependent shape such as ``nonzero``) into an error. The
+first decode step moves each layer into its buffers (static.py) and may synchronise; the steps
+after it must not. On the CPU (``KVCAKE_TEST_DEVICE=cpu``) the mode does not apply, and
+tests/test_static.py counts host reads instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from cuda_helpers import DEVICE, ids
+
+import kvcake
+from kvcake import PRESETS, KVCakeCache, make_method
+
+
+@contextlib.contextmanager
+def _sync_errors():
+    if DEVICE.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_static_decode_steps_do_not_synchronise(on_device, name):
+    model = on_device(torch.bfloat16)
+    prompt = ids(200, seed=3).to(DEVICE)
+    cache = KVCakeCache(model, make_method(name, budget=40, window=8))
+    with kvcake.enable(model), torch.no_grad():
+        tok = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)  # into the buffers
+        assert all(cache.layers[lid].static is not None for lid in cache.compressed)
+        with _sync_errors():
+            for _ in range(4):
+                tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    assert cache.get_seq_length() == 206

@@ -1,0 +1,110 @@
+"""Static decode storage (static.py) against the dynamic reference path (sort + masked copy).
+
+For every preset, a left-padded batch decodes many steps twice, once with ``static=False``
+(the reference) and once in place; the kept positions of every layer and head and the logits
+must agree at every step. A second test counts host reads during static decode steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import kvcake
+from kvcake import PRESETS, KVCakeCache, make_method
+
+STEPS = 30
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 120), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0  # left padding on the second sequence
+    return ids, mask
+
+
+def _kept(cache: KVCakeCache) -> list[list[list[int]]]:
+    out = []
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        pos = layer.padded(layer.positions, -1)  # (B, H_kv, N)
+        out.append([sorted(p for p in row if p >= 0) for row in pos.reshape(-1, pos.shape[-1]).tolist()])
+    return out
+
+
+def _decode(model, spec: str, static: bool):
+    ids, mask = _batch()
+    cache = KVCakeCache(model, make_method(spec, budget=24, window=4), static=static)
+    logits, kept = [], []
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache)
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(STEPS):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            out = model(tok, attention_mask=mask, past_key_values=cache)
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+            kept.append(_kept(cache))
+    return torch.stack(logits), kept, cache
+
+
+@pytest.mark.parametrize("spec", list(PRESETS))
+def test_static_decoding_equals_the_reference(tiny_llama, spec):
+    ref_logits, ref_kept, ref = _decode(tiny_llama, spec, static=False)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True)
+    assert all(cache.layers[lid].static is not None for lid in cache.compressed if not cache.layers[lid].plain)
+    assert any(cache.layers[lid].static is not None for lid in cache.compressed), "static path never ran"
+    assert all(ref.layers[lid].static is None for lid in ref.compressed)
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert (cache.layer_counts() == ref.layer_counts()).all()
+
+
+class _HostReads:
+    """Counts calls of the tensor methods that read a value back to the host."""
+
+    NAMES = ("item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @contextlib.contextmanager
+    def watching(self):
+        saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def wrap(name, fn):
+            def counted(t, *a, **k):
+                self.calls.append(name)
+                return fn(t, *a, **k)
+
+            return counted
+
+        try:
+            for name, fn in saved.items():
+                setattr(torch.Tensor, name, wrap(name, fn))
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize("spec", list(PRESETS))
+def test_static_decode_steps_read_nothing_back(tiny_llama, spec):
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
+    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4))
+    reads = _HostReads()
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tok = tiny_llama(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tiny_llama(tok, past_key_values=cache)  # the first step moves the layers into their buffers
+        assert all(cache.layers[lid].static is not None for lid in cache.compressed)
+        with reads.watching():
+            for _ in range(5):
+                tiny_llama(tok, past_key_values=cache)
+    assert reads.calls == [], f"host reads during static decode steps: {sorted(set(reads.calls))}"
+    with reads.watching():  # the counter itself sees a read
+        bool(torch.ones(()) > 0)
+    assert reads.calls == ["__bool__"]
