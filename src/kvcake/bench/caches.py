@@ -22,8 +22,10 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 class FullCache(DynamicCache):
     """transformers' ``DynamicCache``, plus its peak bytes (a full cache only grows)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, config=None) -> None:
+        # With the model's config, a hybrid's sliding layers keep only their window, as in
+        # transformers' own generate(); without, every layer keeps every token.
+        super().__init__(config=config)
         self.peak_kv_bytes = 0
         self.tracking = True  # set False before timing decode steps: the sum costs a little
 

@@ -13,6 +13,11 @@ one entry over the KV heads (keys and values):
   holds more than the total budget plus one layer's full prompt, ``(B_total + S) * E``; CAKE
   without cascading holds all ``L`` full layers until the last one: ``S * L * E``.
 
+Hybrid models (Gemma 3): ``L`` counts the compressed (full-attention) layers only, and every
+theory adds the sliding-window layers at ``min(S, W - 1) * E`` each, which is what transformers'
+sliding layer keeps and what the full cache (a ``DynamicCache`` built from the model's config)
+holds too.
+
 The process's peak memory is measured in separate runs, one per method (``common.PeakMemory``).
 """
 
@@ -75,7 +80,16 @@ class KVShape:
 
         info = describe_model(model)
         elem = next(model.parameters()).element_size()
-        return cls(info.num_layers, info.num_kv_heads, info.head_dim, elem)
+        return cls(len(info.compressed_layers), info.num_kv_heads, info.head_dim, elem)
+
+
+def sliding_kv_bytes(model: torch.nn.Module, length: int, shape: KVShape) -> int:
+    """Bytes the sliding-window layers of a hybrid hold after ``length`` tokens (0 otherwise):
+    ``min(S, W - 1)`` entries per layer, as transformers' sliding layer keeps."""
+    from ..adapters import describe_model
+
+    windows = describe_model(model).windows
+    return sum(min(length, w - 1) for w in windows if w is not None) * shape.entry_bytes
 
 
 def full_kv_bytes(length: int, shape: KVShape, batch: int = 1) -> int:
@@ -125,10 +139,11 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
     ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
                              model.config.vocab_size, models.device)  # fmt: skip
     caches = [build_cache(model, spec, budget, window) for spec in methods]
-    full = FullCache()
+    full = FullCache(model.config)
     logger.info("memory: prefill %d tokens once into the full cache and %s", length, ", ".join(methods))
     shared_prefill(model, ids, caches, full)
-    full_theory = full_kv_bytes(length, shape)
+    sliding = sliding_kv_bytes(model, length, shape)  # hybrids: every theory below holds them too
+    full_theory = full_kv_bytes(length, shape) + sliding
     rows = [dict(method="full", length=length, model=label, prompt=source, peak=full.peak_kv_bytes,
                  end=full.kv_bytes(), peak_theory=full_theory, peak_rule="S*L", end_theory=full_theory)]  # fmt: skip
     for spec, cache in zip(methods, caches, strict=True):
@@ -137,11 +152,12 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
         peak_t, rule = peak_theory(cache.method, budgets, length, shape)
         rows.append(dict(
             method=spec, length=length, model=label, prompt=source, peak=cache.prefill_peak_kv_bytes,
-            end=cache.kv_bytes(), peak_theory=peak_t, peak_rule=rule,
-            end_theory=compressed_kv_bytes(budgets, shape), counts_bytes=ragged_kv_bytes(counts, shape),
+            end=cache.kv_bytes(), peak_theory=peak_t + sliding, peak_rule=rule + (" + sliding" if sliding else ""),
+            end_theory=compressed_kv_bytes(budgets, shape) + sliding,
+            counts_bytes=ragged_kv_bytes(counts, shape) + sliding,
             budgets=budgets, total_budget=int(np.sum(budgets)),
             layout=sorted({getattr(layer, "layout", "sliding") for layer in cache.layers}),
-            cascade_bound=cascade_peak_bound(int(cache.seq.total[0]), length, shape),
+            cascade_bound=cascade_peak_bound(int(cache.seq.total[0]), length, shape) + sliding,
             entry_bytes=shape.entry_bytes,
             **_hybrid_parts(cache),
         ))  # fmt: skip
@@ -150,7 +166,7 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
 
 def _hybrid_parts(cache) -> dict:
     """Hybrid models (Gemma 3): bytes of the sliding and the global layers, and transformers' own
-    full cache (sliding layers at their window); the theory columns cover the global layers only."""
+    full cache (sliding layers at their window), as the cache itself counts them."""
     if not cache.info.hybrid:
         return {}
     p = cache.kv_bytes_parts()
@@ -162,7 +178,7 @@ def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: i
     ids, _ = prompt_ids(models.tokenizer if model is models.model else None, length,
                         model.config.vocab_size, models.device)  # fmt: skip
     with PeakMemory(models.device) as mem:
-        cache = FullCache() if spec == "full" else build_cache(model, spec, budget, window)
+        cache = FullCache(model.config) if spec == "full" else build_cache(model, spec, budget, window)
         ctx = contextlib.nullcontext() if spec == "full" else enable(model)
         with ctx, torch.no_grad():
             model(ids, past_key_values=cache, logits_to_keep=1)

@@ -235,7 +235,7 @@ def run_decode(
                                  model.config.vocab_size, models.device)  # fmt: skip
         configs = _decode_configs(methods, budgets, policies, length)
         caches = [build_cache(model, f"{m},decode={p}", b, window) for m, b, p in configs]
-        full = FullCache()
+        full = FullCache(model.config)
         logger.info(
             "decode: prefill %d tokens once into the full cache and %d compressed caches", length, len(caches)
         )
