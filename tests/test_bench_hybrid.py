@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hybrid import TINY_GEMMA3_LAYER_TYPES, TINY_GEMMA3_WINDOW
 from transformers import DynamicCache
 
 from kvcake import bench
 from kvcake.bench.common import BenchModels
 from kvcake.bench.memory import sliding_kv_bytes
+from tiny_hybrid import TINY_GEMMA3_LAYER_TYPES, TINY_GEMMA3_WINDOW
 
 BUDGET, WINDOW = 16, 4
 
