@@ -5,7 +5,7 @@ CAKE's layer budgets depend on the temperatures only through ``P_l = H_l^(1/tau1
 whole search: its ``H_l``/``V_l`` turn any (tau1, tau2) into a budget vector by arithmetic
 (:func:`layer_budgets`, the allocator the cache runs at its last stage); candidates that give the
 same vector share one evaluation; an evaluation replays the recorded forward into a fresh cache
-(:func:`~kvcake.eval.fidelity.replay_compress`, prefill scores memoised) and teacher-forces the
+(:func:`~kvcake.replay.replay_compress`, prefill scores memoised) and teacher-forces the
 sample's scored tokens. The loss is KL(full || compressed) of the next-token distributions,
 averaged over the scored positions of each sample and over the samples of each kind (``context``
 and ``question``, :mod:`kvcake.calibration.samples`), divided by the same mean for uniform layer
@@ -28,8 +28,8 @@ import torch
 
 from kvcake.allocators import AllocationRequest, CakeAllocator, LayerAllocator, preference
 from kvcake.budget import BudgetSpec
-from kvcake.eval.fidelity import ScoreMemo, replay_compress, teacher_force
 from kvcake.method import Method, make_method
+from kvcake.replay import ScoreMemo, replay_compress, teacher_force
 
 from .samples import Sample
 

@@ -8,11 +8,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcake.eval.haystack import Haystack
 from kvcake.eval.tasks.needles import _clean, _start
 from kvcake.eval.tasks.placement import _check_int, _fit
 from kvcake.eval.tasks.sample import Sample, count_tokens
 from kvcake.eval.tasks.vocab import KEY_ADJECTIVES, KEY_NOUNS, VALUE_WORDS
+from kvcake.haystack import Haystack
 
 # --------------------------------------------------------------------------------------------
 # Common words extraction (RULER scripts/data/synthetic/common_words_extraction.py)

@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvcake.eval.haystack import Haystack, resolve_haystack
 from kvcake.eval.tasks.placement import _check_int, _fit, _insert
 from kvcake.eval.tasks.sample import Sample, count_tokens
+from kvcake.haystack import Haystack, resolve_haystack
 
 logger = logging.getLogger(__name__)
 

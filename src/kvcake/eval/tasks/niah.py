@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcake.eval.haystack import Haystack
 from kvcake.eval.tasks.needles import _build_with_needles, _draw_random, _draw_words, _start
 from kvcake.eval.tasks.placement import Depth, _check_int, _depths, _normalise_depth
 from kvcake.eval.tasks.sample import Sample
 from kvcake.eval.tasks.vocab import KEY_ADJECTIVES, KEY_NOUNS, KEY_TYPES, VALUE_TYPES, VALUE_WORDS
+from kvcake.haystack import Haystack
 
 # --------------------------------------------------------------------------------------------
 # NIAH: single, multi-key, multi-value, multi-query (RULER scripts/data/synthetic/niah.py)
