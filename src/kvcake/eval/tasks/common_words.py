@@ -94,7 +94,8 @@ def common_words(
 ) -> Sample:
     """RULER cwe: name the most frequent words of a long numbered list. Options: :class:`CommonWordsConfig`."""
     task = "common_words"
-    cfg, hay, rng = _start(task, CommonWordsConfig, tokenizer, target_tokens, seed, haystack, kw)
+    cfg, draw = _start(task, CommonWordsConfig, tokenizer, target_tokens, seed, haystack, kw)
+    hay, rng = draw.haystack, draw.rng
     f_c = cfg.freq_common or (30 if target_tokens >= 4096 else 6)
     f_u = cfg.freq_uncommon or (3 if target_tokens >= 4096 else 1)
     if f_c <= f_u:
