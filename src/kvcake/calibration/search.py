@@ -90,7 +90,7 @@ def layer_budgets(
 ) -> torch.Tensor:
     """(L,) int64 final CAKE budgets of a ``length``-token prompt with per-layer ``entropy`` and
     ``variance`` (L,): the allocation the cache makes at its last stage."""
-    lengths = torch.tensor([length])
+    lengths = torch.tensor([length], device=entropy.device)
     per_layer = spec.per_layer(lengths)
     n = entropy.shape[0]
     req = AllocationRequest(
@@ -113,7 +113,11 @@ class FixedLayers(LayerAllocator):
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         if len(self.budgets) != req.num_layers:
             raise ValueError(f"{len(self.budgets)} fixed budgets for {req.num_layers} layers")
-        return torch.tensor(self.budgets, dtype=torch.long)[None].expand(req.total.shape[0], -1).clone()
+        return (
+            torch.tensor(self.budgets, dtype=torch.long, device=req.total.device)[None]
+            .expand(req.total.shape[0], -1)
+            .clone()
+        )
 
 
 class Evaluator:
@@ -184,5 +188,6 @@ class Evaluator:
 
     def mean_budget(self) -> float:
         """Average entries per layer over the samples (the budget a calibration point is stored at)."""
+        # host: a float per sample
         per = [float(self.spec.per_layer(torch.tensor([s.ids.shape[1]]))[0]) for s in self.samples]
         return sum(per) / len(per)
