@@ -7,10 +7,10 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
-from kvcake.eval.fidelity import Captured, capture_queries, replay_compress
 from kvcake.eval.section import keep_sections, write_section
 from kvcake.method import PRESETS
 from kvcake.models import resolve_builtin
+from kvcake.replay import Captured, capture_queries, replay_compress
 from kvcake.sliding import SlidingLayer
 from tiny_hybrid import TINY_GEMMA3_WINDOW
 

@@ -9,7 +9,7 @@ from .api import compress, generate
 from .attention import enable
 from .budget import BudgetSpec
 from .cache import KVCakeCache
-from .calibration import calibrate  # noqa: E402,I001  (builds on the eval fidelity code, which imports the above)
+from .calibration import calibrate
 from .context import CompressedContext
 from .method import PRESETS, Method, list_methods, make_method, method_spec
 from .models import DEFAULT_MODEL, load_model

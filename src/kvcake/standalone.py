@@ -1,12 +1,16 @@
-"""The ``main()`` of a subcommand run on its own (``python -m kvcake.bench``, ``python -m kvcake.eval``).
+"""What the subcommands that also run on their own (``python -m kvcake.bench``, ``python -m
+kvcake.eval``) share: their ``main()``, their ``kvcake`` subparser, the ``1024,2k`` option type and
+``-v`` logging.
 
-A subcommand module defines ``add_arguments(parser, standalone=...)`` and ``run(args) -> int``;
-``kvcake.cli`` adds it to the ``kvcake`` command, and this runs the same parser alone.
+A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``;
+``kvcake.cli`` adds it to the ``kvcake`` command (:func:`add_subcommand`), and
+:func:`standalone_main` runs the same parser alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 
@@ -27,8 +31,48 @@ def standalone_main(
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_arguments(parser, standalone=True)
+    add_arguments(parser)
+    # under `kvcake`, the top-level parser owns -v
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress on stderr")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     args.argv = argv
     return run(args)
+
+
+def add_subcommand(
+    subparsers,
+    name: str,
+    help: str,
+    description: str | None,
+    add_arguments: Callable[..., argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``name`` to ``kvcake``'s ``argparse`` subparsers, with the subcommand's own arguments."""
+    p = subparsers.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return add_arguments(p)
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """``"1024,2k,4096"`` -> (1024, 2048, 4096): ``k`` means 1024 (an ``argparse`` type)."""
+    values = []
+    for part in (x.strip().lower() for x in text.split(",") if x.strip()):
+        try:
+            values.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return tuple(values)
+
+
+def log_progress(args: argparse.Namespace) -> None:
+    """With ``-v`` on a standalone run, send the ``kvcake`` loggers' INFO lines to stderr (under
+    ``kvcake`` the top-level command has configured them already)."""
+    package_logger = logging.getLogger("kvcake")
+    if getattr(args, "verbose", 0) and not package_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)

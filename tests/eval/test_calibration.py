@@ -16,10 +16,10 @@ import kvcake
 from kvcake import temperatures
 from kvcake.budget import BudgetSpec
 from kvcake.calibration.search import FixedLayers, layer_budgets, search_grid, tau_grid
-from kvcake.eval.fidelity import Captured, capture_queries, replay_compress
-from kvcake.eval.haystack import NoiseHaystack
+from kvcake.haystack import NoiseHaystack
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
+from kvcake.replay import Captured, capture_queries, replay_compress
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import kvcake
-from kvcake.eval import runner
+from kvcake.eval import cells, runner
 from kvcake.eval.report import render_page, summary_markdown
 from kvcake.eval.runner import FULL, KEY_FIELDS, load_records, parse_methods, run_eval
 
@@ -165,13 +165,13 @@ def test_questions_sharing_a_context_share_one_compression(tiny_llama, tokenizer
     ]
     (tmp_path / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calls = []
-    real = runner.replay_compress
+    real = cells.replay_compress
 
     def counting(model, method, captured, cache, ids, logits, chunks=None, memo=None):
         calls.append((ids.shape[1], chunks))
         return real(model, method, captured, cache, ids, logits, chunks=chunks, memo=memo)
 
-    monkeypatch.setattr(runner, "replay_compress", counting)
+    monkeypatch.setattr(cells, "replay_compress", counting)
     res = run_eval(tiny_llama, tokenizer, methods="full,snapkv", ratios=(0.5,), tasks=("longbench:hotpotqa",),
                    lengths=(500,), samples=3, longbench_dir=tmp_path, window=WINDOW, max_new_tokens=3,
                    fidelity_tokens=3, out=tmp_path / "lb.jsonl", progress=False, report=False)  # fmt: skip

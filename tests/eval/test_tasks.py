@@ -13,7 +13,7 @@ import re
 import pytest
 from word_tokenizer import WordTokenizer
 
-from kvcake.eval import haystack as hs
+from kvcake import haystack as hs
 from kvcake.eval.tasks import (
     KEY_ADJECTIVES,
     KEY_NOUNS,

@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from ..standalone import standalone_main
+from ..standalone import add_subcommand, log_progress, standalone_main
+from ..standalone import comma_ints as _ints
 
+HELP = "memory / prefill / decode benchmarks (JSON, PNG, markdown)"
 EXAMPLES = (
     "kvcake bench memory --lengths 1024,2048,4096 --out bench-results",
     "kvcake bench decode --lengths 4k,16k --budgets 128,512 --methods snapkv,cake,adakv",
@@ -56,19 +57,6 @@ QUICK = {
 }
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    """``"1024,2k,4096"`` -> (1024, 2048, 4096): ``k`` means 1024."""
-    values = []
-    for part in (x.strip().lower() for x in text.split(",") if x.strip()):
-        try:
-            values.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return tuple(values)
-
-
 def _names(text: str) -> tuple[str, ...]:
     # Method specs may contain commas ("snapkv,decode=fixed"): separate several with ';'.
     sep = ";" if ";" in text else ","
@@ -78,7 +66,7 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("which", choices=BENCHES,
                    help="which benchmark to run ('all': every one; 'report': redraw the figures and rewrite "
                         "--doc from the JSON already in --out, measuring nothing)")  # fmt: skip
@@ -114,16 +102,12 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> argpa
     p.add_argument("--out", default="bench-results", help="folder for <bench>.json and <bench>.png")
     p.add_argument("--doc", default=None, help="also write a markdown page with every table and figure")
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
-    if standalone:  # under `kvcake`, the top-level parser owns -v
-        p.add_argument("-v", "--verbose", action="count", default=0, help="progress on stderr")
     return p
 
 
 def configure_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``kvcake``'s ``argparse`` subparsers."""
-    p = subparsers.add_parser("bench", help="memory / prefill / decode benchmarks (JSON, PNG, markdown)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    return add_arguments(p)
+    return add_subcommand(subparsers, "bench", HELP, __doc__, add_arguments)
 
 
 def _setting(args, name: str):
@@ -142,12 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from . import bandwidth, memory, speed
     from .common import DTYPES, describe_machine, load_models, machine_lines, pick_device, write_json
 
-    package_logger = logging.getLogger("kvcake")
-    if getattr(args, "verbose", 0) and not package_logger.handlers:  # `kvcake` configures its own
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-        package_logger.setLevel(logging.INFO)
+    log_progress(args)
     if args.which == "report":
         return _report(args)
     try:

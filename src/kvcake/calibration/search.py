@@ -5,7 +5,7 @@ CAKE's layer budgets depend on the temperatures only through ``P_l = H_l^(1/tau1
 whole search: its ``H_l``/``V_l`` turn any (tau1, tau2) into a budget vector by arithmetic
 (:func:`layer_budgets`, the allocator the cache runs at its last stage); candidates that give the
 same vector share one evaluation; an evaluation replays the recorded forward into a fresh cache
-(:func:`~kvcake.eval.fidelity.replay_compress`, prefill scores memoised) and teacher-forces the
+(:func:`~kvcake.replay.replay_compress`, prefill scores memoised) and teacher-forces the
 sample's scored tokens. The loss is KL(full || compressed) of the next-token distributions,
 averaged over the scored positions of each sample and over the samples of each kind (``context``
 and ``question``, :mod:`kvcake.calibration.samples`), divided by the same mean for uniform layer
@@ -28,8 +28,8 @@ import torch
 
 from kvcake.allocators import AllocationRequest, CakeAllocator, LayerAllocator, preference
 from kvcake.budget import BudgetSpec
-from kvcake.eval.fidelity import ScoreMemo, replay_compress, teacher_force
 from kvcake.method import Method, make_method
+from kvcake.replay import ScoreMemo, replay_compress, teacher_force
 
 from .samples import Sample
 
@@ -90,7 +90,7 @@ def layer_budgets(
 ) -> torch.Tensor:
     """(L,) int64 final CAKE budgets of a ``length``-token prompt with per-layer ``entropy`` and
     ``variance`` (L,): the allocation the cache makes at its last stage."""
-    lengths = torch.tensor([length])  # host: budgets are host bookkeeping
+    lengths = torch.tensor([length], device=entropy.device)
     per_layer = spec.per_layer(lengths)
     n = entropy.shape[0]
     req = AllocationRequest(
@@ -113,8 +113,11 @@ class FixedLayers(LayerAllocator):
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         if len(self.budgets) != req.num_layers:
             raise ValueError(f"{len(self.budgets)} fixed budgets for {req.num_layers} layers")
-        # host: allocation runs on the host (AllocationRequest)
-        return torch.tensor(self.budgets, dtype=torch.long)[None].expand(req.total.shape[0], -1).clone()
+        return (
+            torch.tensor(self.budgets, dtype=torch.long, device=req.total.device)[None]
+            .expand(req.total.shape[0], -1)
+            .clone()
+        )
 
 
 class Evaluator:
@@ -185,6 +188,6 @@ class Evaluator:
 
     def mean_budget(self) -> float:
         """Average entries per layer over the samples (the budget a calibration point is stored at)."""
-        # host: budgets are host bookkeeping
+        # host: a float per sample
         per = [float(self.spec.per_layer(torch.tensor([s.ids.shape[1]]))[0]) for s in self.samples]
         return sum(per) / len(per)

@@ -1,7 +1,6 @@
 """Evaluation: RULER / NeedleBench-style synthetic tasks, LongBench, their scoring, and the runner
 (``run_eval``, ``kvcake eval``) that scores compression methods on them in both scenarios."""
 
-from kvcake.eval.haystack import FileHaystack, Haystack, NoiseHaystack, PaulGrahamHaystack, resolve_haystack
 from kvcake.eval.longbench import LongBenchSample, load_longbench, truncate_prompt, truncate_split
 from kvcake.eval.metrics import (
     LONGBENCH_METRICS,
@@ -12,6 +11,7 @@ from kvcake.eval.metrics import (
 )
 from kvcake.eval.runner import EvalResult, run_eval
 from kvcake.eval.tasks import TASKS, Sample, make_samples
+from kvcake.haystack import FileHaystack, Haystack, NoiseHaystack, PaulGrahamHaystack, resolve_haystack
 
 __all__ = [
     "LONGBENCH_METRICS",

@@ -14,15 +14,16 @@ also writes a results page. ``--suite results`` is the configuration of ``docs/r
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from ..standalone import standalone_main
+from ..standalone import add_subcommand, log_progress, standalone_main
+from ..standalone import comma_ints as _ints
 
+HELP = "score methods on long-context tasks (JSONL, table, plots)"
 EXAMPLES = (
     "kvcake eval --methods full,snapkv,cake --ratios 0.1,0.25 --tasks niah_single --lengths 2k --samples 2",
     "kvcake eval --suite results   # regenerates docs/results.md (about an hour on 2 CPU cores)",
@@ -180,19 +181,6 @@ DEFAULTS: dict[str, object] = {
 }
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    """``"1024,2k,4096"`` -> (1024, 2048, 4096): ``k`` means 1024."""
-    values = []
-    for part in (x.strip().lower() for x in text.split(",") if x.strip()):
-        try:
-            values.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return tuple(values)
-
-
 def _floats(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
@@ -210,7 +198,7 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from kvcake.eval.tasks import TASKS
 
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
@@ -253,16 +241,12 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> argpa
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: table, plots and --doc from the cells already in --out")  # fmt: skip
-    if standalone:  # under `kvcake`, the top-level parser owns -v
-        p.add_argument("-v", "--verbose", action="count", default=0, help="log progress on stderr")
     return p
 
 
 def configure_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand to ``kvcake``'s ``argparse`` subparsers."""
-    p = subparsers.add_parser("eval", help="score methods on long-context tasks (JSONL, table, plots)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    return add_arguments(p)
+    return add_subcommand(subparsers, "eval", HELP, __doc__, add_arguments)
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, object]:
@@ -309,12 +293,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvcake.eval.runner import load_records, run_eval, runs_log_path
 
-    package_logger = logging.getLogger("kvcake")
-    if getattr(args, "verbose", 0) and not package_logger.handlers:  # `kvcake` configures its own
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-        package_logger.setLevel(logging.INFO)
+    log_progress(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     s = _resolve(args)
@@ -345,7 +324,9 @@ def _run(args: argparse.Namespace) -> int:
     if s["ablation"]:
         from kvcake.eval.ablation import run_section
 
-        s["notes"] = f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only, result.records)}\n\n{s['notes']}"
+        s["notes"] = (
+            f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only, result.records)}\n\n{s['notes']}"
+        )
     if s["doc"]:
         from kvcake.eval.report import render_page
         from kvcake.eval.section import keep_sections, write_section
@@ -356,7 +337,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.report_only and runs and runs[-1].get("command"):
             command = runs[-1]["command"]  # the page shows the command that computed the cells
             if args.suite:  # ... or the suite's own command, where some runs computed parts of it
-                command = next((r["command"] for r in reversed(runs) if "--suite" in str(r.get("command"))), command)
+                command = next(
+                    (r["command"] for r in reversed(runs) if "--suite" in str(r.get("command"))), command
+                )
         page = render_page(
             result.records,
             figures=result.plots,

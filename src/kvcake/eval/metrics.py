@@ -40,24 +40,25 @@ def ruler_postprocess(prediction: str) -> str:
     return _CONTROL.sub("\n", prediction.strip()).strip()
 
 
-def string_match_all(prediction: str, references: Sequence[str]) -> float:
-    """Fraction of ``references`` contained in ``prediction``, case-insensitive (RULER, most tasks)."""
+def _hits(prediction: str, references: Sequence[str]) -> list[float]:
+    """1.0 for each of ``references`` contained in ``prediction`` (case-insensitive), else 0.0."""
     if isinstance(references, str):
         raise TypeError("references must be a sequence of strings, not one string")
     if not references:
         raise ValueError("references is empty")
     pred = prediction.lower()
-    return sum(1.0 for r in references if r.lower() in pred) / len(references)
+    return [1.0 if r.lower() in pred else 0.0 for r in references]
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """Fraction of ``references`` contained in ``prediction``, case-insensitive (RULER, most tasks)."""
+    hits = _hits(prediction, references)
+    return sum(hits) / len(hits)
 
 
 def string_match_part(prediction: str, references: Sequence[str]) -> float:
     """1.0 if any of ``references`` is contained in ``prediction``, case-insensitive (RULER QA)."""
-    if isinstance(references, str):
-        raise TypeError("references must be a sequence of strings, not one string")
-    if not references:
-        raise ValueError("references is empty")
-    pred = prediction.lower()
-    return max(1.0 if r.lower() in pred else 0.0 for r in references)
+    return max(_hits(prediction, references))
 
 
 def score_ruler(

@@ -18,7 +18,7 @@ Per sample, the full cache (a transformers ``DynamicCache``) runs once, whatever
 methods: it gives the ``full`` baseline's answer, the greedy continuation the fidelity measures
 use (``kvcake.eval.fidelity``), and, with ``prefill="shared"`` (the default), the queries from
 which every method's compressed cache is rebuilt without running the model again
-(:func:`kvcake.eval.fidelity.replay_compress`; the prefill's forward is the same for every
+(:func:`kvcake.replay.replay_compress`; the prefill's forward is the same for every
 method, only what is kept differs). ``prefill="direct"`` runs ``kvcake.generate`` and
 ``kvcake.compress`` for each cell instead: the same answers, one model prefill per cell.
 
@@ -31,40 +31,41 @@ check that both give the same answers). A context-only answer is ``ctx.generate(
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import logging
 import os
-import platform
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 import kvcake
-from kvcake.attention import enable
-from kvcake.eval.fidelity import (
-    Captured,
-    Fidelity,
-    ScoreMemo,
-    TeacherForced,
-    cache_bytes,
-    capture_queries,
-    compare,
-    replay_compress,
-    teacher_force,
+from kvcake.eval.cells import run_group
+from kvcake.eval.questions import (
+    DEFAULT_MAX_NEW_TOKENS,
+    LONGBENCH_PREFIX,
+    ContextGroup,
+    groups_for,
+    options_label,
+    task_options_for,
 )
-from kvcake.eval.tasks import TASKS, make_samples
+from kvcake.eval.records import (
+    FULL,
+    KEY_FIELDS,
+    SCENARIOS,
+    cell_key,
+    load_records,
+    log_run,
+    parse_methods,
+    runs_log_path,
+)
+from kvcake.eval.reference import full_reference
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
-from kvcake.prompts import build_prompt
 from kvcake.temperatures import method_tau_label
 
 logger = logging.getLogger(__name__)
@@ -79,154 +80,8 @@ __all__ = [
     "load_records",
     "parse_methods",
     "run_eval",
+    "runs_log_path",
 ]
-
-FULL = "full"
-"""The method name of the uncompressed baseline (a transformers ``DynamicCache``)."""
-
-SCENARIOS = ("question", "context")
-
-KEY_FIELDS = (
-    "model_fp", "method", "budget", "ratio", "window", "task", "task_options", "length", "scenario", "seed",
-    "haystack", "max_new_tokens", "prefill", "tau",
-)  # fmt: skip
-"""The fields that identify a cell: a line with the same values is not run again."""
-
-DEFAULT_MAX_NEW_TOKENS = {
-    "niah_single": 12,
-    "niah_multikey": 12,
-    "niah_multivalue": 32,
-    "niah_multiquery": 32,
-    "variable_tracking": 32,
-    "common_words": 48,
-    "multi_needle_reasoning": 12,
-}
-"""Answer lengths by task when ``max_new_tokens`` is not given (long enough for every reference
-answer with the default tokenizer; LongBench datasets use their official lengths)."""
-
-NIAH_TASKS = frozenset(t for t in TASKS if t.startswith("niah_"))
-LONGBENCH_PREFIX = "longbench:"
-
-
-# --------------------------------------------------------------------------------------------
-# Inputs: contexts and their questions
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Question:
-    """One question about a context: ``ids`` (1, Q) follow the context's ids."""
-
-    sample: int
-    seed: int
-    ids: torch.Tensor
-    answers: list[str]
-    score: Callable[[str], float]
-    max_new_tokens: int
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class ContextGroup:
-    """A context (1, C) and the questions asked about it (one for a synthetic sample)."""
-
-    task: str
-    length: int
-    context: torch.Tensor
-    questions: list[Question]
-
-
-def _task_options(task: str, needle_style: str, extra: dict[str, Any] | None) -> dict[str, Any]:
-    opts = {"needle_style": needle_style} if task in NIAH_TASKS else {}
-    opts.update((extra or {}).get(task, {}))
-    return opts
-
-
-def _options_label(opts: dict[str, Any]) -> str:
-    return ",".join(f"{k}={opts[k]}" for k in sorted(opts))
-
-
-def _synthetic_groups(
-    task: str, tokenizer: Any, samples: int, length: int, seed: int, haystack: Any, options: dict[str, Any],
-    max_new_tokens: int | None,
-) -> list[ContextGroup]:  # fmt: skip
-    groups = []
-    for i, s in enumerate(
-        make_samples(task, tokenizer, samples, length, seed=seed, haystack=haystack, **options)
-    ):
-        p = build_prompt(
-            tokenizer, s.context_prompt(), s.question_prompt(answer_prefix=False), s.answer_prefix
-        )
-        q = Question(
-            sample=i, seed=s.seed, ids=p.question, answers=list(s.answers), score=s.score,
-            max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(task, 32),
-            info={"depth": s.depth, "target_tokens": s.target_tokens},
-        )  # fmt: skip
-        groups.append(ContextGroup(task, length, p.context, [q]))
-    return groups
-
-
-def _longbench_groups(
-    task: str, tokenizer: Any, samples: int, length: int, folder: str | os.PathLike[str] | None,
-    max_new_tokens: int | None,
-) -> list[ContextGroup]:  # fmt: skip
-    from kvcake.eval.longbench import load_longbench, truncate_split
-    from kvcake.eval.metrics import longbench_sample_score
-
-    if folder is None:
-        raise ValueError(
-            f"task {task!r} needs the LongBench data folder: pass longbench_dir= (--longbench-dir)"
-        )
-    dataset = task[len(LONGBENCH_PREFIX) :]
-    by_context: dict[str, ContextGroup] = {}
-    for i, row in enumerate(load_longbench(folder, dataset, limit=samples)):
-        ctx_text, q_text = truncate_split(tokenizer, row.context_prompt(), row.question_prompt(), length)
-        p = build_prompt(tokenizer, ctx_text, q_text, "", chat=None if row.use_chat_template else False)
-
-        def score(pred: str, row=row) -> float:
-            return longbench_sample_score(row.dataset, pred, row.answers, row.all_classes)
-
-        q = Question(
-            sample=i, seed=i, ids=p.question, answers=list(row.answers), score=score,
-            max_new_tokens=max_new_tokens or row.max_new_tokens, info={"id": row.id, "length_words": row.length},
-        )  # fmt: skip
-        key = hashlib.sha256(p.context.numpy().tobytes()).hexdigest()
-        group = by_context.setdefault(key, ContextGroup(task, length, p.context, []))
-        group.questions.append(q)
-    return list(by_context.values())
-
-
-def _groups_for(task: str, tokenizer: Any, samples: int, length: int, seed: int, haystack: Any,
-                options: dict[str, Any], max_new_tokens: int | None, longbench_dir) -> list[ContextGroup]:  # fmt: skip
-    if task.startswith(LONGBENCH_PREFIX):
-        return _longbench_groups(task, tokenizer, samples, length, longbench_dir, max_new_tokens)
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}: valid tasks are {', '.join(TASKS)} or longbench:<dataset>")
-    return _synthetic_groups(task, tokenizer, samples, length, seed, haystack, options, max_new_tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Methods and cells
-# --------------------------------------------------------------------------------------------
-
-
-def parse_methods(text: str | Sequence[str]) -> list[str]:
-    """Method specs from a comma list: ``"full,snapkv,cake,select=critical"`` -> full, snapkv,
-    ``cake,select=critical``. A part with ``=`` continues the method before it (an override or a
-    composed spec); use ``;`` between methods to be explicit (``"layers=cake,heads=adakv;snapkv"``)."""
-    if not isinstance(text, str):
-        return [m.strip() for m in text if m.strip()]
-    if ";" in text:
-        return [m.strip() for m in text.split(";") if m.strip()]
-    methods: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and methods and methods[-1] != FULL:
-            methods[-1] += "," + part
-        else:
-            methods.append(part)
-    return methods
 
 
 def _budget_settings(
@@ -236,28 +91,6 @@ def _budget_settings(
     if not settings:
         raise ValueError("give at least one budget (budgets=) or ratio (ratios=)")
     return settings
-
-
-def cell_key(record: dict[str, Any]) -> tuple:
-    """The identity of a cell (:data:`KEY_FIELDS`), from a record."""
-    return tuple(json.dumps(record.get(k), sort_keys=True) for k in KEY_FIELDS)
-
-
-def load_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a results file (a missing file has none; a torn last line is skipped)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                logger.warning("%s:%d: unreadable line skipped (an interrupted write?)", path, lineno)
-    return records
 
 
 @dataclass
@@ -275,139 +108,6 @@ class EvalResult:
     path: Path
     seconds: float
     missing: int = 0
-
-
-# --------------------------------------------------------------------------------------------
-# The full-cache reference of one context group
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _QuestionRef:
-    question: Question
-    cache: DynamicCache  # context + question, full
-    captured: Captured | None  # queries of the context and the question (two chunks)
-    logits: torch.Tensor  # (1, vocab) of the question's last token
-    tokens: torch.Tensor  # (g,) the full cache's greedy continuation
-    prefill_s: float
-    generate_s: float
-    tf: dict[str, TeacherForced] = field(default_factory=dict)  # scenario -> full teacher forcing
-
-
-@dataclass
-class _GroupRef:
-    cache: DynamicCache  # context only, full
-    captured: Captured | None
-    logits: torch.Tensor  # (1, vocab) of the context's last token
-    prefill_s: float
-    questions: list[_QuestionRef]
-
-
-def _ones(n: int, device) -> torch.Tensor:
-    return torch.ones(1, n, dtype=torch.long, device=device)
-
-
-def _eos_ids(model) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
-
-def _continue(model, cache, prefix: torch.Tensor, logits: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy tokens (n,) after a cache holding ``prefix`` (1, S) whose last logits are ``logits``.
-
-    The first token is the argmax of ``logits``; the rest come from ``model.generate`` on the
-    cache (consumed), which processes that token and decodes, stopping at EOS."""
-    first = logits.argmax(-1, keepdim=True)  # (1, 1)
-    if max_new_tokens <= 1 or int(first) in _eos_ids(model):
-        return first[0]
-    ids = torch.cat([prefix, first], dim=1)
-    with enable(model), torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                             max_new_tokens=max_new_tokens - 1, do_sample=False)  # fmt: skip
-    return out[0, prefix.shape[1] :]
-
-
-def _greedy_tokens(model, cache, prefix_len: int, logits: torch.Tensor, n: int) -> torch.Tensor:
-    """Exactly ``n`` greedy tokens (n,) after a full cache holding ``prefix_len`` tokens, not
-    stopping at EOS (the fidelity continuation); ``cache`` is consumed."""
-    tokens = [logits.argmax(-1)]  # (1,) each
-    with torch.no_grad():
-        for i in range(1, n):
-            mask = _ones(prefix_len + i, logits.device)
-            out = model(tokens[-1][:, None], attention_mask=mask, past_key_values=cache, logits_to_keep=1)
-            tokens.append(out.logits[:, -1].argmax(-1))
-    return torch.cat(tokens)
-
-
-def _answer(model, tokens: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """The answer part of a greedy continuation: up to the first EOS (kept), at most ``max_new_tokens``."""
-    eos = _eos_ids(model)
-    for i, t in enumerate(tokens[:max_new_tokens].tolist()):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens[:max_new_tokens]
-
-
-def _full_reference(model, group: ContextGroup, shared: bool, fidelity: bool, fidelity_tokens: int,
-                    scenarios: Sequence[str]) -> _GroupRef:  # fmt: skip
-    dev = model.device
-    ctx_ids = group.context.to(dev)
-    c = ctx_ids.shape[1]
-    captured = Captured() if shared else None
-    cache = DynamicCache(config=model.config)
-    t0 = time.perf_counter()
-    with capture_queries(model, captured) if shared else nullcontext(), torch.no_grad():
-        out = model(ctx_ids, attention_mask=_ones(c, dev), past_key_values=cache, logits_to_keep=1)
-    logits = out.logits[:, -1]  # (1, vocab)
-    ref = _GroupRef(cache, captured, logits, time.perf_counter() - t0, [])
-    for q in group.questions:
-        q_ids = q.ids.to(dev)
-        full_ids = torch.cat([ctx_ids, q_ids], dim=1)
-        q_cache = copy.deepcopy(cache)
-        q_captured = captured.snapshot() if shared else None
-        t0 = time.perf_counter()
-        with capture_queries(model, q_captured) if shared else nullcontext(), torch.no_grad():
-            out = model(
-                q_ids, attention_mask=_ones(full_ids.shape[1], dev), past_key_values=q_cache, logits_to_keep=1
-            )
-        q_logits = out.logits[:, -1]
-        prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        n_gen = max(q.max_new_tokens, fidelity_tokens if fidelity else 0)
-        tokens = _greedy_tokens(model, copy.deepcopy(q_cache), full_ids.shape[1], q_logits, n_gen)
-        qref = _QuestionRef(q, q_cache, q_captured, q_logits, tokens, prefill_s, time.perf_counter() - t0)
-        if fidelity:
-            cont = tokens[:fidelity_tokens][None]  # (1, n)
-            n = cont.shape[1]
-            if "context" in scenarios:
-                appended = torch.cat([q_ids, cont[:, :-1]], dim=1)
-                qref.tf["context"] = teacher_force(model, copy.deepcopy(cache), c, logits, appended, n)
-            if "question" in scenarios:
-                qref.tf["question"] = teacher_force(
-                    model, copy.deepcopy(q_cache), full_ids.shape[1], q_logits, cont[:, :-1], n
-                )
-        ref.questions.append(qref)
-    return ref
-
-
-# --------------------------------------------------------------------------------------------
-# The run
-# --------------------------------------------------------------------------------------------
-
-
-def _round(x: float | None, digits: int = 6) -> float | None:
-    return None if x is None else float(f"{x:.{digits}g}")
-
-
-def _fidelity_fields(fid: Fidelity | None) -> dict[str, Any]:
-    if fid is None:
-        return {}
-    rec = fid.as_record()
-    for k in ("kl", "nll", "nll_full", "attn_rel_l1", "hidden_rel_l1"):
-        rec[k] = _round(rec[k])
-    return rec
 
 
 def run_eval(
@@ -525,15 +225,15 @@ def run_eval(
     # every cell, grouped by context, to know what is left before building the full reference
     plan: list[tuple[ContextGroup, dict[str, Any], list[dict[str, Any]]]] = []
     for task in tasks:
-        opts = {} if task.startswith(LONGBENCH_PREFIX) else _task_options(task, needle_style, task_options)
+        opts = {} if task.startswith(LONGBENCH_PREFIX) else task_options_for(task, needle_style, task_options)
         for length in lengths:
-            groups = _groups_for(task, tokenizer, samples, length, seed, haystack, opts, max_new_tokens,
+            groups = groups_for(task, tokenizer, samples, length, seed, haystack, opts, max_new_tokens,
                                  longbench_dir)  # fmt: skip
             for group in groups:
                 cells = []
                 for q in group.questions:
                     base = {
-                        "model": model_name, "model_fp": fp, "task": task, "task_options": _options_label(opts),
+                        "model": model_name, "model_fp": fp, "task": task, "task_options": options_label(opts),
                         "length": length, "seed": q.seed, "sample": q.sample,
                         "haystack": None if task.startswith(LONGBENCH_PREFIX) else haystack_label,
                         "window": window, "max_new_tokens": q.max_new_tokens, "prefill": prefill,
@@ -562,8 +262,8 @@ def run_eval(
                 left = [c for c in cells if cell_key(c) not in done]
                 if not left:
                     continue
-                ref = _full_reference(model, group, shared, fidelity, fidelity_tokens, scenarios)
-                for record in _run_group(model, tokenizer, group, ref, left, window, shared, fidelity,
+                ref = full_reference(model, group, shared, fidelity, fidelity_tokens, scenarios)
+                for record in run_group(model, tokenizer, group, ref, left, window, shared, fidelity,
                                          fidelity_tokens):  # fmt: skip
                     sink.write(json.dumps(record, sort_keys=True) + "\n")
                     sink.flush()
@@ -577,7 +277,7 @@ def run_eval(
     finally:
         bar.close()
         if compute:
-            _log_run(path, started, new, skipped, command, model_name)
+            log_run(path, started, new, skipped, command, model_name)
     records = [done[k] for k in all_keys if k in done]
     table, plots = "", []
     if report:
@@ -587,158 +287,3 @@ def run_eval(
         plots = write_plots(records, path.with_suffix(""), methods=method_specs)
     missing = len(all_keys) - len(records)
     return EvalResult(records, new, skipped, table, plots, path, time.perf_counter() - started, missing)
-
-
-def _log_run(
-    path: Path, started: float, new: int, skipped: int, command: str | None, model_name: str
-) -> None:
-    entry = {
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "seconds": round(time.perf_counter() - started, 1),
-        "new_cells": new,
-        "skipped_cells": skipped,
-        "command": command,
-        "model": model_name,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
-    }
-    with runs_log_path(path).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
-
-
-def runs_log_path(path: str | os.PathLike[str]) -> Path:
-    """``<stem>.runs.jsonl`` beside a results file: one line per :func:`run_eval` call."""
-    path = Path(path)
-    return path.with_name(path.stem + ".runs.jsonl")
-
-
-def _run_group(model, tokenizer, group: ContextGroup, ref: _GroupRef, cells: list[dict[str, Any]], window: int,
-               shared: bool, fidelity: bool, fidelity_tokens: int) -> Iterable[dict[str, Any]]:  # fmt: skip
-    """Yield the records of ``cells`` (all about ``group``), compressing each context once per
-    method and budget in the context-only scenario."""
-    dev = model.device
-    ctx_ids = group.context.to(dev)
-    c = ctx_ids.shape[1]
-    qrefs = {id(r.question): r for r in ref.questions}
-    memo = ScoreMemo() if shared else None  # prefill scores, shared by every budget of a method
-
-    def decode(ids: torch.Tensor) -> str:
-        return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
-
-    def record(cell: dict[str, Any], tokens: torch.Tensor, fid: Fidelity | None, **extra) -> dict[str, Any]:
-        q: Question = cell["_question"]
-        pred = decode(tokens[: q.max_new_tokens])
-        rec = {k: v for k, v in cell.items() if not k.startswith("_")}
-        rec.update(
-            context_tokens=c, question_tokens=q.ids.shape[1], prediction=pred, answers=q.answers,
-            score=float(q.score(pred)), generated_tokens=int(tokens[: q.max_new_tokens].numel()), **q.info,
-        )  # fmt: skip
-        rec.update(_fidelity_fields(fid))
-        rec.update({k: (_round(v, 4) if isinstance(v, float) else v) for k, v in extra.items()})
-        return rec
-
-    # the full cache: one line per scenario, from the shared reference
-    for cell in [x for x in cells if x["method"] == FULL]:
-        qref = qrefs[id(cell["_question"])]
-        sc = cell["scenario"]
-        fid = None
-        if fidelity:
-            tf = qref.tf[sc]
-            n = tf.logprobs.shape[0]
-            nll = float(-tf.logprobs.gather(1, qref.tokens[:n].reshape(n, 1)).mean())
-            fid = Fidelity.identical(nll, len(tf.attn), n, bool(tf.attn))
-        full_bytes = cache_bytes(ref.cache if sc == "context" else qref.cache)
-        yield record(cell, _answer(model, qref.tokens, cell["max_new_tokens"]), fid, kv_bytes=full_bytes, full_kv_bytes=full_bytes, kv_fraction=1.0,
-                     prefill_s=ref.prefill_s + qref.prefill_s, compress_s=0.0, generate_s=qref.generate_s)  # fmt: skip
-
-    by_setting: dict[tuple, list[dict[str, Any]]] = {}
-    for cell in cells:
-        if cell["method"] != FULL:
-            by_setting.setdefault(
-                (cell["method"], cell["budget"], cell["ratio"], cell["scenario"]), []
-            ).append(cell)
-    for (spec, budget, ratio, sc), todo in by_setting.items():
-        method = make_method(spec, budget=budget, ratio=ratio, window=window)
-        if sc == "context":
-            t0 = time.perf_counter()
-            if shared:
-                ctx = replay_compress(
-                    model, method, ref.captured, ref.cache, ctx_ids, ref.logits, chunks=1, memo=memo
-                )
-            else:
-                ctx = kvcake.compress(model, ctx_ids, method)
-            compress_s = time.perf_counter() - t0
-            kv = ctx.cache.kv_bytes()
-            full_bytes = cache_bytes(ref.cache)
-            before = _cache_digest(ctx.cache) if len(todo) > 1 else None
-            for cell in todo:
-                qref = qrefs[id(cell["_question"])]
-                q_ids = cell["_question"].ids.to(dev)
-                t0 = time.perf_counter()
-                tokens = ctx.generate(q_ids, max_new_tokens=cell["max_new_tokens"], do_sample=False)[0]
-                generate_s = time.perf_counter() - t0
-                fid, fid_s = None, 0.0
-                if fidelity:
-                    t0 = time.perf_counter()
-                    full_tf = qref.tf["context"]
-                    n = full_tf.logprobs.shape[0]
-                    appended = torch.cat([q_ids, qref.tokens[None, : n - 1]], dim=1)
-                    tf = teacher_force(model, ctx.fork(), c, ctx.logits, appended, n)
-                    fid = compare(full_tf, tf, qref.tokens[:n])
-                    fid_s = time.perf_counter() - t0
-                yield record(cell, tokens, fid, kv_bytes=kv, full_kv_bytes=full_bytes, kv_fraction=kv / full_bytes,
-                             prefill_s=ref.prefill_s if shared else 0.0, compress_s=compress_s,
-                             generate_s=generate_s, fidelity_s=fid_s)  # fmt: skip
-            if before is not None and _cache_digest(ctx.cache) != before:
-                raise RuntimeError(
-                    f"{spec}: answering changed the compressed context (a bug in fork/generate)"
-                )
-        else:
-            for cell in todo:
-                q: Question = cell["_question"]
-                qref = qrefs[id(q)]
-                full_ids = torch.cat([ctx_ids, q.ids.to(dev)], dim=1)
-                t0 = time.perf_counter()
-                if shared:
-                    qctx = replay_compress(
-                        model, method, qref.captured, qref.cache, full_ids, qref.logits, memo=memo
-                    )
-                    compress_s = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    tokens = _continue(model, qctx.fork(), full_ids, qctx.logits, q.max_new_tokens)
-                    generate_s = time.perf_counter() - t0
-                else:
-                    out, _ = kvcake.generate(
-                        model, full_ids, method, max_new_tokens=q.max_new_tokens, do_sample=False
-                    )
-                    tokens = out[0, full_ids.shape[1] :]
-                    generate_s = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    qctx = kvcake.compress(model, full_ids, method)  # for kv_bytes and fidelity
-                    compress_s = time.perf_counter() - t0
-                kv = qctx.cache.kv_bytes()
-                full_bytes = cache_bytes(qref.cache)
-                fid, fid_s = None, 0.0
-                if fidelity:
-                    t0 = time.perf_counter()
-                    full_tf = qref.tf["question"]
-                    n = full_tf.logprobs.shape[0]
-                    tf = teacher_force(
-                        model, qctx.fork(), full_ids.shape[1], qctx.logits, qref.tokens[None, : n - 1], n
-                    )
-                    fid = compare(full_tf, tf, qref.tokens[:n])
-                    fid_s = time.perf_counter() - t0
-                yield record(cell, tokens, fid, kv_bytes=kv, full_kv_bytes=full_bytes,
-                             kv_fraction=kv / full_bytes,
-                             prefill_s=(ref.prefill_s + qref.prefill_s) if shared else 0.0, compress_s=compress_s,
-                             generate_s=generate_s, fidelity_s=fid_s)  # fmt: skip
-
-
-def _cache_digest(cache) -> str:
-    """A hash of every layer's keys, values and positions (to check a context is never changed)."""
-    h = hashlib.sha256()
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values, getattr(layer, "positions", None)):
-            if t is not None:
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()

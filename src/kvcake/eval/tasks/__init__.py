@@ -32,7 +32,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kvcake.eval.haystack import Haystack, resolve_haystack
 from kvcake.eval.tasks.common_words import CommonWordsConfig, common_words
 from kvcake.eval.tasks.needles import _check_common
 from kvcake.eval.tasks.niah import (
@@ -58,6 +57,7 @@ from kvcake.eval.tasks.vocab import (
     VALUE_TYPES,
     VALUE_WORDS,
 )
+from kvcake.haystack import Haystack, resolve_haystack
 
 # --------------------------------------------------------------------------------------------
 # Registry

@@ -8,11 +8,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcake.eval.haystack import Haystack
 from kvcake.eval.tasks.needles import _clean, _start
 from kvcake.eval.tasks.placement import _check_int, _fit
 from kvcake.eval.tasks.sample import Sample, count_tokens
 from kvcake.eval.tasks.vocab import KEY_ADJECTIVES, KEY_NOUNS, VALUE_WORDS
+from kvcake.haystack import Haystack
 
 # --------------------------------------------------------------------------------------------
 # Common words extraction (RULER scripts/data/synthetic/common_words_extraction.py)
@@ -94,7 +94,8 @@ def common_words(
 ) -> Sample:
     """RULER cwe: name the most frequent words of a long numbered list. Options: :class:`CommonWordsConfig`."""
     task = "common_words"
-    cfg, hay, rng = _start(task, CommonWordsConfig, tokenizer, target_tokens, seed, haystack, kw)
+    cfg, draw = _start(task, CommonWordsConfig, tokenizer, target_tokens, seed, haystack, kw)
+    hay, rng = draw.haystack, draw.rng
     f_c = cfg.freq_common or (30 if target_tokens >= 4096 else 6)
     f_u = cfg.freq_uncommon or (3 if target_tokens >= 4096 else 1)
     if f_c <= f_u:

@@ -7,11 +7,12 @@ import logging
 import random
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvcake.eval.haystack import Haystack, resolve_haystack
 from kvcake.eval.tasks.placement import _check_int, _fit, _insert
 from kvcake.eval.tasks.sample import Sample, count_tokens
+from kvcake.haystack import Haystack, resolve_haystack
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +65,33 @@ def _check_common(tokenizer: Any, target_tokens: Any, seed: Any) -> None:
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
 
 
+@dataclass(frozen=True)
+class _Draw:
+    """One sample being built: its task, tokenizer, target length and seed, the resolved haystack
+    and the task's seeded random generator."""
+
+    task: str
+    tokenizer: Any
+    target_tokens: int
+    seed: int
+    haystack: Haystack
+    rng: random.Random
+
+
 def _start(
     task: str, config: Any, tokenizer: Any, target_tokens: Any, seed: Any, haystack: Any, options: dict
-) -> tuple[Any, Haystack, random.Random]:
+) -> tuple[Any, _Draw]:
     """The start of every builder: check the arguments, build the task's config from ``options``,
     resolve the haystack and seed the task's random generator."""
     _check_common(tokenizer, target_tokens, seed)
     cfg = config(**options)
-    return cfg, resolve_haystack(haystack), random.Random(f"{task}/{seed}")
+    return cfg, _Draw(
+        task, tokenizer, target_tokens, seed, resolve_haystack(haystack), random.Random(f"{task}/{seed}")
+    )
 
 
 def _build_with_needles(
-    task: str,
-    tokenizer: Any,
-    target_tokens: int,
-    seed: int,
-    haystack: Haystack,
-    rng: random.Random,
+    draw: _Draw,
     *,
     needles: Sequence[str],
     depths: Sequence[float],
@@ -91,36 +102,43 @@ def _build_with_needles(
     answers: list[str],
     metadata: dict[str, Any],
 ) -> Sample:
-    """Fit filler words around ``needles`` to ``target_tokens`` and assemble the sample."""
-    start = rng.randrange(haystack.num_documents)
+    """Fit filler words around ``needles`` to ``draw.target_tokens`` and assemble the sample."""
+    start = draw.rng.randrange(draw.haystack.num_documents)
     built: dict[int, tuple[str, list[int]]] = {}
 
     def measure(n: int) -> int:
         if n not in built:
-            built[n] = _insert(" ".join(haystack.words(n, start)), needles, depths)
-        return count_tokens(tokenizer, preamble + built[n][0] + question + answer_prefix)
+            built[n] = _insert(" ".join(draw.haystack.words(n, start)), needles, depths)
+        return count_tokens(draw.tokenizer, preamble + built[n][0] + question + answer_prefix)
 
-    n_words, n_tokens = _fit(measure, target_tokens, 0, f"task {task!r}")
+    n_words, n_tokens = _fit(measure, draw.target_tokens, 0, f"task {draw.task!r}")
     context, offsets = built[n_words]
     metadata.update(
         needles=list(needles),
         needle_depths=list(depths),
         needle_positions=[100.0 * o / max(len(context), 1) for o in offsets],
         answer_needle=answer_needle,
-        haystack=haystack.name,
+        haystack=draw.haystack.name,
         filler_words=n_words,
         prompt_tokens=n_tokens,
         metric="string_match_all",
     )
-    logger.debug("%s seed=%d: %d filler words, %d/%d tokens", task, seed, n_words, n_tokens, target_tokens)
+    logger.debug(
+        "%s seed=%d: %d filler words, %d/%d tokens",
+        draw.task,
+        draw.seed,
+        n_words,
+        n_tokens,
+        draw.target_tokens,
+    )
     return Sample(
-        task=task,
+        task=draw.task,
         context=context,
         question=question,
         answers=answers,
         depth=depths[answer_needle],
-        seed=seed,
-        target_tokens=target_tokens,
+        seed=draw.seed,
+        target_tokens=draw.target_tokens,
         metadata=metadata,
         preamble=preamble,
         answer_prefix=answer_prefix,

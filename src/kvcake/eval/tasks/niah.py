@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcake.eval.haystack import Haystack
-from kvcake.eval.tasks.needles import _build_with_needles, _draw_random, _draw_words, _start
+from kvcake.eval.tasks.needles import _build_with_needles, _Draw, _draw_random, _draw_words, _start
 from kvcake.eval.tasks.placement import Depth, _check_int, _depths, _normalise_depth
 from kvcake.eval.tasks.sample import Sample
 from kvcake.eval.tasks.vocab import KEY_ADJECTIVES, KEY_NOUNS, KEY_TYPES, VALUE_TYPES, VALUE_WORDS
@@ -95,15 +93,8 @@ def _niah_texts(type_v: str, query: str, singular: bool, style: str = "ruler") -
     )
 
 
-def _build_niah(
-    task: str,
-    cfg: NiahConfig,
-    tokenizer: Any,
-    target_tokens: int,
-    seed: int,
-    hay: Haystack,
-    rng: random.Random,
-) -> Sample:
+def _build_niah(cfg: NiahConfig, draw: _Draw) -> Sample:
+    hay, rng = draw.haystack, draw.rng
     k, v = cfg.num_keys, cfg.num_values
     taken: set[str] = set()
     if cfg.key_type == "words":
@@ -134,12 +125,7 @@ def _build_niah(
     depths = _depths(cfg.depth, len(needles), rng)
     answer_needle = next(i for i, (_, val) in enumerate(needles) if val == answers[0])
     return _build_with_needles(
-        task,
-        tokenizer,
-        target_tokens,
-        seed,
-        hay,
-        rng,
+        draw,
         needles=[n for n, _ in needles],
         depths=depths,
         answer_needle=answer_needle,
@@ -155,8 +141,9 @@ def _niah_task(name: str, doc: str, **defaults: Any) -> Callable[..., Sample]:
     def build(
         tokenizer: Any, target_tokens: int, seed: int, haystack: Any = "paul_graham", **kw: Any
     ) -> Sample:
-        cfg, hay, rng = _start(name, NiahConfig, tokenizer, target_tokens, seed, haystack, {**defaults, **kw})
-        return _build_niah(name, cfg, tokenizer, target_tokens, seed, hay, rng)
+        return _build_niah(
+            *_start(name, NiahConfig, tokenizer, target_tokens, seed, haystack, {**defaults, **kw})
+        )
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = (

@@ -55,7 +55,8 @@ def multi_needle_reasoning(
 ) -> Sample:
     """NeedleBench-style multi-needle reasoning. Options: :class:`MultiNeedleReasoningConfig`."""
     task = "multi_needle_reasoning"
-    cfg, hay, rng = _start(task, MultiNeedleReasoningConfig, tokenizer, target_tokens, seed, haystack, kw)
+    cfg, draw = _start(task, MultiNeedleReasoningConfig, tokenizer, target_tokens, seed, haystack, kw)
+    hay, rng = draw.haystack, draw.rng
     fixed = (_MNR_PREAMBLE, _MNR_QUESTION, _MNR_PREFIX, *_RELATIONS, *_RELATION_TEMPLATES)
     people = _draw_words(rng, NAMES, cfg.num_needles + 1, hay, fixed, "names")
     needles = [
@@ -68,12 +69,7 @@ def multi_needle_reasoning(
     depths = _depths(cfg.depth, len(needles), rng)
     eldest, last = people[0], people[-1]
     return _build_with_needles(
-        task,
-        tokenizer,
-        target_tokens,
-        seed,
-        hay,
-        rng,
+        draw,
         needles=needles,
         depths=depths,
         answer_needle=next(i for i, s in enumerate(needles) if eldest in s),

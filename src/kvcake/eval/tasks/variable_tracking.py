@@ -53,7 +53,8 @@ def variable_tracking(
 ) -> Sample:
     """RULER vt: follow a chain of variable assignments. Options: :class:`VariableTrackingConfig`."""
     task = "variable_tracking"
-    cfg, hay, rng = _start(task, VariableTrackingConfig, tokenizer, target_tokens, seed, haystack, kw)
+    cfg, draw = _start(task, VariableTrackingConfig, tokenizer, target_tokens, seed, haystack, kw)
+    hay, rng = draw.haystack, draw.rng
     n_vars = cfg.num_chains * (cfg.num_hops + 1)
     fixed = (_VT_PREAMBLE, _VT_QUESTION, _VT_PREFIX)
     names: list[str] = []
@@ -81,12 +82,7 @@ def variable_tracking(
     depths = sorted(_depths(cfg.depth, len(statements), rng))
     answers = names[: cfg.num_hops + 1]
     return _build_with_needles(
-        task,
-        tokenizer,
-        target_tokens,
-        seed,
-        hay,
-        rng,
+        draw,
         needles=statements,
         depths=depths,
         answer_needle=statements.index(chains[0][0]),

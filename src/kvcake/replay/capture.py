@@ -1,0 +1,147 @@
+"""Record what the attention function receives during a full-cache forward.
+
+:func:`capture_queries` runs the model with its own attention kernel (registered under a
+``kvcake_eval_capture_*`` name through ``AttentionInterface.register``), storing each layer's
+post-RoPE queries (B, H, q, d) in a :class:`Captured`; the keys and values stay in the
+``DynamicCache`` the forward fills. :func:`attention_outputs` hooks each layer's attention output
+(after the output projection). Both undo themselves on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = ["Captured", "attention_modules", "attention_outputs", "capture_queries"]
+
+_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules, in layer order: modules with a ``layer_idx`` and an output
+    projection (``o_proj`` and the other usual names). Found generically, no per-model code."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and any(
+            isinstance(getattr(module, n, None), torch.nn.Linear) for n in _OUTPUT_PROJECTIONS
+        ):
+            found.setdefault(idx, module)
+    if not found:
+        raise ValueError(f"{type(model).__name__}: found no attention modules (layer_idx + o_proj)")
+    return [found[i] for i in sorted(found)]
+
+
+@contextlib.contextmanager
+def attention_outputs(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block, each forward stores every layer's attention output (B, q, hidden), after
+    the output projection, in the yielded dict (layer -> tensor). Hooks are removed on exit."""
+    store: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def hook(idx: int):
+        def fn(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            store[idx] = out.detach()
+
+        return fn
+
+    try:
+        for i, module in enumerate(attention_modules(model)):
+            handles.append(module.register_forward_hook(hook(i)))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_RECORDER: contextvars.ContextVar[Captured | None] = contextvars.ContextVar(
+    "kvcake_eval_capture", default=None
+)
+_CAPTURE_PREFIX = "kvcake_eval_capture_"
+
+
+@dataclass
+class Captured:
+    """Per layer, what the attention function received during full-cache forwards.
+
+    ``queries[l]``: list of (B, H, q, d) post-RoPE query chunks, one per forward, in order;
+    ``modules[l]`` the attention module; ``scaling[l]`` its softmax scale."""
+
+    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    modules: dict[int, torch.nn.Module] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+    _joined: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def add(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> None:
+        idx = module.layer_idx
+        self.queries.setdefault(idx, []).append(query.detach())
+        self.modules[idx] = module
+        self.scaling[idx] = scaling if scaling is not None else query.shape[-1] ** -0.5
+
+    def query(self, layer: int, chunks: int | None = None) -> torch.Tensor:
+        """(B, H, S, d): the first ``chunks`` recorded chunks of ``layer`` (all by default), joined."""
+        parts = self.queries[layer][:chunks] if chunks is not None else self.queries[layer]
+        if len(parts) == 1:
+            return parts[0]
+        key = (layer, len(parts))
+        if key not in self._joined:  # one tensor per (layer, chunks): ScoreMemo keys on it
+            self._joined[key] = torch.cat(parts, dim=2)
+        return self._joined[key]
+
+    def snapshot(self) -> Captured:
+        """A shallow copy whose chunk lists later forwards do not extend."""
+        return Captured({k: list(v) for k, v in self.queries.items()}, dict(self.modules), dict(self.scaling))
+
+
+@functools.cache
+def _register_capture(inner: str) -> str:
+    name = _CAPTURE_PREFIX + inner
+    if inner == "eager":
+        from kvcake.attention import _eager as kernel  # the same math as the model's eager attention
+    else:
+        kernel = ALL_ATTENTION_FUNCTIONS[inner]
+
+    def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        recorder = _RECORDER.get()
+        if recorder is not None:
+            recorder.add(module, query, scaling)
+        return kernel(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(name, capture_attention)
+    mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(inner) or ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+    AttentionMaskInterface.register(name, mask_fn)
+    return name
+
+
+@contextlib.contextmanager
+def capture_queries(model: torch.nn.Module, into: Captured) -> Iterator[Captured]:
+    """Run ``model`` with its own attention kernel, recording each layer's queries into ``into``.
+
+    The model's attention implementation is switched for the block and restored in ``finally``."""
+    configs = [
+        (sub.config, sub.config._attn_implementation)
+        for sub in model.modules()
+        if getattr(sub, "config", None) is not None and hasattr(sub.config, "_attn_implementation")
+    ]
+    original = model.config._attn_implementation or "eager"
+    if original.startswith(_CAPTURE_PREFIX) or original.startswith("kvcake_"):
+        raise RuntimeError(f"cannot capture queries under attention implementation {original!r}")
+    name = _register_capture(original)
+    token = _RECORDER.set(into)
+    try:
+        for config, _ in configs:
+            config._attn_implementation = name
+        yield into
+    finally:
+        for config, impl in configs:
+            config._attn_implementation = impl
+        _RECORDER.reset(token)

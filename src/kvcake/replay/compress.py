@@ -1,0 +1,122 @@
+"""Rebuild a method's compressed cache from a recorded full-cache forward, without the model.
+
+A prefill's forward does not depend on the method (every layer attends over its full keys and
+values; eviction only changes what is kept), so one recorded forward (:mod:`.capture`) serves
+every method and budget. :func:`replay_compress` feeds the recorded queries and the full cache's
+keys and values to a fresh :class:`~kvcake.cache.KVCakeCache` exactly as the kvcake attention
+function does during a real prefill (``update``, ``consume``, ``after_prefill_attention``);
+``tests/eval/test_fidelity.py`` checks that a replayed cache equals ``kvcake.compress``'s, entry
+for entry, for every preset, so a change of that protocol shows up there.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from kvcake.cache import PENDING, KVCakeCache, cache_kv_bytes
+from kvcake.context import CompressedContext
+from kvcake.method import Method
+from kvcake.scorers import PrefillInputs, Scorer
+from kvcake.sliding import SlidingLayer, copy_sliding_state
+
+from .capture import Captured
+
+__all__ = ["ScoreMemo", "cache_bytes", "replay_compress"]
+
+
+class ScoreMemo:
+    """Prefill scores already computed for a layer's recorded inputs, to reuse across budgets.
+
+    A scorer's prefill scores depend on the layer's queries, keys and the window, never on the
+    budget, so replaying one prompt at several budgets needs them once. Entries are keyed on the
+    identity of the recorded tensors (kept alive here, so an id is never reused) and on the
+    scorer's configuration; a hit returns a copy."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def scores(self, scorer: Scorer, inp: PrefillInputs) -> torch.Tensor:
+        key = (id(inp.query), id(inp.keys), inp.window, float(inp.scaling), type(scorer), repr(scorer))
+        hit = self._entries.get(key)
+        if hit is None or hit[0] is not inp.query or hit[1] is not inp.keys:
+            hit = (inp.query, inp.keys, scorer.prefill(inp))
+            self._entries[key] = hit
+        return hit[2].clone()
+
+
+class _MemoScorer(Scorer):
+    """``inner`` with its prefill scores looked up in a :class:`ScoreMemo` (decoding unchanged)."""
+
+    def __init__(self, inner: Scorer, memo: ScoreMemo) -> None:
+        self.inner, self.memo = inner, memo
+        self.name, self.stateful, self.reduce = inner.name, inner.stateful, inner.reduce
+
+    def prefill(self, inp: PrefillInputs) -> torch.Tensor:
+        return self.memo.scores(self.inner, inp)
+
+    def decode(
+        self, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.inner.decode(probs, positions, previous)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+def replay_compress(
+    model: torch.nn.Module,
+    method: Method,
+    captured: Captured,
+    cache: DynamicCache,
+    input_ids: torch.Tensor,
+    logits: torch.Tensor,
+    chunks: int | None = None,
+    memo: ScoreMemo | None = None,
+) -> CompressedContext:
+    """Compress a prompt whose full-cache forward was recorded, without running the model again.
+
+    Parameters
+    ----------
+    captured:
+        Queries recorded by :func:`capture_queries` during the forward(s) that filled ``cache``.
+    cache:
+        The full ``DynamicCache`` holding the prompt's keys and values (B, H_kv, S, d) per layer;
+        it is not modified.
+    input_ids:
+        (B, S) the prompt's ids; ``logits``: (B, vocab) of its last token.
+    chunks:
+        Use the first ``chunks`` recorded forwards' queries (their total length must be ``S``).
+    memo:
+        Reuse prefill scores across calls on the same recording (e.g. several budgets).
+
+    Returns the same :class:`~kvcake.api.CompressedContext` ``kvcake.compress`` builds: each layer
+    is stored in full, then scored and evicted by the cache's prefill hook, in layer order (so the
+    CAKE cascade runs as in a real prefill).
+    """
+    if memo is not None:
+        method = method.replace(scorer=_MemoScorer(method.scorer, memo))
+    kv = KVCakeCache(model, method)
+    valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    with torch.no_grad():
+        for layer in range(len(kv.layers)):
+            if isinstance(kv.layers[layer], SlidingLayer):  # left as the full cache holds it
+                copy_sliding_state(cache.layers[layer], kv.layers[layer])
+                continue
+            query = captured.query(layer, chunks)
+            keys, values = cache.layers[layer].keys, cache.layers[layer].values
+            if query.shape[2] != keys.shape[2] or keys.shape[2] != input_ids.shape[1]:
+                raise ValueError(
+                    f"layer {layer}: {query.shape[2]} recorded queries, {keys.shape[2]} cached keys, "
+                    f"{input_ids.shape[1]} prompt ids: they must match"
+                )
+            kv.update(keys, values, layer)
+            PENDING.set(None)  # what the kvcake attention function does before its hooks
+            kv.consume(layer)
+            kv.after_prefill_attention(layer, captured.modules[layer], query, valid, captured.scaling[layer])
+    return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of keys and values a cache holds (``kv_bytes()`` for a KVCakeCache)."""
+    return cache_kv_bytes(cache)
