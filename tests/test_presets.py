@@ -7,7 +7,6 @@ import torch
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
-from kvcake.static import GROWTH
 
 COMPOSITIONS = [
     "layers=cake,heads=adakv,score=cake,select=critical",
@@ -39,16 +38,10 @@ def test_method_end_to_end(tiny_llama, spec):
     else:
         assert np.array_equal(counts[..., 0], cache.budgets.numpy() + grown)
     entry = 2 * 16 * 4  # K + V, head_dim 16, float32
-    # static decode storage (static.py): decode=fixed holds max(kept, budget) + 1 spare slot per
-    # head, decode=none the prompt's entries plus one growth chunk; nothing else
-    if method.decode == "fixed":
-        slots = np.maximum(counts, cache.decode_budget) + 1  # (B, L, H_kv)
-    else:
-        slots = counts - grown + GROWTH
     if all(layer.layout == "ragged" for layer in cache.layers):
-        assert cache.kv_bytes() == int(slots.sum()) * entry, "ragged bytes = sum of per-head capacities"
-    else:  # dense: each layer holds the batch's largest capacity for every sequence and head
-        physical = sum(int(slots[:, i].max()) * counts.shape[0] * counts.shape[2] for i in range(4))
+        assert cache.kv_bytes() == int(counts.sum()) * entry, "ragged bytes = sum of per-head budgets"
+    else:  # dense: each layer holds the batch's largest budget for every sequence and head
+        physical = sum(int(counts[:, i].max()) * counts.shape[0] * counts.shape[2] for i in range(4))
         assert cache.kv_bytes() == physical * entry
     assert cache.get_seq_length() == 170
     assert torch.isfinite(tok.float()).all()

@@ -95,7 +95,7 @@ class _HostReads:
 @pytest.mark.parametrize("spec", list(PRESETS))
 def test_static_decode_steps_read_nothing_back(tiny_llama, spec):
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
-    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4))
+    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
     reads = _HostReads()
     with kvcake.enable(tiny_llama), torch.no_grad():
         tok = tiny_llama(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
@@ -108,3 +108,18 @@ def test_static_decode_steps_read_nothing_back(tiny_llama, spec):
     with reads.watching():  # the counter itself sees a read
         bool(torch.ones(()) > 0)
     assert reads.calls == ["__bool__"]
+
+
+def test_static_refuses_to_preallocate_a_huge_budget(tiny_llama):
+    """A left-padded batch with a budget far beyond the prompt: the padded sequence's layers are
+    compacted (not plain), and static storage would preallocate the whole decode budget."""
+    x = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(x)
+    mask[1, :25] = 0
+    cache = KVCakeCache(tiny_llama, make_method("cake", budget=2**40, window=4), static=True)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        out = tiny_llama(x, attention_mask=mask, past_key_values=cache)
+        tok = out.logits[:, -1:].argmax(-1)
+        step_mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+        with pytest.raises(ValueError, match="static=False"):
+            tiny_llama(tok, attention_mask=step_mask, past_key_values=cache)

@@ -86,7 +86,7 @@ class KVCakeCache(Cache):
         *,
         record: bool = False,
         progress: bool = False,
-        static: bool = True,
+        static: bool = False,
         **budget_kwargs,
     ) -> None:
         self.info: ModelInfo = describe_model(model)
@@ -124,8 +124,8 @@ class KVCakeCache(Cache):
         # CAKE's temperatures: resolved once the budget is known (kvcake.temperatures)
         self.tau: TauChoice | None = None
         self._fingerprint = model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
-        # static=True (default): decode in preallocated buffers with in-place eviction
-        # (static.py); False keeps the dynamic reference path (sort + masked copy per step).
+        # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
+        # while its capacity policy costs memory); False (default): the dynamic path.
         self.static = static
 
     # -- Cache interface -----------------------------------------------------------------------

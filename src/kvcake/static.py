@@ -29,6 +29,8 @@ import torch
 from .ragged import RaggedMeta
 
 GROWTH = 64  # columns (dense) or slots per segment (ragged) added when decode=none runs out
+# decode=fixed preallocates up to its budget: refuse more than this beyond what a head holds
+MAX_PREALLOCATED = 1 << 20
 _ENTRY = ("keys", "values", "positions", "scores")
 
 
@@ -38,6 +40,12 @@ def to_static(layer, budget: np.ndarray | None) -> None:
     budget: (B, H_kv) decode budgets for ``decode=fixed``, None for ``decode=none``."""
     counts = layer.counts
     dev = layer.keys.device
+    if budget is not None and int(budget.max()) > int(counts.max()) + MAX_PREALLOCATED:
+        raise ValueError(
+            f"static decode storage would preallocate {int(budget.max())} entries per head (the decode "
+            f"budget) for {int(counts.max())} kept: use a budget closer to the prompt, or "
+            "KVCakeCache(..., static=False), which grows one entry per step"
+        )
     if budget is None:
         cap = counts + GROWTH
     else:

@@ -36,7 +36,7 @@ def _sync_errors():
 def test_static_decode_steps_do_not_synchronise(on_device, name):
     model = on_device(torch.bfloat16)
     prompt = ids(200, seed=3).to(DEVICE)
-    cache = KVCakeCache(model, make_method(name, budget=40, window=8))
+    cache = KVCakeCache(model, make_method(name, budget=40, window=8), static=True)
     with kvcake.enable(model), torch.no_grad():
         tok = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
         tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)  # into the buffers
