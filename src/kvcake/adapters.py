@@ -14,7 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
+
+try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the config as its caches do
+    get_layer_types_and_kwargs = None
 
 # Families whose attention layout we know; others pass the structural checks or are refused.
 KNOWN_FAMILIES = {
@@ -94,7 +98,7 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
 
     Raises ``ValueError`` for chunked, linear or other layer types, and for a model whose every
     layer slides: its cache is already bounded and there is nothing to compress."""
-    types, kwargs = get_layer_types_and_kwargs(text)
+    types, kwargs = (get_layer_types_and_kwargs or _config_layer_types)(text)
     max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
     windows: list[int | None] = []
     for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
@@ -116,6 +120,29 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
             "DynamicCache, or set config.sliding_window=None if the model was trained without it"
         )
     return tuple(windows) if any(w is not None for w in windows) else ()
+
+
+def _config_layer_types(text) -> tuple[list[str], list[dict]]:
+    """What transformers 5.0's caches read from a config: ``layer_types`` if given, else every
+    layer sliding (``sliding_window``), chunked (``attention_chunk_size``) or full attention."""
+    n = text.num_hidden_layers
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        if getattr(text, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(text, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    kwargs = []
+    for kind in types:
+        if kind == "sliding_attention":
+            kwargs.append({"sliding_window": getattr(text, "sliding_window", None)})
+        elif kind == "chunked_attention":
+            kwargs.append({"sliding_window": getattr(text, "attention_chunk_size", None)})
+        else:
+            kwargs.append({})
+    return list(types), kwargs
 
 
 def output_projection(module: torch.nn.Module) -> torch.Tensor:
