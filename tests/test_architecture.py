@@ -29,7 +29,7 @@ LAYERS = {
     "package": ["kvcake"],
     "api": ["api", "calibration", "replay", "storage", "storage.reader"],
     "context": ["context"],
-    "cache": ["cache", "attention", "storage.writer"],
+    "cache": ["cache", "cascade", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "static", "sliding"],
     "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format"],
     "base": ["models", "conversion", "gguf_parts", "adapters", "devices", "prompts", "haystack", "version"],

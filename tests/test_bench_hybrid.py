@@ -27,7 +27,9 @@ def test_shape_counts_global_layers_and_sliding_bytes(tiny_gemma3):
     assert shape.layers == TINY_GEMMA3_LAYER_TYPES.count("full_attention")
     n_sliding = TINY_GEMMA3_LAYER_TYPES.count("sliding_attention")
     assert sliding_kv_bytes(tiny_gemma3, 5, shape) == n_sliding * 5 * shape.entry_bytes
-    assert sliding_kv_bytes(tiny_gemma3, 100, shape) == n_sliding * (TINY_GEMMA3_WINDOW - 1) * shape.entry_bytes
+    assert (
+        sliding_kv_bytes(tiny_gemma3, 100, shape) == n_sliding * (TINY_GEMMA3_WINDOW - 1) * shape.entry_bytes
+    )
 
 
 def test_memory_bench_on_a_hybrid(models, tiny_gemma3):
@@ -52,4 +54,6 @@ def test_memory_bench_on_a_hybrid(models, tiny_gemma3):
             # later sliding layers are not filled yet when a global layer peaks: at most the theory
             assert 0 < r["peak"] <= r["peak_theory"], m
         assert rows[("cake-oneshot", s)]["peak"] == full["peak"]
-        assert rows[("cake", s)]["peak"] <= rows[("cake", s)]["cascade_bound"] + shape.entry_bytes * (shape.layers - 1)
+        assert rows[("cake", s)]["peak"] <= rows[("cake", s)]["cascade_bound"] + shape.entry_bytes * (
+            shape.layers - 1
+        )

@@ -144,7 +144,9 @@ def test_batch_matches_each_sequence_alone(tiny_llama, name):
     a, b = prompt(180, seed=8)[0], prompt(130, seed=9)[0]
     pad = torch.zeros(50, dtype=torch.long)
     ids = torch.stack([a, torch.cat([pad, b])])
-    mask = torch.stack([torch.ones(180, dtype=torch.long), torch.cat([pad, torch.ones(130, dtype=torch.long)])])
+    mask = torch.stack(
+        [torch.ones(180, dtype=torch.long), torch.cat([pad, torch.ones(130, dtype=torch.long)])]
+    )
     out, cache = kvcake.generate(tiny_llama, ids, name, ratio=0.3, window=8, attention_mask=mask,
                                  max_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
     for i, (seq, n_pad) in enumerate(((a, 0), (b, 50))):

@@ -79,14 +79,21 @@ def check_layers(cache: KVCakeCache, lengths, pads, prefill: bool, label: str) -
                 assert len(kept) == counts[b, li, h], label
                 assert len(set(kept)) == len(kept), f"{label}: duplicate positions"
                 assert all(first <= p < length for p in kept), f"{label}: padding or future position kept"
-                assert must <= set(kept), f"{label}: layer {li} seq {b} head {h} lost {sorted(must - set(kept))}"
+                assert must <= set(kept), (
+                    f"{label}: layer {li} seq {b} head {h} lost {sorted(must - set(kept))}"
+                )
         el = layer.keys.element_size()
         d = layer.keys.shape[-1]
         if layer.layout == "ragged":
             assert layer.kv_bytes() == int(counts[:, li].sum()) * 2 * d * el, label
         else:
-            assert layer.keys.shape[2] == int(counts[:, li].max()), f"{label}: dense layer wider than its fullest head"
-            assert layer.kv_bytes() == layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] * 2 * d * el
+            assert layer.keys.shape[2] == int(counts[:, li].max()), (
+                f"{label}: dense layer wider than its fullest head"
+            )
+            assert (
+                layer.kv_bytes()
+                == layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] * 2 * d * el
+            )
         total_bytes += layer.kv_bytes()
     assert cache.kv_bytes() == total_bytes
 

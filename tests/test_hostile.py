@@ -83,7 +83,9 @@ def test_right_padding_and_all_padding_raise(tiny_llama):
         for fn, extra in ((kvcake.generate, {"max_new_tokens": 2}), (kvcake.compress, {})):
             with pytest.raises(ValueError, match="kvcake needs left padding.*padding_side='left'"):
                 fn(tiny_llama, x, "cake", budget=16, window=8, attention_mask=right, **extra)
-            with pytest.raises(ValueError, match="empty .all padding.: give every sequence at least one token"):
+            with pytest.raises(
+                ValueError, match="empty .all padding.: give every sequence at least one token"
+            ):
                 fn(tiny_llama, x, "cake", budget=16, window=8, attention_mask=empty, **extra)
         cache = KVCakeCache(tiny_llama, "adakv", budget=16, window=8)
         with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
@@ -106,7 +108,11 @@ def test_right_padding_and_all_padding_raise(tiny_llama):
         ({"ratio": float("nan")}, ValueError, r"ratio must be in \(0, 1\]"),
         ({"ratio": float("inf")}, ValueError, r"ratio must be in \(0, 1\]"),
         ({"ratio": True}, TypeError, "ratio must be a number, got bool"),
-        ({"budget": 16, "window": 32}, ValueError, r"window \(32\) is larger than the budget \(16\).*lower window="),
+        (
+            {"budget": 16, "window": 32},
+            ValueError,
+            r"window \(32\) is larger than the budget \(16\).*lower window=",
+        ),
         ({"budget": 16, "window": 0}, ValueError, "window must be a positive int, got 0"),
         ({"budget": 16, "window": 2.5}, ValueError, "window must be a positive int"),
         ({"budget": 10**31, "window": 10**30}, ValueError, "is beyond any prompt: pass at most"),
@@ -125,7 +131,10 @@ def test_bad_budgets_raise_everywhere(tiny_llama, kwargs, error, match):
 
 
 def test_ratio_too_small_for_the_window(tiny_llama):
-    with untouched(tiny_llama), pytest.raises(ValueError, match="smaller than the window .8.: raise ratio= or lower window="):
+    with (
+        untouched(tiny_llama),
+        pytest.raises(ValueError, match="smaller than the window .8.: raise ratio= or lower window="),
+    ):
         kvcake.compress(tiny_llama, ids(60), "cake", ratio=0.1, window=8)
 
 
@@ -240,7 +249,9 @@ def _build(config):
 
 UNSUPPORTED = {
     "mistral-sliding": (
-        lambda: tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=16, max_position_embeddings=512),
+        lambda: tf.MistralConfig(
+            **SMALL, num_key_value_heads=2, sliding_window=16, max_position_embeddings=512
+        ),
         r"mistral: every layer uses sliding-window attention \(window 16\).*set config.sliding_window=None",
     ),
     # (a Qwen2 config with max_window_layers=1 mixes full and sliding layers: a supported hybrid)
@@ -253,15 +264,36 @@ UNSUPPORTED = {
         "t5: encoder-decoder models .cross-attention. are not supported by kvcake",
     ),
     "bart": (
-        lambda: tf.BartConfig(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128),  # fmt: skip
+        lambda: tf.BartConfig(
+            vocab_size=128,
+            d_model=64,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+        ),  # fmt: skip
         "bart: encoder-decoder models .cross-attention. are not supported by kvcake",
     ),
     "deepseek-v3-mla": (
         lambda: tf.DeepseekV3Config(
-            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
             first_k_dense_replace=1,
         ),
         r"deepseek_v3: latent attention \(MLA\) is not supported by kvcake: it has no per-head keys",
@@ -307,7 +339,9 @@ def test_reused_cache_with_another_batch_size_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with untouched(tiny_llama), kvcake.enable(tiny_llama), torch.no_grad():
         tiny_llama(ids(60), past_key_values=cache)
-        with pytest.raises(ValueError, match="holds a batch of 1 sequences but got 2.*make a new KVCakeCache"):
+        with pytest.raises(
+            ValueError, match="holds a batch of 1 sequences but got 2.*make a new KVCakeCache"
+        ):
             tiny_llama(ids(30, batch=2), past_key_values=cache)
 
 
@@ -354,7 +388,10 @@ def test_reused_cache_is_a_continuation(tiny_llama):
 
 def test_cache_without_the_kvcake_attention_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
-    with untouched(tiny_llama), pytest.raises(RuntimeError, match=r"run the model inside `with kvcake.enable\(model\):`"):
+    with (
+        untouched(tiny_llama),
+        pytest.raises(RuntimeError, match=r"run the model inside `with kvcake.enable\(model\):`"),
+    ):
         with torch.no_grad():
             tiny_llama(ids(40), past_key_values=cache)
 
@@ -363,10 +400,15 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"num_beams": 2}, "num_beams=2 is not supported with a compressed cache: .*decode greedily or by sampling"),
+        (
+            {"num_beams": 2},
+            "num_beams=2 is not supported with a compressed cache: .*decode greedily or by sampling",
+        ),
         ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3 is not supported"),
-        ({"generation_config": tf.GenerationConfig(num_beams=2, max_new_tokens=3)},
-         r"num_beams=2 \(from the generation config\) is not supported"),
+        (
+            {"generation_config": tf.GenerationConfig(num_beams=2, max_new_tokens=3)},
+            r"num_beams=2 \(from the generation config\) is not supported",
+        ),
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
         ({"past_key_values": None}, "kvcake.generate makes its own KVCakeCache"),
     ],
@@ -377,7 +419,10 @@ def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
 
 
 def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):
-    with untouched(tiny_llama), pytest.raises(ValueError, match="assistant_model=LlamaForCausalLM is not supported"):
+    with (
+        untouched(tiny_llama),
+        pytest.raises(ValueError, match="assistant_model=LlamaForCausalLM is not supported"),
+    ):
         kvcake.generate(tiny_llama, ids(40), "cake", budget=16, window=8, max_new_tokens=3,
                         assistant_model=make_tiny_llama())  # fmt: skip
 

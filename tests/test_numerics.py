@@ -69,7 +69,9 @@ def _check_cache(cache: KVCakeCache, lengths: list[int]) -> None:
         assert bool(torch.isfinite(t).all()) and bool((t >= 0).all())
     n_layers = len(cache.layers)
     per_layer = cache.method.budget.per_layer(torch.tensor(lengths))
-    assert torch.equal(cache.budgets.sum(1), torch.minimum(per_layer * n_layers, torch.tensor(lengths) * n_layers))
+    assert torch.equal(
+        cache.budgets.sum(1), torch.minimum(per_layer * n_layers, torch.tensor(lengths) * n_layers)
+    )
     counts = cache.layer_counts()
     for li, layer in enumerate(cache.layers):
         if layer.plain:  # nothing evicted: only when every budget covers its whole (unpadded) prompt
@@ -139,7 +141,10 @@ def test_scorers_on_degenerate_attention(dtype):
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[1, :10] = False
     cases = {
-        "saturated": (torch.randn(b, h, s, d, generator=g) * 300, torch.randn(b, hkv, s, d, generator=g) * 300),
+        "saturated": (
+            torch.randn(b, h, s, d, generator=g) * 300,
+            torch.randn(b, hkv, s, d, generator=g) * 300,
+        ),
         "constant": (torch.zeros(b, h, s, d), torch.randn(b, hkv, s, d, generator=g)),
         "huge": (torch.full((b, h, s, d), 200.0), torch.full((b, hkv, s, d), 200.0)),
     }
@@ -160,7 +165,9 @@ def test_scorers_on_degenerate_attention(dtype):
             sc = scorer.prefill(inp)
             assert not bool(sc.isnan().any()), (name, scorer.name)
             assert bool((sc[1, :, :10] == -INF).all()) and bool((sc[:, :, -w:] == INF).all())
-            assert bool(torch.isfinite(sc[0, :, : s - w]).all()) and bool(torch.isfinite(sc[1, :, 10 : s - w]).all())
+            assert bool(torch.isfinite(sc[0, :, : s - w]).all()) and bool(
+                torch.isfinite(sc[1, :, 10 : s - w]).all()
+            )
         # zero preferences everywhere: budgets fall back to equal shares, exact and finite
         n = 5
         req = AllocationRequest(torch.full((b,), 12 * n), torch.tensor([s, s - 10]), torch.full((b,), w), n,
@@ -179,11 +186,15 @@ def _tolerant_same(kept_ref: set, kept_low: set, scores: torch.Tensor, rtol: flo
     thr = min(finite_kept)
     for i in diff:
         gap = abs(float(scores[i]) - thr)
-        assert gap <= rtol * max(abs(thr), 1e-6), f"position {i}: score {float(scores[i]):.4g} vs threshold {thr:.4g}"
+        assert gap <= rtol * max(abs(thr), 1e-6), (
+            f"position {i}: score {float(scores[i]):.4g} vs threshold {thr:.4g}"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("spec", ["snapkv", "h2o", "tova", "layers=uniform,score=cake", "adakv", "streamingllm"])
+@pytest.mark.parametrize(
+    "spec", ["snapkv", "h2o", "tova", "layers=uniform,score=cake", "adakv", "streamingllm"]
+)
 def test_low_precision_keeps_the_float32_tokens_up_to_ties(peaky_models, dtype, spec):
     input_ids = ids(120, seed=1)
     method = make_method(spec, budget=24, window=8)

@@ -101,7 +101,11 @@ def score_cases(draw, max_heads: int = 4, max_len: int = 60, ties: bool | None =
     seed = draw(st.integers(0, 2**31 - 1))
     ties = draw(st.booleans()) if ties is None else ties
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 4, (batch, heads, s), generator=g).float() if ties else torch.rand(batch, heads, s, generator=g)
+    scores = (
+        torch.randint(0, 4, (batch, heads, s), generator=g).float()
+        if ties
+        else torch.rand(batch, heads, s, generator=g)
+    )
     valid = torch.arange(s)[None, :] >= (s - torch.tensor(lengths))[:, None]  # (B, S) left padding
     window = torch.clamp(torch.tensor(lengths), max=sw)
     in_window = torch.arange(s)[None, :] >= (s - window)[:, None]
@@ -111,7 +115,9 @@ def score_cases(draw, max_heads: int = 4, max_len: int = 60, ties: bool | None =
 
 
 # -- layer allocators --------------------------------------------------------------------------
-@pytest.mark.parametrize("alloc", [Uniform(), Pyramid(), RandomSplit(seed=7), CakeAllocator()], ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    "alloc", [Uniform(), Pyramid(), RandomSplit(seed=7), CakeAllocator()], ids=lambda a: a.name
+)
 @SETTINGS
 @given(case=allocation_cases())
 def test_layer_budgets_exact_capped_and_keep_windows(alloc, case):
@@ -132,7 +138,9 @@ def test_layer_budgets_exact_capped_and_keep_windows(alloc, case):
         assert bool((sorted_b[:, 1:] >= sorted_b[:, :-1])[rising].all())
 
 
-@pytest.mark.parametrize("alloc", [Uniform(), Pyramid(), RandomSplit(seed=7), CakeAllocator()], ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    "alloc", [Uniform(), Pyramid(), RandomSplit(seed=7), CakeAllocator()], ids=lambda a: a.name
+)
 @SETTINGS
 @given(case=allocation_cases())
 def test_batch_allocation_equals_each_sequence_alone(alloc, case):
@@ -187,7 +195,9 @@ def test_prompt_within_the_window_is_kept_whole(length, extra, ratio):
     per_layer = BudgetSpec(ratio=ratio, window=window).per_layer(torch.tensor([length]))
     assert int(per_layer[0]) == window
     n = 4
-    req = AllocationRequest(per_layer * n, torch.tensor([length]), torch.tensor([length]), n, torch.ones(1, n))
+    req = AllocationRequest(
+        per_layer * n, torch.tensor([length]), torch.tensor([length]), n, torch.ones(1, n)
+    )
     for alloc in (Uniform(), Pyramid(), CakeAllocator()):
         assert alloc.allocate(req).tolist() == [[length] * n]
 
@@ -218,7 +228,9 @@ def test_head_allocators(case, alpha):
     assert torch.equal(counts.sum(-1), h * torch.minimum(budget, n_valid))
     prefix_budget = budget - window
     pin = torch.floor(prefix_budget.double() * alpha).long()
-    assert bool((counts >= window[:, None] + torch.minimum(pin, n_valid - window)[:, None]).all()), "safeguard"
+    assert bool((counts >= window[:, None] + torch.minimum(pin, n_valid - window)[:, None]).all()), (
+        "safeguard"
+    )
     # beyond each head's pinned entries, no dropped entry beats a won one, across the layer
     for bi in range(b):
         won, dropped = [], []
@@ -241,7 +253,9 @@ def test_selectors(case, data):
     counts = torch.tensor(
         [[data.draw(st.integers(int(window[bi]), int(n_valid[bi, 0]))) for _ in range(h)] for bi in range(b)]
     )
-    norms = torch.rand(b, h, s, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999)))) + 0.01
+    norms = (
+        torch.rand(b, h, s, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999)))) + 0.01
+    )
     alpha = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
     for selector in (TopK(), Critical(alpha=alpha)):
         keep = selector.select(SelectionInputs(scores, counts, norms))
@@ -256,7 +270,9 @@ def test_selectors(case, data):
                         assert scores[bi, hi][k & fin].min() >= scores[bi, hi][~k & fin].max()
                 else:  # stage 1: the top floor(alpha * b) by score are kept
                     first = int(np.floor(prefix * alpha))
-                    order = torch.argsort(torch.where(fin, scores[bi, hi], -INF), descending=True, stable=True)
+                    order = torch.argsort(
+                        torch.where(fin, scores[bi, hi], -INF), descending=True, stable=True
+                    )
                     assert bool(k[order[:first]].all())
 
 
@@ -288,12 +304,18 @@ def prefill_cases(draw):
     v = torch.randn(batch, hkv, s, d, generator=g)
     valid = torch.arange(s)[None, :] >= (s - torch.tensor(lengths))[:, None]
     pad = ~valid[:, None, :, None]
-    q, k, v = q.masked_fill(pad, float("nan")), k.masked_fill(pad, float("nan")), v.masked_fill(pad, float("nan"))
+    q, k, v = (
+        q.masked_fill(pad, float("nan")),
+        k.masked_fill(pad, float("nan")),
+        v.masked_fill(pad, float("nan")),
+    )
     return PrefillInputs(q, k, v, valid, window, d**-0.5), lengths
 
 
 def _score(scorer, inp):
-    return scorer.prefill(PrefillInputs(inp.query, inp.keys, inp.values, inp.key_valid, inp.window, inp.scaling))
+    return scorer.prefill(
+        PrefillInputs(inp.query, inp.keys, inp.values, inp.key_valid, inp.window, inp.scaling)
+    )
 
 
 def _alone(inp, i, n):
@@ -377,7 +399,9 @@ def test_cascade_equals_one_shot_and_only_shrinks(data, heads, selector, ties):
         budgets = alloc.allocate(request(m, m == n - 1))
         for lid in range(m + 1):
             keep, _ = _evict(stored[lid], norms[lid], budgets[:, lid], window, heads, selector)
-            assert not bool((keep & ~(stored[lid] > -INF)).any()), f"layer {lid} regained an entry at stage {m}"
+            assert not bool((keep & ~(stored[lid] > -INF)).any()), (
+                f"layer {lid} regained an entry at stage {m}"
+            )
             stored[lid] = stored[lid].masked_fill(~keep, -INF)
     final = alloc.allocate(request(n - 1, True))
     for lid in range(n):

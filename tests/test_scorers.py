@@ -66,7 +66,9 @@ def window_stats(a, valid):
 
 
 def check(got, ref):
-    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.equal(got == float("inf"), ref == float("inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.equal(
+        got == float("inf"), ref == float("inf")
+    )
     fin = torch.isfinite(ref)
     torch.testing.assert_close(got[fin].double(), ref[fin], atol=1e-6, rtol=1e-5)
 
@@ -163,6 +165,8 @@ def test_critical_equals_reference_and_keeps_stage_one(inputs):
             got = set(torch.nonzero(keep[b, h]).flatten().tolist())
             ref, stage1 = critical_ref(scores[b, h], norms[b, h], int(counts[b, h]))
             assert got == ref and stage1 <= got and len(got) == int(counts[b, h])
-            top = set(torch.topk(torch.nan_to_num(scores[b, h], posinf=1e9), int(counts[b, h])).indices.tolist())
+            top = set(
+                torch.topk(torch.nan_to_num(scores[b, h], posinf=1e9), int(counts[b, h])).indices.tolist()
+            )
             topk_only += got != top
     assert topk_only > 0, "the value norms changed some selection"

@@ -55,7 +55,9 @@ def _decode(model, spec: str, static: bool):
 def test_static_decoding_equals_the_reference(tiny_llama, spec):
     ref_logits, ref_kept, ref = _decode(tiny_llama, spec, static=False)
     logits, kept, cache = _decode(tiny_llama, spec, static=True)
-    assert all(cache.layers[lid].static is not None for lid in cache.compressed if not cache.layers[lid].plain)
+    assert all(
+        cache.layers[lid].static is not None for lid in cache.compressed if not cache.layers[lid].plain
+    )
     assert any(cache.layers[lid].static is not None for lid in cache.compressed), "static path never ran"
     assert all(ref.layers[lid].static is None for lid in ref.compressed)
     for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):

@@ -74,7 +74,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         raise ValueError(f"{mtype}: encoder-decoder models (cross-attention) are not supported by kvcake")
     for attr in ("kv_lora_rank", "q_lora_rank"):
         if getattr(text, attr, None):
-            raise ValueError(f"{mtype}: latent attention (MLA) is not supported by kvcake: it has no per-head keys")
+            raise ValueError(
+                f"{mtype}: latent attention (MLA) is not supported by kvcake: it has no per-head keys"
+            )
     if getattr(text, "attn_logit_softcapping", None) is not None:
         raise ValueError(
             f"{mtype}: attention logit soft-capping (attn_logit_softcapping="
@@ -103,7 +105,9 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
     windows: list[int | None] = []
     for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
         window = kw.get("sliding_window")
-        if kind == "full_attention" or (kind == "sliding_attention" and (window is None or window >= max_pos)):
+        if kind == "full_attention" or (
+            kind == "sliding_attention" and (window is None or window >= max_pos)
+        ):
             windows.append(None)  # a window beyond every position is full attention
         elif kind == "sliding_attention":
             windows.append(int(window))

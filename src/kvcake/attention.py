@@ -60,7 +60,9 @@ def _make_attention(inner_name: str):
             scaling = query.shape[-1] ** -0.5
         pending = PENDING.get()
         if pending is None or pending[1] != getattr(module, "layer_idx", None) or pending[2] is not key:
-            return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            return inner(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
         cache, layer_idx, _ = pending
         PENDING.set(None)
         cache.consume(layer_idx)
@@ -74,7 +76,9 @@ def _make_attention(inner_name: str):
             return out
         want = cache.wants_probs(layer_idx, q)
         if layer.plain and not want:
-            return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            return inner(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
         out, probs = layer.attend(query, scaling, want)
         cache.after_extend_attention(layer_idx, probs)
         return out.to(query.dtype), None

@@ -43,7 +43,9 @@ class BudgetSpec:
             raise ValueError("give exactly one of budget= (entries per layer) or ratio= (kept fraction)")
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, int):
-                raise TypeError(f"budget must be an int, got {type(self.budget).__name__}: pass e.g. budget=128")
+                raise TypeError(
+                    f"budget must be an int, got {type(self.budget).__name__}: pass e.g. budget=128"
+                )
             if self.budget <= 0:
                 raise ValueError(f"budget must be positive, got {self.budget}: pass e.g. budget=128")
         if self.ratio is not None:

@@ -49,7 +49,9 @@ def _bar(value: int, top: int, width: int = 40) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=kvcake.DEFAULT_MODEL,
                         help="built-in model (smollm2-135m-instruct, gemma3-270m), folder or .gguf file")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=3000, help="prompt length in tokens")
@@ -78,21 +80,30 @@ def main(argv: list[str] | None = None) -> int:
                        sample.answer_prefix).full  # fmt: skip
     needle = sample.metadata.get("needles", ["?"])[0]
     method = kvcake.make_method(args.method, budget=args.budget)
-    print(f"\nPrompt: {ids.shape[1]} tokens of {source}, with this sentence hidden at {args.depth:.0f}% depth:")
+    print(
+        f"\nPrompt: {ids.shape[1]} tokens of {source}, with this sentence hidden at {args.depth:.0f}% depth:"
+    )
     print(f"  {needle!r}")
     print(f"Question: {sample.question.strip()}\nExpected answer: {', '.join(sample.answers)}\n")
 
     rows = []
     caches = {}
-    for label, cache in (("full cache", DynamicCache(config=model.config)), (method.name, kvcake.KVCakeCache(model, method))):
+    for label, cache in (
+        ("full cache", DynamicCache(config=model.config)),
+        (method.name, kvcake.KVCakeCache(model, method)),
+    ):
         answer, prefill_s, step_s, kv_end = _run(model, ids, cache, args.max_new_tokens)
         text = tok.decode(answer, skip_special_tokens=True).strip()
         ok = all(a.lower() in text.lower() for a in sample.answers)
-        rows.append((label, text, ok, prefill_s, step_s, kv_end, getattr(cache, "prefill_peak_kv_bytes", kv_end)))
+        rows.append(
+            (label, text, ok, prefill_s, step_s, kv_end, getattr(cache, "prefill_peak_kv_bytes", kv_end))
+        )
         caches[label] = cache
 
     full_bytes = rows[0][5]
-    print(f"{'':12} {'answer':34} {'right':6} {'prefill':>8} {'per token':>10} {'KV after prefill':>18} {'KV peak':>10}")
+    print(
+        f"{'':12} {'answer':34} {'right':6} {'prefill':>8} {'per token':>10} {'KV after prefill':>18} {'KV peak':>10}"
+    )
     for label, text, ok, pre, step, kv, peak in rows:
         print(f"{label:12} {text[:34]!r:34} {'yes' if ok else 'no':6} {pre:7.2f}s {step * 1000:8.1f}ms "
               f"{kv / 2**20:9.2f} MiB {100 * kv / full_bytes:5.1f}% {peak / 2**20:7.2f} MiB")  # fmt: skip
@@ -103,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = cake.kv_bytes_parts()
         print(f"{cake.info.num_layers - len(budgets)} sliding-window layers keep their window "
               f"({parts.sliding / 2**20:.2f} MiB); the {len(budgets)} global layers hold {parts.compressed / 2**20:.2f} MiB")  # fmt: skip
-    print(f"Per-layer budgets (entries per KV head; total {sum(budgets)} = {args.budget} x {len(budgets)} layers):")
+    print(
+        f"Per-layer budgets (entries per KV head; total {sum(budgets)} = {args.budget} x {len(budgets)} layers):"
+    )
     for lid, b in zip(cake.compressed, budgets, strict=True):
         print(f"  layer {lid:2d} {b:5d} {_bar(b, max(budgets))}")
     return 0

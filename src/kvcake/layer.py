@@ -216,6 +216,7 @@ class KVCakeLayer(CacheLayerMixin):
                 idx = dest.reshape(b, hkv, n, *([1] * (t.dim() - 3))).expand_as(t)
                 out.scatter_(2, idx, t)
                 return out[:, :, :new_n]
+
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions = take(self.positions, -1)
         self.scores = take(self.scores, float("-inf"))
@@ -233,6 +234,7 @@ class KVCakeLayer(CacheLayerMixin):
 
             def take(t):
                 return None if t is None else t[flat_keep]
+
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
         lengths = torch.as_tensor(counts.reshape(-1), device=keep.device)
@@ -248,7 +250,9 @@ class KVCakeLayer(CacheLayerMixin):
         new_meta = RaggedMeta.from_lengths(new_len, m.max_len + q)
         old_dest = new_meta.offsets[m.seg] + m.local  # (T,)
         seg_new = torch.arange(n_seg, device=k.device).repeat_interleave(q)
-        new_dest = new_meta.offsets[seg_new] + m.lengths[seg_new] + torch.arange(q, device=k.device).repeat(n_seg)
+        new_dest = (
+            new_meta.offsets[seg_new] + m.lengths[seg_new] + torch.arange(q, device=k.device).repeat(n_seg)
+        )
         total = int(new_meta.offsets[-1]) if n_seg else 0
 
         def put(old, new, fill):
@@ -278,7 +282,14 @@ class KVCakeLayer(CacheLayerMixin):
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
-                query, self.keys, self.values, self.positions, self.meta, qpos, scaling, return_probs,
+                query,
+                self.keys,
+                self.values,
+                self.positions,
+                self.meta,
+                qpos,
+                scaling,
+                return_probs,
                 compact=self.static is None,
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
@@ -324,7 +335,9 @@ def dense_attention(
     hkv, n = keys.shape[1], keys.shape[2]
     g = h // hkv
     qs = query.reshape(b, hkv, g * q, d)  # rows ordered (g, i)
-    allowed = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= query_positions[:, None, :, None])
+    allowed = (positions[:, :, None, :] >= 0) & (
+        positions[:, :, None, :] <= query_positions[:, None, :, None]
+    )
     allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
     allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
     if return_probs:
@@ -334,6 +347,8 @@ def dense_attention(
         out = torch.matmul(probs, values.to(acc)).to(query.dtype)
         probs = probs.reshape(b, h, q, n)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=scaling)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=allowed, scale=scaling
+        )
         probs = None
     return out.reshape(b, h, q, d).transpose(1, 2), probs

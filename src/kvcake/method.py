@@ -85,20 +85,25 @@ class Method:
         return dataclasses.replace(self, **changes)
 
 
+# One row per preset: name, then its layers, heads, score, select and decode parts, then a
+# one-line description (the rest of the row).
+_PRESET_TABLE = """
+streamingllm   uniform       uniform  streamingllm  topk      fixed  4 attention sinks + recent tokens
+h2o            uniform       uniform  h2o           topk      fixed  accumulated attention (heavy hitters)
+tova           uniform       uniform  tova          topk      fixed  last token's attention
+snapkv         uniform       uniform  snapkv        topk      none   observation-window attention, max-pooled
+pyramidkv      pyramid       uniform  snapkv        topk      none   SnapKV scores, pyramid layer budgets
+cake           cake          uniform  cake          topk      fixed  CAKE: preference layer budgets, cascade, mean+var
+cake-oneshot   cake-oneshot  uniform  cake          topk      fixed  CAKE without cascading (ablation)
+criticalkv     uniform       uniform  snapkv        critical  none   SnapKV + CriticalKV two-stage selection
+adakv          uniform       adakv    snapkv        topk      none   Ada-SnapKV: per-head budgets, ragged cache
+ada-pyramidkv  pyramid       adakv    snapkv        topk      none   PyramidKV layers x Ada-KV heads
+critical-adakv uniform       adakv    snapkv        critical  none   Ada-KV heads + CriticalKV selection
+cake-adakv     cake          adakv    cake          topk      fixed  CAKE layers x Ada-KV heads (ragged)
+"""
 # name -> (layers, heads, score, select, decode, one-line description)
 PRESETS: dict[str, tuple[str, str, str, str, str, str]] = {
-    "streamingllm": ("uniform", "uniform", "streamingllm", "topk", "fixed", "4 attention sinks + recent tokens"),
-    "h2o": ("uniform", "uniform", "h2o", "topk", "fixed", "accumulated attention (heavy hitters)"),
-    "tova": ("uniform", "uniform", "tova", "topk", "fixed", "last token's attention"),
-    "snapkv": ("uniform", "uniform", "snapkv", "topk", "none", "observation-window attention, max-pooled"),
-    "pyramidkv": ("pyramid", "uniform", "snapkv", "topk", "none", "SnapKV scores, pyramid layer budgets"),
-    "cake": ("cake", "uniform", "cake", "topk", "fixed", "CAKE: preference layer budgets, cascade, mean+var"),
-    "cake-oneshot": ("cake-oneshot", "uniform", "cake", "topk", "fixed", "CAKE without cascading (ablation)"),
-    "criticalkv": ("uniform", "uniform", "snapkv", "critical", "none", "SnapKV + CriticalKV two-stage selection"),
-    "adakv": ("uniform", "adakv", "snapkv", "topk", "none", "Ada-SnapKV: per-head budgets, ragged cache"),
-    "ada-pyramidkv": ("pyramid", "adakv", "snapkv", "topk", "none", "PyramidKV layers x Ada-KV heads"),
-    "critical-adakv": ("uniform", "adakv", "snapkv", "critical", "none", "Ada-KV heads + CriticalKV selection"),
-    "cake-adakv": ("cake", "adakv", "cake", "topk", "fixed", "CAKE layers x Ada-KV heads (ragged)"),
+    name: tuple(rest) for name, *rest in (row.split(maxsplit=6) for row in _PRESET_TABLE.strip().splitlines())
 }
 _KEYS = {"layers": LAYER_ALLOCATORS, "heads": HEAD_ALLOCATORS, "score": SCORERS, "select": SELECTORS}
 
@@ -152,7 +157,9 @@ def make_method(
     options: dict[str, dict[str, object]] = {k: {} for k in _KEYS}
     for tok in tokens:
         if "=" not in tok:
-            raise ValueError(f"bad method part {tok!r}: expected key=value (keys: {', '.join([*_KEYS, 'decode'])})")
+            raise ValueError(
+                f"bad method part {tok!r}: expected key=value (keys: {', '.join([*_KEYS, 'decode'])})"
+            )
         key, value = (s.strip() for s in tok.split("=", 1))
         if "." in key:
             part, opt = key.split(".", 1)

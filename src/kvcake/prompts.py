@@ -27,7 +27,9 @@ class PromptIds:
         return torch.cat([self.context, self.question], dim=1)
 
 
-def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "", chat: bool | None = None) -> PromptIds:
+def build_prompt(
+    tokenizer, context: str, question: str, answer_prefix: str = "", chat: bool | None = None
+) -> PromptIds:
     """Token ids of ``context`` + ``question`` (+ ``answer_prefix``), split after the context.
 
     ``chat=None`` uses the tokenizer's chat template when it has one."""
@@ -35,7 +37,9 @@ def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
         chat = bool(getattr(tokenizer, "chat_template", None))
     if chat:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": context + _MARK + question}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": context + _MARK + question}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         head, tail = text.split(_MARK)
         tail += answer_prefix

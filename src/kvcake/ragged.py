@@ -48,15 +48,9 @@ class RaggedMeta:
 
 
 def ragged_attention_reference(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    meta: RaggedMeta,
-    query_positions: torch.Tensor,
-    scaling: float,
-    return_probs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Segment-softmax attention, the reference and CPU path.
 
     query: (B, H, q, d); keys, values: (T, d); positions: (T,) logical positions;
@@ -77,7 +71,9 @@ def ragged_attention_reference(
     visible = visible[:, None, :].expand(-1, g, -1).reshape(-1, g * q)  # (T, G*q)
     logits = logits.masked_fill(~visible, float("-inf"))
     seg_max = torch.full((n_seg, g * q), float("-inf"), dtype=acc, device=keys.device)
-    seg_max = seg_max.scatter_reduce(0, seg[:, None].expand_as(logits), logits, reduce="amax", include_self=True)
+    seg_max = seg_max.scatter_reduce(
+        0, seg[:, None].expand_as(logits), logits, reduce="amax", include_self=True
+    )
     seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
     weights = torch.exp(logits - seg_max[seg])  # (T, G*q)
     denom = torch.zeros(n_seg, g * q, dtype=acc, device=keys.device).index_add_(0, seg, weights)
@@ -134,19 +130,20 @@ def ragged_attention_flash(
 
 
 def ragged_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    meta: RaggedMeta,
-    query_positions: torch.Tensor,
-    scaling: float,
-    return_probs: bool = False,
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
     compact: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Dispatch: flash varlen on CUDA when installed and no probabilities are needed, else the
     PyTorch reference. Same arguments and result as ``ragged_attention_reference``; ``compact``
     False (static storage: empty slots inside segments) needs the reference, which masks them."""
-    if compact and not return_probs and flash_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
+    if (
+        compact
+        and not return_probs
+        and flash_available(query.device)
+        and query.dtype in (torch.float16, torch.bfloat16)
+    ):
         return ragged_attention_flash(query, keys, values, meta, scaling), None
-    return ragged_attention_reference(query, keys, values, positions, meta, query_positions, scaling, return_probs)
+    return ragged_attention_reference(
+        query, keys, values, positions, meta, query_positions, scaling, return_probs
+    )

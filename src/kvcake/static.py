@@ -82,7 +82,9 @@ def to_static(layer, budget: np.ndarray | None) -> None:
         layer.seg_start = meta.offsets[:-1].reshape(b, h)  # (B, H_kv) first slot of each segment
         layer.spare = (meta.offsets[1:] - 1).reshape(b, h)  # (B, H_kv) flat spare slot (fixed)
         layer.capacity = cap
-    layer.lengths_dev = torch.tensor(counts, device=dev)  # a copy: never shares the host array  # (B, H_kv) kept entries, on device
+    layer.lengths_dev = torch.tensor(
+        counts, device=dev
+    )  # a copy: never shares the host array  # (B, H_kv) kept entries, on device
     layer.static = "fixed" if budget is not None else "none"
 
 

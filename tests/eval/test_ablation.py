@@ -49,5 +49,7 @@ def test_targets_compare_the_same_prompts_only():
 
     records = [_record("cake", 2048, "context", 0.1, 0.3, seed=0), _record("snapkv", 2048, "context", 0.1, 0.4, seed=0),
                _record("snapkv", 2048, "context", 0.1, 0.01, seed=1)]  # fmt: skip
-    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line)
+    row = next(
+        line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line
+    )
     assert "| 0.3 | 0.4 | yes |" in row  # seed 1 has no cake cell: left out of both means

@@ -18,7 +18,9 @@ def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
     selection made in stages equals the one made at once."""
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)
     ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order).contiguous())
+    ranks.scatter_(
+        -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order).contiguous()
+    )
     return ranks
 
 

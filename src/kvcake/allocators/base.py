@@ -61,7 +61,9 @@ class LayerAllocator:
         return self.name
 
 
-def waterfill(weights: torch.Tensor, base: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+def waterfill(
+    weights: torch.Tensor, base: torch.Tensor, cap: torch.Tensor, total: torch.Tensor
+) -> torch.Tensor:
     """Real-valued allocation ``x_l = min(cap, base + lam * w_l)`` with ``sum_l x_l = total``.
 
     weights: (B, n) >= 0; base, cap, total: (B,). Vectorised bisection on ``lam`` (float64),
@@ -97,7 +99,9 @@ def waterfill(weights: torch.Tensor, base: torch.Tensor, cap: torch.Tensor, tota
     # the room that remains, in proportion to it (never past a cap).
     room = (cap_ - x).clamp(min=0)
     residual = (total - x.sum(1)).clamp(min=0)[:, None]
-    share = torch.where(room.sum(1, keepdim=True) > 0, room / room.sum(1, keepdim=True).clamp(min=1e-12), room)
+    share = torch.where(
+        room.sum(1, keepdim=True) > 0, room / room.sum(1, keepdim=True).clamp(min=1e-12), room
+    )
     x = x + torch.minimum(room, residual * share)
     x = torch.where((total <= base_total)[:, None], torch.minimum(base, cap_).expand_as(x), x)
     return x

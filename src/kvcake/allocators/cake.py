@@ -89,7 +89,9 @@ class CakeAllocator(LayerAllocator):
             raise ValueError(f"CAKE tau_from must be one of {TAU_FROM}, got {self.tau_from!r}")
         for t in (self.tau1, self.tau2):
             if t is not None and not t > 0:
-                raise ValueError(f"CAKE temperatures must be positive, got tau1={self.tau1}, tau2={self.tau2}")
+                raise ValueError(
+                    f"CAKE temperatures must be positive, got tau1={self.tau1}, tau2={self.tau2}"
+                )
 
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         if req.preferences is None:

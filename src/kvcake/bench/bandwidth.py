@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .common import Clock, MiB, markdown_table, median, new_figure, save_figure, write_json
+from .common import Clock, MiB, markdown_table, median, new_figure, save_figure
+from .output import emit
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,7 @@ def run(device: torch.device | str = "cpu", *, size_bytes: int = 2**30, repeats:
         out: str | Path | None = None, machine: dict | None = None, echo: bool = True) -> dict:  # fmt: skip
     """Measure, print the table, write ``out/bandwidth.json`` and ``out/bandwidth.png``."""
     result = dict(bench="bandwidth", machine=machine, **measure(device, size_bytes, repeats))
-    if echo:
-        print(table(result), flush=True)
-    if out is not None:
-        out = Path(out)
-        write_json(out / "bandwidth.json", result)
-        plot(result, out / "bandwidth.png")
-    return result
+    return emit(result, "bandwidth", table(result) if echo else "", plot, out, echo)
 
 
 def plot(result: dict, path: Path) -> Path:

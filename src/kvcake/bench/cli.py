@@ -124,7 +124,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from . import bandwidth, memory, speed
-    from .common import DTYPES, describe_machine, load_models, machine_lines, pick_device, write_json
+    from .common import (
+        DTYPES,
+        PREFILL_METHODS,
+        describe_machine,
+        load_models,
+        machine_lines,
+        pick_device,
+        write_json,
+    )
 
     log_progress(args)
     if args.which == "report":
@@ -164,13 +172,13 @@ def run(args: argparse.Namespace) -> int:
             results[bench] = bandwidth.run(device, size_bytes=bw_bytes, out=out, machine=machine)
         elif bench == "memory":
             results[bench] = memory.run(
-                models, lengths=_setting(args, "memory_lengths"), methods=methods or memory.DEFAULT_METHODS,
+                models, lengths=_setting(args, "memory_lengths"), methods=methods or PREFILL_METHODS,
                 budget=budget, rss_lengths=_setting(args, "rss_lengths"), window=args.window, out=out,
                 machine=machine,
             )  # fmt: skip
         elif bench == "prefill":
             results[bench] = speed.run_prefill(
-                models, lengths=_setting(args, "prefill_lengths"), methods=methods or speed.PREFILL_METHODS,
+                models, lengths=_setting(args, "prefill_lengths"), methods=methods or PREFILL_METHODS,
                 budget=budget, repeats=_setting(args, "repeats"), window=args.window, out=out, machine=machine,
             )  # fmt: skip
         else:

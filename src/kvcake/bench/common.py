@@ -29,6 +29,9 @@ from .probes import Clock, PeakMemory
 logger = logging.getLogger(__name__)
 
 MiB = 2**20
+# The methods the memory and prefill benches compare: every kind of layer budget, one-shot CAKE
+# against the cascade, and the ragged cache.
+PREFILL_METHODS = ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

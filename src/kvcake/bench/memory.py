@@ -33,6 +33,7 @@ import torch
 
 from ..attention import enable
 from .common import (
+    PREFILL_METHODS,
     BenchModels,
     FullCache,
     MiB,
@@ -46,12 +47,11 @@ from .common import (
     save_figure,
     shared_prefill,
     verdict,
-    write_json,
 )
+from .output import emit
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_METHODS = ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv")
 TOLERANCE = 0.05  # targets: cascade peak <= 1.05 x bound; no-cascade peak within 5% of the full cache
 
 
@@ -268,7 +268,7 @@ def run(
     models: BenchModels,
     *,
     lengths=(1024, 2048, 4096, 8192),
-    methods=DEFAULT_METHODS,
+    methods=PREFILL_METHODS,
     budget: int = 128,
     rss_lengths=(4096,),
     window: int = 32,
@@ -290,10 +290,4 @@ def run(
     result = dict(bench="memory", machine=machine, budget=budget, window=window, lengths=list(lengths),
                   methods=list(methods), kv=kv, rss=rss)  # fmt: skip
     result["targets"] = targets(kv)
-    if echo:
-        print(tables(result), flush=True)
-    if out is not None:
-        out = Path(out)
-        write_json(out / "memory.json", result)
-        plot(result, out / "memory.png")
-    return result
+    return emit(result, "memory", tables(result) if echo else "", plot, out, echo)

@@ -38,6 +38,17 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
+def emit(result: dict, name: str, tables: str, plot, out: str | Path | None, echo: bool) -> dict:
+    """What every bench does with its result: print ``tables`` if ``echo``, and with ``out`` write
+    ``out/<name>.json`` and draw ``out/<name>.png`` with ``plot(result, path)``."""
+    if echo:
+        print(tables, flush=True)
+    if out is not None:
+        write_json(Path(out) / f"{name}.json", result)
+        plot(result, Path(out) / f"{name}.png")
+    return result
+
+
 def _jsonable(x):
     if isinstance(x, torch.Tensor):
         return x.tolist()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from pathlib import Path
 
 from . import bandwidth as bandwidth_bench
@@ -22,9 +23,35 @@ def _fig(figures: Path, doc: Path, name: str, alt: str) -> str:
     return f"![{alt}]({Path(rel).as_posix()})"
 
 
-def _section(title: str, intro: str, tables: str, figure: str) -> list[str]:
-    """The opening every section shares: its heading, what was measured, the tables, the figure."""
-    return [f"## {title}", "", intro, "", tables, "", figure, ""]
+def _section(title: str, tables: str, figure: str, **fields) -> list[str]:
+    """The opening every section shares: its heading, what was measured (its paragraph in
+    ``texts.md``, with ``fields`` filled in), the tables, the figure."""
+    return [f"## {title}", "", _text(title, fields), "", tables, "", figure, ""]
+
+
+def _text(key: str, fields: dict) -> str:
+    """The paragraph under heading ``key`` in ``texts.md``; ``{name}`` / ``{name:format}`` is
+    filled for each name in ``fields``."""
+    text = (Path(__file__).with_name("texts.md")).read_text(encoding="utf-8")
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    body = dict(zip(parts[1::2], parts[2::2], strict=True))
+    if key not in body:
+        raise ValueError(f"kvcake/bench/texts.md has no section {key!r}")
+
+    def fill(match: re.Match) -> str:
+        name, spec = match.group(1), match.group(2) or ""
+        return format(fields[name], spec[1:]) if name in fields else match.group(0)
+
+    return re.sub(r"\{(\w+)(:[^}]*)?\}", fill, " ".join(body[key].split()))
+
+
+# The memory targets, in page order: (prefix of the target's name in the results, the title its
+# paragraph opens with; its detail and met/missed explanations are in texts.md).
+MEMORY_TARGETS = (
+    ("CAKE cascade", "CAKE, cascading: peak <= 1.05 x (total budget + one full layer)"),
+    ("CAKE without", "CAKE without cascading: peak close to the full cache's"),
+    ("Ada-KV", "Ada-KV: ragged bytes equal the sum of budgets"),
+)
 
 
 def _verdict(cases: list[dict]) -> str:
@@ -98,16 +125,7 @@ def _span(values) -> str:
 
 
 def _memory(result: dict, figures: Path, doc: Path) -> str:
-    parts = _section("Memory",
-             "One prefill per length fills the full cache (transformers' `DynamicCache`) and every method's "
-             "`KVCakeCache` together (they all read the same keys, values and queries; each stores, scores and "
-             "evicts on its own); bytes are read off each cache's tensors. Theory: `E = H_kv * d * 2 * bytes`; "
-             "full `S * L * E`; end of prefill `sum(budgets) * E`; peak: layer-wise eviction "
-             "`max_m (sum_{l<m} budget_l + S) * E`, CAKE's cascade bound `(B_total + S) * E`, CAKE without "
-             "cascade `S * L * E`. Prompts longer than the model's positions run a randomly initialised model "
-             "of the same shape (its memory is the real model's; its attention, and so CAKE's layer budgets, "
-             "are not).",
-             memory_bench.tables(result), _fig(figures, doc, "memory.png", "memory"))  # fmt: skip
+    parts = _section("Memory", memory_bench.tables(result), _fig(figures, doc, "memory.png", "memory"))
     t = result["targets"]
     kv = result["kv"]
     longest = max(r["length"] for r in kv)
@@ -128,36 +146,17 @@ def _memory(result: dict, figures: Path, doc: Path) -> str:
                       f"`L`): intermediate cascade stages round each layer's budget up (`CakeAllocator`, so that a "
                       f"budget never grows between stages), so a stage may hold up to `L - 1` entries over "
                       f"`B_total`; the 5% tolerance covers it, the final budgets sum exactly.")  # fmt: skip
-        parts += _target(
-            "CAKE, cascading: peak <= 1.05 x (total budget + one full layer)", cake,
-            f"measured/bound {_span(c['value'] for c in cake)} over {len(cake)} lengths",
-            "After layer `m`'s attention the cache re-allocates the total budget over layers `0..m` and "
-            "evicts them at once, so only the layer being prefilled is ever full; the peak is reached when "
-            "layer `m` stores its prompt next to the already-evicted layers." + rounding,
-            "The peak exceeds the bound, so some layer is still full when the next one stores its prompt: "
-            "check that each stage evicts every earlier layer before the next `update`.",
-            after=share,
-        )  # fmt: skip
-    one = [c for c in t if c["target"].startswith("CAKE without")]
-    if one:
-        parts += _target(
-            "CAKE without cascading: peak close to the full cache's", one,
-            f"ratio to the full cache {_span(c['value'] for c in one)}",
-            "Every layer keeps its whole prompt until the last layer's preferences are known, so the peak "
-            "is the full cache; the final cache equals the cascading one (CAKE's Theorem 1), only the peak "
-            "differs. This is what the cascade buys.",
-            "The one-shot variant should hold all L full layers before its single eviction.",
-        )  # fmt: skip
-    ada = [c for c in t if c["target"].startswith("Ada-KV")]
-    if ada:
-        parts += _target(
-            "Ada-KV: ragged bytes equal the sum of budgets", ada,
-            f"measured/theory {_span(c['value'] for c in ada)}, exact equality checked",
-            "The ragged layer stores `(sum of head lengths, d)` tensors: its bytes are the per-head counts "
-            "times `d * 2 * bytes`, which the head allocator makes sum to `H_kv * budget` per layer; nothing "
-            "is padded.",
-            "Padding or empty slots are held: the ragged layout should store exactly the counts.",
-        )  # fmt: skip
+        cake_extra = (rounding, share)
+    else:
+        cake_extra = ("", "")
+    for prefix, title in MEMORY_TARGETS:
+        cases = [c for c in t if c["target"].startswith(prefix)]
+        if not cases:
+            continue
+        fields = {"span": _span(c["value"] for c in cases), "n": len(cases)}
+        extra, after = cake_extra if prefix == "CAKE cascade" else ("", "")
+        met, missed = _text(f"{title} / met", fields) + extra, _text(f"{title} / missed", fields)
+        parts += _target(title, cases, _text(f"{title} / detail", fields), met, missed, after=after)
     if result["rss"]:
         rss = result["rss"]
         by = {r["method"]: r for r in rss if r["length"] == rss[0]["length"]}
@@ -171,26 +170,15 @@ def _memory(result: dict, figures: Path, doc: Path) -> str:
                      f"{(full['kv_peak'] - cake['kv_peak']) / MiB:.0f} MiB and their growths by "
                      f"{(full['delta'] - cake['delta']) / MiB:.0f} MiB. ")  # fmt: skip
         rest = [(r["delta"] - r["kv_peak"]) / MiB for r in rss if r["length"] == s]
-        text += (f"The rest of the growth ({min(rest):.0f} to {max(rest):.0f} MiB across methods whose "
-                 "activations are the same size, so its differences are the allocator's, not the method's) "
-                 "is activations (the MLP's `S x intermediate` buffers, the attention "
-                 "workspace, the window attention used for scoring) and what the allocator keeps. Limits of "
-                 "RSS: it counts pages, not tensors; freed memory the allocator keeps still counts; the "
-                 "high-water mark is reset per run through `/proc/self/clear_refs` (Linux), otherwise "
-                 "`ru_maxrss` would be the whole process's lifetime peak; and it cannot split KV bytes from "
-                 "activations, which is why the KV bytes above are read off the tensors instead.")  # fmt: skip
+        text += _text("Process memory / the rest", {"lo": min(rest), "hi": max(rest)})
         parts += [text, ""]
     return "\n".join(parts)
 
 
 def _prefill(result: dict, figures: Path, doc: Path) -> str:
-    parts = _section("Prefill time",
-             "Full-cache and method prefills alternate in one run (`full, m1, full, m2, ...`, repeated); a "
-             "method's ratio is the median over its pairs of `method / preceding full`. *In-cache* is the time "
-             "inside `KVCakeCache.after_prefill_attention` (scoring, CAKE's preference and allocation, "
-             "eviction), timed by a subclass in the bench; *eviction* is the part in `_evict_layer` "
-             "(selection, and the copy of kept entries).",
-             speed.prefill_tables(result), _fig(figures, doc, "prefill.png", "prefill"))  # fmt: skip
+    parts = _section(
+        "Prefill time", speed.prefill_tables(result), _fig(figures, doc, "prefill.png", "prefill")
+    )
     t = result["targets"]
     if not t:
         return "\n".join(parts)
@@ -235,16 +223,10 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
 
 def _decode(result: dict, figures: Path, doc: Path) -> str:
     b = result["bandwidth"]
-    parts = _section("Decode time per token",
-             f"Read bandwidth measured in this run: {b['read_gbps']:.1f} GB/s (copy: {b['copy_gbps']:.1f} GB/s), "
-             f"over a {b['size_bytes'] / MiB:.0f} MiB tensor. *bound* = (weight bytes + KV bytes held) / read "
-             "bandwidth: decoding reads every weight and every cached entry once per token. *allowed* = "
-             "(W + full KV) / (W + method KV), the speed-up the byte count permits; *achieved/allowed* is the "
-             "target's measure. *eviction* is the time inside `after_extend_attention` per step (decode=fixed "
-             "only); the attention that returns probabilities for it is in the step time but not in this "
-             "column. One prefill per context fills every cache; each is then decoded alone, greedy, with "
-             "interleaved rounds.",
-             speed.decode_tables(result), _fig(figures, doc, "decode.png", "decode"))  # fmt: skip
+    parts = _section(
+        "Decode time per token", speed.decode_tables(result), _fig(figures, doc, "decode.png", "decode"),
+        read_gbps=b["read_gbps"], copy_gbps=b["copy_gbps"], size_mib=b["size_bytes"] / MiB,
+    )  # fmt: skip
     rows = result["rows"]
     t = result["targets"]
     if not rows or not t:
@@ -336,16 +318,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
                     f"{_span(ratios)} x a SnapKV (uniform) step at the same budget and byte count, with the ragged "
                     f"kernel `{kernel}`. ")  # fmt: skip
             if max(ratios) > 1.1:
-                text += ("The bytes are the same, so the difference is overhead: each step rebuilds every layer's "
-                         "flat key/value/position buffers and segment metadata to append one entry "
-                         "(`KVCakeLayer._append_ragged`: a new buffer and two index writes per tensor, "
-                         "`RaggedMeta.from_lengths` with `repeat_interleave`), and the reference attention is a "
-                         "scatter-based segment softmax (einsum, `scatter_reduce`, two `index_add_`) where the "
-                         "dense path runs one SDPA call. What would close it: spare capacity per segment so that "
-                         "appending writes in place and the metadata is updated, not rebuilt; on the CPU a padded "
-                         "`(segments, max_len, d)` view with a length mask through one SDPA call; on CUDA "
-                         "flash-attn's varlen kernel (`pip install flash-attn`), which this path already "
-                         "dispatches to in half precision.")  # fmt: skip
+                text += _text("Ragged vs uniform / overhead", {})
             parts += [text, ""]
     return "\n".join(parts)
 

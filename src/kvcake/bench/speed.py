@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from ..attention import enable
 from .bandwidth import measure as measure_bandwidth
 from .common import (
+    PREFILL_METHODS,
     BenchCache,
     BenchModels,
     Clock,
@@ -44,12 +45,11 @@ from .common import (
     shared_prefill,
     verdict,
     weight_bytes,
-    write_json,
 )
+from .output import emit
 
 logger = logging.getLogger(__name__)
 
-PREFILL_METHODS = ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv")
 DECODE_METHODS = ("snapkv", "pyramidkv", "cake", "adakv")  # cake-oneshot decodes exactly like cake
 PREFILL_TARGET = 1.05  # every method within 5% of the full cache's prefill time at 4k tokens
 PREFILL_TARGET_LENGTH = 4096
@@ -123,13 +123,7 @@ def run_prefill(
              ok=r["ratio"] <= PREFILL_TARGET)
         for r in rows if r["length"] == at
     ]  # fmt: skip
-    if echo:
-        print(prefill_tables(result), flush=True)
-    if out is not None:
-        out = Path(out)
-        write_json(out / "prefill.json", result)
-        plot_prefill(result, out / "prefill.png")
-    return result
+    return emit(result, "prefill", prefill_tables(result) if echo else "", plot_prefill, out, echo)
 
 
 def prefill_tables(result: dict) -> str:
@@ -287,13 +281,7 @@ def run_decode(
                   budgets=list(budgets), policies=list(policies), steps=steps, rounds=rounds, warmup=warmup,
                   window=window, rows=rows, ragged_length=ragged_length)  # fmt: skip
     result["targets"] = decode_targets(rows)
-    if echo:
-        print(decode_tables(result), flush=True)
-    if out is not None:
-        out = Path(out)
-        write_json(out / "decode.json", result)
-        plot_decode(result, out / "decode.png")
-    return result
+    return emit(result, "decode", decode_tables(result) if echo else "", plot_decode, out, echo)
 
 
 def decode_targets(rows: list[dict]) -> list[dict]:

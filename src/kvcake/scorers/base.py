@@ -126,7 +126,9 @@ class Scorer:
         scores = group_reduce(self.score_heads(inp).float(), inp.num_groups, self.reduce)
         return protect(scores, inp.key_valid, inp.window)
 
-    def decode(self, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    def decode(
+        self, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None
+    ) -> torch.Tensor:
         """KV-head decoding scores (B, H_kv, N); the caller protects the window."""
         groups = probs.shape[1] // positions.shape[1]
         scores = group_reduce(self.decode_heads(probs, positions).float(), groups, self.reduce)

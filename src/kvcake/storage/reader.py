@@ -14,7 +14,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from ..cache import KVCakeCache, SequenceBudgets
+from ..cache import KVCakeCache
+from ..cascade import SequenceBudgets
 from ..context import CompressedContext
 from ..devices import input_device, layer_devices, output_device
 from ..method import _rebuild_method

@@ -15,7 +15,8 @@ import safetensors.torch
 import torch
 
 from ..adapters import describe_model
-from ..cache import KVCakeCache, SequenceBudgets
+from ..cache import KVCakeCache
+from ..cascade import SequenceBudgets
 from ..method import method_spec
 from ..sliding import SlidingLayer, sliding_entry
 from ..version import __version__

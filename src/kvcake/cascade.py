@@ -1,0 +1,204 @@
+"""The prefill side of ``KVCakeCache``: one cascade stage per compressed layer.
+
+After the kvcake attention function has run layer ``l``'s attention on its full prompt, the
+cache calls :func:`prefill_stage`, which
+
+1. scores the layer's tokens with the method's scorer (and, for CriticalKV selection, the
+   norms of its values through the output projection);
+2. for allocators that need them (CAKE), measures the layer's dispersion and shift and turns
+   them into a preference with the temperatures in force;
+3. re-allocates the budgets of the layers seen so far (cascade) or, for fixed allocators, takes
+   this layer's column of budgets fixed once, and evicts each touched layer to its budget;
+4. after the last compressed layer, fixes the decoding budgets (:func:`finish_prefill`).
+
+The functions read and write the cache's own state (``seq``, ``budgets``, ``preferences``, ...);
+the cache calls them and keeps ``_evict_layer`` as its method, so a subclass can time it.
+``cache`` is always a ``KVCakeCache`` (typed by its base: this module sits below ``cache.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache
+
+from .adapters import output_projection
+from .allocators import AllocationRequest, preference
+from .scorers import PrefillInputs
+from .scorers.base import window_rows_mean_var
+from .selectors import SelectionInputs, projected_value_norms
+from .temperatures import resolve_tau
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceBudgets:
+    """Per-sequence budget facts fixed at the start of prefill. All (B,) int64 on the host
+    side of the device (small)."""
+
+    lengths: torch.Tensor  # valid prompt tokens
+    per_layer: torch.Tensor  # average budget per layer
+    total: torch.Tensor  # B_total = per_layer * L_g (compressed layers)
+    window: torch.Tensor  # protected window, min(Sw, length)
+
+
+def prefill_stage(
+    cache: Cache,
+    layer_idx: int,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Score layer ``layer_idx``'s prompt and run this cascade stage's evictions.
+
+    query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding)."""
+    layer = cache.layers[layer_idx]
+    m = cache.method
+    cache._stage = layer_idx
+    g = cache._slot[layer_idx]  # budget column of this layer
+    if g == 0:
+        start(cache, key_valid)
+        if cache.progress:
+            from tqdm.auto import tqdm
+
+            cache._bar = tqdm(
+                total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer"
+            )
+    inputs = PrefillInputs(
+        query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
+        window=m.budget.window, scaling=scaling,
+    )  # fmt: skip
+    layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+    if m.selector.needs_value_norms:
+        layer.norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
+    if m.layers.needs_preferences:
+        cache.preferences.append(layer_preference(cache, inputs))
+    last = g == len(cache.compressed) - 1
+    if m.layers.needs_preferences:
+        if m.layers.cascading or last:
+            budgets = allocate(cache, torch.stack(cache.preferences, 1), final=last)
+            cache.stage_budgets.append(budgets)
+            for j in range(g + 1):
+                cache._evict_layer(cache.compressed[j], budgets[:, j])
+    else:
+        if cache.budgets is None:
+            cache.budgets = allocate(cache, None, final=True)
+        cache._evict_layer(layer_idx, cache.budgets[:, g])
+    if cache._bar is not None:
+        cache._bar.update(1)
+        if last:
+            cache._bar.close()
+            cache._bar = None
+    if last:
+        finish_prefill(cache)
+
+
+def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
+    """CAKE's preference of one layer, (B,) float64 on the host: dispersion (entropy of the
+    window's attention over the prefix) and shift (its variance over the window's rows)."""
+    probs, row_valid = inputs.window_attention()
+    w = probs.shape[2]
+    sub = probs[..., : probs.shape[-1] - w]  # window rows, prefix columns
+    entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
+    _, var = window_rows_mean_var(sub, row_valid)
+    variance = var.sum((1, 2))  # (B,)
+    tau1, tau2 = temperatures(cache)
+    # host: (B,) per layer, stacked across layers that may sit on different devices
+    entropy, variance = entropy.double().cpu(), variance.double().cpu()
+    cache.entropy.append(entropy)
+    cache.variance.append(variance)
+    return preference(entropy, variance, tau1, tau2)
+
+
+def start(cache: Cache, key_valid: torch.Tensor) -> None:
+    """Check the batch and fix each sequence's budgets (``cache.seq``)."""
+    if cache.prefilled:
+        raise RuntimeError("this KVCakeCache already holds a prompt; make a new cache per prompt")
+    if bool((key_valid[:, 1:].long() < key_valid[:, :-1].long()).any()):
+        raise ValueError(
+            "kvcake needs left padding (padding tokens before the prompt): set tokenizer.padding_side='left'"
+        )
+    lengths = key_valid.sum(-1).long().cpu()
+    if bool((lengths == 0).any()):
+        raise ValueError(
+            "a sequence in the batch is empty (all padding): give every sequence at least one token"
+        )
+    budget = cache.method.budget
+    per_layer = budget.per_layer(lengths)
+    window = torch.clamp(lengths, max=budget.window)
+    cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
+    if bool((per_layer >= lengths).all()):
+        logger.warning(
+            "the budget (%s) covers the whole prompt (%d tokens): nothing is compressed",
+            budget.describe(),
+            int(lengths.max()),
+        )
+
+
+def temperatures(cache: Cache) -> tuple[float, float]:
+    """CAKE's (tau1, tau2) in force, resolved once the average budget is known."""
+    if cache.tau is None:
+        lay, avg = cache.method.layers, float(cache.seq.per_layer.double().mean())
+        cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from)
+    return cache.tau.tau1, cache.tau.tau2
+
+
+def allocate(cache: Cache, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
+    """(B, m) budgets of the first ``m`` compressed layers (all of them unless cascading)."""
+    s = cache.seq
+    req = AllocationRequest(
+        total=s.total, cap=s.lengths, window=s.window, num_layers=len(cache.compressed),
+        preferences=preferences, final=final,
+    )  # fmt: skip
+    return cache.method.layers.allocate(req)
+
+
+def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
+    """Evict layer ``layer_idx`` to ``budget`` (B,) entries per KV head (window included)."""
+    layer = cache.layers[layer_idx]
+    m = cache.method
+    dev = layer.keys.device
+    scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
+    window = cache.seq.window.to(dev)
+    budget = budget.to(dev)
+    if m.heads.ragged:
+        counts = m.heads.counts(scores, budget, window)
+    else:
+        n_valid = (scores > float("-inf")).sum(-1)
+        counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
+    counts_host = counts.cpu().numpy()
+    if bool((counts_host == layer.counts).all()):
+        return  # nothing to evict in this layer at this stage
+    keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
+    layer.evict(keep, counts_host, ragged=m.heads.ragged)
+    cache._track_bytes(layer_idx)
+    if cache.record:
+        cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+
+def finish_prefill(cache: Cache) -> None:
+    """Fix the decoding budgets (B, L_g, H_kv) and drop what prefill alone needed."""
+    if cache.budgets is None:
+        cache.budgets = cache.stage_budgets[-1]
+    counts = cache.layer_counts()  # (B, L_g, H_kv)
+    lengths = cache.seq.lengths.numpy()[:, None, None]
+    avg = cache.seq.per_layer.numpy()[:, None, None]
+    # A head that was compressed keeps its count while decoding; one that kept its whole
+    # prompt may grow to the average budget before eviction starts.
+    cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
+    m = cache.method
+    keep_scores = m.scorer.stateful and m.decode == "fixed"
+    fixed = m.decode == "fixed"
+    for g, lid in enumerate(cache.compressed):
+        layer = cache.layers[lid]
+        layer.norms = None
+        if not keep_scores:
+            layer.scores = None
+        if cache.static:
+            layer.static_plan = ("fixed", cache.decode_budget[:, g]) if fixed else ("none", None)
+    cache.prefilled = True

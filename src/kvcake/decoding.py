@@ -1,0 +1,51 @@
+"""The decoding side of ``KVCakeCache``: the ``fixed`` policy evicts each head back to its
+budget after every step, by the scorer's per-step scores; the newest ``window`` positions are
+protected. Static layers (``static.py``) do it in place: one victim per head by argmin.
+``cache`` is always a ``KVCakeCache`` (typed by its base: this module sits below ``cache.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache
+
+from . import static
+from .selectors import SelectionInputs, TopK
+
+
+def wants_probs(cache: Cache, layer_idx: int) -> bool:
+    """Whether this step's attention must return probabilities (decoding-time eviction)."""
+    if not cache.prefilled or cache.method.decode != "fixed":
+        return False
+    layer = cache.layers[layer_idx]
+    # a static layer has not counted the new entry yet (it is in the spare slot)
+    counts = layer.counts + (1 if layer.static == "fixed" else 0)
+    over = counts > cache.decode_budget[:, cache._slot[layer_idx]]
+    return layer.scores is not None or bool(over.any())
+
+
+def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:
+    """Bring layer ``layer_idx`` back to its decoding budget after one step's attention."""
+    layer = cache.layers[layer_idx]
+    window = cache.method.budget.window
+    if layer.static == "fixed":
+        scores = None if probs is None else static.decode_scores(layer, cache.method.scorer, probs)
+        static.place_newest(layer, scores, layer.length - 1 - window)
+        return
+    if probs is None:
+        return
+    budget = cache.decode_budget[:, cache._slot[layer_idx]]  # (B, H_kv)
+    over = bool((layer.counts > budget).any())
+    positions = layer.padded_positions()  # (B, H_kv, N)
+    scores = cache.method.scorer.decode(probs, positions, layer.padded(layer.scores, float("-inf")))
+    if layer.scores is not None:  # stateful (H2O): keep the accumulated sums
+        layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
+    if not over:
+        return
+    newest = positions.amax(-1, keepdim=True)
+    protected = positions > newest - window
+    scores = scores.masked_fill(protected, float("inf")).masked_fill(positions < 0, float("-inf"))
+    counts = np.minimum(layer.counts, budget)
+    keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
+    layer.evict(keep, counts, ragged=layer.layout == "ragged")
+    cache._track_bytes(layer_idx)
