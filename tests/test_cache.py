@@ -36,26 +36,28 @@ def test_budget_covering_prompt_is_bit_identical(make_tiny_llama, impl, kv_heads
     assert all(layer.plain for layer in cache.layers)
 
 
-def test_cascade_equals_one_shot_and_only_shrinks(tiny_llama):
+@pytest.mark.parametrize("select", ["topk", "critical"])
+@pytest.mark.parametrize("heads", ["uniform", "adakv"])
+def test_cascade_equals_one_shot_and_only_shrinks(tiny_llama, heads, select):
+    """Theorem 1 and Proposition 1 of CAKE, for every head allocator and selector."""
     ids = prompt(300, seed=1)
-    for heads in ("uniform", "adakv"):
-        spec = f"layers=cake,heads={heads},score=cake"
-        casc, _ = prefill(tiny_llama, ids, make_method(spec, budget=64, window=8), record=True)
-        once, _ = prefill(tiny_llama, ids, make_method(spec + ",layers.cascading=false", budget=64, window=8))
-        assert torch.equal(casc.budgets, once.budgets)
-        for a, b in zip(casc.layers, once.layers, strict=False):
-            assert torch.equal(a.padded_positions(), b.padded_positions()), "Theorem 1"
-            assert torch.equal(a.keys, b.keys)
-        # Proposition 1: a layer's kept set at stage m+1 is a subset of the one at stage m
-        by_layer: dict[int, list[torch.Tensor]] = {}
-        for _, lid, pos in casc.history:
-            by_layer.setdefault(lid, []).append(pos)
-        assert max(len(v) for v in by_layer.values()) > 1, "the cascade re-evicted some layer"
-        for seq in by_layer.values():
-            for before, after in zip(seq, seq[1:], strict=False):
-                for h in range(before.shape[1]):
-                    a = set(after[0, h][after[0, h] >= 0].tolist())
-                    assert a <= set(before[0, h][before[0, h] >= 0].tolist())
+    spec = f"layers=cake,heads={heads},score=cake,select={select}"
+    casc, _ = prefill(tiny_llama, ids, make_method(spec, budget=64, window=8), record=True)
+    once, _ = prefill(tiny_llama, ids, make_method(spec + ",layers.cascading=false", budget=64, window=8))
+    assert torch.equal(casc.budgets, once.budgets)
+    for a, b in zip(casc.layers, once.layers, strict=False):
+        assert torch.equal(a.padded_positions(), b.padded_positions()), "Theorem 1"
+        assert torch.equal(a.keys, b.keys)
+    # Proposition 1: a layer's kept set at stage m+1 is a subset of the one at stage m
+    by_layer: dict[int, list[torch.Tensor]] = {}
+    for _, lid, pos in casc.history:
+        by_layer.setdefault(lid, []).append(pos)
+    assert max(len(v) for v in by_layer.values()) > 1, "the cascade re-evicted some layer"
+    for seq in by_layer.values():
+        for before, after in zip(seq, seq[1:], strict=False):
+            for h in range(before.shape[1]):
+                a = set(after[0, h][after[0, h] >= 0].tolist())
+                assert a <= set(before[0, h][before[0, h] >= 0].tolist())
 
 
 def test_budgets_sum_exactly_and_window_kept(tiny_llama):

@@ -91,6 +91,7 @@ class KVCakeCache(Cache):
         self.entropy: list[torch.Tensor] = []
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
+        self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0

@@ -74,6 +74,11 @@ def prefill_stage(
         window=m.budget.window, scaling=scaling,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+    if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
+        # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
+        # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
+        # at the end of prefill), which keeps the cascade equal to one-shot eviction.
+        cache.count_scores[layer_idx] = layer.scores
     if m.selector.needs_value_norms:
         layer.norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
     if m.layers.needs_preferences:
@@ -167,7 +172,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     window = cache.seq.window.to(dev)
     budget = budget.to(dev)
     if m.heads.ragged:
-        counts = m.heads.counts(scores, budget, window)
+        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window)
     else:
         n_valid = (scores > float("-inf")).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
@@ -191,6 +196,7 @@ def finish_prefill(cache: Cache) -> None:
     # A head that was compressed keeps its count while decoding; one that kept its whole
     # prompt may grow to the average budget before eviction starts.
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
+    cache.count_scores.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"
     fixed = m.decode == "fixed"

@@ -49,6 +49,7 @@ class Critical(Selector):
     eps: float = 1e-4
     name = "critical"
     needs_value_norms = True
+    keeps_top_scores = False  # stage 2 may drop a higher score for a larger value norm
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:

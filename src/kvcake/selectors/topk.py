@@ -22,6 +22,10 @@ class SelectionInputs:
 class Selector:
     name = "topk"
     needs_value_norms = False
+    # Whether the kept entries always include each head's highest-scoring ones. When they do not
+    # (CriticalKV), score-based head counts (Ada-KV) read off the kept entries differ from those
+    # of all entries, so a cascade must count on the prompt's full scores (cascade.py).
+    keeps_top_scores = True
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:  # pragma: no cover - interface
         """(B, H_kv, N) bool: the kept entries, exactly ``counts`` per head (fewer if a head
