@@ -6,18 +6,7 @@ import torch
 
 import kvcake
 from kvcake import KVCakeCache, make_method
-
-
-def prompt(n, seed=0, batch=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (batch, n), generator=g)
-
-
-def prefill(model, ids, method, mask=None, **kw):
-    cache = KVCakeCache(model, method, **kw)
-    with kvcake.enable(model), torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache)
-    return cache, out.logits
+from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -107,12 +96,8 @@ def test_chunk_equals_one_token_at_a_time(tiny_llama, name):
     follow = prompt(12, seed=6)
     ctx = kvcake.compress(tiny_llama, ids, name, budget=48, window=8)
     chunk_logits = ctx.forward(follow)[0]  # (12, vocab)
-    cache = ctx.fork()
-    steps = []
-    with kvcake.enable(tiny_llama), torch.no_grad():
-        for i in range(follow.shape[1]):
-            steps.append(tiny_llama(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
-    torch.testing.assert_close(torch.stack(steps), chunk_logits, atol=1e-5, rtol=1e-5)
+    steps = single_step_logits(tiny_llama, ctx.fork(), follow)
+    torch.testing.assert_close(steps, chunk_logits, atol=1e-5, rtol=1e-5)
     # through generate: the continuation of the compressed context with the follow-up as prompt
     gen = ctx.generate(follow, max_new_tokens=5, do_sample=False)
     cache = ctx.fork()
@@ -144,24 +129,9 @@ def test_positions_stay_logical(tiny_llama):
 @pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "cake-adakv", "h2o"])
 def test_batch_matches_each_sequence_alone(tiny_llama, name):
     a, b = prompt(180, seed=8)[0], prompt(130, seed=9)[0]
-    pad = torch.zeros(50, dtype=torch.long)
-    ids = torch.stack([a, torch.cat([pad, b])])
-    mask = torch.stack(
-        [torch.ones(180, dtype=torch.long), torch.cat([pad, torch.ones(130, dtype=torch.long)])]
+    assert_batch_matches_each_alone(
+        tiny_llama, name, a, b, 50, ratio=0.3, window=8, max_new_tokens=8, do_sample=False, pad_token_id=0
     )
-    out, cache = kvcake.generate(tiny_llama, ids, name, ratio=0.3, window=8, attention_mask=mask,
-                                 max_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
-    for i, (seq, n_pad) in enumerate(((a, 0), (b, 50))):
-        alone, solo = kvcake.generate(tiny_llama, seq[None], name, ratio=0.3, window=8, max_new_tokens=8,
-                                      do_sample=False, pad_token_id=0)  # fmt: skip
-        assert torch.equal(out[i, -8:], alone[0, -8:])
-        assert np.array_equal(cache.layer_counts()[i], solo.layer_counts()[0])
-        for lb, ls in zip(cache.layers, solo.layers, strict=False):
-            pb, ps = lb.padded_positions()[i], ls.padded_positions()[0]
-            for h in range(pb.shape[0]):
-                kept_b = sorted((pb[h][pb[h] >= 0] - n_pad).tolist())
-                assert kept_b == sorted(ps[h][ps[h] >= 0].tolist())
-                assert min(kept_b) >= 0, "padding is never kept"
 
 
 def test_kvcake_attention_without_our_cache_is_stock(tiny_llama):

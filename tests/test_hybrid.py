@@ -1,7 +1,6 @@
 """Hybrid sliding/global models (Gemma 3) on a tiny random config: sliding layers are
 transformers' own, untouched; every guarantee of the compressed cache holds on the global layers."""
 
-import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
@@ -10,23 +9,12 @@ import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import describe_model, layer_windows
 from kvcake.sliding import SlidingLayer
+from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
 
 GLOBAL = (2, 5)  # the full-attention layers of the tiny hybrid
 SLIDING = (0, 1, 3, 4)
 ENTRY = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
-
-
-def prompt(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (1, n), generator=g)
-
-
-def prefill(model, ids, method, mask=None, **kw):
-    cache = KVCakeCache(model, method, **kw)
-    with kvcake.enable(model), torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache)
-    return cache, out.logits
 
 
 def test_describe_model_reports_windows(tiny_gemma3):
@@ -125,33 +113,15 @@ def test_chunk_equals_one_token_at_a_time(tiny_gemma3, name):
     ids, follow = prompt(100, seed=5), prompt(20, seed=6)  # 20 > window: the sliding layers roll
     ctx = kvcake.compress(tiny_gemma3, ids, name, budget=32, window=8)
     chunk_logits = ctx.forward(follow)[0]
-    cache = ctx.fork()
-    steps = []
-    with kvcake.enable(tiny_gemma3), torch.no_grad():
-        for i in range(follow.shape[1]):
-            steps.append(tiny_gemma3(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
-    torch.testing.assert_close(torch.stack(steps), chunk_logits, atol=1e-5, rtol=1e-5)
+    steps = single_step_logits(tiny_gemma3, ctx.fork(), follow)
+    torch.testing.assert_close(steps, chunk_logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["cake", "snapkv", "adakv"])
 def test_batch_with_left_padding_matches_each_alone(tiny_gemma3, name):
     a, b = prompt(120, seed=8)[0], prompt(90, seed=9)[0]
-    pad = torch.zeros(30, dtype=torch.long)
-    ids = torch.stack([a, torch.cat([pad, b])])
-    mask = torch.stack(
-        [torch.ones(120, dtype=torch.long), torch.cat([pad, torch.ones(90, dtype=torch.long)])]
-    )
-    out, cache = kvcake.generate(tiny_gemma3, ids, name, ratio=0.3, window=8, attention_mask=mask,
-                                 max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
-    for i, (seq, n_pad) in enumerate(((a, 0), (b, 30))):
-        alone, solo = kvcake.generate(tiny_gemma3, seq[None], name, ratio=0.3, window=8, max_new_tokens=8, min_new_tokens=8,
-                                      do_sample=False, pad_token_id=0)  # fmt: skip
-        assert torch.equal(out[i, -8:], alone[0, -8:])
-        assert np.array_equal(cache.layer_counts()[i], solo.layer_counts()[0])
-        for lid in GLOBAL:
-            pb, ps = cache.layers[lid].padded_positions()[i], solo.layers[lid].padded_positions()[0]
-            for h in range(pb.shape[0]):
-                assert sorted((pb[h][pb[h] >= 0] - n_pad).tolist()) == sorted(ps[h][ps[h] >= 0].tolist())
+    kw = dict(ratio=0.3, window=8, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert_batch_matches_each_alone(tiny_gemma3, name, a, b, 30, **kw)
 
 
 def test_saved_context_round_trips_sliding_layers(tiny_gemma3, tmp_path):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from cuda_helpers import DEVICE, HALF, ids
 
-import kvcake
 from kvcake.ragged import RaggedMeta, ragged_attention, ragged_attention_reference
+from shared_checks import assert_batch_matches_each_alone
 from test_ragged import assert_rel, dense_reference, make_case
 
 
@@ -18,20 +17,8 @@ def test_left_padded_batch_equals_each_alone(on_device, name):
     ties could flip in half precision; the kept sets and greedy tokens must agree in float32."""
     model = on_device(torch.float32)
     a, b = ids(180, seed=8)[0], ids(130, seed=9)[0]
-    pad = torch.zeros(50, dtype=torch.long, device=DEVICE)
-    batch = torch.stack([a, torch.cat([pad, b])])
-    mask = torch.stack([torch.ones_like(a), torch.cat([pad, torch.ones_like(b)])])
     kw = dict(ratio=0.3, window=8, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    out, cache = kvcake.generate(model, batch, name, attention_mask=mask, **kw)
-    for i, (seq, n_pad) in enumerate(((a, 0), (b, 50))):
-        alone, solo = kvcake.generate(model, seq[None], name, **kw)
-        assert torch.equal(out[i, -8:], alone[0, -8:])
-        assert np.array_equal(cache.layer_counts()[i], solo.layer_counts()[0])
-        for lb, ls in zip(cache.layers, solo.layers, strict=True):
-            pb, ps = lb.padded_positions()[i].cpu(), ls.padded_positions()[0].cpu()
-            for h in range(pb.shape[0]):
-                kept = sorted((pb[h][pb[h] >= 0] - n_pad).tolist())
-                assert kept == sorted(ps[h][ps[h] >= 0].tolist()) and min(kept) >= 0
+    assert_batch_matches_each_alone(model, name, a, b, 50, **kw)
 
 
 def _case_on_device(q: int, dtype: torch.dtype):

@@ -11,6 +11,7 @@ from cuda_helpers import DEVICE, HALF, ids
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from shared_checks import single_step_logits
 
 HOST = torch.device("cpu")
 NO_DECODE_EVICTION = [p for p in PRESETS if make_method(p, budget=64).decode == "none"]
@@ -69,11 +70,7 @@ def test_chunk_equals_single_steps(on_device, name):
     ctx = kvcake.compress(model, ids(160, seed=3), name, budget=48, window=8)
     follow = ids(24, seed=4)
     chunk = ctx.forward(follow)[0]  # (24, vocab)
-    cache = ctx.fork()
-    steps = []
-    with kvcake.enable(model), torch.no_grad():
-        for i in range(follow.shape[1]):
-            steps.append(model(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
+    steps = single_step_logits(model, ctx.fork(), follow)
     # float32 on a GPU: a chunk and single steps run different kernels (tiled vs one row),
     # so the sums are reordered; 1e-5 is ~100x float32's epsilon on logits of size ~1.
-    torch.testing.assert_close(torch.stack(steps), chunk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(steps, chunk, atol=1e-5, rtol=1e-5)
