@@ -8,6 +8,7 @@ the command on another machine rewrites the page consistently.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
 from pathlib import Path
@@ -29,12 +30,18 @@ def _section(title: str, tables: str, figure: str, **fields) -> list[str]:
     return [f"## {title}", "", _text(title, fields), "", tables, "", figure, ""]
 
 
+@functools.cache
+def _texts() -> dict[str, str]:
+    """``texts.md`` by heading, each paragraph on one line (read once per process)."""
+    text = Path(__file__).with_name("texts.md").read_text(encoding="utf-8")
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {key: " ".join(body.split()) for key, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
 def _text(key: str, fields: dict) -> str:
     """The paragraph under heading ``key`` in ``texts.md``; ``{name}`` / ``{name:format}`` is
     filled for each name in ``fields``."""
-    text = (Path(__file__).with_name("texts.md")).read_text(encoding="utf-8")
-    parts = re.split(r"^## (.+)$", text, flags=re.M)
-    body = dict(zip(parts[1::2], parts[2::2], strict=True))
+    body = _texts()
     if key not in body:
         raise ValueError(f"kvcake/bench/texts.md has no section {key!r}")
 
@@ -42,7 +49,7 @@ def _text(key: str, fields: dict) -> str:
         name, spec = match.group(1), match.group(2) or ""
         return format(fields[name], spec[1:]) if name in fields else match.group(0)
 
-    return re.sub(r"\{(\w+)(:[^}]*)?\}", fill, " ".join(body[key].split()))
+    return re.sub(r"\{(\w+)(:[^}]*)?\}", fill, body[key])
 
 
 # The memory targets, in page order: (prefix of the target's name in the results, the title its
