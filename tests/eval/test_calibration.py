@@ -15,7 +15,8 @@ from word_tokenizer import WordTokenizer
 import kvcake
 from kvcake import temperatures
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.search import FixedLayers, layer_budgets, search_grid, tau_grid
+from kvcake.calibration.samples import build_texts, reference
+from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
 from kvcake.haystack import NoiseHaystack
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
@@ -98,21 +99,68 @@ def test_budgets_by_arithmetic_and_fixed_replay_equal_the_cache(tiny_llama, tau)
         replay_compress(tiny_llama, method.replace(layers=FixedLayers((8,))), captured, full, ids, logits)
 
 
+def test_choose_keeps_a_clear_winner_and_flattens_within_noise():
+    flat, uneven = (2.0, 3.0), (0.2, 0.4)
+    flatness = {flat: 0.1, uneven: 0.9}.__getitem__
+
+    def pick(losses):
+        table = {t: sum(v) / len(v) for t, v in losses.items()}
+        return choose(table, lambda *t: losses[t], lambda *t: flatness(t))
+
+    # the uneven point wins on every sample by a wide margin: it is kept
+    clear = pick({flat: [1.0, 1.1, 0.9, 1.0], uneven: [0.5, 0.6, 0.4, 0.5]})
+    assert clear.tau == clear.best == uneven
+    # the uneven point is better on average, but by less than the noise of the differences: flat
+    noisy = pick({flat: [1.0, 0.5, 1.0, 0.5], uneven: [0.5, 1.0, 0.4, 0.55]})
+    assert noisy.best == uneven and noisy.tau == flat and noisy.loss == pytest.approx(0.75)
+    d = [a - b for a, b in zip([1.0, 0.5, 1.0, 0.5], [0.5, 1.0, 0.4, 0.55], strict=True)]
+    mean = sum(d) / 4
+    assert 0 < mean <= noisy.se == pytest.approx((sum((x - mean) ** 2 for x in d) / 3 / 4) ** 0.5)
+    # one sample: no noise estimate, the best point stays
+    single = pick({flat: [1.0], uneven: [0.9]})
+    assert single.tau == uneven and single.se == 0.0
+
+
+def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
+    tok = WordTokenizer()
+    refs = [reference(tiny_llama, *build_texts(tok, NoiseHaystack(), kind, 64, 4, 0), kind)
+            for kind in ("context", "question")]  # fmt: skip
+    assert all(len(r.full_attn) == tiny_llama.config.num_hidden_layers for r in refs)
+    whole = Evaluator(tiny_llama, refs, BudgetSpec(budget=4096, window=4))
+    for i in range(2):
+        m = whole.sample_measures(i, 1.0, 1.0)
+        assert m.kl == pytest.approx(0.0, abs=1e-6) and m.attn == pytest.approx(0.0, abs=1e-5)
+    small = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4))
+    assert set(small.uniform) == {"kl", "attn"} and min(small.uniform["attn"].values()) > 0
+    m = small.sample_measures(0, 0.3, 2.5)
+    kind = refs[0].kind
+    expected = (m.kl / small.uniform["kl"][kind] + m.attn / small.uniform["attn"][kind]) / 2
+    assert small.per_sample(0.3, 2.5)[0] == pytest.approx(expected)
+    assert small.unevenness(50.0, 50.0) < small.unevenness(0.2, 0.4)  # hot temperatures flatten
+
+
 def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
-    cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2, 0.4), text=NoiseHaystack(), samples=1,
+    cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2, 0.4), text=NoiseHaystack(), samples=2,
                            length=96, continuation=4, grid=3, window=4)  # fmt: skip
     assert cal.fingerprint == model_fingerprint(tiny_llama) and len(cal.points) == 2
     for point, meta in zip(cal.points, cal.meta["points"], strict=True):
         grid = {(a, b): x for a, b, x in meta["grid"]}
         best = min(grid.values())
-        assert grid[(point.tau1, point.tau2)] == best and meta["loss"] == pytest.approx(best, abs=1e-6)
+        assert meta["grid_best_loss"] == pytest.approx(best, abs=1e-6)
+        assert grid[tuple(meta["grid_best"])] == best
+        # the kept point: within one standard error of the best, and no more uneven than it
+        assert grid[(point.tau1, point.tau2)] == pytest.approx(meta["loss"], abs=1e-6)
+        assert meta["loss"] <= best + meta["standard_error"] + 1e-6
+        assert meta["unevenness"] <= meta["grid_best_unevenness"]
+        assert set(meta["uniform"]) == {"kl", "attn"}
         assert (
-            meta["evaluations"] <= 2 * meta["candidates"] + 2
+            meta["evaluations"] <= 4 * meta["candidates"] + 4
         )  # shared evaluations, one per distinct allocation
     saved = json.loads(temperatures.calibration_path(cal.fingerprint).read_text())
     assert saved["fingerprint"] == cal.fingerprint
     ctx = kvcake.compress(tiny_llama, _ids(96), "cake", ratio=0.2, window=4)
-    assert ctx.cache.tau.source == "calibrated" and ctx.cache._tau == pytest.approx(cal.at(0.2 * 96))
+    avg = float(ctx.cache.seq.per_layer.double().mean())  # the budget the cache resolves tau at
+    assert ctx.cache.tau.source == "calibrated" and ctx.cache._tau == pytest.approx(cal.at(avg))
 
 
 def test_calibrate_rejects_bad_input(tiny_llama):

@@ -15,7 +15,7 @@ from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, save_calibration
 
 from .samples import KINDS, build_texts, reference
-from .search import Evaluator, search_grid, tau_grid
+from .search import Evaluator, choose, search_grid, tau_grid
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def calibrate(
     ratios: Sequence[float] | None = None,
     budgets: Sequence[int] = (),
     text: str | os.PathLike[str] | Haystack = "paul_graham",
-    samples: int = 3,
+    samples: int = 4,
     length: int = 2048,
     continuation: int = 16,
     grid: int = 5,
@@ -44,7 +44,12 @@ def calibrate(
     seed: int = 0,
     save: bool | str | os.PathLike[str] = True,
 ) -> Calibration:
-    """Choose CAKE's (tau1, tau2) for ``model`` at each budget, by least KL to the full cache.
+    """Choose CAKE's (tau1, tau2) for ``model`` at each budget, by fidelity to the full cache.
+
+    The loss (:mod:`kvcake.calibration.search`) is the KL of the next-token distributions and
+    the attention-output perturbation, each relative to uniform layer budgets, in both
+    scenarios; the kept point is the flattest allocation within one standard error of the
+    grid's best (:func:`~kvcake.calibration.search.choose`), so noise cannot buy a starved layer.
 
     Parameters
     ----------
@@ -67,9 +72,10 @@ def calibrate(
         folder, ``False`` only returns it.
 
     Returns the :class:`~kvcake.temperatures.Calibration`; its ``meta`` records, per point, the
-    loss of the best temperatures, of the family default and of the flat fallback (relative to
-    uniform layer budgets), uniform budgets' KL per kind, the number of distinct allocations
-    evaluated and the time taken.
+    loss of the kept temperatures and of the grid's best (with the standard error that decided
+    between them), of the family default and of the flat fallback (relative to uniform layer
+    budgets), uniform budgets' KL and attention perturbation per kind, the number of distinct
+    allocations evaluated and the time taken.
     """
     for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
                              ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
@@ -95,22 +101,29 @@ def calibrate(
         t0 = time.perf_counter()
         ev = Evaluator(model, refs, spec)
         result = search_grid(ev.loss, tau_grid(*TAU1_RANGE, grid), tau_grid(*TAU2_RANGE, grid))
+        kept = choose(result.table, ev.per_sample, ev.unevenness)
         budget = ev.mean_budget()
         family = default_tau(model_type, budget)
-        points.append(TauPoint(budget, *result.best))
+        points.append(TauPoint(budget, *kept.tau))
         meta_points.append({
-            "setting": spec.describe(), "budget": budget, "tau1": result.best[0], "tau2": result.best[1],
-            "loss": result.loss, "family_tau": list(family), "family_loss": ev.loss(*family),
+            "setting": spec.describe(), "budget": budget, "tau1": kept.tau[0], "tau2": kept.tau[1],
+            "loss": kept.loss, "unevenness": round(ev.unevenness(*kept.tau), 4),
+            "grid_best": list(result.best), "grid_best_loss": result.loss, "standard_error": round(kept.se, 6),
+            "grid_best_unevenness": round(ev.unevenness(*result.best), 4),
+            "family_tau": list(family), "family_loss": ev.loss(*family),
             "fallback_tau": list(FALLBACK_TAU), "fallback_loss": ev.loss(*FALLBACK_TAU),
-            "uniform_kl": ev.uniform, "candidates": len(result.table),
+            "uniform": ev.uniform, "candidates": len(result.table),
             "evaluations": ev.evaluations, "seconds": round(time.perf_counter() - t0, 1),
             "grid": [[a, b, round(x, 6)] for (a, b), x in sorted(result.table.items())],
         })  # fmt: skip
-        logger.info("calibration at %s: tau1=%g tau2=%g loss %.4g (%d candidates, %d evaluations)",
-                    spec.describe(), *result.best, result.loss, len(result.table), ev.evaluations)  # fmt: skip
+        logger.info("calibration at %s: tau1=%g tau2=%g loss %.4g (grid best %g/%g, loss %.4g; %d candidates, "
+                    "%d evaluations)", spec.describe(), *kept.tau, kept.loss, *result.best, result.loss,
+                    len(result.table), ev.evaluations)  # fmt: skip
     meta = {
-        "objective": "mean over kinds (context-only continuation, question-aware needle answer) of the "
-                     "mean KL(full || compressed) per scored token, relative to uniform layer budgets (1.0)",
+        "objective": "mean over kinds (context-only continuation, question-aware needle answer) of the mean "
+                     "over samples of (KL(full || compressed) per scored token + attention-output perturbation) "
+                     "/ 2, each relative to uniform layer budgets' mean for the kind (1.0); kept: the least "
+                     "uneven allocation within one standard error of the grid's best",
         "text": str(haystack), "samples_per_kind": samples, "length": length, "continuation": continuation,
         "window": window, "seed": seed, "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,

@@ -42,7 +42,7 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
         "--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25)"
     )
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
-    p.add_argument("--samples", type=int, default=3, help="samples per kind (context-only, needle question)")
+    p.add_argument("--samples", type=int, default=4, help="samples per kind (context-only, needle question)")
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
     p.add_argument(
@@ -67,12 +67,16 @@ def run(args: argparse.Namespace) -> int:
                     save=args.out if args.out else True)  # fmt: skip
     out = sys.stdout
     out.write(f"model {cal.model} (fingerprint {cal.fingerprint}), {cal.meta['seconds']} s\n")
-    out.write("loss: KL to the full cache relative to uniform layer budgets (1.0), mean of both scenarios\n")
-    out.write("setting      entries/layer  tau1   tau2   loss    family  fallback\n")
+    out.write(
+        "loss: KL and attention-output perturbation relative to uniform layer budgets (1.0), both "
+        "scenarios; kept: the flattest allocation within one standard error (se) of the grid's best\n"
+    )
+    out.write("setting      entries/layer  tau1   tau2   loss    se      grid best      family  fallback\n")
     for p in cal.meta["points"]:
+        best = f"{p['grid_best'][0]:g}/{p['grid_best'][1]:g} {p['grid_best_loss']:.4f}"
         out.write(
             f"{p['setting']:<12} {p['budget']:>13.0f}  {p['tau1']:<6g} {p['tau2']:<6g} {p['loss']:.4f}  "
-            f"{p['family_loss']:.4f}  {p['fallback_loss']:.4f}\n"
+            f"{p['standard_error']:.4f}  {best:<14} {p['family_loss']:.4f}  {p['fallback_loss']:.4f}\n"
         )
     out.write(f"saved to {calibration_path(cal.fingerprint, Path(args.out) if args.out else local_dir())}\n")
     return 0

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcake.haystack import Haystack
-from kvcake.replay import Captured, capture_queries
+from kvcake.replay import Captured, attention_outputs, capture_queries
 
 NEEDLE = " The special magic number that the archivist hid is {value}."
 QUESTION = (
@@ -41,7 +41,10 @@ class Sample:
     ``ids`` (1, S) the prompt that is compressed; ``captured``/``cache`` its recorded forward
     (queries, full keys and values, (1, H_kv, S, d) per layer); ``logits`` (1, vocab) of its last
     token; ``appended`` (1, n-1) the tokens teacher-forced after it; ``full_logprobs`` (n, vocab)
-    float64, the full cache's next-token log-probabilities at the ``n`` scored positions."""
+    float64, the full cache's next-token log-probabilities at the ``n`` scored positions;
+    ``full_attn`` one (n-1, hidden) tensor per layer, the full cache's attention outputs (after the
+    output projection) at the teacher-forced tokens (empty when ``n == 1``), against which the
+    attention-output perturbation of a compressed cache is measured."""
 
     kind: str
     ids: torch.Tensor
@@ -50,6 +53,7 @@ class Sample:
     logits: torch.Tensor
     appended: torch.Tensor
     full_logprobs: torch.Tensor
+    full_attn: list[torch.Tensor]
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -95,10 +99,12 @@ def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
         out = model(ids, past_key_values=cache, use_cache=True)
     logits = out.logits[:, -1]
     appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
-    preds = [logits.float()]
+    preds, attn = [logits.float()], []
     if appended.shape[1]:
-        more = model(appended, past_key_values=cache, use_cache=True).logits[0]
+        with attention_outputs(model) as outputs:
+            more = model(appended, past_key_values=cache, use_cache=True).logits[0]
         preds.append(more.float())
+        attn = [outputs[i][0] for i in sorted(outputs)]
         cache.crop(-appended.shape[1])
     logprobs = torch.log_softmax(torch.cat([p.reshape(-1, p.shape[-1]) for p in preds]).double(), -1)
-    return Sample(kind, ids, captured.snapshot(), cache, logits, appended, logprobs)
+    return Sample(kind, ids, captured.snapshot(), cache, logits, appended, logprobs, attn)

@@ -6,15 +6,27 @@ whole search: its ``H_l``/``V_l`` turn any (tau1, tau2) into a budget vector by 
 (:func:`layer_budgets`, the allocator the cache runs at its last stage); candidates that give the
 same vector share one evaluation; an evaluation replays the recorded forward into a fresh cache
 (:func:`~kvcake.replay.replay_compress`, prefill scores memoised) and teacher-forces the
-sample's scored tokens. The loss is KL(full || compressed) of the next-token distributions,
-averaged over the scored positions of each sample and over the samples of each kind (``context``
-and ``question``, :mod:`kvcake.calibration.samples`), divided by the same mean for uniform layer
-budgets, then averaged over the two kinds: 1.0 is "as good as uniform budgets", lower is better.
+sample's scored tokens.
+
+The loss measures what the results page measures, relative to uniform layer budgets with the
+same indicator: per sample, the mean of ``KL(full || compressed)`` of the next-token
+distributions over the scored positions divided by uniform budgets' mean KL over the samples of
+its kind (``context`` or ``question``, :mod:`kvcake.calibration.samples`), and the same ratio for
+the attention-output perturbation (relative L1 of every layer's attention output at the
+teacher-forced tokens, mean over layers, the CriticalKV paper's measure), averaged. The loss of a
+candidate is the mean of that over the samples of each kind, then over the kinds: 1.0 is "as good
+as uniform budgets", lower is better. KL alone rewarded allocations that starve some layers (the
+next-token distribution of a short continuation survives it, the layers' outputs do not).
 
 The grid is log-spaced over the paper's ranges (tau1 in 0.2-2, tau2 in 0.4-3); where the best
 point sits on an edge, the grid grows by one step past that edge (up to ``max_extend`` times per
-side). The cascade ends at the one-shot cache (CAKE Theorem 1), so each replay evicts every layer once
-to its final budget (:class:`FixedLayers`).
+side). With a handful of samples the grid's best point is partly noise (the first shipped
+calibration jumped between tau1 = 0.36 and 6.3 from one budget to the next), so :func:`choose`
+keeps the best point only where it is better than a flatter candidate by more than the noise:
+among the candidates whose mean per-sample loss exceeds the best's by at most one standard error
+of the per-sample differences, it takes the one whose budgets are closest to uniform (the
+"one-standard-error rule" of model selection). The cascade ends at the one-shot cache (CAKE
+Theorem 1), so each replay evicts every layer once to its final budget (:class:`FixedLayers`).
 """
 
 from __future__ import annotations
@@ -120,14 +132,30 @@ class FixedLayers(LayerAllocator):
         )
 
 
+@dataclass(frozen=True)
+class Measures:
+    """One compressed replay against the full cache: ``kl`` (nats per scored token) and ``attn``,
+    the attention-output perturbation (mean over layers; ``None`` with nothing teacher-forced)."""
+
+    kl: float
+    attn: float | None
+
+
+def rel_l1(compressed: torch.Tensor, full: torch.Tensor) -> float:
+    """``||compressed - full||_1 / ||full||_1`` in float64."""
+    num = (compressed.double() - full.double()).abs().sum()
+    return float(num / full.double().abs().sum().clamp_min(1e-30))
+
+
 class Evaluator:
-    """KL of compressed caches against the full one on calibration samples, memoised by the
-    layer-budget vector (so temperatures with the same allocation cost one evaluation)."""
+    """KL and attention-output perturbation of compressed caches against the full one on
+    calibration samples, memoised by the layer-budget vector (so temperatures with the same
+    allocation cost one evaluation)."""
 
     def __init__(self, model, samples: Sequence[Sample], spec: BudgetSpec, score: str = "cake") -> None:
         self.model, self.samples, self.spec, self.score = model, list(samples), spec, score
         self.memos = [ScoreMemo() for _ in self.samples]
-        self.done: dict[tuple[int, tuple[int, ...]], float] = {}
+        self.done: dict[tuple[int, tuple[int, ...]], Measures] = {}
         self.stats: list[tuple[torch.Tensor, torch.Tensor]] = [
             self._preference_stats(i) for i in range(len(samples))
         ]
@@ -143,7 +171,7 @@ class Evaluator:
                               s.cache, s.ids, s.logits, chunks=1, memo=self.memos[i])  # fmt: skip
         return torch.stack(ctx.cache.entropy, 1)[0], torch.stack(ctx.cache.variance, 1)[0]
 
-    def kl(self, i: int, method: Method) -> float:
+    def measure(self, i: int, method: Method) -> Measures:
         s = self.samples[i]
         ctx = replay_compress(
             self.model, method, s.captured, s.cache, s.ids, s.logits, chunks=1, memo=self.memos[i]
@@ -152,16 +180,21 @@ class Evaluator:
         tf = teacher_force(self.model, ctx.cache, s.ids.shape[1], ctx.logits, s.appended, n)
         p = s.full_logprobs.exp()
         self.evaluations += 1
-        return float((p * (s.full_logprobs - tf.logprobs)).sum(-1).clamp_min(0).mean())
+        kl = float((p * (s.full_logprobs - tf.logprobs)).sum(-1).clamp_min(0).mean())
+        layers = [rel_l1(c, f) for c, f in zip(tf.attn, s.full_attn, strict=True)]
+        return Measures(kl, sum(layers) / len(layers) if layers else None)
+
+    def kl(self, i: int, method: Method) -> float:
+        return self.measure(i, method).kl
 
     def budgets(self, i: int, tau1: float, tau2: float) -> torch.Tensor:
         h, v = self.stats[i]
         return layer_budgets(h, v, self.spec, self.samples[i].ids.shape[1], tau1, tau2)
 
-    def sample_loss(self, i: int, tau1: float, tau2: float) -> float:
+    def sample_measures(self, i: int, tau1: float, tau2: float) -> Measures:
         key = (i, tuple(self.budgets(i, tau1, tau2).tolist()))
         if key not in self.done:
-            self.done[key] = self.kl(i, self._method("uniform").replace(layers=FixedLayers(key[1])))
+            self.done[key] = self.measure(i, self._method("uniform").replace(layers=FixedLayers(key[1])))
         return self.done[key]
 
     def kind_means(self, per_sample: Sequence[float]) -> dict[str, float]:
@@ -171,23 +204,87 @@ class Evaluator:
         return {k: sum(v) / len(v) for k, v in kinds.items()}
 
     @functools.cached_property
-    def uniform(self) -> dict[str, float]:
-        """Mean KL per kind of uniform layer budgets with the same scorer (CAKE's indicator alone)."""
+    def uniform(self) -> dict[str, dict[str, float]]:
+        """Uniform layer budgets with the same scorer (CAKE's indicator alone): mean KL and mean
+        attention perturbation per kind, ``{"kl": {kind: x}, "attn": {kind: x}}``."""
         method = self._method("uniform")
-        return self.kind_means([self.kl(i, method) for i in range(len(self.samples))])
+        measured = [self.measure(i, method) for i in range(len(self.samples))]
+        out = {"kl": self.kind_means([m.kl for m in measured])}
+        if all(m.attn is not None for m in measured):
+            out["attn"] = self.kind_means([m.attn for m in measured])
+        return out
+
+    def relative(self, i: int, m: Measures) -> float:
+        """Sample ``i``'s loss: its KL and attention perturbation, each over uniform budgets' mean
+        for its kind, averaged (KL alone when nothing was teacher-forced)."""
+        kind = self.samples[i].kind
+        parts = [m.kl / max(self.uniform["kl"][kind], 1e-12)]
+        if "attn" in self.uniform and m.attn is not None:
+            parts.append(m.attn / max(self.uniform["attn"][kind], 1e-12))
+        return sum(parts) / len(parts)
+
+    def per_sample(self, tau1: float, tau2: float) -> list[float]:
+        """Each sample's loss (:meth:`relative`) at these temperatures."""
+        return [self.relative(i, self.sample_measures(i, tau1, tau2)) for i in range(len(self.samples))]
 
     def combine(self, per_sample: Sequence[float]) -> float:
-        """Mean over the kinds of (mean KL of the kind) / (uniform budgets' mean KL of the kind):
-        each scenario weighs the same whatever its KL scale (a needle's digits cost far more nats
-        than a prose continuation), and 1.0 means "as good as uniform layer budgets"."""
+        """Mean over the kinds of the mean per-sample loss of the kind: each scenario weighs the
+        same whatever its number of samples, and 1.0 means "as good as uniform layer budgets"."""
         means = self.kind_means(per_sample)
-        return sum(means[k] / max(self.uniform[k], 1e-12) for k in means) / len(means)
+        return sum(means.values()) / len(means)
 
     def loss(self, tau1: float, tau2: float) -> float:
-        return self.combine([self.sample_loss(i, tau1, tau2) for i in range(len(self.samples))])
+        return self.combine(self.per_sample(tau1, tau2))
+
+    def unevenness(self, tau1: float, tau2: float) -> float:
+        """How far the allocation is from uniform: mean over samples and layers of
+        ``|b_l / mean(b) - 1|`` (0 for uniform budgets)."""
+        total = 0.0
+        for i in range(len(self.samples)):
+            b = self.budgets(i, tau1, tau2).double()
+            total += float((b / b.mean() - 1).abs().mean())
+        return total / len(self.samples)
 
     def mean_budget(self) -> float:
         """Average entries per layer over the samples (the budget a calibration point is stored at)."""
         # host: a float per sample
         per = [float(self.spec.per_layer(torch.tensor([s.ids.shape[1]]))[0]) for s in self.samples]
         return sum(per) / len(per)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The temperatures :func:`choose` kept: ``tau``, its ``loss``, its margin ``se`` (one
+    standard error of the per-sample differences to the grid's best), and the grid's ``best``."""
+
+    tau: tuple[float, float]
+    loss: float
+    se: float
+    best: tuple[float, float]
+
+
+def choose(
+    table: dict[tuple[float, float], float],
+    per_sample: Callable[[float, float], Sequence[float]],
+    unevenness: Callable[[float, float], float],
+) -> Choice:
+    """The flattest candidate whose loss is within one standard error of the best's.
+
+    ``table`` maps candidates to their loss; ``per_sample(tau)`` gives a candidate's per-sample
+    losses (their mean is comparable across candidates); ``unevenness(tau)`` how far its budgets
+    are from uniform. For each candidate ``c``, ``d_i = l_c,i - l_best,i`` over the samples; ``c`` is
+    as good as the best within noise when ``mean(d) <= std(d) / sqrt(n)``. Among those the least
+    uneven wins, ties broken by loss. With a single sample there is no noise estimate and the
+    best point is kept."""
+    best = min(table, key=table.__getitem__)
+    ref = list(per_sample(*best))
+    n = len(ref)
+    eligible: list[tuple[float, float, tuple[float, float], float]] = []
+    for tau in table:
+        d = [a - b for a, b in zip(per_sample(*tau), ref, strict=True)]
+        mean = sum(d) / n
+        se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+        if tau == best or (n > 1 and mean <= se):
+            eligible.append((unevenness(*tau), table[tau], tau, se))
+    _, loss, tau, se = min(eligible)
+    return Choice(tau, loss, se, best)
