@@ -123,6 +123,14 @@ def test_every_shipped_calibration_is_valid_and_named_by_its_fingerprint():
         cal = Calibration.from_json(path.read_text(), str(path))
         assert path.stem == cal.fingerprint and len(cal.points) >= 2
         assert [p.budget for p in cal.points] == sorted({p.budget for p in cal.points})
+        # made by the current search: each point is the grid's best or a flatter allocation within
+        # one standard error of it (kvcake.calibration.search.choose), recorded in its metadata
+        for point, meta in zip(cal.points, cal.meta["points"], strict=True):
+            assert (point.tau1, point.tau2) == (meta["tau1"], meta["tau2"])
+            assert meta["loss"] <= meta["grid_best_loss"] + meta["standard_error"] + 1e-9
+            assert meta["unevenness"] <= meta["grid_best_unevenness"]
+            grid = {(a, b): x for a, b, x in meta["grid"]}
+            assert grid[(point.tau1, point.tau2)] == pytest.approx(meta["loss"], abs=1e-6)
 
 
 def test_the_default_model_uses_its_shipped_calibration(default_model, monkeypatch, caplog):
