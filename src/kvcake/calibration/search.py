@@ -41,7 +41,7 @@ import torch
 from kvcake.allocators import AllocationRequest, CakeAllocator, LayerAllocator, preference
 from kvcake.budget import BudgetSpec
 from kvcake.method import Method, make_method
-from kvcake.replay import ScoreMemo, replay_compress, teacher_force
+from kvcake.replay import ScoreMemo, rel_l1, replay_compress, teacher_force
 
 from .samples import Sample
 
@@ -141,12 +141,6 @@ class Measures:
     attn: float | None
 
 
-def rel_l1(compressed: torch.Tensor, full: torch.Tensor) -> float:
-    """``||compressed - full||_1 / ||full||_1`` in float64."""
-    num = (compressed.double() - full.double()).abs().sum()
-    return float(num / full.double().abs().sum().clamp_min(1e-30))
-
-
 class Evaluator:
     """KL and attention-output perturbation of compressed caches against the full one on
     calibration samples, memoised by the layer-budget vector (so temperatures with the same
@@ -183,9 +177,6 @@ class Evaluator:
         kl = float((p * (s.full_logprobs - tf.logprobs)).sum(-1).clamp_min(0).mean())
         layers = [rel_l1(c, f) for c, f in zip(tf.attn, s.full_attn, strict=True)]
         return Measures(kl, sum(layers) / len(layers) if layers else None)
-
-    def kl(self, i: int, method: Method) -> float:
-        return self.measure(i, method).kl
 
     def budgets(self, i: int, tau1: float, tau2: float) -> torch.Tensor:
         h, v = self.stats[i]

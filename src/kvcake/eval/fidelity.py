@@ -50,6 +50,7 @@ from kvcake.replay import (
     attention_outputs,
     cache_bytes,
     capture_queries,
+    rel_l1,
     replay_compress,
     teacher_force,
 )
@@ -102,12 +103,6 @@ class Fidelity:
                    0.0 if appended else None, tokens)  # fmt: skip
 
 
-def _rel_l1(compressed: torch.Tensor, full: torch.Tensor) -> float:
-    num = (compressed.double() - full.double()).abs().sum()
-    den = full.double().abs().sum().clamp_min(1e-30)
-    return float(num / den)
-
-
 def compare(full: TeacherForced, compressed: TeacherForced, continuation: torch.Tensor) -> Fidelity:
     """The measures of ``compressed`` against ``full``; ``continuation`` (n,) the full cache's tokens."""
     n = continuation.numel()
@@ -120,10 +115,10 @@ def compare(full: TeacherForced, compressed: TeacherForced, continuation: torch.
     idx = continuation.reshape(n, 1).to(full.logprobs.device)
     nll = -compressed.logprobs.gather(1, idx).mean()
     nll_full = -full.logprobs.gather(1, idx).mean()
-    layers = [_rel_l1(c, f) for c, f in zip(compressed.attn, full.attn, strict=True)]
+    layers = [rel_l1(c, f) for c, f in zip(compressed.attn, full.attn, strict=True)]
     hidden = None
     if full.hidden is not None and compressed.hidden is not None:
-        hidden = _rel_l1(compressed.hidden, full.hidden)
+        hidden = rel_l1(compressed.hidden, full.hidden)
     return Fidelity(
         kl=float(kl),
         nll=float(nll),

@@ -10,7 +10,7 @@ from kvcake.attention import enable
 
 from .capture import attention_outputs
 
-__all__ = ["TeacherForced", "teacher_force"]
+__all__ = ["TeacherForced", "rel_l1", "teacher_force"]
 
 
 @dataclass
@@ -24,6 +24,14 @@ class TeacherForced:
     logprobs: torch.Tensor
     attn: list[torch.Tensor]
     hidden: torch.Tensor | None
+
+
+def rel_l1(compressed: torch.Tensor, full: torch.Tensor) -> float:
+    """``||compressed - full||_1 / ||full||_1`` in float64: how far a compressed run's outputs
+    (attention outputs, hidden states) are from the full cache's."""
+    num = (compressed.double() - full.double()).abs().sum()
+    den = full.double().abs().sum().clamp_min(1e-30)
+    return float(num / den)
 
 
 def teacher_force(
