@@ -52,4 +52,15 @@ def test_targets_compare_the_same_prompts_only():
     row = next(
         line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line
     )
-    assert "| 0.3 | 0.4 | yes |" in row  # seed 1 has no cake cell: left out of both means
+    assert "| 0.3 | 0.4 | yes | 1/1 |" in row  # seed 1 has no cake cell: left out of both means
+
+
+def test_targets_count_the_prompts_where_they_hold():
+    from kvcake.eval.ablation import targets_markdown
+
+    kl = {("cake", 0): 0.1, ("cake", 1): 0.5, ("snapkv", 0): 0.2, ("snapkv", 1): 0.3}
+    records = [_record(m, 2048, "question", 0.1, v, seed=s) for (m, s), v in kl.items()]
+    row = next(
+        line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | question" in line
+    )
+    assert "| 0.3 | 0.25 | **no** | 1/2 |" in row  # the mean fails, one prompt of two holds

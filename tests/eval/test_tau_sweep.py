@@ -1,0 +1,102 @@
+"""The oracle temperature sweep of the results page (``kvcake.eval.tau_sweep``), on a tiny Llama:
+its measures are the eval's own (a grid point equals the eval cell of CAKE with those
+temperatures, a reference equals the eval cell of that preset), a rerun resumes without the
+model, and the section picks the grid's best points from the numbers."""
+
+from __future__ import annotations
+
+import pytest
+from test_runner import TINY, one_thread, tokenizer  # noqa: F401  (fixtures)
+
+from kvcake import temperatures
+from kvcake.eval import tau_sweep
+from kvcake.eval.runner import run_eval
+
+SWEEP = {"tasks": TINY["tasks"], "lengths": TINY["lengths"], "samples": 1, "ratios": TINY["ratios"],
+         "haystack": TINY["haystack"], "window": TINY["window"], "fidelity_tokens": TINY["fidelity_tokens"],
+         "progress": False}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(temperatures, "SHIPPED_DIR", tmp_path / "shipped")
+
+
+def test_sweep_measures_are_the_eval_cells_and_a_rerun_resumes(tiny_llama, tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    out = tmp_path / "sweep.jsonl"
+    records = tau_sweep.run_sweep(tiny_llama, tokenizer, out=out, **SWEEP)
+    grid = len(tau_sweep.TAU1_GRID) * len(tau_sweep.TAU2_GRID)
+    assert len(records) == 2 * (grid + len(tau_sweep.REFERENCES))  # two scenarios, one ratio, one prompt
+    evals = run_eval(tiny_llama, tokenizer, methods=("snapkv", "cake,layers.tau1=2,layers.tau2=3"),
+                     out=tmp_path / "eval.jsonl", report=False, samples=1,
+                     **{k: v for k, v in TINY.items() if k != "samples"}).records  # fmt: skip
+    assert len(evals) == 4
+    for e in evals:
+        if e["method"] == "snapkv":
+            mine = [r for r in records if r["method"] == "snapkv" and r["scenario"] == e["scenario"]]
+        else:
+            mine = [r for r in records if r["method"] == "tau" and (r["tau1"], r["tau2"]) == (2.0, 3.0)
+                    and r["scenario"] == e["scenario"]]  # fmt: skip
+        assert len(mine) == 1
+        assert mine[0]["kl"] == pytest.approx(e["kl"], rel=1e-3, abs=1e-7)
+        assert mine[0]["attn"] == pytest.approx(e["attn_rel_l1"], rel=1e-3, abs=1e-7)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a finished prompt was swept again")
+
+    monkeypatch.setattr(tau_sweep, "sweep_group", no_model)
+    again = tau_sweep.run_sweep(tiny_llama, tokenizer, out=out, **SWEEP)
+    assert again == records
+
+
+def _records(cells: dict) -> list[dict]:
+    """(scenario, ratio) -> {method or (tau1, tau2): [(kl, attn) per prompt]} as sweep records."""
+    out = []
+    for (sc, ratio), by in cells.items():
+        for who, values in by.items():
+            for seed, (kl, attn) in enumerate(values):
+                r = {
+                    "task": "t",
+                    "length": 100,
+                    "seed": seed,
+                    "scenario": sc,
+                    "ratio": ratio,
+                    "kl": kl,
+                    "attn": attn,
+                }
+                if isinstance(who, tuple):
+                    r.update(method="tau", tau1=who[0], tau2=who[1])
+                else:
+                    r["method"] = who
+                out.append(r)
+    return out
+
+
+def test_section_picks_the_best_points_from_the_numbers():
+    cell = {
+        "snapkv": [(0.2, 0.2), (0.2, 0.2)],
+        "pyramidkv": [(0.3, 0.1), (0.3, 0.1)],
+        "cake": [(0.25, 0.15)] * 2,
+        (1.0, 1.0): [(0.1, 0.3), (0.1, 0.3)],  # lowest KL: 2 targets
+        (2.0, 3.0): [(0.2, 0.1), (0.2, 0.1)],  # every target (ties with the references count)
+        (0.2, 0.4): [(0.5, 0.05), (0.5, 0.05)],
+    }  # fmt: skip  lowest attention: 2 targets
+    text = tau_sweep.sweep_markdown(_records({("question", 0.1): cell}))
+    row = next(line for line in text.splitlines() if line.startswith("| question-aware"))
+    assert "0.2500 / 0.1500, 2/4" in row  # cake: KL <= pyramidkv and attn <= snapkv only
+    assert "2/3: 0.2000 / 0.1000, 4/4" in row
+    assert "1/1: 0.1000 (0.3000)" in row and "0.2/0.4: 0.0500 (0.5000)" in row
+    assert "the best single pair of temperatures meets 4 (2/3); the shipped calibration meets 2." in text
+    assert tau_sweep.sweep_markdown([]) == ""
+
+
+def test_means_use_the_prompts_every_entry_has():
+    cell = {
+        "snapkv": [(0.2, 0.2), (9.0, 9.0)],
+        "pyramidkv": [(0.3, 0.1)],
+        "cake": [(0.25, 0.15)],
+        (1.0, 1.0): [(0.1, 0.3)],
+    }
+    means = tau_sweep._means(_records({("context", 0.5): cell}))[("context", 0.5)]
+    assert means["snapkv"] == (0.2, 0.2, 1)  # seed 1 has only snapkv: left out
