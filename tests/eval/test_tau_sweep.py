@@ -100,3 +100,21 @@ def test_means_use_the_prompts_every_entry_has():
     }
     means = tau_sweep._means(_records({("context", 0.5): cell}))[("context", 0.5)]
     assert means["snapkv"] == (0.2, 0.2, 1)  # seed 1 has only snapkv: left out
+
+
+def test_command_line_runs_the_sweep_beside_the_results(make_tiny_llama, tokenizer, tmp_path, capsys):  # noqa: F811
+    from kvcake.eval import cli
+
+    folder = tmp_path / "model"
+    make_tiny_llama().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "r.jsonl"
+    args = ["--model", str(folder), "--methods", "full,snapkv", "--ratios", "0.5", "--tasks", "niah_single",
+            "--lengths", "90", "--samples", "1", "--haystack", "noise", "--window", "4", "--max-new-tokens", "2",
+            "--fidelity-tokens", "3", "--out", str(out), "--no-progress", "--tau-sweep"]  # fmt: skip
+    assert cli.main(args) == 0
+    assert "What CAKE's temperatures alone can reach" in capsys.readouterr().out
+    swept = tau_sweep.sweep_path(out)
+    assert swept == tmp_path / "r_tau_sweep.jsonl" and len(swept.read_text().splitlines()) == 2 * 45
+    with pytest.raises(ValueError, match="drop --budgets"):
+        cli.main([*args, "--budgets", "64"])

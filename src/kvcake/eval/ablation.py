@@ -156,10 +156,10 @@ def run_section(
 
 def _sweep_section(model, tokenizer, settings: dict[str, Any]) -> str:
     """The oracle sweep's section (:mod:`kvcake.eval.tau_sweep`) from its records next to the
-    results file, if its command was run (never computed here: it takes about as long as the page)."""
-    from kvcake.eval.tau_sweep import DEFAULT_OUT, run_sweep, sweep_markdown
+    results file, if ``--tau-sweep`` made them (computed by the command line before this runs)."""
+    from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
 
-    path = Path(str(settings["out"])).parent / Path(DEFAULT_OUT).name
+    path = sweep_path(str(settings["out"]))
     if not path.exists():
         return ""
     records = run_sweep(model, tokenizer, tasks=settings["tasks"], lengths=settings["lengths"],

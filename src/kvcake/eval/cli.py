@@ -250,6 +250,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--doc", default=None, help="also write a markdown results page here")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tau-sweep", action="store_true",
+                   help="also measure CAKE at a grid of fixed temperatures on the same prompts, next to snapkv and "
+                        "pyramidkv (kvcake.eval.tau_sweep: an oracle bound on what calibration can reach; about 25 "
+                        "minutes per prompt length of the results suite on one core), into <out stem>_tau_sweep.jsonl")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: table, plots and --doc from the cells already in --out")  # fmt: skip
     return p
@@ -308,6 +312,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     s = _resolve(args)
+    if args.tau_sweep and (s["budgets"] or any(str(t).startswith("longbench:") for t in s["tasks"])):
+        raise ValueError(
+            "--tau-sweep measures synthetic tasks at --ratios: drop --budgets and longbench: tasks"
+        )
     argv = getattr(args, "argv", None)
     prefix, argv = ("python -m kvcake.eval", argv) if argv is not None else ("kvcake", sys.argv[1:])
     command = " ".join([prefix, *(shlex.quote(a) for a in argv)]).strip()
@@ -332,6 +340,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     if result.missing:
         print(f"{result.missing} requested cells are not in {result.path} yet (rerun without --report-only)")
+    if args.tau_sweep:
+        _run_sweep(args, s, result.path)
     if s["ablation"]:
         from kvcake.eval.ablation import run_section
 
@@ -368,6 +378,21 @@ def _run(args: argparse.Namespace) -> int:
             doc.write_text(keep_sections(doc, page))
         print(f"wrote {doc}", flush=True)
     return 0
+
+
+def _run_sweep(args: argparse.Namespace, s: dict[str, object], results: Path) -> None:
+    """``--tau-sweep``: the oracle temperature sweep on the run's prompts (synthetic tasks, ratios)."""
+    import kvcake
+    from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
+
+    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    records = run_sweep(
+        model, tokenizer, tasks=tuple(s["tasks"]), lengths=tuple(s["lengths"]), samples=int(s["samples"]),
+        ratios=tuple(s["ratios"]), out=sweep_path(results), seed=args.seed, haystack=args.haystack,
+        needle_style=args.needle_style, window=args.window, fidelity_tokens=args.fidelity_tokens,
+        compute=not args.report_only, progress=not args.no_progress,
+    )  # fmt: skip
+    print(sweep_markdown(records), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,13 +14,14 @@ vector by arithmetic (:func:`~kvcake.calibration.search.layer_budgets`), and eac
 is replayed once (:class:`~kvcake.calibration.search.FixedLayers`, the cascade's final cache).
 About 25 minutes per prompt length of the results suite on one CPU core.
 
-Records go to a JSONL file, one batch per prompt (a prompt already there is skipped, so a run
-resumes), and :func:`sweep_markdown` renders the results page's section from them.
+``kvcake eval --tau-sweep`` runs it on the prompts of the evaluation it is given (``--suite
+results``: the results page's); records go to ``<results stem>_tau_sweep.jsonl`` beside the
+results file, one batch per prompt (a prompt already there is skipped, so a run resumes), and
+:func:`sweep_markdown` renders the results page's section from them.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -35,8 +36,13 @@ TAU1_GRID = (0.2, 0.356, 0.632, 1.12, 2.0, 3.56)
 TAU2_GRID = (0.4, 0.663, 1.1, 1.82, 3.0, 4.96, 8.0)
 """The CAKE paper's ranges (tau1 0.2-2, tau2 0.4-3), log-spaced, with one or two steps beyond."""
 REFERENCES = ("snapkv", "pyramidkv", "cake")
-DEFAULT_OUT = "docs/figures/eval_results_tau_sweep.jsonl"
-COMMAND = "python -m kvcake.eval.tau_sweep --threads 1"
+COMMAND = "python -m kvcake.eval --suite results --tau-sweep --threads 1"
+
+
+def sweep_path(results: str | Path) -> Path:
+    """Where the sweep of a results file's prompts is kept: ``<stem>_tau_sweep.jsonl`` beside it."""
+    path = Path(results)
+    return path.with_name(f"{path.stem}_tau_sweep.jsonl")
 
 
 def _prompt_key(r: dict[str, Any]) -> tuple:
@@ -128,7 +134,7 @@ def _measure(model, case: tuple, memo, continuation: torch.Tensor, method) -> tu
 
 def run_sweep(
     model, tokenizer, *, tasks: Sequence[str], lengths: Sequence[int], samples: int, ratios: Sequence[float],
-    out: str | Path = DEFAULT_OUT, seed: int = 0, haystack: str = "paul_graham", needle_style: str = "restated",
+    out: str | Path, seed: int = 0, haystack: str = "paul_graham", needle_style: str = "restated",
     window: int = 32, fidelity_tokens: int = 16, compute: bool = True, progress: bool = True,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Sweep every prompt of ``tasks`` x ``lengths`` x ``samples`` not yet in ``out`` (appended to),
@@ -219,7 +225,8 @@ def sweep_markdown(records: Sequence[dict[str, Any]]) -> str:
         "not do: the best point is an upper bound on what any fixed temperatures can reach here, not a "
         "result CAKE could claim. *Targets* counts issue 14's four fidelity targets met in the cell (KL and "
         "perturbation at or below `snapkv`'s and `pyramidkv`'s). "
-        f"Command: `{COMMAND}` (records in `{DEFAULT_OUT}`); the page shows them once that file exists.",
+        f"Command: `{COMMAND}` (records in `{sweep_path('docs/figures/eval_results.jsonl')}`); the page shows "
+        "this section once that file exists.",
         "",
         "| scenario | ratio | `snapkv` KL / attn | `pyramidkv` KL / attn | `cake` (shipped) KL / attn, targets "
         "| grid's best for the targets | grid's lowest KL (its attn) | grid's lowest attn (its KL) |",
@@ -259,40 +266,3 @@ def sweep_markdown(records: Sequence[dict[str, Any]]) -> str:
         f"{top} ({', '.join(f'{a:g}/{b:g}' for a, b in winners)}); the shipped calibration meets {shipped}.",
     ]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcake.eval.tau_sweep``: the sweep of the results suite's prompts."""
-    from kvcake.eval.cli import SUITES
-
-    p = argparse.ArgumentParser(prog="python -m kvcake.eval.tau_sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument(
-        "--lengths", default=None, help="prompt lengths, comma-separated (default: the results suite's)"
-    )
-    p.add_argument(
-        "--out", default=DEFAULT_OUT, help=f"records JSONL, appended to and resumed (default: {DEFAULT_OUT})"
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--report-only", action="store_true", help="compute nothing: print the section from --out")
-    args = p.parse_args(argv)
-    suite = SUITES["results"]
-    lengths = tuple(suite["lengths"])
-    if args.lengths:
-        try:
-            lengths = tuple(int(x) for x in args.lengths.split(","))
-        except ValueError:
-            p.error(f"--lengths takes comma-separated integers, got {args.lengths!r}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    import kvcake
-
-    model, tokenizer = kvcake.load_model(kvcake.DEFAULT_MODEL)
-    records = run_sweep(model, tokenizer, tasks=suite["tasks"], lengths=lengths, samples=suite["samples"],
-                        ratios=suite["ratios"], out=args.out, compute=not args.report_only)  # fmt: skip
-    print(sweep_markdown(records))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
