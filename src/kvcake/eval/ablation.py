@@ -149,12 +149,12 @@ def run_section(
         "complete), computed from the results file. *Prompts where it holds* makes the same comparison prompt "
         "by prompt: a mean can be decided by one prompt with a large KL.\n\n"
     )
-    sweep = _sweep_section(model, tokenizer, settings)
+    sweep = _sweep_section(model, tokenizer, settings, args.seed)
     body = f"{intro}{targets}\n\n{section}" if main_records else section
     return f"{body}\n\n{sweep}" if sweep else body
 
 
-def _sweep_section(model, tokenizer, settings: dict[str, Any]) -> str:
+def _sweep_section(model, tokenizer, settings: dict[str, Any], seed: int) -> str:
     """The oracle sweep's section (:mod:`kvcake.eval.tau_sweep`) from its records next to the
     results file, if ``--tau-sweep`` made them (computed by the command line before this runs)."""
     from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
@@ -163,7 +163,8 @@ def _sweep_section(model, tokenizer, settings: dict[str, Any]) -> str:
     if not path.exists():
         return ""
     records = run_sweep(model, tokenizer, tasks=settings["tasks"], lengths=settings["lengths"],
-                        samples=int(settings["samples"]), ratios=settings["ratios"], out=path, compute=False)  # fmt: skip
+                        samples=int(settings["samples"]), ratios=settings["ratios"], out=path, seed=seed,
+                        compute=False)  # fmt: skip
     return sweep_markdown(records)
 
 

@@ -95,6 +95,12 @@ def sweep_group(
     for scenario, case in cases.items():
         captured, cache, ids, logits, chunks = case[:5]
         memo = ScoreMemo()
+        # each layer's dispersion and shift are the prompt's (window attention), whatever the budget
+        stats = replay_compress(
+            model, make_method("cake-oneshot,layers.tau1=1,layers.tau2=1", ratio=ratios[0], window=window),
+            captured, cache, ids, logits, chunks=chunks, memo=memo,
+        )  # fmt: skip
+        h, v = torch.stack(stats.cache.entropy, 1)[0], torch.stack(stats.cache.variance, 1)[0]
         for ratio in ratios:
             base = {"scenario": scenario, "ratio": ratio}
             for name in REFERENCES:
@@ -102,17 +108,12 @@ def sweep_group(
                     model, case, memo, q.tokens[:n], make_method(name, ratio=ratio, window=window)
                 )
                 yield {**base, "method": name, "kl": kl, "attn": attn}
-            stats = replay_compress(
-                model, make_method("cake-oneshot,layers.tau1=1,layers.tau2=1", ratio=ratio, window=window),
-                captured, cache, ids, logits, chunks=chunks, memo=memo,
-            )  # fmt: skip
-            h, v = torch.stack(stats.cache.entropy, 1)[0], torch.stack(stats.cache.variance, 1)[0]
             spec = BudgetSpec(ratio=ratio, window=window)
+            fixed = make_method("layers=uniform,score=cake,decode=fixed", ratio=ratio, window=window)
             seen: dict[tuple[int, ...], tuple[float, float]] = {}
             for tau1, tau2 in itertools.product(tau1s, tau2s):
                 budgets = tuple(layer_budgets(h, v, spec, ids.shape[1], tau1, tau2).tolist())
                 if budgets not in seen:
-                    fixed = make_method("layers=uniform,score=cake,decode=fixed", ratio=ratio, window=window)
                     seen[budgets] = _measure(
                         model, case, memo, q.tokens[:n], fixed.replace(layers=FixedLayers(budgets))
                     )
@@ -148,31 +149,32 @@ def run_sweep(
     path = Path(out)
     fp = model_fingerprint(model)
     label = method_tau_label(model, make_method("cake", ratio=0.5))
-    records = load_records(path) if path.exists() else []
-    done = {_prompt_key(r) for r in records}
-    wanted: set[tuple] = set()
-    for task in tasks:
-        for length in lengths:
-            opts = task_options_for(task, needle_style, None)
-            for group in groups_for(task, tokenizer, samples, length, seed, haystack, opts, None, None):
-                q = group.questions[0]
-                base = {"model_fp": fp, "task": task, "length": length, "seed": q.seed, "sample": q.sample,
-                        "cake_tau": label, "window": window}  # fmt: skip
-                key = _prompt_key(base)
-                wanted.add(key)
-                if key in done or not compute:
-                    continue
-                t0 = time.perf_counter()
-                batch = [{**base, **r} for r in sweep_group(model, group, ratios, window, fidelity_tokens)]
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("a", encoding="utf-8") as sink:
-                    sink.writelines(json.dumps(r, sort_keys=True) + "\n" for r in batch)
-                records += batch
-                done.add(key)
-                if progress:
-                    print(f"tau sweep: {task} {length} seed {q.seed}: {len(batch)} records in "
-                          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
-    return [r for r in records if _prompt_key(r) in wanted]
+    records = load_records(path)
+    if compute:
+        done = {_prompt_key(r) for r in records}
+        for task in tasks:
+            for length in lengths:
+                opts = task_options_for(task, needle_style, None)
+                for group in groups_for(task, tokenizer, samples, length, seed, haystack, opts, None, None):
+                    q = group.questions[0]
+                    base = {"model_fp": fp, "task": task, "length": length, "seed": q.seed, "sample": q.sample,
+                            "cake_tau": label, "window": window}  # fmt: skip
+                    if _prompt_key(base) in done:
+                        continue
+                    t0 = time.perf_counter()
+                    batch = [
+                        {**base, **r} for r in sweep_group(model, group, ratios, window, fidelity_tokens)
+                    ]
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with path.open("a", encoding="utf-8") as sink:
+                        sink.writelines(json.dumps(r, sort_keys=True) + "\n" for r in batch)
+                    records += batch
+                    if progress:
+                        print(f"tau sweep: {task} {length} seed {q.seed}: {len(batch)} records in "
+                              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    seeds = range(seed, seed + samples)  # sample i of a synthetic task is built from seed + i
+    return [r for r in records if r["model_fp"] == fp and r["cake_tau"] == label and r["task"] in tasks
+            and r["length"] in lengths and r["seed"] in seeds]  # fmt: skip
 
 
 def _means(records: Sequence[dict[str, Any]]) -> dict[tuple[str, float], dict[Any, tuple[float, float, int]]]:
@@ -234,27 +236,28 @@ def sweep_markdown(records: Sequence[dict[str, Any]]) -> str:
     ]
     total = dict.fromkeys(taus, 0)
     shipped = 0
+
+    def pair(t: tuple[float, float]) -> str:
+        return f"{t[0]:g}/{t[1]:g}"
+
     for (sc, ratio), cell in sorted(means.items(), key=lambda kv: (kv[0][0] != "question", kv[0][1])):
         if not all(m in cell for m in REFERENCES):
             continue
         grid = {t: cell[t] for t in taus if t in cell}
-        for t, (kl, attn, _) in grid.items():
-            total[t] += targets_held(kl, attn, cell)
+        held_by = {t: targets_held(kl, attn, cell) for t, (kl, attn, _) in grid.items()}
+        for t, n_held in held_by.items():
+            total[t] += n_held
         c = cell["cake"]
         held = targets_held(c[0], c[1], cell)
         shipped += held
-        best = min(grid, key=lambda t: (-targets_held(grid[t][0], grid[t][1], cell), grid[t][0]))
+        best = min(grid, key=lambda t: (-held_by[t], grid[t][0]))
         low_kl = min(grid, key=lambda t: grid[t][0])
         low_attn = min(grid, key=lambda t: grid[t][1])
-
-        def pair(t: tuple[float, float]) -> str:
-            return f"{t[0]:g}/{t[1]:g}"
-
         lines.append(
             f"| {titles[sc]} | {ratio:g} | {cell['snapkv'][0]:.4f} / {cell['snapkv'][1]:.4f} | "
             f"{cell['pyramidkv'][0]:.4f} / {cell['pyramidkv'][1]:.4f} | {c[0]:.4f} / {c[1]:.4f}, {held}/4 | "
             f"{pair(best)}: {grid[best][0]:.4f} / {grid[best][1]:.4f}, "
-            f"{targets_held(grid[best][0], grid[best][1], cell)}/4 | {pair(low_kl)}: {grid[low_kl][0]:.4f} "
+            f"{held_by[best]}/4 | {pair(low_kl)}: {grid[low_kl][0]:.4f} "
             f"({grid[low_kl][1]:.4f}) | {pair(low_attn)}: {grid[low_attn][1]:.4f} ({grid[low_attn][0]:.4f}) |"
         )  # fmt: skip
     cells = sum(1 for cell in means.values() if all(m in cell for m in REFERENCES))
