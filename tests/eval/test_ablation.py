@@ -64,3 +64,24 @@ def test_targets_count_the_prompts_where_they_hold():
         line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | question" in line
     )
     assert "| 0.3 | 0.25 | **no** | 1/2 |" in row  # the mean fails, one prompt of two holds
+
+
+def test_a_part_of_the_suite_leaves_its_page_and_ablation_alone():
+    import argparse
+
+    from kvcake.eval.cli import add_arguments
+    from kvcake.eval.suites import resolve
+
+    parser = add_arguments(argparse.ArgumentParser())
+    suite = resolve(parser.parse_args(["--suite", "results", "--threads", "1", "--report-only"]))
+    assert suite["ablation"] and suite["doc"] == "docs/results.md" and not suite["narrowed"]
+    variant = ["--suite", "results", "--methods", "full;cake,score.pooling=max", "--out", "/tmp/v.jsonl"]
+    part = resolve(parser.parse_args(variant))
+    assert not part["ablation"] and part["doc"] is None and part["narrowed"] == ["--methods", "--out"]
+    assert part["methods"] == ("full", "cake,score.pooling=max")
+    assert part["tasks"] == suite["tasks"] and part["ratios"] == suite["ratios"]  # the suite's prompts
+    named = resolve(parser.parse_args([*variant, "--doc", "/tmp/v.md"]))
+    assert named["doc"] == "/tmp/v.md" and not named["ablation"]
+    gemma = resolve(parser.parse_args(["--suite", "results-gemma3"]))
+    assert not gemma["ablation"] and not gemma["narrowed"]  # the ablation is the default model's
+    assert resolve(parser.parse_args(["--lengths", "2k"]))["narrowed"] == []  # no suite, nothing to narrow

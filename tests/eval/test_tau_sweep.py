@@ -118,3 +118,28 @@ def test_command_line_runs_the_sweep_beside_the_results(make_tiny_llama, tokeniz
     assert swept == tmp_path / "r_tau_sweep.jsonl" and len(swept.read_text().splitlines()) == 2 * 45
     with pytest.raises(ValueError, match="drop --budgets"):
         cli.main([*args, "--budgets", "64"])
+
+
+def test_a_variant_on_the_suites_prompts_leaves_the_page_alone(
+    make_tiny_llama,
+    tokenizer,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    from kvcake.eval import cli
+
+    folder = tmp_path / "model"
+    make_tiny_llama().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)  # the suite's page and results file are relative paths
+    args = ["--suite", "results", "--model", str(folder), "--methods", "full;cake,score.pooling=max",
+            "--ratios", "0.5", "--tasks", "niah_single", "--lengths", "90", "--samples", "1", "--haystack", "noise",
+            "--window", "4", "--max-new-tokens", "2", "--fidelity-tokens", "3", "--out", "v.jsonl", "--no-progress"]  # fmt: skip
+    assert cli.main(args) == 0
+    assert "its page was left alone" in capsys.readouterr().out
+    methods = {
+        line.split('"method": "')[1].split('"')[0] for line in (tmp_path / "v.jsonl").read_text().splitlines()
+    }
+    assert methods == {"full", "cake,score.pooling=max"}  # no ablation cells
+    assert not (tmp_path / "docs").exists()
