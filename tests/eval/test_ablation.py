@@ -81,7 +81,8 @@ def test_a_part_of_the_suite_leaves_its_page_and_ablation_alone():
     assert part["methods"] == ("full", "cake,score.pooling=max")
     assert part["tasks"] == suite["tasks"] and part["ratios"] == suite["ratios"]  # the suite's prompts
     named = resolve(parser.parse_args([*variant, "--doc", "/tmp/v.md"]))
-    assert named["doc"] == "/tmp/v.md" and not named["ablation"]
+    assert named["doc"] == "/tmp/v.md" and not named["ablation"] and named["targets"]
+    assert named["intro"] == named["notes"] == "" and suite["notes"].startswith("## Observations")
     gemma = resolve(parser.parse_args(["--suite", "results-gemma3"]))
     assert not gemma["ablation"] and not gemma["narrowed"]  # the ablation is the default model's
     assert resolve(parser.parse_args(["--lengths", "2k"]))["narrowed"] == []  # no suite, nothing to narrow

@@ -133,7 +133,7 @@ def test_a_variant_on_the_suites_prompts_leaves_the_page_alone(
     make_tiny_llama().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     monkeypatch.chdir(tmp_path)  # the suite's page and results file are relative paths
-    args = ["--suite", "results", "--model", str(folder), "--methods", "full;cake,score.pooling=max",
+    args = ["--suite", "results", "--model", str(folder), "--methods", "full;snapkv;cake,score.pooling=max;cake",
             "--ratios", "0.5", "--tasks", "niah_single", "--lengths", "90", "--samples", "1", "--haystack", "noise",
             "--window", "4", "--max-new-tokens", "2", "--fidelity-tokens", "3", "--out", "v.jsonl", "--no-progress"]  # fmt: skip
     assert cli.main(args) == 0
@@ -141,5 +141,10 @@ def test_a_variant_on_the_suites_prompts_leaves_the_page_alone(
     methods = {
         line.split('"method": "')[1].split('"')[0] for line in (tmp_path / "v.jsonl").read_text().splitlines()
     }
-    assert methods == {"full", "cake,score.pooling=max"}  # no ablation cells
+    assert methods == {"full", "snapkv", "cake,score.pooling=max", "cake"}  # no ablation cells
+    assert not (tmp_path / "docs").exists()
+    assert cli.main([*args, "--doc", "v.md", "--report-only"]) == 0  # a page of this part's cells
+    page = (tmp_path / "v.md").read_text()
+    assert "`cake` kl <= `snapkv`" in page and "| `cake-adakv` kl" in page  # its targets, on its cells
+    assert "## Observations" not in page and "Every kvcake preset" not in page  # not the suite's text
     assert not (tmp_path / "docs").exists()

@@ -140,18 +140,25 @@ def run_section(
         command=command + "  # CAKE ablation cells", compute=not report_only, report=False,
     )  # fmt: skip
     out = Path(str(settings["out"]))
-    targets = targets_markdown(main_records)
     figure = budget_chart(model, tokenizer, out.parent / BUDGET_FIGURE, tuple(settings["ratios"]))
     section = ablation_markdown(result.records, figure, doc or out)
-    intro = (
-        "## Targets of issue 14 (CAKE with its calibrated temperatures)\n\nMeans over the prompts of the "
-        "tables above that both sides of a row have (3 tasks x 2 lengths x 2 samples when the run is "
-        "complete), computed from the results file. *Prompts where it holds* makes the same comparison prompt "
-        "by prompt: a mean can be decided by one prompt with a large KL.\n\n"
-    )
+    targets = targets_section(main_records)
     sweep = _sweep_section(model, tokenizer, settings, args.seed)
-    body = f"{intro}{targets}\n\n{section}" if main_records else section
+    body = f"{targets}\n\n{section}" if targets else section
     return f"{body}\n\n{sweep}" if sweep else body
+
+
+def targets_section(records: Sequence[dict[str, Any]]) -> str:
+    """The page section of issue 14's targets (:func:`targets_markdown`) for the main tables'
+    cells, or ``""`` when they hold no ``cake`` or ``cake-adakv`` cell (e.g. a run of other methods)."""
+    if not any(r["method"] in ("cake", "cake-adakv") for r in records):
+        return ""
+    return (
+        "## Targets of issue 14 (CAKE with its calibrated temperatures)\n\nMeans over the prompts of the "
+        "tables above that both sides of a row have (every task, length and sample when the run is complete), "
+        "computed from the results file. *Prompts where it holds* makes the same comparison prompt by prompt: "
+        "a mean can be decided by one prompt with a large KL.\n\n" + targets_markdown(records)
+    )
 
 
 def _sweep_section(model, tokenizer, settings: dict[str, Any], seed: int) -> str:

@@ -171,6 +171,10 @@ def _run(args: argparse.Namespace) -> int:
         s["notes"] = (
             f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only, result.records)}\n\n{s['notes']}"
         )
+    elif s["targets"] and s["doc"]:  # a part of the results suite: the targets on its own cells
+        from kvcake.eval.ablation import targets_section
+
+        s["notes"] = targets_section(result.records)
     if s["doc"]:
         from kvcake.eval.report import render_page
         from kvcake.eval.section import keep_sections, write_section

@@ -199,7 +199,8 @@ def resolve(args: argparse.Namespace) -> dict[str, object]:
         suite["methods"] = ("full", *PRESETS)
     # Options that change what a suite measures or where it goes: with any of them the run is a
     # part of the suite (one variant on its prompts, a subset of its cells), so it writes neither
-    # the suite's page nor its CAKE ablation cells; an explicit --doc still writes a page.
+    # the suite's page nor its CAKE ablation cells; an explicit --doc writes a page of its cells
+    # (with issue 14's targets table where the suite has one, without the suite's text).
     narrowed = [f"--{n}" for n in (*NARROWING, "model") if args.suite and getattr(args, n, None) is not None]
     if args.model is None and suite.get("model"):
         args.model = suite["model"]
@@ -215,9 +216,12 @@ def resolve(args: argparse.Namespace) -> dict[str, object]:
     out["notes"] = suite.get("notes", "")
     out["section"], out["title"] = suite.get("section"), suite.get("title", "")
     out["ablation"] = bool(suite.get("ablation", False)) and not narrowed
+    out["targets"] = bool(suite.get("ablation", False))  # the suite that tracks issue 14's targets
     out["narrowed"] = narrowed
-    if narrowed and args.doc is None:
-        out["doc"] = None
+    if narrowed:  # the suite's hand-written text describes the whole suite, not this part of it
+        out["intro"] = out["notes"] = ""
+        if args.doc is None:
+            out["doc"] = None
     if out["ratios"] is None:
         out["ratios"] = () if out["budgets"] else (0.25,)
     return out
