@@ -41,7 +41,7 @@ import torch
 from kvcake.allocators import AllocationRequest, CakeAllocator, LayerAllocator, preference
 from kvcake.budget import BudgetSpec
 from kvcake.method import Method, make_method
-from kvcake.replay import ScoreMemo, rel_l1, replay_compress, teacher_force
+from kvcake.replay import ScoreMemo, kl_per_token, perturbation, replay_compress, teacher_force
 
 from .samples import Sample
 
@@ -172,11 +172,8 @@ class Evaluator:
         )
         n = s.full_logprobs.shape[0]
         tf = teacher_force(self.model, ctx.cache, s.ids.shape[1], ctx.logits, s.appended, n)
-        p = s.full_logprobs.exp()
         self.evaluations += 1
-        kl = float((p * (s.full_logprobs - tf.logprobs)).sum(-1).clamp_min(0).mean())
-        layers = [rel_l1(c, f) for c, f in zip(tf.attn, s.full_attn, strict=True)]
-        return Measures(kl, sum(layers) / len(layers) if layers else None)
+        return Measures(kl_per_token(s.full_logprobs, tf.logprobs), perturbation(tf.attn, s.full_attn)[1])
 
     def budgets(self, i: int, tau1: float, tau2: float) -> torch.Tensor:
         h, v = self.stats[i]

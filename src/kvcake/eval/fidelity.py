@@ -50,6 +50,8 @@ from kvcake.replay import (
     attention_outputs,
     cache_bytes,
     capture_queries,
+    kl_per_token,
+    perturbation,
     rel_l1,
     replay_compress,
     teacher_force,
@@ -110,20 +112,18 @@ def compare(full: TeacherForced, compressed: TeacherForced, continuation: torch.
         raise ValueError(
             f"expected {n} predictions, got {full.logprobs.shape[0]} and {compressed.logprobs.shape[0]}"
         )
-    p_full = full.logprobs.exp()
-    kl = (p_full * (full.logprobs - compressed.logprobs)).sum(-1).clamp_min(0.0).mean()
     idx = continuation.reshape(n, 1).to(full.logprobs.device)
     nll = -compressed.logprobs.gather(1, idx).mean()
     nll_full = -full.logprobs.gather(1, idx).mean()
-    layers = [rel_l1(c, f) for c, f in zip(compressed.attn, full.attn, strict=True)]
+    layers, attn = perturbation(compressed.attn, full.attn)
     hidden = None
     if full.hidden is not None and compressed.hidden is not None:
         hidden = rel_l1(compressed.hidden, full.hidden)
     return Fidelity(
-        kl=float(kl),
+        kl=kl_per_token(full.logprobs, compressed.logprobs),
         nll=float(nll),
         nll_full=float(nll_full),
-        attn_rel_l1=sum(layers) / len(layers) if layers else None,
+        attn_rel_l1=attn,
         attn_rel_l1_layers=layers,
         hidden_rel_l1=hidden,
         tokens=n,

@@ -10,7 +10,7 @@ from kvcake.attention import enable
 
 from .capture import attention_outputs
 
-__all__ = ["TeacherForced", "rel_l1", "teacher_force"]
+__all__ = ["TeacherForced", "kl_per_token", "perturbation", "rel_l1", "teacher_force"]
 
 
 @dataclass
@@ -32,6 +32,22 @@ def rel_l1(compressed: torch.Tensor, full: torch.Tensor) -> float:
     num = (compressed.double() - full.double()).abs().sum()
     den = full.double().abs().sum().clamp_min(1e-30)
     return float(num / den)
+
+
+def kl_per_token(full_logprobs: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """Mean over the ``n`` positions of ``KL(full || compressed)`` of the next-token distributions
+    (nats per token); both (n, vocab) log-probabilities, e.g. :attr:`TeacherForced.logprobs`."""
+    p = full_logprobs.exp()
+    return float((p * (full_logprobs - logprobs)).sum(-1).clamp_min(0.0).mean())
+
+
+def perturbation(
+    compressed: list[torch.Tensor], full: list[torch.Tensor]
+) -> tuple[list[float], float | None]:
+    """Attention-output perturbation: :func:`rel_l1` of each layer's outputs (one tensor per layer,
+    e.g. :attr:`TeacherForced.attn`) and their mean over layers (``None`` for no layers)."""
+    layers = [rel_l1(c, f) for c, f in zip(compressed, full, strict=True)]
+    return layers, (sum(layers) / len(layers) if layers else None)
 
 
 def teacher_force(
