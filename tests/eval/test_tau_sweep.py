@@ -5,6 +5,8 @@ model, and the section picks the grid's best points from the numbers."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_runner import TINY, one_thread, tokenizer  # noqa: F401  (fixtures)
 
@@ -102,12 +104,18 @@ def test_means_use_the_prompts_every_entry_has():
     assert means["snapkv"] == (0.2, 0.2, 1)  # seed 1 has only snapkv: left out
 
 
+def _saved_model(make_tiny_llama, tok, tmp_path):
+    """A tiny Llama and its tokenizer saved in a folder, for the command line's --model."""
+    folder = tmp_path / "model"
+    make_tiny_llama().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def test_command_line_runs_the_sweep_beside_the_results(make_tiny_llama, tokenizer, tmp_path, capsys):  # noqa: F811
     from kvcake.eval import cli
 
-    folder = tmp_path / "model"
-    make_tiny_llama().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = _saved_model(make_tiny_llama, tokenizer, tmp_path)
     out = tmp_path / "r.jsonl"
     args = ["--model", str(folder), "--methods", "full,snapkv", "--ratios", "0.5", "--tasks", "niah_single",
             "--lengths", "90", "--samples", "1", "--haystack", "noise", "--window", "4", "--max-new-tokens", "2",
@@ -129,18 +137,14 @@ def test_a_variant_on_the_suites_prompts_leaves_the_page_alone(
 ):
     from kvcake.eval import cli
 
-    folder = tmp_path / "model"
-    make_tiny_llama().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = _saved_model(make_tiny_llama, tokenizer, tmp_path)
     monkeypatch.chdir(tmp_path)  # the suite's page and results file are relative paths
     args = ["--suite", "results", "--model", str(folder), "--methods", "full;snapkv;cake,score.pooling=max;cake",
             "--ratios", "0.5", "--tasks", "niah_single", "--lengths", "90", "--samples", "1", "--haystack", "noise",
             "--window", "4", "--max-new-tokens", "2", "--fidelity-tokens", "3", "--out", "v.jsonl", "--no-progress"]  # fmt: skip
     assert cli.main(args) == 0
     assert "its page was left alone" in capsys.readouterr().out
-    methods = {
-        line.split('"method": "')[1].split('"')[0] for line in (tmp_path / "v.jsonl").read_text().splitlines()
-    }
+    methods = {json.loads(line)["method"] for line in (tmp_path / "v.jsonl").read_text().splitlines()}
     assert methods == {"full", "snapkv", "cake,score.pooling=max", "cake"}  # no ablation cells
     assert not (tmp_path / "docs").exists()
     assert cli.main([*args, "--doc", "v.md", "--report-only"]) == 0  # a page of this part's cells
