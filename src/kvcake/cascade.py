@@ -74,19 +74,27 @@ def prefill_stage(
         window=m.budget.window, scaling=scaling,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
-    if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
+    if (m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores) or m.layers.needs_scores:
         # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
-        # at the end of prefill), which keeps the cascade equal to one-shot eviction.
+        # at the end of prefill), which keeps the cascade equal to one-shot eviction. The
+        # global allocator ranks these across layers.
         cache.count_scores[layer_idx] = layer.scores
     if m.selector.needs_value_norms:
-        layer.norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
+        norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
+        layer.norms = m.selector.prepare_norms(norms)
     if m.layers.needs_preferences:
         cache.preferences.append(layer_preference(cache, inputs))
     last = g == len(cache.compressed) - 1
-    if m.layers.needs_preferences:
+    if m.layers.needs_preferences or m.layers.needs_scores:
         if m.layers.cascading or last:
-            budgets = allocate(cache, torch.stack(cache.preferences, 1), final=last)
+            prefs = torch.stack(cache.preferences, 1) if m.layers.needs_preferences else None
+            seen = (
+                tuple(cache.count_scores[lid] for lid in cache.compressed[: g + 1])
+                if m.layers.needs_scores
+                else None
+            )
+            budgets = allocate(cache, prefs, final=last, layer_scores=seen)
             cache.stage_budgets.append(budgets)
             for j in range(g + 1):
                 cache._evict_layer(cache.compressed[j], budgets[:, j])
@@ -153,12 +161,14 @@ def temperatures(cache: Cache) -> tuple[float, float]:
     return cache.tau.tau1, cache.tau.tau2
 
 
-def allocate(cache: Cache, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
+def allocate(
+    cache: Cache, preferences: torch.Tensor | None, final: bool, layer_scores: tuple | None = None
+) -> torch.Tensor:
     """(B, m) budgets of the first ``m`` compressed layers (all of them unless cascading)."""
     s = cache.seq
     req = AllocationRequest(
         total=s.total, cap=s.lengths, window=s.window, num_layers=len(cache.compressed),
-        preferences=preferences, final=final,
+        preferences=preferences, final=final, layer_scores=layer_scores,
     )  # fmt: skip
     return cache.method.layers.allocate(req)
 
