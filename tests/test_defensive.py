@@ -259,3 +259,26 @@ def test_prefill_peak_within_the_cascade_bound_and_memory_freed(tiny_llama, name
     )
     if once is not None:
         assert once.prefill_peak_kv_bytes == s * layers * hkv * entry > bound
+
+
+def test_memory_bench_theory_and_target(tiny_llama, tmp_path):
+    """The memory bench's theory for the new presets: layer-wise eviction for DefensiveKV,
+    the cascade bound for Layer-DefensiveKV (and its target row)."""
+    from kvcake.bench import memory
+    from kvcake.bench.common import BenchModels
+
+    models = BenchModels(tiny_llama, None, "tiny", torch.device("cpu"), torch.float32)
+    result = memory.run(
+        models, lengths=(96,), methods=("defensivekv", "layer-defensivekv"), budget=24, rss_lengths=(),
+        window=8, out=None, echo=False,
+    )  # fmt: skip
+    rows = {r["method"]: r for r in result["kv"]}
+    assert rows["defensivekv"]["peak_rule"] == "layer-wise"
+    assert rows["defensivekv"]["peak"] == rows["defensivekv"]["peak_theory"]
+    lay = rows["layer-defensivekv"]
+    assert lay["peak_rule"] == "B_total + S (bound)"
+    assert lay["peak"] <= lay["cascade_bound"] + 3 * lay["entry_bytes"]
+    for r in (rows["defensivekv"], lay):
+        assert r["end"] == r["end_theory"] == r["counts_bytes"]
+    (target,) = [t for t in result["targets"] if "Layer-DefensiveKV" in t["target"]]
+    assert target["ok"]

@@ -88,7 +88,7 @@ class Method:
                            (self.selector, Selector)):  # fmt: skip
             if not isinstance(part, base):
                 raise TypeError(f"expected a {base.__name__}, got {type(part).__name__}")
-        if self.selector.needs_marks and not getattr(self.scorer, "marks_critical", False):
+        if self.selector.needs_marks and not self.scorer.marks_critical:
             raise ValueError(
                 f"select.first=marked needs a scorer that marks the first stage (score=defensive with "
                 f"critical_mass > 0), got score={self.scorer.describe()}: use select.first=ratio"
