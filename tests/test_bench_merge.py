@@ -45,8 +45,13 @@ def test_add_on_the_command_line(tiny_llama, tmp_path, monkeypatch):
     )  # fmt: skip
     base = ["memory", "--memory-lengths", "64", "--budget", "24", "--window", "8", "--out", str(tmp_path)]
     monkeypatch.setattr(cli, "DEFAULTS", {**cli.DEFAULTS, "rss_lengths": ()})
-    assert cli.main([*base, "--methods", "snapkv"]) == 0
-    assert cli.main([*base, "--methods", "layer-defensivekv", "--add"]) == 0
+    page = tmp_path / "page.md"
+    assert cli.main([*base, "--methods", "snapkv", "--doc", str(page)]) == 0
+    assert "layer-defensivekv" not in page.read_text()
+    assert cli.main([*base, "--methods", "layer-defensivekv", "--add", "--doc", str(page)]) == 0
     data = json.loads((tmp_path / "memory.json").read_text())
     assert {r["method"] for r in data["kv"]} == {"full", "snapkv", "layer-defensivekv"}
+    text = page.read_text()
+    assert "| 64 | snapkv |" in text and "| 64 | layer-defensivekv |" in text
+    assert "Rows added since (`--add`" in text and "--methods layer-defensivekv --add" in text
     assert cli.main(["decode", "--add", "--out", str(tmp_path)]) == 2

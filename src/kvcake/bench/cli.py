@@ -213,6 +213,14 @@ def run(args: argparse.Namespace) -> int:
         f"\nwrote {', '.join(str(out / f'{b}.json') for b in results)} (+ .png) in {total / 60:.1f} min",
         flush=True,
     )
+    if args.add and (out / "run.json").exists():  # the page lists the runs merged since its own
+        argv = getattr(args, "argv", None)
+        prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
+        run_info = json.loads((out / "run.json").read_text())
+        added = dict(command=" ".join([prefix, *(shlex.quote(a) for a in argv)]), total_s=total,
+                     date=datetime.date.today().isoformat())  # fmt: skip
+        run_info["added"] = [*run_info.get("added", []), added]
+        write_json(out / "run.json", run_info)
     if args.doc and args.add:  # the page from every result in --out, as `report` writes it
         return _report(args)
     if args.doc:
@@ -233,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _render_args(run_info: dict) -> dict:
     keys = ("machine", "command", "total_s", "date")
-    return {k: run_info[k] for k in keys}
+    return {**{k: run_info[k] for k in keys}, "added": run_info.get("added")}
 
 
 def _report(args: argparse.Namespace) -> int:
