@@ -21,8 +21,9 @@ def test_merge_replaces_only_the_new_cells_and_recomputes_targets():
                kv=[_kv("full", 1024, 9), _kv("snapkv", 1024, 5), _kv("cake", 1024, 101), _kv("full", 2048, 9)],
                rss=[], targets=[])  # fmt: skip
     new = dict(bench="memory", budget=128, window=32, lengths=[1024], methods=["layer-defensivekv"],
-               kv=[_kv("full", 1024, 9), _kv("layer-defensivekv", 1024, 99)], rss=[], targets=[])  # fmt: skip
+               kv=[_kv("full", 1024, 8), _kv("layer-defensivekv", 1024, 99)], rss=[], targets=[])  # fmt: skip
     got = merge("memory", old, new)
+    assert [r["peak"] for r in got["kv"] if r["method"] == "full"] == [9, 9], "the old run's full rows stay"
     assert got["methods"] == ["snapkv", "cake", "layer-defensivekv"]
     assert [(r["method"], r["length"]) for r in got["kv"]] == [
         ("full", 1024), ("snapkv", 1024), ("cake", 1024), ("layer-defensivekv", 1024), ("full", 2048)

@@ -16,7 +16,11 @@ MERGEABLE = ("memory", "prefill")
 
 def _rows(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` without the (method, length) cells of ``new``, then ``new``, in (length, method)
-    order of first appearance (old methods first)."""
+    order of first appearance (old methods first). The full cache's rows of ``old`` stay: the
+    old methods were compared with them (process memory is a noisy, per-run measure); the new
+    run's fill only lengths ``old`` lacks."""
+    have = {(r["method"], r["length"]) for r in old}
+    new = [r for r in new if r["method"] != "full" or (r["method"], r["length"]) not in have]
     fresh = {(r["method"], r["length"]) for r in new}
     kept = [r for r in old if (r["method"], r["length"]) not in fresh]
     order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in [*old, *new]))}
