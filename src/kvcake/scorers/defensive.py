@@ -44,7 +44,10 @@ class DefensiveScorer(Scorer):
     ``+MARK``. ``critical_mass=0`` marks nothing. Differences from the authors' code: the
     share is per sequence (theirs one scalar for the batch, read off the last ``w`` prefix
     columns), and the set includes the entry that crosses the threshold (theirs stops before
-    it); the cap at the head's budget is applied by the selector.
+    it); the cap at the head's budget is applied by the selector. In our parts Ada-KV splits a
+    layer's budget among heads by these scores (marks included) and the selector then weighs
+    the rest by value norms within each head, where the authors rank the value-weighted scores
+    across heads at once; and the selector's ``eps`` (1e-4) is added before weighting.
 
     Output (B, H_kv, S) float32, window at +inf, padding at -inf.
     """
