@@ -77,7 +77,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_PIN)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager $(TORCH_PIN) ".[dev]"
 	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
-	$(LATEST_VENV)/bin/python -c "import torch, transformers, accelerate, gguf, safetensors; print('latest: torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'gguf', gguf.__version__, 'safetensors', safetensors.__version__)"
+	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version as v; print('latest:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'gguf', 'safetensors', 'tokenizers', 'huggingface_hub')))"
 	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
 
 # Rewrites requirements/dev.lock and requirements/floor.lock from fresh environments resolved
