@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from ..devices import check_device
 from ..ragged import flash_available
 from .caches import BenchCache, FullCache, build_cache, dynamic_cache_bytes, shared_prefill
 from .output import fmt, log_axes, markdown_table, median, new_figure, save_figure, verdict, write_json
@@ -144,10 +145,7 @@ def machine_lines(machine: dict) -> list[str]:
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
-    return device
+    return check_device(name)
 
 
 # -- models and prompts --------------------------------------------------------------------------
