@@ -77,6 +77,7 @@ def fastest(
     names: Sequence[str] | None = None,
     repeats: int = 3,
     sync: Callable[[], None] = lambda: None,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> tuple[str, dict[str, float | None]]:
     """(name, {name: median seconds or None if it cannot run}) of the fastest backend for ``work``.
 
@@ -93,10 +94,10 @@ def fastest(
                 sync()
                 runs = []
                 for _ in range(max(repeats, 1)):
-                    t0 = time.perf_counter()
+                    t0 = timer()
                     work()
                     sync()
-                    runs.append(time.perf_counter() - t0)
+                    runs.append(timer() - t0)
         except RuntimeError as err:  # "No available kernel": this backend cannot serve the call
             logger.info("SDPA backend %s cannot run here: %s", name, " ".join(str(err).split())[:200])
             times[name] = None
