@@ -101,3 +101,20 @@ def test_settings_and_shapes_checked():
     # the default shape is Llama-3.1-8B's: 8.03 billion parameters (built on meta: no memory)
     model = random_model("llama-3.1-8b", 128, device=torch.device("meta"), dtype=torch.bfloat16)
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
+
+
+def test_a_cache_out_of_memory_is_a_row_entry(monkeypatch):
+    measure = gpu._Runner.measure
+
+    def oom_for_h2o(self, name):
+        if name == "h2o":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return measure(self, name)
+
+    monkeypatch.setattr(gpu._Runner, "measure", oom_for_h2o)
+    settings = GpuSettings(**TINY, methods=("h2o", "snapkv"), compile=False)
+    result = run_gpu(settings, device=torch.device("cpu"), dtype=torch.float32)
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert rows["h2o"]["prefill_s"] == "OOM" and isinstance(rows["snapkv"]["prefill_s"], float)
+    assert "| 64 | h2o | OOM | OOM |" in gpu.gpu_table(result)
+    assert {c["cache"] for c in targets(result)} == {"snapkv"}

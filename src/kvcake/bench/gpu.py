@@ -191,10 +191,21 @@ def run_gpu(settings: GpuSettings, *, device: torch.device, dtype: torch.dtype) 
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 logger.info("%d tokens, round %d/%d: %s", length, r + 1, settings.rounds, name)
-                runs[name].append(runner.measure(name))
+                try:
+                    runs[name].append(runner.measure(name))
+                except torch.OutOfMemoryError:  # one cache too big at this length: a row entry, not a crash
+                    logger.warning("%s ran out of memory at %d tokens", name, length)
+                    runs[name].append(None)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         full = runs[FULL_DYNAMIC]
         for name in names:
             mine = runs[name]
+            if any(x is None for x in mine + full):
+                rows.append(dict(length=length, cache=name, prefill_s="OOM", prefill_ratio="OOM", eager_ms="OOM",
+                                 compiled_ms="OOM", peak_mib="OOM", kv_mib="OOM"))  # fmt: skip
+                continue
             compiled = [x["compiled_s"] for x in mine]
             rows.append(dict(
                 length=length, cache=name, prefill_s=median([x["prefill_s"] for x in mine]),
@@ -210,15 +221,20 @@ def run_gpu(settings: GpuSettings, *, device: torch.device, dtype: torch.dtype) 
                 sdpa_backends=backends)  # fmt: skip
 
 
+def _cell(value: float | str, digits: int) -> str:
+    return value if isinstance(value, str) else fmt(value, digits)  # "OOM", "n/a (...)": as they are
+
+
 def gpu_table(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         name = r["cache"]
         if name == FULL_DYNAMIC:
             name += f", SDPA {result['sdpa_backends'][r['length']]['chosen']}"
-        compiled = r["compiled_ms"] if isinstance(r["compiled_ms"], str) else fmt(r["compiled_ms"], 2)
-        rows.append((r["length"], name, fmt(r["prefill_s"], 3), fmt(r["prefill_ratio"], 2), fmt(r["eager_ms"], 2),
-                     compiled, fmt(r["peak_mib"], 0), fmt(r["kv_mib"], 1)))  # fmt: skip
+
+        cells = [_cell(r[k], digits) for k, digits in (("prefill_s", 3), ("prefill_ratio", 2), ("eager_ms", 2),
+                                                       ("compiled_ms", 2), ("peak_mib", 0), ("kv_mib", 1))]  # fmt: skip
+        rows.append((r["length"], name, *cells))
     return markdown_table(("S", "cache", "prefill s", "prefill / full", "eager decode ms", "compiled decode ms",
                            "prefill peak MiB", "KV MiB"), rows)  # fmt: skip
 
@@ -250,30 +266,37 @@ HOLDS_WHOLE_PROMPT = (
 
 def targets(result: dict) -> list[dict]:
     """Each GPU target checked on the rows measured (a target whose lengths or methods are absent is skipped)."""
-    at = {(r["length"], r["cache"]): r for r in result["rows"]}
+    measured = [
+        r for r in result["rows"] if not isinstance(r["prefill_ratio"], str)
+    ]  # "OOM": nothing to check
+    at = {(r["length"], r["cache"]): r for r in measured}
     lengths = sorted({r["length"] for r in result["rows"]})
     methods = [m for m in result["settings"]["methods"]]
     out = []
     for n in lengths:
         for m in methods:
+            if (n, m) not in at or (n, FULL_DYNAMIC) not in at:
+                continue
             v = at[n, m]["prefill_ratio"]
             out.append(dict(target=f"prefill <= {PREFILL_RATIO:.2f} x full", length=n, cache=m, value=v,
                             ok=v <= PREFILL_RATIO))  # fmt: skip
         for ada, dense in ADA_PAIRS.items():
-            if ada in methods and dense in methods:
+            if (n, ada) in at and (n, dense) in at:
                 v = at[n, ada]["eager_ms"] / at[n, dense]["eager_ms"]
                 out.append(dict(target=f"eager decode <= {ADA_RATIO:.1f} x {dense}'s", length=n, cache=ada, value=v,
                                 ok=v <= ADA_RATIO))  # fmt: skip
     if 8192 in lengths and 32768 in lengths:
         for m in (FULL_DYNAMIC, FULL_STATIC, *methods):
+            if (8192, m) not in at or (32768, m) not in at:
+                continue
             v = at[8192, m]["eager_ms"] / at[32768, m]["eager_ms"]
             out.append(
                 dict(target="eager decode at 8k <= at 32k", length=8192, cache=m, value=v, ok=v <= 1.0)
             )
-    if MEMORY_LENGTH in lengths:
+    if (MEMORY_LENGTH, FULL_DYNAMIC) in at:
         full = at[MEMORY_LENGTH, FULL_DYNAMIC]["peak_mib"]
         for m in methods:
-            if m not in HOLDS_WHOLE_PROMPT:
+            if m not in HOLDS_WHOLE_PROMPT and (MEMORY_LENGTH, m) in at:
                 v = at[MEMORY_LENGTH, m]["peak_mib"] / full if full > 0 else float("nan")
                 out.append(dict(target=f"prefill peak <= {MEMORY_RATIO:.2f} x full's", length=MEMORY_LENGTH, cache=m,
                                 value=v, ok=v <= MEMORY_RATIO))  # fmt: skip
