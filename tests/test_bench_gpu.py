@@ -38,6 +38,23 @@ def test_smoke_run_writes_the_page(tmp_path):
     assert "## Targets" in page
 
 
+def test_one_command_per_length_merges_into_one_page(tmp_path):
+    """``--merge``: a long GPU run split into commands under a time limit still makes one page."""
+    doc, out = tmp_path / "page.md", str(tmp_path / "out")
+    argv = ["gpu", "--device", "cpu", "--shape", "tiny", "--budget", "40", "--rounds", "1", "--steps", "1",
+            "--no-compile", "--methods", "snapkv", "--out", out, "--doc", str(doc)]  # fmt: skip
+    assert main([*argv, "--lengths", "96"]) == 0
+    with pytest.raises(ValueError, match="differs in budget"):
+        main([*argv, "--lengths", "80", "--merge", "--budget", "50"])
+    assert main([*argv, "--lengths", "80", "--merge"]) == 0
+    merged = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    names = [FULL_DYNAMIC, FULL_STATIC, "snapkv"]
+    assert [(r["length"], r["cache"]) for r in merged["rows"]] == [(n, c) for n in (80, 96) for c in names]
+    page = doc.read_text()
+    assert " --lengths 96" in page and " --lengths 80 --merge" in page and "| 80 | snapkv |" in page
+    assert "| 96 | snapkv |" in page
+
+
 @pytest.mark.parametrize("outcome", ["works", "fails"])
 def test_compiled_column(monkeypatch, outcome):
     """A cache that cannot be traced reads 'not compileable'; a compile error is a row entry, not a crash."""

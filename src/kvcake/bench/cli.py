@@ -110,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--shape", default="llama-3.1-8b", help="random-weight model shape (kvcake.bench.shapes.SHAPES)"
     )
+    g.add_argument("--merge", action="store_true",
+                   help="keep the rows of OUT/gpu.json at other lengths (one command per length, e.g. under a "
+                        "10-minute limit); the page shows them all")  # fmt: skip
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the compiled decode step (default: on)")  # fmt: skip
     return p
@@ -234,7 +237,7 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
 
     from ..method import PRESETS
     from .common import describe_machine, machine_lines, write_json
-    from .gpu import GpuSettings, driver_version, gpu_table, render_page, run_gpu
+    from .gpu import GpuSettings, driver_version, gpu_table, merge, render_page, run_gpu
 
     settings = GpuSettings(
         shape=args.shape, lengths=tuple(args.lengths or GpuSettings.lengths), budget=args.budget or GpuSettings.budget,
@@ -253,11 +256,14 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
     result = run_gpu(settings, device=device, dtype=dtype)
     total = time.perf_counter() - started
     result["machine"] = machine
+    result["runs"] = [dict(command=_command(args), date=datetime.date.today().isoformat(), total_s=total)]
     print(gpu_table(result), flush=True)
+    if args.merge and (out / "gpu.json").is_file():
+        result = merge(json.loads((out / "gpu.json").read_text()), result)
     write_json(out / "gpu.json", result)
     doc = Path(args.doc or "docs/benchmarks-gpu.md")
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render_page(result, machine, _command(args), datetime.date.today().isoformat(), total))
+    doc.write_text(render_page(result, machine))
     print(f"wrote {out / 'gpu.json'} and {doc} in {total / 60:.1f} min", flush=True)
     return 0
 

@@ -217,7 +217,7 @@ def run_gpu(settings: GpuSettings, *, device: torch.device, dtype: torch.dtype) 
             ))  # fmt: skip
         del runner, model
         gc.collect()
-    return dict(bench="gpu", settings=settings.__dict__ | {"lengths": list(settings.lengths)}, rows=rows,
+    return dict(bench="gpu", settings=settings.__dict__ | {"lengths": list(settings.lengths), "methods": list(settings.methods)}, rows=rows,
                 sdpa_backends=backends)  # fmt: skip
 
 
@@ -303,7 +303,25 @@ def targets(result: dict) -> list[dict]:
     return out
 
 
-def render_page(result: dict, machine: dict, command: str, date: str, total_s: float) -> str:
+def merge(previous: dict, result: dict) -> dict:
+    """``result`` with the rows of ``previous`` at the lengths it did not measure (``--merge``: a
+    long run split into one command per length). The settings other than the lengths must match."""
+    keys = [k for k in result["settings"] if k != "lengths"]
+    differ = [k for k in keys if previous.get("settings", {}).get(k) != result["settings"][k]]
+    if differ:
+        raise ValueError(f"--merge: the earlier run differs in {', '.join(differ)}; rerun it or drop --merge")
+    new = set(result["settings"]["lengths"])
+    rows = [r for r in previous["rows"] if r["length"] not in new] + result["rows"]
+    rows.sort(key=lambda r: r["length"])  # stable: the cache order within a length is kept
+    lengths = sorted({r["length"] for r in rows})
+    backends = {int(k): v for k, v in previous["sdpa_backends"].items() if int(k) not in new}
+    return result | dict(
+        rows=rows, settings=result["settings"] | {"lengths": lengths}, runs=previous.get("runs", []) + result["runs"],
+        sdpa_backends=dict(sorted((backends | {int(k): v for k, v in result["sdpa_backends"].items()}).items())),
+    )  # fmt: skip
+
+
+def render_page(result: dict, machine: dict) -> str:
     """``docs/benchmarks-gpu.md``: how it was made, the table, the targets."""
     s = result["settings"]
     checks = targets(result)
@@ -312,7 +330,9 @@ def render_page(result: dict, machine: dict, command: str, date: str, total_s: f
     lines = [
         "# kvcake on a GPU: prefill, decode step and memory of every preset",
         "",
-        f"Written by `{command}` on {date} in {total_s / 60:.1f} min (`make bench-gpu` runs the default one).",
+        "Written by (`make bench-gpu` runs the default command):",
+        "",
+        *(f"- `{r['command']}` on {r['date']} in {r['total_s'] / 60:.1f} min" for r in result["runs"]),
         "",
         *(
             f"- {k}: {machine.get(k)}"
