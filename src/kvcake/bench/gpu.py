@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import subprocess
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ FULL_DYNAMIC = "full (DynamicCache)"
 FULL_STATIC = "full (StaticCache)"
 MiB = 2**20
 WARMUP_STEPS = 2
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """``cache`` where the forward takes it (transformers >= 5.24 deprecates ``past_key_values``)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _with_cache(model: torch.nn.Module, cache) -> dict:
+    return {_cache_keyword(model): cache}
 
 
 @dataclass(frozen=True)
@@ -101,14 +111,16 @@ class _Runner:
         return stack
 
     def prefill(self, cache) -> float:
-        t, _ = self.clock.time(lambda: self.model(self.ids, past_key_values=cache, logits_to_keep=1))
+        t, _ = self.clock.time(
+            lambda: self.model(self.ids, logits_to_keep=1, **_with_cache(self.model, cache))
+        )
         return t
 
     def step_fn(self):
-        model = self.model
+        model, keyword = self.model, _cache_keyword(self.model)  # outside the step: it may be traced
 
         def step(tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-            out = model(input_ids=tok, position_ids=pos, past_key_values=cache)
+            out = model(input_ids=tok, position_ids=pos, **{keyword: cache})
             return out.logits[:, -1:].argmax(-1)  # (1, 1) greedy
 
         return step
