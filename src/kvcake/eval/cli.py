@@ -92,6 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--doc", default=None, help="also write a markdown results page here")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tau-sweep", action="store_true",
                    help="also measure CAKE at a grid of fixed temperatures on the same prompts, next to snapkv and "
@@ -136,13 +137,17 @@ def _run(args: argparse.Namespace) -> int:
     argv = getattr(args, "argv", None)
     prefix, argv = ("python -m kvcake.eval", argv) if argv is not None else ("kvcake", sys.argv[1:])
     command = " ".join([prefix, *(shlex.quote(a) for a in argv)]).strip()
-    model = tokenizer = None
-    if args.model is not None:
-        import kvcake
+    import kvcake
+    from kvcake.devices import check_device
 
-        model, tokenizer = kvcake.load_model(args.model)
+    device = check_device(args.device)  # an absent device fails before any work
+    model = tokenizer = None
+    model_name = args.model
+    if args.model is not None or device.type != "cpu":
+        model_name = args.model or kvcake.DEFAULT_MODEL
+        model, tokenizer = kvcake.load_model(model_name, device=device)
     result = run_eval(
-        model, tokenizer, model_name=args.model, methods=s["methods"], budgets=s["budgets"], ratios=s["ratios"],
+        model, tokenizer, model_name=model_name, methods=s["methods"], budgets=s["budgets"], ratios=s["ratios"],
         tasks=s["tasks"], lengths=s["lengths"], samples=s["samples"], scenario=s["scenario"], seed=args.seed,
         haystack=args.haystack, needle_style=args.needle_style, max_new_tokens=args.max_new_tokens,
         fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, window=args.window, out=s["out"],
@@ -212,7 +217,7 @@ def _run_sweep(args: argparse.Namespace, s: dict[str, object], results: Path) ->
     import kvcake
     from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
 
-    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device)
     records = run_sweep(
         model, tokenizer, tasks=tuple(s["tasks"]), lengths=tuple(s["lengths"]), samples=int(s["samples"]),
         ratios=tuple(s["ratios"]), out=sweep_path(results), seed=args.seed, haystack=args.haystack,
