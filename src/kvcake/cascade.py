@@ -31,6 +31,7 @@ from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
 from .temperatures import resolve_tau
+from .tensor_parallel import local_weight
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,17 @@ def prefill_stage(
         window=m.budget.window, scaling=scaling,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+    if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
+        layer.scores = cache.split.mean(layer.scores)
     if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
         # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
         # at the end of prefill), which keeps the cascade equal to one-shot eviction.
         cache.count_scores[layer_idx] = layer.scores
     if m.selector.needs_value_norms:
-        layer.norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
+        # this rank's heads under tensor parallelism: its shard of W_O, its query heads
+        heads = cache.info.groups * layer.values.shape[1]
+        layer.norms = projected_value_norms(layer.values, local_weight(output_projection(module)), heads)
     if m.layers.needs_preferences:
         cache.preferences.append(layer_preference(cache, inputs))
     last = g == len(cache.compressed) - 1
@@ -112,6 +117,8 @@ def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
     entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
     _, var = window_rows_mean_var(sub, row_valid)
     variance = var.sum((1, 2))  # (B,)
+    if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
+        entropy, variance = cache.split.sum(torch.stack([entropy.double(), variance.double()]))
     tau1, tau2 = temperatures(cache)
     # host: (B,) per layer, stacked across layers that may sit on different devices
     entropy, variance = entropy.double().cpu(), variance.double().cpu()
@@ -172,7 +179,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     window = cache.seq.window.to(dev)
     budget = budget.to(dev)
     if m.heads.ragged:
-        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window)
+        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window, cache.split)
     else:
         n_valid = (scores > float("-inf")).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)

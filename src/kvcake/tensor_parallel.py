@@ -1,0 +1,136 @@
+"""Tensor-parallel models: which KV heads this process holds, and the few collectives kvcake needs.
+
+Under tensor parallelism (``from_pretrained(folder, tp_plan="auto")`` under ``torchrun``) each
+rank holds ``H_kv / world`` KV heads of every layer, a contiguous block: rank ``r`` holds global
+heads ``r * H_local .. (r + 1) * H_local - 1``. Everything kvcake does per head (scoring,
+selection, decode-time eviction) needs nothing from the other ranks. Two decisions are made over
+all heads of a layer and must see every rank's heads to equal the one-process method:
+
+- CAKE's layer preference sums the dispersion and shift over heads: each rank sums its own heads
+  and the ranks exchange the partial sums (2 numbers per sequence and layer);
+- Ada-KV ranks the prefix scores of all heads of a layer: each rank sends its own best ``k``
+  scores (``k`` = the layer's contested budget, at most its entries) with their global indices,
+  and every rank finds the same threshold (:func:`kth_over_ranks`).
+
+Every exchange is an all-gather, summed or merged in rank order on every rank, so every rank
+derives bit-identical budgets. The split is read from the model: transformers shards the
+attention projections as ``DTensor``s on its device mesh, whose ``"tp"`` dimension is the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """This process's share of a tensor-parallel model's heads.
+
+    group: the ``torch.distributed`` process group of the tensor-parallel ranks.
+    rank: this process's rank in ``group``; world: the group's size (> 1).
+    """
+
+    group: object
+    rank: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if not (self.world > 1 and 0 <= self.rank < self.world):
+            raise ValueError(
+                f"a head split needs world > 1 and 0 <= rank < world, got {self.rank}/{self.world}"
+            )
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """All-gather: (world, *t.shape), rank order, the same tensor on every rank."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, added in rank order on every rank (so bit-identical everywhere)."""
+        return self.gather(t).sum(0)
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks (every rank holds as many heads: the mean of the ranks' head means is
+        the mean over all heads), bit-identical on every rank."""
+        return self.gather(t).mean(0)
+
+
+def find_split(model: torch.nn.Module) -> HeadSplit | None:
+    """The tensor-parallel split of ``model``, or ``None`` for a model held whole by one process.
+
+    transformers' tensor parallelism stores sharded weights as ``DTensor``s on its device mesh;
+    the mesh's ``"tp"`` dimension (or its only dimension) is the group of ranks sharing heads.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            names = mesh.mesh_dim_names or ()
+            dim = names.index("tp") if "tp" in names else (0 if mesh.ndim == 1 else None)
+            if dim is None:
+                raise ValueError(
+                    f"the model is sharded on a device mesh with dimensions {names}, none named 'tp': "
+                    "kvcake supports transformers' tensor parallelism (from_pretrained(..., tp_plan='auto'))"
+                )
+            if mesh.size(dim) == 1:
+                return None
+            return HeadSplit(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
+    return None
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a weight (a plain tensor stays as it is)."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
+
+
+def local_top(scores: torch.Tensor, k: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best entries of each row, in rank order (score descending, index ascending).
+
+    scores: (B, N) float; offset: global index of this rank's first entry.
+    Returns (B, k) values and (B, k) int64 global indices."""
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]  # (B, k)
+    return scores.gather(1, order), order + offset
+
+
+def kth_over_ranks(
+    values: torch.Tensor, index: torch.Tensor, n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n``-th best entry (1-based) of the merged candidates, as (value, global index).
+
+    values, index: (B, M) every rank's :func:`local_top`, concatenated; n: (B,) int64 >= 1
+    (clamped to ``M``). Order: value descending, ties by global index ascending, the order
+    of a stable descending sort over all heads at once. Returns two (B, 1) tensors."""
+    by_index = torch.argsort(index, dim=1)  # indices are distinct
+    v, i = values.gather(1, by_index), index.gather(1, by_index)
+    by_value = torch.argsort(v, dim=1, descending=True, stable=True)
+    v, i = v.gather(1, by_value), i.gather(1, by_value)
+    pos = (n - 1).clamp(min=0, max=values.shape[1] - 1)[:, None]  # (B, 1)
+    return v.gather(1, pos), i.gather(1, pos)
+
+
+def top_over_ranks(flat: torch.Tensor, fill: torch.Tensor, split: HeadSplit) -> torch.Tensor:
+    """This rank's entries among the ``fill`` best of all ranks' ``flat`` rows.
+
+    flat: (B, N) this rank's scores (N equal on every rank), global index ``rank * N + j``;
+    fill: (B,) int64, the same on every rank. Returns (B, N) bool, equal to this rank's slice
+    of ``ranks_desc(all ranks' rows concatenated) < fill``."""
+    b, n = flat.shape
+    k = min(int(fill.max()), n)  # the global top-fill holds at most fill entries of any one rank
+    if k <= 0:
+        return torch.zeros_like(flat, dtype=torch.bool)
+    vals, idx = local_top(flat, k, split.rank * n)
+    all_vals = split.gather(vals).permute(1, 0, 2).reshape(b, split.world * k)  # (B, world * k)
+    all_idx = split.gather(idx).permute(1, 0, 2).reshape(b, split.world * k)
+    tv, ti = kth_over_ranks(all_vals, all_idx, fill)
+    mine = torch.arange(n, device=flat.device) + split.rank * n  # (N,)
+    won = (flat > tv) | ((flat == tv) & (mine[None, :] <= ti))
+    return won & (fill > 0)[:, None]
