@@ -76,7 +76,7 @@ def prefill_stage(
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
-        layer.scores = cache.split.mean(layer.scores)
+        layer.scores = cache.split.head_mean(layer.scores)
     if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
         # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed

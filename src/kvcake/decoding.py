@@ -61,4 +61,4 @@ def _across(cache: Cache):
     they share scores); ``None`` otherwise. Costs one all-gather of the scores per layer and step."""
     if cache.split is None or not cache.method.scorer.layer_wide:
         return None
-    return cache.split.mean
+    return cache.split.head_mean

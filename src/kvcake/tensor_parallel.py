@@ -8,6 +8,8 @@ all heads of a layer and must see every rank's heads to equal the one-process me
 
 - CAKE's layer preference sums the dispersion and shift over heads: each rank sums its own heads
   and the ranks exchange the partial sums (2 numbers per sequence and layer);
+- TOVA's score is the mean over all heads of a layer: the ranks average their means (``B x S``
+  numbers per layer at prefill, ``B x N`` per layer and decoding step);
 - Ada-KV ranks the prefix scores of all heads of a layer: each rank sends its own best ``k``
   scores (``k`` = the layer's contested budget, at most its entries) with their global indices,
   and every rank finds the same threshold (:func:`kth_over_ranks`).
@@ -54,10 +56,11 @@ class HeadSplit:
         """Sum over ranks, added in rank order on every rank (so bit-identical everywhere)."""
         return self.gather(t).sum(0)
 
-    def mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks (every rank holds as many heads: the mean of the ranks' head means is
-        the mean over all heads), bit-identical on every rank."""
-        return self.gather(t).mean(0)
+    def head_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Layer-wide scores (B, H_local, N), equal over this rank's heads (each its heads' mean):
+        the mean over every rank's heads, bit-identical on every rank. Every rank holds as many
+        heads, so the mean of the ranks' means is the mean over all heads; one head's row is sent."""
+        return self.gather(t[:, :1]).mean(0).expand_as(t).clone()
 
 
 def find_split(model: torch.nn.Module) -> HeadSplit | None:

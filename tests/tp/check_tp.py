@@ -2,13 +2,15 @@
 
 Run under ``torchrun --nproc-per-node 2`` (gloo, CPU). Rank 0 saves a tiny random Llama (4
 layers, 8 query heads, 4 KV heads); every rank loads it twice, whole and with
-``tp_plan="auto"`` (2 KV heads per rank), and runs each preset on both. Checked per preset:
+``tp_plan="auto"`` (2 KV heads per rank), and runs each preset on both, on a batch of two
+prompts (1024 tokens, and 724 left-padded to 1024), budget 64, 8 greedy tokens, with the default
+decoding path and with ``static=True``. Checked per preset and path:
 
 - greedy tokens equal the one-process run, logits within ``LOGIT_ATOL``;
 - the layer budgets are identical on every rank and equal the one-process budgets;
 - each rank's per-head budgets and kept entries are its heads' slice of the one-process ones
   (Ada-KV's head split decided over all heads), after prefill and after decoding;
-- each rank's bytes are its heads' share: its kept entries x head_dim x 2 (keys, values) x 4.
+- each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``).
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
@@ -26,11 +28,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import kvcake
 from kvcake.method import PRESETS
+from kvcake.tensor_parallel import HeadSplit
 
 # The tensor-parallel forward sums o_proj's and down_proj's partial products over ranks, so its
 # logits differ from the one-process forward by float32 rounding (measured ~1e-6 here).
 LOGIT_ATOL = 1e-4
-PROMPT, BUDGET, NEW_TOKENS = 1024, 64, 8
+PROMPT, PADDED, BUDGET, NEW_TOKENS = 1024, 300, 64, 8
 logger = logging.getLogger("check_tp")
 
 
@@ -43,18 +46,49 @@ def save_tiny(folder: str) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def run(model, ids, preset):
-    out, cache = kvcake.generate(
-        model, ids, preset, budget=BUDGET, max_new_tokens=NEW_TOKENS, do_sample=False,
-        output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-    )  # fmt: skip
+def run(model, ids, mask, preset, static):
+    cache = kvcake.KVCakeCache(model, kvcake.make_method(preset, budget=BUDGET), static=static)
+    with kvcake.enable(model), torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
     return out, cache
 
 
-def check(preset: str, full, tp, ids, rank: int, world: int) -> list[str]:
+def heads_bytes(layer, heads: slice, world: int) -> int:
+    """What a one-process cache layer holds for ``heads``: a dense layer (B, H_kv, N, d) holds
+    N slots per head; a ragged one its heads' segments (kept entries, or a static layer's
+    capacities) of head_dim keys and values each."""
+    if layer.keys is None:
+        return 0
+    if layer.keys.dim() == 4:
+        return layer.kv_bytes() // world
+    segments = layer.capacity if layer.static is not None else layer.counts  # (B, H_kv)
+    return int(segments[:, heads].sum()) * layer.keys.shape[-1] * 2 * layer.keys.element_size()
+
+
+def exchanged_in_prefill(model, ids, mask, preset) -> tuple[int, int]:
+    """(all-gathers, bytes this rank sent) while kvcake compresses the prompts (prefill only)."""
+    calls = []
+    gather = HeadSplit.gather
+
+    def counting(self, t):
+        calls.append(t.numel() * t.element_size())
+        return gather(self, t)
+
+    HeadSplit.gather = counting
+    try:
+        kvcake.compress(model, ids, preset, attention_mask=mask, budget=BUDGET)
+    finally:
+        HeadSplit.gather = gather
+    return len(calls), sum(calls)
+
+
+def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int) -> list[str]:
     bad = []
-    ref, ref_cache = run(full, ids, preset)
-    out, cache = run(tp, ids, preset)
+    ref, ref_cache = run(full, ids, mask, preset, static)
+    out, cache = run(tp, ids, mask, preset, static)
     if cache.split is None or cache.split.world != world:
         bad.append(f"the split was not found from the model ({cache.split})")
     if not torch.equal(out.sequences, ref.sequences):
@@ -82,20 +116,20 @@ def check(preset: str, full, tp, ids, rank: int, world: int) -> list[str]:
     counts, ref_counts = cache.layer_counts(), ref_cache.layer_counts()[..., heads]
     if not (counts == ref_counts).all():
         bad.append(f"kept entries per head {counts.tolist()} != slice {ref_counts.tolist()}")
-    per_entry = full.config.head_dim * 2 * 4  # keys and values, float32
-    if cache.kv_bytes() != int(ref_counts.sum()) * per_entry:
+    share = sum(heads_bytes(layer, heads, world) for layer in ref_cache.layers)
+    if cache.kv_bytes() != share:
         bad.append(
-            f"rank holds {cache.kv_bytes()} bytes, its heads' share is {int(ref_counts.sum()) * per_entry}"
+            f"rank holds {cache.kv_bytes()} bytes, its heads' share of the one-process cache is {share}"
         )
-    if ref_cache.kv_bytes() != int(ref_cache.layer_counts().sum()) * per_entry:
-        bad.append(
-            f"one process holds {ref_cache.kv_bytes()} bytes for {int(ref_cache.layer_counts().sum())} entries"
-        )
-    if rank == 0:
-        logger.info(
-            "%-15s budgets %s | rank 0 head budgets %s | logits %.1e | bytes/rank %d of %d",
-            preset, budgets[0].tolist(), cache.decode_budget[0].tolist(), diff, cache.kv_bytes(), ref_cache.kv_bytes(),
-        )  # fmt: skip
+    if not static:
+        n, sent = exchanged_in_prefill(tp, ids, mask, preset)
+        if rank == 0:
+            logger.info(
+                "%-15s budgets %s | rank 0 head budgets %s | logits %.1e | KV bytes/rank %d of %d"
+                " | prefill: %d all-gathers, %d bytes sent/rank",
+                preset, budgets[0].tolist(), cache.decode_budget[0].tolist(), diff, cache.kv_bytes(),
+                ref_cache.kv_bytes(), n, sent,
+            )  # fmt: skip
     return bad
 
 
@@ -114,12 +148,16 @@ def main() -> int:
         tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto")
         full = AutoModelForCausalLM.from_pretrained(folder[0])
         dist.barrier()  # rank 0's folder is read by every rank before it goes
-    ids = torch.randint(3, 256, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    # two prompts, the second left-padded to the first's length (PADDED padding tokens)
+    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :PADDED], mask[1, :PADDED] = 0, 0
     failed = {}
-    for preset in PRESETS:
-        bad = check(preset, full, tp, ids, rank, world)
-        if bad:
-            failed[preset] = bad
+    for static in (False, True):  # the sort-and-copy decoding path and the preallocated one
+        for preset in PRESETS:
+            bad = check(preset, full, tp, ids, mask, static, rank, world)
+            if bad:
+                failed[f"{preset}{' static' if static else ''}"] = bad
     every = [None] * world
     dist.all_gather_object(every, failed)
     dist.destroy_process_group()
