@@ -44,6 +44,9 @@ class HeadSplit:
                 f"a head split needs world > 1 and 0 <= rank < world, got {self.rank}/{self.world}"
             )
 
+    def __deepcopy__(self, memo) -> HeadSplit:  # a handle on the group: a forked cache shares it
+        return self
+
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather: (world, *t.shape), rank order, the same tensor on every rank."""
         import torch.distributed as dist

@@ -10,7 +10,8 @@ decoding path and with ``static=True``. Checked per preset and path:
 - the layer budgets are identical on every rank and equal the one-process budgets;
 - each rank's per-head budgets and kept entries are its heads' slice of the one-process ones
   (Ada-KV's head split decided over all heads), after prefill and after decoding;
-- each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``).
+- each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``);
+- a compressed context (``kvcake.compress``) answers a question with the one-process tokens.
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
@@ -85,6 +86,13 @@ def exchanged_in_prefill(model, ids, mask, preset) -> tuple[int, int]:
     return len(calls), sum(calls)
 
 
+def context_answer(model, ids, mask, preset) -> torch.Tensor:
+    """Context-only use: compress the prompts, then answer a question on a fork of the context."""
+    ctx = kvcake.compress(model, ids, preset, attention_mask=mask, budget=BUDGET)
+    question = torch.arange(10, 26).expand(ids.shape[0], -1)
+    return ctx.generate(question, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
 def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int) -> list[str]:
     bad = []
     ref, ref_cache = run(full, ids, mask, preset, static)
@@ -122,6 +130,9 @@ def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int)
             f"rank holds {cache.kv_bytes()} bytes, its heads' share of the one-process cache is {share}"
         )
     if not static:
+        answer, ref_answer = context_answer(tp, ids, mask, preset), context_answer(full, ids, mask, preset)
+        if not torch.equal(answer, ref_answer):
+            bad.append(f"context answers differ: {answer.tolist()} vs {ref_answer.tolist()}")
         n, sent = exchanged_in_prefill(tp, ids, mask, preset)
         if rank == 0:
             logger.info(
@@ -158,6 +169,14 @@ def main() -> int:
             bad = check(preset, full, tp, ids, mask, static, rank, world)
             if bad:
                 failed[f"{preset}{' static' if static else ''}"] = bad
+    ctx = kvcake.compress(tp, ids, "snapkv", attention_mask=mask, budget=BUDGET)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ctx.save(os.path.join(tmp, "ctx.kvc"))
+            failed["save"] = ["a rank's context was saved as if it held every head"]
+        except ValueError as err:
+            if "tensor-parallel" not in str(err):
+                failed["save"] = [f"unexpected refusal: {err}"]
     every = [None] * world
     dist.all_gather_object(every, failed)
     dist.destroy_process_group()
