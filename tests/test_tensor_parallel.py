@@ -94,12 +94,32 @@ def test_adakv_over_ranks_is_the_slice_of_the_one_process_selection(world, alpha
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_top_over_ranks_breaks_ties_like_one_sort(world):
-    scores = torch.randint(0, 3, (3, world * 10)).float()  # mostly ties
-    scores[1, :5] = float("-inf")
-    fill = torch.tensor([0, 7, 1000])
-    whole = ranks_desc(scores) < fill[:, None]
-    parts = on_ranks(world, lambda sp: top_over_ranks(scores[:, sp.rank * 10 : (sp.rank + 1) * 10], fill, sp))
+    scores = torch.randint(0, 3, (3, 2 * world, 10)).float()  # mostly ties
+    scores[1, :, :5] = float("-inf")
+    fill = torch.tensor([0, 7, 1000])  # nothing, a few, more than there are
+    whole = (ranks_desc(scores.reshape(3, -1)) < fill[:, None]).reshape(scores.shape)
+    parts = on_ranks(world, lambda sp: top_over_ranks(scores[:, 2 * sp.rank : 2 * sp.rank + 2], fill, sp))
     assert torch.equal(torch.cat(parts, 1), whole)
+
+
+def test_ranks_may_hold_views_of_different_widths():
+    """An evicted layer's padded view is as wide as the rank's fullest head: rank 1's is wider
+    here (empty slots on the left, -inf), and the ties still break like one sort."""
+    b, h, s, window = 2, 4, 30, 4
+    scores = layer_scores(b, h, s, window, levels=4, seed=7)
+    budget, win = torch.tensor([10, 12]), torch.tensor([window, window])
+    ada = AdaKV()
+    whole = ada.select(scores, budget, win)
+    extra = 9
+
+    def rank(sp):
+        mine = scores[:, 2 * sp.rank : 2 * sp.rank + 2]
+        if sp.rank == 1:
+            mine = torch.cat([mine.new_full((b, 2, extra), float("-inf")), mine], -1)
+        kept = ada.select(mine, budget, win, sp)
+        return kept[..., extra:] if sp.rank == 1 else kept
+
+    assert torch.equal(torch.cat(on_ranks(2, rank), 1), whole)
 
 
 def prefill_inputs(heads: slice, kv_heads: slice, seed: int = 0) -> PrefillInputs:
@@ -153,7 +173,9 @@ def test_tova_mean_over_ranks_equals_the_mean_over_all_heads():
 
     def rank(sp):
         r = sp.rank
-        return sp.head_mean(tova.prefill(prefill_inputs(slice(r * 4, (r + 1) * 4), slice(r * 2, (r + 1) * 2))))
+        return sp.head_mean(
+            tova.prefill(prefill_inputs(slice(r * 4, (r + 1) * 4), slice(r * 2, (r + 1) * 2)))
+        )
 
     parts = on_ranks(2, rank)
     torch.testing.assert_close(torch.cat(parts, 1), ref, rtol=1e-6, atol=1e-7)

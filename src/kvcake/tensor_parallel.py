@@ -98,13 +98,28 @@ def local_weight(weight: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else weight
 
 
-def local_top(scores: torch.Tensor, k: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+SLOTS = 1 << 32
+"""Global index of an entry: ``global_head * SLOTS + slot``, so entries order by head, then by
+slot, like a sort over all heads of one process, whatever width each rank's padded view has."""
+
+
+def local_top(scores: torch.Tensor, k: int, first_head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best entries of each row, in rank order (score descending, index ascending).
 
-    scores: (B, N) float; offset: global index of this rank's first entry.
-    Returns (B, k) values and (B, k) int64 global indices."""
-    order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]  # (B, k)
-    return scores.gather(1, order), order + offset
+    scores: (B, h, N) float, this rank's heads; first_head: the global index of its first head.
+    Returns (B, k) values and (B, k) int64 global indices; rows with fewer than ``k`` entries
+    are filled with ``-inf`` at indices past every real one."""
+    b, h, n = scores.shape
+    flat = scores.reshape(b, h * n)  # (B, h * N)
+    order = torch.argsort(flat, dim=1, descending=True, stable=True)[:, :k]  # (B, min(k, h * N))
+    heads, slots = order // n + first_head, order % n
+    vals, idx = flat.gather(1, order), heads * SLOTS + slots
+    short = k - order.shape[1]
+    if short > 0:
+        vals = torch.cat([vals, vals.new_full((b, short), float("-inf"))], 1)
+        past = torch.arange(short, device=idx.device) + (1 << 62)  # after every real index
+        idx = torch.cat([idx, past.expand(b, short)], 1)
+    return vals, idx
 
 
 def kth_over_ranks(
@@ -123,20 +138,26 @@ def kth_over_ranks(
     return v.gather(1, pos), i.gather(1, pos)
 
 
-def top_over_ranks(flat: torch.Tensor, fill: torch.Tensor, split: HeadSplit) -> torch.Tensor:
-    """This rank's entries among the ``fill`` best of all ranks' ``flat`` rows.
+def top_over_ranks(scores: torch.Tensor, fill: torch.Tensor, split: HeadSplit) -> torch.Tensor:
+    """This rank's entries among the ``fill`` best of every rank's heads.
 
-    flat: (B, N) this rank's scores (N equal on every rank), global index ``rank * N + j``;
-    fill: (B,) int64, the same on every rank. Returns (B, N) bool, equal to this rank's slice
-    of ``ranks_desc(all ranks' rows concatenated) < fill``."""
-    b, n = flat.shape
-    k = min(int(fill.max()), n)  # the global top-fill holds at most fill entries of any one rank
+    scores: (B, h, N) this rank's heads (``h`` equal on every rank, ``N`` may differ: padded
+    views of evicted layers); fill: (B,) int64, the same on every rank. Returns (B, h, N) bool,
+    equal to this rank's part of ``ranks_desc`` over all heads flattened (head-major) ``< fill``."""
+    b, h, n = scores.shape
+    # each rank sends k candidates, the same k everywhere: the top-fill holds at most fill
+    # entries of one rank, and at most as many as the largest rank holds
+    widest = int(split.gather(torch.tensor([h * n], device=scores.device)).max())
+    k = min(int(fill.max()), widest)
     if k <= 0:
-        return torch.zeros_like(flat, dtype=torch.bool)
-    vals, idx = local_top(flat, k, split.rank * n)
+        return torch.zeros_like(scores, dtype=torch.bool)
+    first = split.rank * h
+    vals, idx = local_top(scores, k, first)
     all_vals = split.gather(vals).permute(1, 0, 2).reshape(b, split.world * k)  # (B, world * k)
     all_idx = split.gather(idx).permute(1, 0, 2).reshape(b, split.world * k)
-    tv, ti = kth_over_ranks(all_vals, all_idx, fill)
-    mine = torch.arange(n, device=flat.device) + split.rank * n  # (N,)
-    won = (flat > tv) | ((flat == tv) & (mine[None, :] <= ti))
-    return won & (fill > 0)[:, None]
+    tv, ti = kth_over_ranks(all_vals, all_idx, fill)  # (B, 1) each
+    mine = (torch.arange(h, device=scores.device)[:, None] + first) * SLOTS + torch.arange(
+        n, device=scores.device
+    )
+    won = (scores > tv[:, :, None]) | ((scores == tv[:, :, None]) & (mine[None] <= ti[:, :, None]))
+    return won & (fill > 0)[:, None, None]

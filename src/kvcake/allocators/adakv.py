@@ -99,6 +99,6 @@ class AdaKV(HeadAllocator):
             won = ranks_desc(rest.reshape(b, h * s)) < fill[:, None]  # (B, H_kv * S)
         else:  # every rank's heads: the layer's H_kv is h * world, its pinned entries summed over ranks
             fill = h * split.world * prefix_budget - split.sum(pinned.sum((1, 2)))  # (B,)
-            won = top_over_ranks(rest.reshape(b, h * s), fill, split)  # (B, H_local * S)
+            won = top_over_ranks(rest, fill, split)  # (B, H_local, S)
         won = won.reshape(b, h, s) & finite & ~pinned
         return is_window | pinned | won
