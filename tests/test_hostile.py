@@ -13,6 +13,7 @@ import transformers as tf
 
 import kvcake
 from kvcake import KVCakeCache, make_method
+from kvcake.adapters import with_cache
 from kvcake.cache import PENDING
 
 PROBE = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(123))
@@ -62,7 +63,7 @@ def test_empty_prompt(tiny_llama):
         # the cache sees anything: documented, not ours to intercept.
         cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
         with pytest.raises(RuntimeError, match="0 elements"), kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama(empty, past_key_values=cache)
+            tiny_llama(empty, **with_cache(tiny_llama, cache))
 
 
 def test_prompt_longer_than_the_models_positions(tiny_llama):
@@ -89,7 +90,7 @@ def test_right_padding_and_all_padding_raise(tiny_llama):
                 fn(tiny_llama, x, "cake", budget=16, window=8, attention_mask=empty, **extra)
         cache = KVCakeCache(tiny_llama, "adakv", budget=16, window=8)
         with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama(x, attention_mask=right, past_key_values=cache)
+            tiny_llama(x, attention_mask=right, **with_cache(tiny_llama, cache))
 
 
 # -- budgets -----------------------------------------------------------------------------------
@@ -338,11 +339,11 @@ def test_generate_and_compress_always_make_a_fresh_cache(tiny_llama):
 def test_reused_cache_with_another_batch_size_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with untouched(tiny_llama), kvcake.enable(tiny_llama), torch.no_grad():
-        tiny_llama(ids(60), past_key_values=cache)
+        tiny_llama(ids(60), **with_cache(tiny_llama, cache))
         with pytest.raises(
             ValueError, match="holds a batch of 1 sequences but got 2.*make a new KVCakeCache"
         ):
-            tiny_llama(ids(30, batch=2), past_key_values=cache)
+            tiny_llama(ids(30, batch=2), **with_cache(tiny_llama, cache))
 
 
 def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
@@ -361,13 +362,13 @@ def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
         handle = tiny_llama.model.layers[2].register_forward_pre_hook(boom)
         try:
             with pytest.raises(Boom), kvcake.enable(tiny_llama), torch.no_grad():
-                tiny_llama(ids(60), past_key_values=cache)
+                tiny_llama(ids(60), **with_cache(tiny_llama, cache))
         finally:
             handle.remove()
         assert not cache.prefilled and cache.layers[0].keys.shape[-2] < 60
         with pytest.raises(RuntimeError, match="prefill did not finish.*make a new KVCakeCache"), \
                 kvcake.enable(tiny_llama), torch.no_grad():  # fmt: skip
-            tiny_llama(ids(60), past_key_values=cache)
+            tiny_llama(ids(60), **with_cache(tiny_llama, cache))
 
 
 def test_reused_cache_is_a_continuation(tiny_llama):
@@ -377,13 +378,17 @@ def test_reused_cache_is_a_continuation(tiny_llama):
     transformers. Use a new cache per prompt (kvcake.generate does) or ctx.fork()."""
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with kvcake.enable(tiny_llama), torch.no_grad():
-        tiny_llama.generate(ids(60), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        tiny_llama.generate(ids(60), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False)
         budgets = cache.budgets.clone()
-        tiny_llama.generate(ids(90, seed=5), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        tiny_llama.generate(
+            ids(90, seed=5), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False
+        )
         assert torch.equal(cache.budgets, budgets) and cache.get_seq_length() == 92
         # transformers' own error, whose type changed: IndexError in 5.0, RuntimeError later
         with pytest.raises((RuntimeError, IndexError)):
-            tiny_llama.generate(ids(20, seed=6), past_key_values=cache, max_new_tokens=3, do_sample=False)
+            tiny_llama.generate(
+                ids(20, seed=6), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False
+            )
 
 
 def test_cache_without_the_kvcake_attention_raises(tiny_llama):
@@ -393,7 +398,7 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
         pytest.raises(RuntimeError, match=r"run the model inside `with kvcake.enable\(model\):`"),
     ):
         with torch.no_grad():
-            tiny_llama(ids(40), past_key_values=cache)
+            tiny_llama(ids(40), **with_cache(tiny_llama, cache))
 
 
 # -- generation modes that roll the cache back or reorder it -------------------------------------
@@ -411,6 +416,7 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
         ),
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
         ({"past_key_values": None}, "kvcake.generate makes its own KVCakeCache"),
+        ({"cache": None}, "kvcake.generate makes its own KVCakeCache"),
     ],
 )
 def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
@@ -427,6 +433,13 @@ def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):
                         assistant_model=make_tiny_llama())  # fmt: skip
 
 
+# Who refuses a rollback first depends on the transformers release: from 5.24, generate checks
+# ``cache.is_croppable`` (False for a KVCakeCache) after the first forward and raises ValueError;
+# before, kvcake's ``crop`` raises NotImplementedError at the same point. Either way the message
+# names the crop, the model is as it was, and the cache was not rolled back half-way.
+_CROP_REFUSED = "a compressed KV cache cannot be cropped|requires a cache that can be cropped"
+
+
 @pytest.mark.parametrize("spec", ["cake", "adakv"])  # a dense and a ragged cache
 @pytest.mark.parametrize("mode", ["beams", "beam-sample", "assistant", "prompt-lookup"])
 def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_tiny_llama, spec, mode):
@@ -436,13 +449,22 @@ def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_t
         "assistant": {"assistant_model": make_tiny_llama()},
         "prompt-lookup": {"prompt_lookup_num_tokens": 3},
     }[mode]
-    match = "beam search is not supported with a compressed KV cache" if "beam" in mode else \
-        "a compressed KV cache cannot be cropped"  # fmt: skip
+    match = "beam search is not supported with a compressed KV cache" if "beam" in mode else _CROP_REFUSED
+    prompt = ids(40)
     cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
-    with untouched(tiny_llama), pytest.raises(NotImplementedError, match=match), warnings.catch_warnings():
+    assert not cache.is_croppable
+    with (
+        untouched(tiny_llama),
+        pytest.raises((NotImplementedError, ValueError), match=match),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         with kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama.generate(ids(40), past_key_values=cache, max_new_tokens=4, **kwargs)
+            tiny_llama.generate(prompt, **with_cache(tiny_llama, cache), max_new_tokens=4, **kwargs)
+    # Nothing cropped: the cache is empty (refused before any forward) or holds every token the
+    # refused verifying forward fed it (the prompt, plus the drafts of assisted decoding).
+    assert cache.get_seq_length() == 0 or cache.get_seq_length() >= prompt.shape[1]
+    assert PENDING.get() is None
 
 
 def test_sampling_several_sequences_per_prompt_works(tiny_llama):
@@ -463,4 +485,4 @@ def test_errors_inside_enable_restore_the_model(tiny_llama):
     with untouched(tiny_llama):
         with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
             assert tiny_llama.config._attn_implementation == "kvcake_sdpa"
-            tiny_llama(x, attention_mask=right, past_key_values=cache)
+            tiny_llama(x, attention_mask=right, **with_cache(tiny_llama, cache))

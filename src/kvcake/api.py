@@ -2,7 +2,9 @@
 
 >>> method = kvcake.make_method("cake", budget=128)
 >>> with kvcake.enable(model):
-...     out = model.generate(ids, past_key_values=kvcake.KVCakeCache(model, method), max_new_tokens=32)
+...     out = model.generate(ids, cache=kvcake.KVCakeCache(model, method), max_new_tokens=32)
+
+(``cache=`` on transformers >= 5.24; ``past_key_values=`` before.)
 
 or, for a document served to many questions (context-only compression):
 
@@ -16,6 +18,7 @@ import logging
 
 import torch
 
+from .adapters import cache_keyword, with_cache
 from .attention import enable
 from .cache import KVCakeCache
 from .context import CompressedContext
@@ -48,11 +51,13 @@ def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
 def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict) -> None:
     """Refuse, before any compute, the generation modes a compressed cache cannot serve, whether
     asked for by keyword or through a ``generation_config`` (the model's default included)."""
-    if "past_key_values" in generate_kwargs:
-        raise ValueError(
-            "kvcake.generate makes its own KVCakeCache: to pass your own, call model.generate(..., "
-            "past_key_values=cache) inside `with kvcake.enable(model):`"
-        )
+    for name in ("past_key_values", "cache"):
+        if name in generate_kwargs:
+            raise ValueError(
+                f"kvcake.generate makes its own KVCakeCache, so {name}= is not taken: to pass your "
+                f"own, call model.generate(..., {cache_keyword(model)}=cache) inside "
+                "`with kvcake.enable(model):`"
+            )
     config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
     def setting(name: str):
@@ -95,7 +100,7 @@ def generate(
     _check_generate_kwargs(model, generate_kwargs)
     cache = KVCakeCache(model, m, progress=progress)
     with enable(model), torch.no_grad():
-        out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+        out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
 
 
@@ -120,5 +125,5 @@ def compress(
         attention_mask = torch.ones_like(input_ids)
     cache = KVCakeCache(model, m, progress=progress)
     with enable(model), torch.no_grad():
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
+        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])

@@ -112,8 +112,8 @@ def _set_impl(model: torch.nn.Module, name: str) -> None:
 def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run ``model`` with the kvcake attention inside the block; restored on exit, errors included.
 
-    A KVCakeCache passed as ``past_key_values`` inside the block compresses itself; any other
-    cache (or none) runs exactly as before.
+    A KVCakeCache passed as ``cache`` (``past_key_values`` before transformers 5.24) inside the
+    block compresses itself; any other cache (or none) runs exactly as before.
     """
     describe_model(model)
     configs = [(sub.config, sub.config._attn_implementation) for sub in model.modules()

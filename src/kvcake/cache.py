@@ -61,7 +61,8 @@ class KVCakeCache(Cache):
         A :class:`~kvcake.method.Method`, or a preset/composed string with ``budget=``/``ratio=``.
 
     Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
-    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, past_key_values=cache)``.
+    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, cache=cache)`` (spelled
+    ``past_key_values=cache`` before transformers 5.24).
     """
 
     def __init__(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adapters import with_cache
 from .attention import enable
 from .cache import KVCakeCache
 
@@ -46,7 +47,9 @@ class CompressedContext:
         full, mask = self._extend_inputs(question_ids)
         cache = self.fork()
         with enable(self.model), torch.no_grad():
-            out = self.model.generate(full, attention_mask=mask, past_key_values=cache, **generate_kwargs)
+            out = self.model.generate(
+                full, attention_mask=mask, **with_cache(self.model, cache), **generate_kwargs
+            )
         return out[:, full.shape[1] :]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -54,7 +57,9 @@ class CompressedContext:
         full, mask = self._extend_inputs(ids)
         cache = self.fork()
         with enable(self.model), torch.no_grad():
-            out = self.model(ids if ids.dim() == 2 else ids[None], attention_mask=mask, past_key_values=cache)
+            out = self.model(
+                ids if ids.dim() == 2 else ids[None], attention_mask=mask, **with_cache(self.model, cache)
+            )
         return out.logits
 
     def save(self, path) -> None:

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
+from kvcake.adapters import with_cache
 from kvcake.cache import cache_kv_bytes
 from kvcake.eval.tasks import make_samples
 from kvcake.prompts import build_prompt
@@ -27,14 +28,16 @@ def _run(model, ids, cache, max_new_tokens):
     """Greedy generation with timings of prefill and decoding."""
     with kvcake.enable(model), torch.no_grad():
         t0 = time.perf_counter()
-        out = model(ids, past_key_values=cache, logits_to_keep=1)
+        out = model(ids, **with_cache(model, cache), logits_to_keep=1)
         t1 = time.perf_counter()
         peak = cache_kv_bytes(cache)
         tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
         for _ in range(max_new_tokens - 1):
             if int(tokens[-1]) in _eos(model):
                 break
-            tokens.append(model(tokens[-1], past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True))
+            tokens.append(
+                model(tokens[-1], **with_cache(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+            )
         t2 = time.perf_counter()
     return torch.cat(tokens, 1)[0], t1 - t0, (t2 - t1) / max(1, len(tokens) - 1), peak
 
