@@ -120,6 +120,7 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # Tensor parallelism (README "Models larger than one GPU"): every preset on a tiny model split
-# over 2 CPU processes (gloo) equals the one-process run; about 25 s on 2 cores.
+# over 2 CPU processes (gloo) equals the one-process run; about a minute on 2 cores.
+# --standalone: a free local port, so two runs on one machine do not collide.
 test-tp: setup
-	PYTHONPATH=src $(BIN)/python -m torch.distributed.run --nproc-per-node 2 tests/tp/check_tp.py
+	PYTHONPATH=src $(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp/check_tp.py
