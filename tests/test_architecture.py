@@ -31,7 +31,7 @@ LAYERS = {
     "context": ["context"],
     "cache": ["cache", "cascade", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "static", "sliding"],
-    "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format"],
+    "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format", "tensor_parallel"],
     "base": [
         "models",
         "conversion",

@@ -41,6 +41,7 @@ from .method import Method, make_method
 from .models import model_fingerprint
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import TauChoice
+from .tensor_parallel import HeadSplit, find_split
 
 # The layer whose update() ran last and whose attention has not run yet: set by the cache,
 # read once by the kvcake attention function (the model calls them back to back).
@@ -116,6 +117,9 @@ class KVCakeCache(Cache):
         # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
         # while its capacity policy costs memory); False (default): the dynamic path.
         self.static = static
+        # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
+        # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
+        self.split: HeadSplit | None = find_split(model)
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

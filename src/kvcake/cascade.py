@@ -31,6 +31,7 @@ from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
 from .temperatures import resolve_tau
+from .tensor_parallel import local_weight
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,16 @@ def prefill_stage(
         window=m.budget.window, scaling=scaling,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+    if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
+        layer.scores = cache.split.head_mean(layer.scores)
     if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
         # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
         # at the end of prefill), which keeps the cascade equal to one-shot eviction.
         cache.count_scores[layer_idx] = layer.scores
     if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
-        cache.o_weights[layer_idx] = output_projection(module)
+        # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
+        cache.o_weights[layer_idx] = local_weight(output_projection(module))
     if m.layers.needs_preferences:
         cache.preferences.append(layer_preference(cache, inputs))
     last = g == len(cache.compressed) - 1
@@ -112,6 +116,8 @@ def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
     entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
     _, var = window_rows_mean_var(sub, row_valid)
     variance = var.sum((1, 2))  # (B,)
+    if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
+        entropy, variance = cache.split.sum(torch.stack([entropy.double(), variance.double()]))
     tau1, tau2 = temperatures(cache)
     # host: (B,) per layer, stacked across layers that may sit on different devices
     entropy, variance = entropy.double().cpu(), variance.double().cpu()
@@ -172,7 +178,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     window = cache.seq.window.to(dev)
     budget = budget.to(dev)
     if m.heads.ragged:
-        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window)
+        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window, cache.split)
     else:
         n_valid = (scores > float("-inf")).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
@@ -180,8 +186,10 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
-        layer.norms = value_norms(m.selector, layer.values, cache.o_weights.pop(layer_idx), cache.info.num_heads,
-                                  scores, counts)  # fmt: skip
+        heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
+        layer.norms = value_norms(
+            m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts
+        )
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)
