@@ -137,11 +137,14 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     per_layer = budget.per_layer(lengths)
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
-    if bool((per_layer >= lengths).all()):
+    if bool((per_layer >= lengths).all()) and cache.method.name != "full":
         logger.warning(
-            "the budget (%s) covers the whole prompt (%d tokens): nothing is compressed",
+            "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
             budget.describe(),
             int(lengths.max()),
+            "; decode=fixed then holds each layer at that size while decoding (method 'full' keeps all)"
+            if cache.method.decode == "fixed"
+            else "",
         )
 
 
