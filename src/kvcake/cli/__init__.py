@@ -156,12 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         _verbose(p)
-        _common(p)
+        _common(p, load=name in ("generate", "chat"))
         cmd.configure(p)
         p.set_defaults(run=cmd.run)
     for name, module in extensions.items():
         p = module.configure_parser(sub) or sub.choices.get(name)
         if p is not None:
+            if not any("-v" in action.option_strings for action in p._actions):
+                _verbose(p)  # `kvcake eval -v` as well as `kvcake -v eval`
             p.set_defaults(run=module.run)
     return parser
 
