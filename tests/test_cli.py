@@ -343,3 +343,31 @@ def test_help_is_for_users(capsys, monkeypatch):
     for name, p in sub.choices.items():
         for action in p._actions:
             assert action.help, f"kvcake {name} {action.option_strings} has no help"
+
+
+def test_readme_command_lines_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The README's ``kvcake`` lines, verbatim but for --model (the tiny model), from a folder
+    holding doc.txt."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Command line") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 5
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text((tiny_dir / "doc.txt").read_text())
+    for line in lines:
+        stdin = ""
+        if "|" in line:
+            feed, line = (part.strip() for part in line.split("|", 1))
+            stdin = shlex.split(feed)[1].encode().decode("unicode_escape")
+        argv = shlex.split(line)
+        assert argv[0] == "kvcake", line
+        extra = [] if "--load" in argv else model_args(tiny_dir)
+        code, out, err = call(capsys, monkeypatch, [*argv[1:], *extra], stdin=stdin)
+        assert code == 0, f"{line}: {err}"
+        if "chat" in argv:
+            assert len(out.splitlines()) == 2, "two questions, two answers"
