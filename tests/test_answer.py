@@ -135,3 +135,18 @@ def test_starved_long_prompt_warns(tiny_llama, caplog):
     with caplog.at_level(logging.WARNING, logger="kvcake"):
         kvcake.compress(tiny_llama, ids, "snapkv", budget=128)  # 6.2% kept: no warning
     assert not any("keeps" in r.getMessage() for r in caplog.records)
+
+
+def test_keep_ratio_one_says_what_decoding_does(tiny_llama, caplog):
+    """keep_ratio=1 evicts nothing during prefill; with decode=fixed the cache then stays at the
+    prompt's size while decoding, and the warning says so (method 'full' keeps everything)."""
+    ids = torch.randint(7, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    with caplog.at_level(logging.WARNING, logger="kvcake"):
+        _, cache = kvcake.generate(tiny_llama, ids, "cake", keep_ratio=1.0, max_new_tokens=4, do_sample=False)
+    assert "nothing is evicted during prefill; decode=fixed then holds each layer" in caplog.text
+    assert cache.kv_bytes_parts().entries < cache.kv_bytes_parts().full_entries  # held at 60 of 63
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcake"):
+        _, cache = kvcake.generate(tiny_llama, ids, "full", max_new_tokens=4, do_sample=False)
+    assert "nothing is evicted" not in caplog.text
+    assert cache.kv_bytes_parts().entries == cache.kv_bytes_parts().full_entries
