@@ -25,7 +25,7 @@ import logging
 import torch
 
 from .attention import enable
-from .budget import STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
+from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
 from .context import CompressedContext, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
@@ -184,7 +184,7 @@ def answer(
     tokenizer,
     context: str,
     question: str,
-    method: Method | str = "cake",
+    method: Method | str | None = None,
     *,
     scenario: str = "context",
     budget: int | None = None,
@@ -213,12 +213,16 @@ def answer(
         name; kvpress's ``compression_ratio=0.2`` is ``keep_ratio=0.8``). Neither keeps
         ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
     method:
-        A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression).
+        A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
+        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``criticalkv``
+        for a document, ``snapkv`` question-aware: README "Which method").
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``).
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
+    if method is None:
+        method = DEFAULT_METHOD[scenario]
     for name, text in (("context", context), ("question", question)):
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{name}= must be non-empty text, got {text!r}")

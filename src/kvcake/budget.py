@@ -24,6 +24,11 @@ MAX_BUDGET = 1 << 40
 #: (full cache 72), so a document keeps half: the least that keeps some answers, not a guarantee.
 DEFAULT_KEEP_RATIO = {"question": 0.25, "context": 0.5}
 
+#: The method ``kvcake.answer`` uses when none is given, per scenario: the "Which method" pick of
+#: README / docs/results.md on the default model (question-aware: `snapkv`, KL 0.089 at 0.25 for 2%
+#: of prefill work; context-only: `criticalkv`, score 42 against `cake`'s 17 at 0.5).
+DEFAULT_METHOD = {"question": "snapkv", "context": "criticalkv"}
+
 #: A run keeping less than this fraction of a prompt of at least STARVED_MIN_TOKENS gets a warning.
 STARVED_FRACTION = 0.03
 STARVED_MIN_TOKENS = 1024

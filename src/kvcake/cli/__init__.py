@@ -109,7 +109,8 @@ COMMANDS.update({
         "answer a prompt, or a question about a document, with a compressed cache",
         _configure_generate, _run_generate,
         ('kvcake generate --prompt "Name three colours." --method cake --budget 128',
-         "kvcake generate --context-file doc.txt --question 'Who wrote it?' --method cake-adakv --ratio 0.2",
+         "kvcake generate --context-file doc.txt --question 'Who wrote it?' --method criticalkv --keep-ratio 0.5",
+         "kvcake generate --context-file doc.txt --question 'Who wrote it?' --method full",
          "kvcake generate --load doc.kvc --question 'When?'"),
     ),
     "chat": Command(
