@@ -211,6 +211,8 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--sample", "--temperature", "0"], "--temperature must be positive"),
         (["generate", "--prompt", "w1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
+        (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],
+         "positions, but the model has 4096"),
     ],
 )  # fmt: skip
 def test_input_errors_are_one_line(tiny_dir, tmp_path, capsys, monkeypatch, args, message):

@@ -191,6 +191,10 @@ def _context_from_args(args: argparse.Namespace):
     chat = _use_chat(tokenizer, args.chat_template)
     ids = _context_ids(tokenizer, document, chat).to(args.device)
     method = _method(args, ids.shape[1], "context")
+    if getattr(args, "max_new_tokens", None):  # before compressing: the questions add to this
+        from ..context import check_positions
+
+        check_positions(model, ids.shape[1], {"max_new_tokens": args.max_new_tokens})
     ctx, seconds = _compress(model, ids, method)
     line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
     return model, tokenizer, ctx, chat, line
