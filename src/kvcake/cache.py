@@ -38,7 +38,7 @@ from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .method import Method, make_method
-from .models import model_fingerprint
+from .models import model_fingerprint, model_name
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import TauChoice
 from .tensor_parallel import HeadSplit, find_split
@@ -114,6 +114,7 @@ class KVCakeCache(Cache):
         self._fingerprint = (
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
+        self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
         # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
         # while its capacity policy costs memory); False (default): the dynamic path.
         self.static = static

@@ -143,11 +143,14 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     per_layer = budget.per_layer(lengths)
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
-    if bool((per_layer >= lengths).all()):
+    if bool((per_layer >= lengths).all()) and cache.method.name != "full":
         logger.warning(
-            "the budget (%s) covers the whole prompt (%d tokens): nothing is compressed",
+            "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
             budget.describe(),
             int(lengths.max()),
+            "; decode=fixed then holds each layer at that size while decoding (method 'full' keeps all)"
+            if cache.method.decode == "fixed"
+            else "",
         )
 
 
@@ -155,7 +158,8 @@ def temperatures(cache: Cache) -> tuple[float, float]:
     """CAKE's (tau1, tau2) in force, resolved once the average budget is known."""
     if cache.tau is None:
         lay, avg = cache.method.layers, float(cache.seq.per_layer.double().mean())
-        cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from)
+        cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from,
+                                model_name=cache._model_name)  # fmt: skip
     return cache.tau.tau1, cache.tau.tau2
 
 

@@ -51,7 +51,7 @@ def run(model, ids, mask, preset, static):
     cache = kvcake.KVCakeCache(model, kvcake.make_method(preset, budget=BUDGET), static=static)
     with kvcake.enable(model), torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+            ids, attention_mask=mask, **kvcake.with_cache(model, cache), max_new_tokens=NEW_TOKENS, do_sample=False,
             output_scores=True, return_dict_in_generate=True, pad_token_id=0,
         )  # fmt: skip
     return out, cache

@@ -77,12 +77,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_ints, default=None,
                    help="prompt/context lengths for every bench, e.g. 1024,2048,4096 (4k works too); longer "
                         "than the model's positions runs a random model of its shape")  # fmt: skip
-    p.add_argument("--memory-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--memory-lengths", type=_ints, default=None, help="lengths of the memory bench (default: --lengths)"
+    )
     p.add_argument(
         "--rss-lengths", type=_ints, default=None, help="lengths of the per-method process-memory runs"
     )
-    p.add_argument("--prefill-lengths", type=_ints, default=None)
-    p.add_argument("--decode-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--prefill-lengths",
+        type=_ints,
+        default=None,
+        help="lengths of the prefill bench (default: --lengths)",
+    )
+    p.add_argument(
+        "--decode-lengths", type=_ints, default=None, help="lengths of the decode bench (default: --lengths)"
+    )
     p.add_argument("--methods", type=_names, default=None,
                    help="method presets or composed specs, comma-separated (';' if a spec has commas); "
                         "the full cache is always included")  # fmt: skip

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import logging
 import subprocess
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, StaticCache
 
+from ..adapters import cache_keyword, with_cache
 from ..attention import enable
 from ..cache import KVCakeCache, cache_kv_bytes
 from ..method import PRESETS, make_method
@@ -44,15 +44,6 @@ FULL_DYNAMIC = "full (DynamicCache)"
 FULL_STATIC = "full (StaticCache)"
 MiB = 2**20
 WARMUP_STEPS = 2
-
-
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """``cache`` where the forward takes it (transformers >= 5.24 deprecates ``past_key_values``)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
-def _with_cache(model: torch.nn.Module, cache) -> dict:
-    return {_cache_keyword(model): cache}
 
 
 @dataclass(frozen=True)
@@ -112,12 +103,12 @@ class _Runner:
 
     def prefill(self, cache) -> float:
         t, _ = self.clock.time(
-            lambda: self.model(self.ids, logits_to_keep=1, **_with_cache(self.model, cache))
+            lambda: self.model(self.ids, logits_to_keep=1, **with_cache(self.model, cache))
         )
         return t
 
     def step_fn(self):
-        model, keyword = self.model, _cache_keyword(self.model)  # outside the step: it may be traced
+        model, keyword = self.model, cache_keyword(self.model)  # outside the step: it may be traced
 
         def step(tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
             out = model(input_ids=tok, position_ids=pos, **{keyword: cache})
