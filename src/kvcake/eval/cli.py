@@ -93,7 +93,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--doc", default=None, help="also write a markdown results page here")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tau-sweep", action="store_true",
                    help="also measure CAKE at a grid of fixed temperatures on the same prompts, next to snapkv and "
