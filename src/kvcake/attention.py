@@ -21,6 +21,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters import describe_model
 from .cache import PENDING
+from .devices import input_device
+from .sdpa import check_policy, sdpa_policy
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
@@ -109,12 +111,16 @@ def _set_impl(model: torch.nn.Module, name: str) -> None:
 
 
 @contextlib.contextmanager
-def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Module]:
     """Run ``model`` with the kvcake attention inside the block; restored on exit, errors included.
 
-    A KVCakeCache passed as ``past_key_values`` inside the block compresses itself; any other
-    cache (or none) runs exactly as before.
+    A KVCakeCache passed as ``cache`` (``past_key_values`` before transformers 5.24) inside the
+    block compresses itself; any other cache (or none) runs exactly as before. ``sdpa``: the SDPA
+    backend policy of the block's attention calls (``kvcake.sdpa``; ``"auto"``: flash, then
+    memory-efficient, then math on CUDA, SDPA's own choice elsewhere; ``"default"``: SDPA's own
+    choice everywhere).
     """
+    check_policy(sdpa)
     describe_model(model)
     configs = [(sub.config, sub.config._attn_implementation) for sub in model.modules()
                if getattr(sub, "config", None) is not None and hasattr(sub.config, "_attn_implementation")]  # fmt: skip
@@ -125,7 +131,8 @@ def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     name = register(original)
     try:
         _set_impl(model, name)
-        yield model
+        with sdpa_policy(sdpa, input_device(model)):
+            yield model
     finally:
         for config, impl in configs:
             config._attn_implementation = impl

@@ -38,9 +38,10 @@ from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .method import Method, make_method
-from .models import model_fingerprint
+from .models import model_fingerprint, model_name
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import TauChoice
+from .tensor_parallel import HeadSplit, find_split
 
 # The layer whose update() ran last and whose attention has not run yet: set by the cache,
 # read once by the kvcake attention function (the model calls them back to back).
@@ -60,7 +61,8 @@ class KVCakeCache(Cache):
         A :class:`~kvcake.method.Method`, or a preset/composed string with ``budget=``/``ratio=``.
 
     Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
-    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, past_key_values=cache)``.
+    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, cache=cache)`` (spelled
+    ``past_key_values=cache`` before transformers 5.24).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class KVCakeCache(Cache):
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
+        self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0
@@ -111,9 +114,13 @@ class KVCakeCache(Cache):
         self._fingerprint = (
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
+        self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
         # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
         # while its capacity policy costs memory); False (default): the dynamic path.
         self.static = static
+        # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
+        # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
+        self.split: HeadSplit | None = find_split(model)
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

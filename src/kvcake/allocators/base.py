@@ -30,6 +30,8 @@ class AllocationRequest:
     layer_scores: the full prompt's (B, H_kv, S) scores of each layer seen so far, or None
     (the global allocator); the one exception to the host rule: they stay on the model's
     device and the allocator reduces them to host counts.
+    split: the tensor-parallel head split (:class:`kvcake.tensor_parallel.HeadSplit`) when
+    ``layer_scores`` hold this rank's heads only, else None.
     """
 
     total: torch.Tensor
@@ -39,6 +41,7 @@ class AllocationRequest:
     preferences: torch.Tensor | None = None
     final: bool = True
     layer_scores: tuple[torch.Tensor, ...] | None = None
+    split: object | None = None
 
     def __post_init__(self) -> None:
         named = {"total": self.total, "cap": self.cap, "window": self.window, "preferences": self.preferences}

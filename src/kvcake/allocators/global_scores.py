@@ -51,15 +51,50 @@ class GlobalAllocator(LayerAllocator):
         if not req.layer_scores:
             raise ValueError("the global allocator needs the layers' scores (AllocationRequest.layer_scores)")
         dev = req.layer_scores[0].device
-        b, hkv, _ = req.layer_scores[0].shape
+        b, h, s = req.layer_scores[0].shape
         n = len(req.layer_scores)
-        flat = torch.cat([s.to(dev).reshape(b, -1) for s in req.layer_scores], dim=1)  # (B, n*H_kv*S)
+        world = 1 if req.split is None else req.split.world
+        hkv = h * world  # every rank's KV heads
+        flat = torch.cat([t.to(dev).reshape(b, -1) for t in req.layer_scores], dim=1)  # (B, n*h*S)
         finite = torch.isfinite(flat)
         pool = (hkv * (req.total - n * req.window)).clamp(min=0).to(dev)  # (B,) prefix entries to keep
         prefix = torch.where(finite, flat, torch.full_like(flat, float("-inf")))
-        won = (ranks_desc(prefix) < pool[:, None]) & finite
+        if req.split is None:
+            won = (ranks_desc(prefix) < pool[:, None]) & finite
+        else:
+            won = _won_over_ranks(prefix, pool, req.split, h, s) & finite
+        counts = won.reshape(b, n, -1).sum(-1)
+        if req.split is not None:
+            counts = req.split.sum(counts)  # every rank's winners per layer
         # host: (B, n) counts per layer, the allocation's bookkeeping
-        counts = won.reshape(b, n, -1).sum(-1).cpu().double()
+        counts = counts.cpu().double()
         x = req.window.double()[:, None] + counts / hkv
         x = torch.minimum(x, req.cap.double()[:, None])
         return round_exact(x, req.cap, req.total) if req.final else round_up(x, req.cap)
+
+
+def _won_over_ranks(prefix: torch.Tensor, pool: torch.Tensor, split, h: int, s: int) -> torch.Tensor:
+    """This rank's part of ``ranks_desc(all ranks' prefix scores) < pool``, one process's order.
+
+    prefix: (B, n*h*S) this rank's scores, layer-major then head then slot, as one process
+    flattens (B, n*H*S) with ``H = h * world``; every rank sends its best ``min(max pool, n*h*S)``
+    candidates with their index in that flattening, and the ``pool``-th of the merged candidates
+    (value descending, index ascending) is the threshold."""
+    from kvcake.tensor_parallel import kth_over_ranks
+
+    b, m = prefix.shape
+    k = min(int(pool.max()), m)  # the same on every rank: pool and m are
+    if k <= 0:
+        return torch.zeros_like(prefix, dtype=torch.bool)
+
+    def global_index(local: torch.Tensor) -> torch.Tensor:  # local flat index -> one process's
+        layer, rest = local // (h * s), local % (h * s)
+        return (layer * (h * split.world) + split.rank * h) * s + rest
+
+    order = torch.argsort(prefix, dim=1, descending=True, stable=True)[:, :k]  # (B, k)
+    vals, idx = prefix.gather(1, order), global_index(order)
+    all_vals = split.gather(vals).permute(1, 0, 2).reshape(b, split.world * k)
+    all_idx = split.gather(idx).permute(1, 0, 2).reshape(b, split.world * k)
+    tv, ti = kth_over_ranks(all_vals, all_idx, pool)  # (B, 1) each
+    mine = global_index(torch.arange(m, device=prefix.device))[None, :]
+    return ((prefix > tv) | ((prefix == tv) & (mine <= ti))) & (pool[:, None] > 0)

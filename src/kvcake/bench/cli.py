@@ -1,10 +1,11 @@
-"""``kvcake bench {memory,prefill,decode,bandwidth,all}``: the benchmarks from the command line.
+"""``kvcake bench {memory,prefill,decode,bandwidth,all,gpu}``: the benchmarks from the command line.
 
 ``kvcake.cli`` adds the subcommand with ``configure_parser(subparsers)`` and calls ``run(args)``;
 ``python -m kvcake.bench ...`` runs the same parser on its own (``main``). Every bench prints its
 markdown tables, writes ``OUT/<bench>.json`` and ``OUT/<bench>.png``; ``--doc PATH`` also renders
 the results into a markdown page (``docs/benchmarks.md`` is made this way by
-``scripts/bench_all.sh``).
+``scripts/bench_all.sh``). ``gpu`` is its own run (``kvcake.bench.gpu``): every preset and the
+full cache at its best on a random model of ``--shape``, written to ``docs/benchmarks-gpu.md``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ EXAMPLES = (
     "kvcake bench memory --lengths 1024,2048,4096 --out bench-results",
     "kvcake bench decode --lengths 4k,16k --budgets 128,512 --methods snapkv,cake,adakv",
     "kvcake bench all --quick --out bench-results",
+    "kvcake bench gpu --device cuda   # docs/benchmarks-gpu.md: llama-3.1-8b shape, 8k/32k/128k, budget 1024",
+    "kvcake bench gpu --device cpu --shape tiny --lengths 256 --budget 64 --doc /tmp/gpu.md   # smoke run",
 )
 
-BENCHES = ("bandwidth", "memory", "prefill", "decode", "all", "report")
+BENCHES = ("bandwidth", "memory", "prefill", "decode", "all", "report", "gpu")  # "all": the first four
 
 # Defaults sized so that `bench all` takes about a quarter of an hour on two CPU cores (see
 # docs/benchmarks.md for the measured time); --quick is a minute-scale smoke run.
@@ -74,12 +77,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_ints, default=None,
                    help="prompt/context lengths for every bench, e.g. 1024,2048,4096 (4k works too); longer "
                         "than the model's positions runs a random model of its shape")  # fmt: skip
-    p.add_argument("--memory-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--memory-lengths", type=_ints, default=None, help="lengths of the memory bench (default: --lengths)"
+    )
     p.add_argument(
         "--rss-lengths", type=_ints, default=None, help="lengths of the per-method process-memory runs"
     )
-    p.add_argument("--prefill-lengths", type=_ints, default=None)
-    p.add_argument("--decode-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--prefill-lengths",
+        type=_ints,
+        default=None,
+        help="lengths of the prefill bench (default: --lengths)",
+    )
+    p.add_argument(
+        "--decode-lengths", type=_ints, default=None, help="lengths of the decode bench (default: --lengths)"
+    )
     p.add_argument("--methods", type=_names, default=None,
                    help="method presets or composed specs, comma-separated (';' if a spec has commas); "
                         "the full cache is always included")  # fmt: skip
@@ -106,6 +118,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the same method and length replaced; targets recomputed) instead of replacing them; "
                         "with --doc, rewrite the page from every result in --out")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
+    g = p.add_argument_group("gpu", "the 'gpu' bench (its defaults: --lengths 8k,32k,128k --budget 1024, every preset, "
+                             "--rounds 3 --steps 8 --doc docs/benchmarks-gpu.md)")  # fmt: skip
+    g.add_argument(
+        "--shape", default="llama-3.1-8b", help="random-weight model shape (kvcake.bench.shapes.SHAPES)"
+    )
+    g.add_argument("--merge", action="store_true",
+                   help="keep the rows of OUT/gpu.json at other lengths (one command per length, e.g. under a "
+                        "10-minute limit); the page shows them all")  # fmt: skip
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the compiled decode step (default: on)")  # fmt: skip
     return p
 
 
@@ -154,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
     out = Path(args.out)
+    if args.which == "gpu":
+        return _run_gpu(args, device, dtype, out)
     started = time.perf_counter()
     which = BENCHES[:4] if args.which == "all" else (args.which,)
     if args.add and any(b not in ("memory", "prefill") for b in which):
@@ -236,6 +260,49 @@ def run(args: argparse.Namespace) -> int:
         doc.parent.mkdir(parents=True, exist_ok=True)
         doc.write_text(render(results, figures=out, doc=doc, **_render_args(run_info)))
         print(f"wrote {doc}", flush=True)
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    argv = getattr(args, "argv", None)
+    prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
+    return " ".join([prefix, *(shlex.quote(a) for a in argv)])
+
+
+def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
+    """``bench gpu``: measure, print the table, write ``OUT/gpu.json`` and the page."""
+    import torch
+
+    from ..method import PRESETS
+    from .common import describe_machine, machine_lines, write_json
+    from .gpu import GpuSettings, driver_version, gpu_table, merge, render_page, run_gpu
+
+    settings = GpuSettings(
+        shape=args.shape, lengths=tuple(args.lengths or GpuSettings.lengths), budget=args.budget or GpuSettings.budget,
+        methods=tuple(m for m in (args.methods or PRESETS) if m != "full"), rounds=args.rounds or GpuSettings.rounds,
+        steps=args.steps or GpuSettings.steps, window=args.window, compile=args.compile,
+    )  # fmt: skip
+    machine = describe_machine(device, dtype, "sdpa") | {
+        "driver": driver_version(),
+        "cuda": torch.version.cuda,
+    }
+    print(
+        "\n".join(["# kvcake bench gpu", "", *(f"- {line}" for line in machine_lines(machine)), ""]),
+        flush=True,
+    )
+    started = time.perf_counter()
+    result = run_gpu(settings, device=device, dtype=dtype)
+    total = time.perf_counter() - started
+    result["machine"] = machine
+    result["runs"] = [dict(command=_command(args), date=datetime.date.today().isoformat(), total_s=total)]
+    print(gpu_table(result), flush=True)
+    if args.merge and (out / "gpu.json").is_file():
+        result = merge(json.loads((out / "gpu.json").read_text()), result)
+    write_json(out / "gpu.json", result)
+    doc = Path(args.doc or "docs/benchmarks-gpu.md")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(render_page(result, machine))
+    print(f"wrote {out / 'gpu.json'} and {doc} in {total / 60:.1f} min", flush=True)
     return 0
 
 

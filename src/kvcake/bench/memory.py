@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..adapters import with_cache
 from ..attention import enable
 from .common import (
     PREFILL_METHODS,
@@ -181,7 +182,7 @@ def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: i
         cache = FullCache(model.config) if spec == "full" else build_cache(model, spec, budget, window)
         ctx = contextlib.nullcontext() if spec == "full" else enable(model)
         with ctx, torch.no_grad():
-            model(ids, past_key_values=cache, logits_to_keep=1)
+            model(ids, **with_cache(model, cache), logits_to_keep=1)
         kv_peak = cache.peak_kv_bytes if spec == "full" else cache.prefill_peak_kv_bytes
     del cache
     return dict(method=spec, length=length, model=label, base=mem.base, peak=mem.peak,

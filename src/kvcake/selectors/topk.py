@@ -28,8 +28,9 @@ class Selector:
     keeps_top_scores = True
     needs_marks = False  # whether the scorer must mark a first stage (DefensiveScorer)
 
-    def prepare_norms(self, norms: torch.Tensor) -> torch.Tensor:
-        """The value weights to keep with a layer, from its full prompt's norms (B, H_kv, S)."""
+    def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
+        """The value weights to keep with a layer, from its full prompt's norms (B, H_kv, S);
+        ``split``: the tensor-parallel head split, if any."""
         return norms
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:  # pragma: no cover - interface
