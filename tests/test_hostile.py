@@ -190,9 +190,12 @@ def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
         ("=cake", "unknown method key ''; valid: layers, heads, score, select, decode"),
         ("cake,foo=1", "unknown method key 'foo'"),
         ("cake,window", "bad method part 'window': expected key=value"),
-        ("layers=cascade", "unknown layers 'cascade'; valid: cake, cake-oneshot, pyramid, random, uniform"),
+        (
+            "layers=cascade",
+            "unknown layers 'cascade'; valid: cake, cake-oneshot, global, pyramid, random, uniform",
+        ),
         ("heads=ada", "unknown heads 'ada'; valid: adakv, uniform"),
-        ("score=h3o", "unknown score 'h3o'; valid: cake, h2o, snapkv, streamingllm, tova"),
+        ("score=h3o", "unknown score 'h3o'; valid: cake, defensive, h2o, snapkv, streamingllm, tova"),
         ("cake,xyz.a=1", "unknown method part 'xyz'"),
         (
             "cake,layers.foo=1",

@@ -52,11 +52,11 @@ def test_registry_lists_every_preset_and_rejects_unknown():
     names = [name for name, _ in kvcake.list_methods()]
     assert names == list(PRESETS)
     for required in ("streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "criticalkv", "adakv",
-                     "ada-pyramidkv", "critical-adakv", "cake-adakv"):  # fmt: skip
+                     "ada-pyramidkv", "critical-adakv", "cake-adakv", "defensivekv", "layer-defensivekv"):  # fmt: skip
         assert required in PRESETS
     with pytest.raises(ValueError, match="presets: streamingllm"):
         make_method("snapkvv", budget=64)
-    with pytest.raises(ValueError, match="valid: cake, cake-oneshot, pyramid, random, uniform"):
+    with pytest.raises(ValueError, match="valid: cake, cake-oneshot, global, pyramid, random, uniform"):
         make_method("layers=cak", budget=64)
     with pytest.raises(ValueError, match="valid: critical, topk"):
         make_method("select=best", budget=64)

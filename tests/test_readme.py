@@ -24,7 +24,9 @@ SKIP = "<!-- not run by tests/test_readme.py:"  # a block that needs what no tes
 
 
 def python_blocks() -> list[str]:
-    found = re.findall(r"([^\n]*)\n```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S | re.M)
+    found = re.findall(
+        r"([^\n]*)\n```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S | re.M
+    )
     blocks = [code for before, code in found if not before.startswith(SKIP)]
     assert blocks, "the README has no Python code"
     return blocks

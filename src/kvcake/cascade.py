@@ -77,10 +77,11 @@ def prefill_stage(
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
         layer.scores = cache.split.head_mean(layer.scores)
-    if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
+    if (m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores) or m.layers.needs_scores:
         # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
-        # at the end of prefill), which keeps the cascade equal to one-shot eviction.
+        # at the end of prefill), which keeps the cascade equal to one-shot eviction. The
+        # global allocator ranks these across layers.
         cache.count_scores[layer_idx] = layer.scores
     if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
         # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
@@ -88,9 +89,15 @@ def prefill_stage(
     if m.layers.needs_preferences:
         cache.preferences.append(layer_preference(cache, inputs))
     last = g == len(cache.compressed) - 1
-    if m.layers.needs_preferences:
+    if m.layers.needs_preferences or m.layers.needs_scores:
         if m.layers.cascading or last:
-            budgets = allocate(cache, torch.stack(cache.preferences, 1), final=last)
+            prefs = torch.stack(cache.preferences, 1) if m.layers.needs_preferences else None
+            seen = (
+                tuple(cache.count_scores[lid] for lid in cache.compressed[: g + 1])
+                if m.layers.needs_scores
+                else None
+            )
+            budgets = allocate(cache, prefs, final=last, layer_scores=seen)
             cache.stage_budgets.append(budgets)
             for j in range(g + 1):
                 cache._evict_layer(cache.compressed[j], budgets[:, j])
@@ -163,12 +170,14 @@ def temperatures(cache: Cache) -> tuple[float, float]:
     return cache.tau.tau1, cache.tau.tau2
 
 
-def allocate(cache: Cache, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
+def allocate(
+    cache: Cache, preferences: torch.Tensor | None, final: bool, layer_scores: tuple | None = None
+) -> torch.Tensor:
     """(B, m) budgets of the first ``m`` compressed layers (all of them unless cascading)."""
     s = cache.seq
     req = AllocationRequest(
         total=s.total, cap=s.lengths, window=s.window, num_layers=len(cache.compressed),
-        preferences=preferences, final=final,
+        preferences=preferences, final=final, layer_scores=layer_scores, split=cache.split,
     )  # fmt: skip
     return cache.method.layers.allocate(req)
 
@@ -191,9 +200,8 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         return  # nothing to evict in this layer at this stage
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
-        layer.norms = value_norms(
-            m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts
-        )
+        norms = value_norms(m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts)
+        layer.norms = m.selector.prepare_norms(norms, cache.split)
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)

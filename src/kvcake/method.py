@@ -12,10 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .allocators import AdaKV, CakeAllocator, LayerAllocator, Pyramid, RandomSplit, Uniform, UniformHeads
+from .allocators import (
+    AdaKV,
+    CakeAllocator,
+    GlobalAllocator,
+    LayerAllocator,
+    Pyramid,
+    RandomSplit,
+    Uniform,
+    UniformHeads,
+)
 from .allocators.adakv import HeadAllocator
 from .budget import MAX_BUDGET, BudgetSpec
-from .scorers import CakeScorer, H2OScorer, Scorer, SnapKVScorer, StreamingScorer, TOVAScorer
+from .scorers import CakeScorer, DefensiveScorer, H2OScorer, Scorer, SnapKVScorer, StreamingScorer, TOVAScorer
 from .selectors import Critical, Selector, TopK
 
 LAYER_ALLOCATORS: dict[str, Callable[..., LayerAllocator]] = {
@@ -24,6 +33,7 @@ LAYER_ALLOCATORS: dict[str, Callable[..., LayerAllocator]] = {
     "random": RandomSplit,
     "cake": CakeAllocator,
     "cake-oneshot": lambda **kw: CakeAllocator(cascading=False, **kw),
+    "global": GlobalAllocator,
 }
 HEAD_ALLOCATORS: dict[str, Callable[..., HeadAllocator]] = {"uniform": UniformHeads, "adakv": AdaKV}
 SCORERS: dict[str, Callable[..., Scorer]] = {
@@ -32,6 +42,7 @@ SCORERS: dict[str, Callable[..., Scorer]] = {
     "tova": TOVAScorer,
     "snapkv": SnapKVScorer,
     "cake": CakeScorer,
+    "defensive": DefensiveScorer,
 }
 SELECTORS: dict[str, Callable[..., Selector]] = {"topk": TopK, "critical": Critical}
 DECODE_POLICIES = ("none", "fixed")
@@ -47,11 +58,12 @@ class Method:
     budget:
         How much to keep (``BudgetSpec``: ``budget=`` or ``ratio=``, and the window).
     layers:
-        Layer allocator: uniform, pyramid, random, or CAKE's preference allocation.
+        Layer allocator: uniform, pyramid, random, CAKE's preference allocation, or one ranking
+        of every layer's scores (Layer-DefensiveKV's ``global``).
     heads:
         Head allocator: uniform, or Ada-KV (ragged cache).
     scorer:
-        Token scores: StreamingLLM, H2O, TOVA, SnapKV, CAKE.
+        Token scores: StreamingLLM, H2O, TOVA, SnapKV, CAKE, DefensiveKV.
     selector:
         Top-k, or CriticalKV's two-stage selection.
     decode:
@@ -78,6 +90,11 @@ class Method:
                            (self.selector, Selector)):  # fmt: skip
             if not isinstance(part, base):
                 raise TypeError(f"expected a {base.__name__}, got {type(part).__name__}")
+        if self.selector.needs_marks and not self.scorer.marks_critical:
+            raise ValueError(
+                f"select.first=marked needs a scorer that marks the first stage (score=defensive with "
+                f"critical_mass > 0), got score={self.scorer.describe()}: use select.first=ratio"
+            )
 
     def describe(self) -> str:
         """The preset name and the full composed spec (every non-default option), with the budget."""
@@ -104,7 +121,14 @@ adakv          uniform       adakv    snapkv        topk      none   Ada-SnapKV:
 ada-pyramidkv  pyramid       adakv    snapkv        topk      none   PyramidKV layers x Ada-KV heads
 critical-adakv uniform       adakv    snapkv        critical  none   Ada-KV heads + CriticalKV selection
 cake-adakv     cake          adakv    cake          topk      fixed  CAKE layers x Ada-KV heads (ragged)
+defensivekv    uniform       adakv    defensive     critical  none   DefensiveKV: worst-case window attention, Ada-KV
+layer-defensivekv global     adakv    defensive     critical  none   Layer-DefensiveKV: one ranking over all layers, cascade
 """
+# Part options a preset sets beyond its parts' defaults (written like a composed string's).
+PRESET_OPTIONS: dict[str, str] = {
+    "defensivekv": "select.first=marked,select.value_norm=heads",
+    "layer-defensivekv": "select.first=marked,select.value_norm=heads",
+}
 # name -> (layers, heads, score, select, decode, one-line description)
 PRESETS: dict[str, tuple[str, str, str, str, str, str]] = {
     name: tuple(rest) for name, *rest in (row.split(maxsplit=6) for row in _PRESET_TABLE.strip().splitlines())
@@ -212,16 +236,18 @@ def make_method(
                              f"e.g. 'layers=cake,heads=adakv,score=cake,select=critical'{hint}")  # fmt: skip
         choice.update(zip(("layers", "heads", "score", "select", "decode"), PRESETS[name][:5], strict=False))
     options: dict[str, dict[str, object]] = {k: {} for k in _KEYS}
+    preset_tokens = [t for t in PRESET_OPTIONS.get(name, "").split(",") if t]
     seen: set[str] = set()
-    for tok in tokens:
+    for i, tok in enumerate([*preset_tokens, *tokens]):
         if "=" not in tok:
             raise ValueError(
                 f"bad method part {tok!r}: expected key=value (keys: {', '.join([*_KEYS, 'decode'])})"
             )
         key, value = (s.strip() for s in tok.split("=", 1))
-        if key in seen:
-            raise ValueError(f"{key!r} is given twice in method {spec!r}: keep one")
-        seen.add(key)
+        if i >= len(preset_tokens):  # the caller's own parts override the preset's options
+            if key in seen:
+                raise ValueError(f"{key!r} is given twice in method {spec!r}: keep one")
+            seen.add(key)
         if not value:
             raise ValueError(f"{key!r} has no value in method {spec!r}: write {key}=VALUE")
         if "." in key:
@@ -233,6 +259,12 @@ def make_method(
             choice[key] = value.lower()
         else:
             raise ValueError(f"unknown method key {key!r}; valid: {', '.join([*_KEYS, 'decode'])}")
+    for tok in preset_tokens:  # a preset's option is dropped with its part (e.g. ``select=topk``)
+        part, opt = tok.split("=", 1)[0].split(".", 1)
+        if choice[part] != PRESETS[name][list(_KEYS).index(part)] and not any(
+            t.split("=", 1)[0].strip() == f"{part}.{opt}" for t in tokens
+        ):
+            options[part].pop(opt, None)
     if tokens and name != "custom":
         name = f"{name}+"  # a preset with overrides
     return Method(
@@ -256,7 +288,12 @@ def resolve_ratio(ratio: float | None, keep_ratio: float | None) -> float | None
 def list_methods() -> list[tuple[str, str]]:
     """(preset, one-line description with its parts) for every registered preset."""
     return [
-        (name, f"{desc} [layers={p[0]}, heads={p[1]}, score={p[2]}, select={p[3]}, decode={p[4]}]")
+        (
+            name,
+            f"{desc} [layers={p[0]}, heads={p[1]}, score={p[2]}, select={p[3]}, decode={p[4]}"
+            + "".join(f", {o}" for o in PRESET_OPTIONS.get(name, "").split(",") if o)
+            + "]",
+        )
         for name, (*p, desc) in PRESETS.items()
     ]
 

@@ -113,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--out", default="bench-results", help="folder for <bench>.json and <bench>.png")
     p.add_argument("--doc", default=None, help="also write a markdown page with every table and figure")
+    p.add_argument("--add", action="store_true",
+                   help="memory/prefill: merge this run's rows into the results already in --out (rows of "
+                        "the same method and length replaced; targets recomputed) instead of replacing them; "
+                        "with --doc, rewrite the page from every result in --out")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
     g = p.add_argument_group("gpu", "the 'gpu' bench (its defaults: --lengths 8k,32k,128k --budget 1024, every preset, "
                              "--rounds 3 --steps 8 --doc docs/benchmarks-gpu.md)")  # fmt: skip
@@ -176,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_gpu(args, device, dtype, out)
     started = time.perf_counter()
     which = BENCHES[:4] if args.which == "all" else (args.which,)
+    if args.add and any(b not in ("memory", "prefill") for b in which):
+        print(f"kvcake bench: --add merges the memory and prefill benches, not {args.which}", file=sys.stderr)
+        return 2
     models = None if which == ("bandwidth",) else load_models(args.model, device=device, dtype=dtype)
     attn = models.model.config._attn_implementation if models else "-"
     machine = describe_machine(device, dtype, attn)
@@ -192,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     for bench in which:
         print(f"\n## {bench}\n", flush=True)
         t0 = time.perf_counter()
+        path = out / f"{bench}.json"
+        previous = (
+            json.loads(path.read_text()) if args.add and path.exists() else None
+        )  # before the run rewrites it
         if bench == "bandwidth":
             results[bench] = bandwidth.run(device, size_bytes=bw_bytes, out=out, machine=machine)
         elif bench == "memory":
@@ -213,11 +224,29 @@ def run(args: argparse.Namespace) -> int:
                 machine=machine,
             )  # fmt: skip
         results[bench]["seconds"] = time.perf_counter() - t0
+        if previous is not None:
+            from .merge import merge
+
+            results[bench] = merge(bench, previous, results[bench])
+            write_json(path, results[bench])
+            plots = {"memory": memory.plot, "prefill": speed.plot_prefill}
+            plots[bench](results[bench], out / f"{bench}.png")
+            print(f"merged into {path}", flush=True)
     total = time.perf_counter() - started
     print(
         f"\nwrote {', '.join(str(out / f'{b}.json') for b in results)} (+ .png) in {total / 60:.1f} min",
         flush=True,
     )
+    if args.add and (out / "run.json").exists():  # the page lists the runs merged since its own
+        argv = getattr(args, "argv", None)
+        prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
+        run_info = json.loads((out / "run.json").read_text())
+        added = dict(command=" ".join([prefix, *(shlex.quote(a) for a in argv)]), total_s=total,
+                     date=datetime.date.today().isoformat())  # fmt: skip
+        run_info["added"] = [*run_info.get("added", []), added]
+        write_json(out / "run.json", run_info)
+    if args.doc and args.add:  # the page from every result in --out, as `report` writes it
+        return _report(args)
     if args.doc:
         from .report import render
 
@@ -279,7 +308,7 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
 
 def _render_args(run_info: dict) -> dict:
     keys = ("machine", "command", "total_s", "date")
-    return {k: run_info[k] for k in keys}
+    return {**{k: run_info[k] for k in keys}, "added": run_info.get("added")}
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -118,13 +118,18 @@ def run_prefill(
     at = PREFILL_TARGET_LENGTH if PREFILL_TARGET_LENGTH in lengths else max(lengths)
     result = dict(bench="prefill", machine=machine, budget=budget, window=window, repeats=repeats,
                   lengths=list(lengths), methods=list(methods), rows=rows, runs=runs, target_length=at)  # fmt: skip
-    result["targets"] = [
+    result["targets"] = prefill_targets(rows, at)
+    return emit(result, "prefill", prefill_tables(result) if echo else "", plot_prefill, out, echo)
+
+
+def prefill_targets(rows: list[dict], at: int) -> list[dict]:
+    """The prefill target, one entry per method measured at ``at`` tokens."""
+    return [
         dict(target=f"prefill time within {PREFILL_TARGET - 1:.0%} of the full cache's", length=at,
              method=r["method"], value=r["ratio"], in_cache=r["hook_s"] / r["full_s"],
              ok=r["ratio"] <= PREFILL_TARGET)
         for r in rows if r["length"] == at
     ]  # fmt: skip
-    return emit(result, "prefill", prefill_tables(result) if echo else "", plot_prefill, out, echo)
 
 
 def prefill_tables(result: dict) -> str:

@@ -51,6 +51,7 @@ class _MemoScorer(Scorer):
     def __init__(self, inner: Scorer, memo: ScoreMemo) -> None:
         self.inner, self.memo = inner, memo
         self.name, self.stateful, self.reduce = inner.name, inner.stateful, inner.reduce
+        self.marks_critical = inner.marks_critical
 
     def prefill(self, inp: PrefillInputs) -> torch.Tensor:
         return self.memo.scores(self.inner, inp)

@@ -110,6 +110,7 @@ class Scorer:
     order_sensitive = False
     layer_wide = False
     reduce = "mean"
+    marks_critical = False  # adds MARK to CriticalKV's first stage (DefensiveScorer)
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:  # pragma: no cover - interface
         """Per query head scores (B, H, S); only prefix columns (before the window) matter."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocators.adakv import ranks_desc
+from ..scorers.defensive import MARK
 from .topk import SelectionInputs, Selector
 
 # Positions per chunk when projecting values through o_proj: bounds the (B, H, chunk, hidden)
@@ -82,10 +83,26 @@ class Critical(Selector):
     experiments and the authors' code); stage 2 fills the remaining ``b - b1`` from the rest by
     ``(score + eps) * ||v_n W_O^(h)||_1`` (``eps = 1e-4``), which bounds the output
     perturbation rather than the attention mass alone. The window is always kept.
+
+    Parameters
+    ----------
+    alpha:
+        First-stage share of the prefix budget (``first="ratio"``).
+    eps:
+        Added to the score before weighting by the value norm.
+    first:
+        ``"ratio"`` (CriticalKV): stage 1 is the top ``floor(alpha * b)``. ``"marked"``
+        (DefensiveKV's code): stage 1 is the entries the scorer marked as holding 90% of the
+        attention mass (``score >= MARK``, ``DefensiveScorer.critical_mass``), at most ``b``.
+    value_norm:
+        ``"raw"`` (CriticalKV): ``||v_n W_O^(h)||_1``. ``"heads"`` (DefensiveKV's code): each
+        entry's norm divided by its sum over the layer's KV heads at the same position.
     """
 
     alpha: float = 0.5
     eps: float = 1e-4
+    first: str = "ratio"
+    value_norm: str = "raw"
     name = "critical"
     needs_value_norms = True
     keeps_top_scores = False  # stage 2 may drop a higher score for a larger value norm
@@ -95,6 +112,29 @@ class Critical(Selector):
             raise ValueError(f"CriticalKV first-stage ratio alpha must be in [0, 1], got {self.alpha}")
         if not self.eps >= 0:
             raise ValueError(f"CriticalKV eps must be >= 0, got {self.eps}")
+        if self.first not in ("ratio", "marked"):
+            raise ValueError(f"CriticalKV first stage must be 'ratio' or 'marked', got {self.first!r}")
+        if self.value_norm not in ("raw", "heads"):
+            raise ValueError(f"CriticalKV value_norm must be 'raw' or 'heads', got {self.value_norm!r}")
+
+    @property
+    def needs_marks(self) -> bool:
+        return self.first == "marked"
+
+    def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
+        """The value weights kept with the layer, from the full prompt's norms (B, H_kv, S), at
+        the layer's first eviction (positions still aligned across heads). ``value_norm="heads"``
+        divides by the sum over every KV head of the layer: under tensor parallelism
+        (``split``, a :class:`kvcake.tensor_parallel.HeadSplit`) over every rank's heads,
+        gathered and summed in head order as one process would."""
+        if self.value_norm != "heads":
+            return norms
+        if split is None:
+            total = norms.sum(1, keepdim=True)
+        else:
+            every = split.gather(norms)  # (world, B, h, S), rank order = head order
+            total = every.permute(1, 0, 2, 3).flatten(1, 2).sum(1, keepdim=True)
+        return norms / total.clamp(min=1e-30)
 
     def value_norms(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
@@ -113,6 +153,8 @@ class Critical(Selector):
         stage 2 (``b1 = floor(alpha * b)`` are in stage 1), so it is never kept; the others get
         their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
         norms are exact."""
+        if self.value_norm == "heads":  # normalised over heads: every entry's norm is needed
+            return projected_value_norms(values, o_weight, num_heads)
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
         kmax = int(b_pref.max()) if b_pref.numel() else 0  # host: once per layer, in prefill
@@ -146,8 +188,11 @@ class Critical(Selector):
         window = scores == float("inf")
         prefix_ok = torch.isfinite(scores)
         prefix_counts = (inp.counts - window.sum(-1)).clamp(min=0)  # (B, H_kv)
-        first = torch.floor(prefix_counts.double() * self.alpha).long()
         prefix = torch.where(prefix_ok, scores, torch.full_like(scores, float("-inf")))
+        if self.first == "marked":  # marked entries rank first in their head
+            first = torch.minimum((prefix >= MARK).sum(-1), prefix_counts)
+        else:
+            first = torch.floor(prefix_counts.double() * self.alpha).long()
         stage1 = (ranks_desc(prefix) < first[..., None]) & prefix_ok
         weighted = (prefix.clamp(min=0) + self.eps) * inp.value_norms
         weighted = torch.where(prefix_ok & ~stage1, weighted, torch.full_like(weighted, float("-inf")))
