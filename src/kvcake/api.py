@@ -33,6 +33,7 @@ from .cache import KVCakeCache
 from .context import CompressedContext, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
+from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def generate(
     window: int = 32,
     progress: bool = False,
     keep_ratio: float | None = None,
+    scenario: str | None = None,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
@@ -136,7 +138,10 @@ def generate(
     name ``ratio``) is the fraction of the prompt kept, ``budget`` the entries kept per layer;
     give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]``. ``method="full"``
     keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
+    ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
+    prompt ends with its question), ``"context"`` for a prompt that does not.
     """
+    scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
@@ -144,7 +149,7 @@ def generate(
     _check_generate_kwargs(model, generate_kwargs)
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
-    cache = KVCakeCache(model, m, progress=progress)
+    cache = KVCakeCache(model, m, progress=progress, scenario=scenario)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
@@ -161,13 +166,17 @@ def compress(
     window: int = 32,
     progress: bool = False,
     keep_ratio: float | None = None,
+    scenario: str | None = None,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
 
     The returned context answers any number of follow-ups with ``.generate`` (which returns the
     answer's ids only) / ``.forward``; each works on its own copy, so the context is never
     changed by answering. Budget keywords as in :func:`generate`; neither keeps
-    ``DEFAULT_KEEP_RATIO["context"]``."""
+    ``DEFAULT_KEEP_RATIO["context"]``. ``scenario`` picks the set of calibrated CAKE
+    temperatures: ``"context"`` by default, ``"question"`` when ``input_ids`` already end with
+    the question (as ``kvcake inspect --prompt`` compresses)."""
+    scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
@@ -175,7 +184,7 @@ def compress(
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    cache = KVCakeCache(model, m, progress=progress)
+    cache = KVCakeCache(model, m, progress=progress, scenario=scenario)
     with enable(model), torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])
