@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .common import _context_ids, _prompt_ids, _read_text, _scenario, _use_chat
 from .options import _layout_args, _load, _method, _method_args
@@ -41,6 +42,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
         else _scenario(args, "question", "--prompt: a prompt that ends with its question")
     )
     for path in inspect_prompt(model, tokenizer, ids, method, ada_method=ada, out_dir=args.out, scenario=scenario,
-                               report=print):  # fmt: skip
+                               report=lambda line: print(line, file=sys.stderr)):  # fmt: skip
         print(path)
     return 0
