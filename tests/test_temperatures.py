@@ -218,6 +218,18 @@ def test_an_explicit_scenario_overrides_the_entry_point(tiny_llama):
     with kvcake.enable(tiny_llama), torch.no_grad():
         tiny_llama(_ids(), **kvcake.adapters.with_cache(tiny_llama, own))
     assert _applied(own, cal, "context")
+    # the eval's replays say their scenario too (kvcake.eval.cells, tau_sweep)
+    from transformers import DynamicCache
+
+    from kvcake.replay import Captured, capture_queries, replay_compress
+
+    captured, full = Captured(), DynamicCache()
+    with capture_queries(tiny_llama, captured), torch.no_grad():
+        logits = tiny_llama(_ids(), **kvcake.adapters.with_cache(tiny_llama, full)).logits[:, -1]
+    method = kvcake.make_method("cake", budget=20, window=4)
+    for scenario in ("question", "context"):
+        replayed = replay_compress(tiny_llama, method, captured, full, _ids(), logits, scenario=scenario)
+        assert _applied(replayed.cache, cal, scenario)
     # user temperatures still win over either set
     user = kvcake.compress(tiny_llama, _ids(), "cake,layers.tau1=0.9,layers.tau2=1.1", budget=20, window=4)
     assert user.cache.tau == temperatures.TauChoice(0.9, 1.1, "user")
