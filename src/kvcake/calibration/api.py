@@ -12,7 +12,7 @@ from pathlib import Path
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau
 from kvcake.budget import BudgetSpec
 from kvcake.haystack import Haystack, resolve_haystack
-from kvcake.models import model_fingerprint
+from kvcake.models import model_fingerprint, model_name
 from kvcake.scorers.cake import CakeScorer
 from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, save_calibration
 
@@ -155,10 +155,9 @@ def calibrate(
         "indicators": [indicator_name(i) for i in inds], "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,
     }  # fmt: skip
-    name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-    cal = Calibration(
-        model_fingerprint(model), {s: tuple(p) for s, p in points.items()}, Path(name).name, meta
-    )
+    name = model_name(model)  # what --model loads it by (a built-in's name without the @transformers-x)
+    name = type(model).__name__ if name == "MODEL" else Path(name).name
+    cal = Calibration(model_fingerprint(model), {s: tuple(p) for s, p in points.items()}, name, meta)
     if save is not False:
         path = save_calibration(cal, None if save is True else Path(save))
         logger.info("calibration saved to %s", path)
