@@ -111,7 +111,7 @@ class Calibration:
     before the sets were split). Each set is sorted by budget."""
 
     fingerprint: str
-    points: object
+    points: tuple[TauPoint, ...] | dict[str, tuple[TauPoint, ...]]
     model: str = ""
     meta: dict = field(default_factory=dict, compare=False)
 

@@ -124,7 +124,7 @@ def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
     ids = torch.tensor([prompt], device=dev)
     captured, cache = Captured(), DynamicCache()
     with capture_queries(model, captured):
-        out = model(ids, **with_cache(model, cache), use_cache=True)
+        out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)  # (1, 1, vocab)
     logits = out.logits[:, -1]
     appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
     preds, attn = [logits.float()], []
