@@ -248,3 +248,17 @@ def test_calibration_prompts_are_never_evaluation_prompts():
         assert not overlap, overlap
     rng_spans = [span(random.Random(f"kvcake-calibration-question-{i}"), f) for i in range(8) for f in FORMS]
     assert not [v for v in rng_spans if v in joined]
+
+
+def test_the_near_uniform_candidate_joins_every_grid():
+    from kvcake.calibration.api import FLAT_TAU, with_flat
+    from kvcake.calibration.search import GridResult
+
+    grid = GridResult((0.2, 0.4), 1.1, {(0.2, 0.4): 1.1, (2.0, 3.0): 1.2})
+    calls = []
+    worse = with_flat(grid, lambda a, b: calls.append((a, b)) or 0.98)  # every grid point worse than flat
+    assert worse.best == FLAT_TAU and worse.loss == 0.98 and calls == [FLAT_TAU]
+    assert set(worse.table) == {*grid.table, FLAT_TAU}
+    better = with_flat(grid, lambda a, b: 1.5)
+    assert better.best == (0.2, 0.4) and better.table[FLAT_TAU] == 1.5
+    assert with_flat(better, lambda a, b: pytest.fail("measured twice")).table == better.table

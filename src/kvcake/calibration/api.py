@@ -17,13 +17,14 @@ from kvcake.scorers.cake import CakeScorer
 from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, save_calibration
 
 from .samples import build_texts, reference
-from .search import Evaluator, choose, search_grid, tau_grid
+from .search import TAU_LIMITS, Evaluator, GridResult, choose, search_grid, tau_grid
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RATIOS = (0.1, 0.25)
 TAU1_RANGE = (0.2, 2.0)  # the CAKE paper's search ranges
 TAU2_RANGE = (0.4, 3.0)
+FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search reaches: near-uniform budgets
 PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel 5
 OBJECTIVE = (
     "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
@@ -164,6 +165,17 @@ def calibrate(
     return cal
 
 
+def with_flat(result: GridResult, loss) -> GridResult:
+    """``result`` with the near-uniform candidate :data:`FLAT_TAU` added to its table (and its
+    best recomputed): the flattest candidate, so a grid whose allocations are all worse than
+    near-uniform budgets beyond the noise keeps that one (measured on Gemma-3-270M's questions)."""
+    table = dict(result.table)
+    if FLAT_TAU not in table:
+        table[FLAT_TAU] = float(loss(*FLAT_TAU))
+    best = min(table, key=table.__getitem__)
+    return GridResult(best, table[best], table)
+
+
 def _calibrate_point(
     model, refs, spec: BudgetSpec, inds, grid: int, model_type: str
 ) -> tuple[TauPoint, dict]:
@@ -177,7 +189,9 @@ def _calibrate_point(
             if ind == PAPER_INDICATOR
             else Evaluator(model, refs, spec, indicator=ind, baseline=paper.uniform)
         )
-        result = search_grid(ev.loss, tau_grid(*TAU1_RANGE, grid), tau_grid(*TAU2_RANGE, grid))
+        result = with_flat(
+            search_grid(ev.loss, tau_grid(*TAU1_RANGE, grid), tau_grid(*TAU2_RANGE, grid)), ev.loss
+        )
         runs[ind] = (ev, result, choose(result.table, ev.per_sample, ev.unevenness))
     # across indicators: the paper's, unless another is better by more than one standard error
     pick = choose({ind: run[2].loss for ind, run in runs.items()},
