@@ -219,8 +219,8 @@ def answer(
         ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
     method:
         A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
-        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``criticalkv``
-        for a document, ``snapkv`` question-aware: README "Which method").
+        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
+        in both scenarios: README "Which method").
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``).
     """
