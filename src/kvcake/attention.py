@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters import describe_model
-from .cache import PENDING
+from .cache import HANDOFF
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
@@ -58,13 +58,12 @@ def _make_attention(inner_name: str):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        pending = PENDING.get()
-        if pending is None or pending[1] != getattr(module, "layer_idx", None) or pending[2] is not key:
+        cache = kwargs.pop(HANDOFF, None)
+        layer_idx = getattr(module, "layer_idx", None)
+        if cache is None or cache._unconsumed != layer_idx:  # any other cache, or none: the stock kernel
             return inner(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
-        cache, layer_idx, _ = pending
-        PENDING.set(None)
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
         q = query.shape[2]
@@ -129,4 +128,3 @@ def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for config, impl in configs:
             config._attn_implementation = impl
-        PENDING.set(None)

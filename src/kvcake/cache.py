@@ -27,8 +27,6 @@ cascade mean the ``L_g`` full-attention layers (``info.compressed_layers``), in 
 
 from __future__ import annotations
 
-import contextvars
-
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
@@ -42,11 +40,12 @@ from .models import model_fingerprint
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import TauChoice
 
-# The layer whose update() ran last and whose attention has not run yet: set by the cache,
-# read once by the kvcake attention function (the model calls them back to back).
-PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
-    "kvcake_pending", default=None
-)
+# The key under which ``update`` hands the cache to the kvcake attention function: transformers'
+# attention modules call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then
+# ``attention_interface(..., **kwargs)`` with that same dict, so an entry written here reaches the
+# attention call of the same layer and no other. Plain Python state the compiler traces (a
+# ContextVar, read in every attention call, is not).
+HANDOFF = "kvcake_cache"
 
 
 class KVCakeCache(Cache):
@@ -128,7 +127,6 @@ class KVCakeCache(Cache):
                 "error): its state is incomplete, so make a new KVCakeCache"
             )
         if self._unconsumed is not None:
-            PENDING.set(None)  # do not keep this cache's keys alive past the error
             raise RuntimeError(
                 "KVCakeCache was updated but the kvcake attention did not run for layer "
                 f"{self._unconsumed}: run the model inside `with kvcake.enable(model):` (or use "
@@ -143,7 +141,9 @@ class KVCakeCache(Cache):
             )
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx
-        PENDING.set((self, layer_idx, keys))
+        model_kwargs = kwargs.get("kwargs")
+        if isinstance(model_kwargs, dict):  # the dict the model passes on to its attention function
+            model_kwargs[HANDOFF] = self
         self._track_bytes(layer_idx)
         return keys, values
 
