@@ -65,3 +65,44 @@ def test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside():
     assert graphs_out <= 2
     assert graphs_in == graphs_out
     torch.testing.assert_close(logits_in, logits_out, rtol=0, atol=0)
+
+
+STEPS = 64
+
+
+def _decode_kvcake(model, spec: str, batch: int, compiled: bool):
+    """Prefill eagerly, then 64 single-token steps through ``model.forward`` (compiled with
+    ``fullgraph=True`` and a graph-counting backend, or eager); left padding on sequence 1."""
+    torch._dynamo.reset()
+    counter = _GraphCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True) if compiled else model.forward
+    ids = torch.randint(3, 128, (batch, 60), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1:, :10] = 0
+    cache = kvcake.KVCakeCache(
+        model, kvcake.make_method(spec, budget=24, window=4), static=True, max_cache_len=60 + STEPS
+    )
+    logits = []
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask, cache=cache)
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(STEPS):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            out = step(tok, attention_mask=mask, cache=cache, position_ids=mask.cumsum(-1)[:, -1:] - 1)
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+    return counter.graphs, torch.stack(logits)
+
+
+# a dense cache appending (decode=none), a dense one evicting every step with an order-sensitive
+# scorer (CAKE), a ragged one (Ada-KV); the probe over every preset is in docs/benchmarks.md
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch):
+    """fullgraph=True raises on any graph break; the second graph is the one with the growing
+    attention mask's length symbolic (transformers' StaticCache gets the same two)."""
+    model = _two_layer_llama()
+    graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True)
+    _, eager = _decode_kvcake(model, spec, batch, compiled=False)
+    assert graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the same ATen ops, run eagerly

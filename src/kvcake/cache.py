@@ -70,6 +70,7 @@ class KVCakeCache(Cache):
         record: bool = False,
         progress: bool = False,
         static: bool = False,
+        max_cache_len: int | None = None,
         **budget_kwargs,
     ) -> None:
         self.info: ModelInfo = describe_model(model)
@@ -113,6 +114,13 @@ class KVCakeCache(Cache):
         # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
         # while its capacity policy costs memory); False (default): the dynamic path.
         self.static = static
+        # the prompt plus the tokens to generate, when known (kvcake.generate passes it): decode=none
+        # preallocates up to it, so the storage never grows while decoding (capacity is memory)
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(
+                f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}"
+            )
+        self.max_cache_len = max_cache_len
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -45,9 +45,10 @@ class KVCakeLayer(CacheLayerMixin):
         self.kv_heads = 0
         # static decode storage (static.py): None = the dynamic reference layout, else the
         # decoding policy it serves; ``static_plan`` is set by the cache after the prompt:
-        # ("fixed", (B, H_kv) budgets) or ("none", None), or None to stay dynamic.
+        # ((B, H_kv) budgets, room) for decode=fixed / (None, room) for decode=none, or None to
+        # stay dynamic (see static.to_static).
         self.static: str | None = None
-        self.static_plan: tuple[str, np.ndarray | None] | None = None
+        self.static_plan: tuple[np.ndarray | None, int] | None = None
 
     # -- transformers' CacheLayerMixin interface ---------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -66,11 +67,12 @@ class KVCakeLayer(CacheLayerMixin):
         if self.static is not None and not one_step:
             static.to_dynamic(self)  # multi-token appends take the reference path
         elif self.static is None and one_step and self.static_plan is not None and not self.plain:
-            static.to_static(self, self.static_plan[1])
+            static.to_static(self, *self.static_plan)  # back from a multi-token append
         if self.static is not None:
-            pos = torch.full((b, hkv, 1), self.length, dtype=torch.long, device=key_states.device)
-            self.length += 1
+            pos = self.length_dev.reshape(1, 1, 1).expand(b, hkv, 1)  # the device copy: no host int
             static.append(self, key_states, value_states, pos)
+            self.length_dev += 1  # after the write: ``pos`` is a view of it
+            self.length += 1
             return self.keys, self.values
         qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
         pos = torch.where(valid, qpos, torch.full_like(qpos, -1)) if valid is not None else qpos
@@ -279,7 +281,10 @@ class KVCakeLayer(CacheLayerMixin):
         query: (B, H, q, d). Returns the output (B, q, H, d) and, if asked, the probabilities
         (B, H, q, N) in float32 over the padded view (0 on empty slots)."""
         b, h, q, d = query.shape
-        qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
+        if self.static is not None:  # one new token, its position on the device
+            qpos = (self.length_dev - 1).reshape(1, 1).expand(b, 1)
+        else:
+            qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
                 query,
