@@ -93,7 +93,9 @@ def generate(
     _check_ids(input_ids, model)
     m = _as_method(method, budget, ratio, window)
     _check_generate_kwargs(model, generate_kwargs)
-    cache = KVCakeCache(model, m, progress=progress)
+    new = generate_kwargs.get("max_new_tokens")
+    room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
+    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
     return out, cache

@@ -111,8 +111,9 @@ class KVCakeCache(Cache):
         self._fingerprint = (
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
-        # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
-        # while its capacity policy costs memory); False (default): the dynamic path.
+        # static=True: decode in preallocated buffers with in-place eviction (static.py), a step the
+        # compiler traces whole (tests/test_compile.py); False (still the default: the byte and
+        # storage tests assume compact layers): the dynamic path, the reference.
         self.static = static
         # the prompt plus the tokens to generate, when known (kvcake.generate passes it): decode=none
         # preallocates up to it, so the storage never grows while decoding (capacity is memory)

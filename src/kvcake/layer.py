@@ -304,6 +304,8 @@ class KVCakeLayer(CacheLayerMixin):
                 probs = padded.reshape(b, self.kv_heads, self.meta.max_len, g, q).permute(0, 1, 3, 4, 2)
                 probs = probs.reshape(b, h, q, self.meta.max_len)
             return out, probs
+        if self.static is not None:  # one new token: every stored entry is in its past
+            return dense_step_attention(query, self.keys, self.values, self.positions, scaling, return_probs)
         return dense_attention(query, self.keys, self.values, self.positions, qpos, scaling, return_probs)
 
     def kv_bytes(self) -> int:
@@ -357,3 +359,31 @@ def dense_attention(
         )
         probs = None
     return out.reshape(b, h, q, d).transpose(1, 2), probs
+
+
+def dense_step_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dense_attention`` for one new query token over static storage: every stored entry is
+    in the token's past and the token's own entry is stored, so the visibility mask is just
+    "slot not empty", one (B, H_kv, 1, N) mask broadcast over the query rows.
+
+    query: (B, H, 1, d); keys/values: (B, H_kv, N, d); positions: (B, H_kv, N) (-1 = empty).
+    Returns (B, 1, H, d) and optionally the probabilities (B, H, 1, N) in float32."""
+    b, h, q, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    qs = query.reshape(b, hkv, (h // hkv) * q, d)  # (B, H_kv, G, d), GQA group folded into rows
+    allowed = (positions >= 0)[:, :, None, :]  # (B, H_kv, 1, N)
+    if return_probs:
+        acc = torch.promote_types(query.dtype, torch.float32)
+        logits = torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, H_kv, G, N)
+        out = torch.matmul(probs, values.to(acc)).to(query.dtype)
+        return out.reshape(b, h, q, d).transpose(1, 2), probs.reshape(b, h, q, n)
+    out = torch.nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=scaling)
+    return out.reshape(b, h, q, d).transpose(1, 2), None

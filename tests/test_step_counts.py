@@ -1,0 +1,73 @@
+"""Deterministic per-step counts of a static decode step (issue 22's CPU proxies for a GPU step):
+host-synchronising ATen ops (zero, every preset, batch 1 and a left-padded batch of 2) and ATen
+ops per layer above transformers' DynamicCache (at most 30 where the target is met so far)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+import kvcake
+from kvcake import PRESETS, KVCakeCache, make_method
+
+# ops that read a device value back to the host (or whose output size depends on data)
+SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
+MAX_EXTRA_OPS_PER_LAYER = 30
+# the presets whose static step meets the bound today (the others: see docs/benchmarks.md)
+WITHIN_OP_BOUND = ("snapkv", "pyramidkv", "criticalkv")
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(model, cache, batch: int = 1) -> Counter[str]:
+    """ATen ops of the third single-token step after a 160-token prompt (left padding on row 1)."""
+    ids = torch.randint(3, 128, (batch, 160), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1:, :20] = 0
+    with kvcake.enable(model), torch.no_grad():
+        tok = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            with _CountOps() as counter:
+                model(tok, attention_mask=mask, past_key_values=cache)
+    return counter.ops
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("spec", list(PRESETS))
+def test_a_static_decode_step_has_no_host_synchronising_op(tiny_llama, spec, batch):
+    """None beyond DynamicCache's: transformers' own mask preparation reads the 2-D padding mask
+    back once per step (``_local_scalar_dense``), with any cache."""
+
+    def syncs(ops):
+        return {k: v for k, v in ops.items() if k in SYNCING}
+
+    base = syncs(step_ops(tiny_llama, DynamicCache(), batch))
+    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
+    assert syncs(step_ops(tiny_llama, cache, batch)) == base
+
+
+@pytest.mark.parametrize("spec", WITHIN_OP_BOUND)
+def test_a_static_decode_step_adds_at_most_30_ops_per_layer(tiny_llama, spec):
+    base = sum(step_ops(tiny_llama, DynamicCache()).values())
+    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
+    extra = (sum(step_ops(tiny_llama, cache).values()) - base) / tiny_llama.config.num_hidden_layers
+    assert extra <= MAX_EXTRA_OPS_PER_LAYER
+
+
+def test_the_sync_counter_sees_a_sync():
+    with _CountOps() as counter:
+        bool(torch.ones(2).sum() > 0)
+    assert "aten._local_scalar_dense.default" in counter.ops
