@@ -4,45 +4,16 @@ ops per layer above transformers' DynamicCache (at most 30 where the target is m
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake.bench.step_counts import SYNCING, CountOps, step_ops
 
-# ops that read a device value back to the host (or whose output size depends on data)
-SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
 MAX_EXTRA_OPS_PER_LAYER = 30
-# the presets whose static step meets the bound today (the others: see docs/benchmarks.md)
+# the presets whose static step meets the bound today (the others: docs/step_counts.md)
 WITHIN_OP_BOUND = ("snapkv", "pyramidkv", "criticalkv")
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def step_ops(model, cache, batch: int = 1) -> Counter[str]:
-    """ATen ops of the third single-token step after a 160-token prompt (left padding on row 1)."""
-    ids = torch.randint(3, 128, (batch, 160), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1:, :20] = 0
-    with kvcake.enable(model), torch.no_grad():
-        tok = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            mask = torch.cat([mask, torch.ones_like(tok)], 1)
-            with _CountOps() as counter:
-                model(tok, attention_mask=mask, past_key_values=cache)
-    return counter.ops
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -68,6 +39,6 @@ def test_a_static_decode_step_adds_at_most_30_ops_per_layer(tiny_llama, spec):
 
 
 def test_the_sync_counter_sees_a_sync():
-    with _CountOps() as counter:
+    with CountOps() as counter:
         bool(torch.ones(2).sum() > 0)
     assert "aten._local_scalar_dense.default" in counter.ops
