@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import kvcake
 
@@ -106,3 +106,22 @@ def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch
     _, eager = _decode_kvcake(model, spec, batch, compiled=False)
     assert graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the same ATen ops, run eagerly
+
+
+def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
+    """``compile=`` makes the cache static (``is_compileable``) and hands transformers' generate a
+    CompileConfig: its decoding forward is captured whole (fullgraph) and the tokens are eager's."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
+        graphs.append(gm)
+        return gm.forward
+
+    model = _two_layer_llama()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    out, cache = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=40, compile=config)
+    ref, _ = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=40, do_sample=False)
+    assert cache.is_compileable and 1 <= len(graphs) <= 2
+    assert torch.equal(out, ref)

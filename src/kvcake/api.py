@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from transformers import CompileConfig
 
 from .attention import enable
 from .cache import KVCakeCache
@@ -83,19 +84,27 @@ def generate(
     ratio: float | None = None,
     window: int = 32,
     progress: bool = False,
+    compile: bool | CompileConfig = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns the output ids and the cache.
 
     The prompt (question included: question-aware compression) is compressed during prefill.
     ``progress=True`` shows a progress bar over the layers while the prompt is prefilled.
+    ``compile=True`` decodes in static storage and lets ``generate`` compile the decoding forward
+    (``torch.compile(fullgraph=True)``, CUDA graphs through ``mode="reduce-overhead"`` on CUDA;
+    on a CPU inductor is often slower than eager); a ``CompileConfig`` chooses the options.
     """
     _check_ids(input_ids, model)
     m = _as_method(method, budget, ratio, window)
     _check_generate_kwargs(model, generate_kwargs)
     new = generate_kwargs.get("max_new_tokens")
     room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
-    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room)
+    if compile is not False:
+        config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on accelerators only by default
+        generate_kwargs["compile_config"] = config
+    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=compile is not False)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
     return out, cache

@@ -163,6 +163,13 @@ class KVCakeCache(Cache):
     def is_croppable(self) -> bool:
         return False
 
+    @property
+    def is_compileable(self) -> bool:
+        """Static storage makes a decode step one graph (``tests/test_compile.py``): transformers'
+        ``generate`` then compiles the decoding forward as for its own static caches. Hybrid
+        models' sliding layers are transformers' dynamic ones, so those are not."""
+        return bool(self.static) and not any(isinstance(layer, SlidingLayer) for layer in self.layers)
+
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes of keys and values the cache holds now (sliding layers included)."""
