@@ -75,7 +75,7 @@ def tiny_llama(layers: int = 4) -> LlamaForCausalLM:
 
 
 def _prompt(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(2))  # host
     mask = torch.ones_like(ids)
     mask[1:, :20] = 0  # left padding on every row but the first
     return ids, mask
