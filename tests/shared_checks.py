@@ -8,6 +8,7 @@ import torch
 
 import kvcake
 from kvcake import KVCakeCache
+from kvcake.adapters import with_cache
 
 
 def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
@@ -20,7 +21,7 @@ def prefill(model, ids, method, mask=None, **kw) -> tuple[KVCakeCache, torch.Ten
     """One compressing forward of ``ids``: the cache and the logits."""
     cache = KVCakeCache(model, method, **kw)
     with kvcake.enable(model), torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache)
+        out = model(ids, attention_mask=mask, **with_cache(model, cache))
     return cache, out.logits
 
 
@@ -29,7 +30,7 @@ def single_step_logits(model, cache, follow: torch.Tensor) -> torch.Tensor:
     steps = []
     with kvcake.enable(model), torch.no_grad():
         for i in range(follow.shape[1]):
-            steps.append(model(follow[:, i : i + 1], past_key_values=cache).logits[0, -1])
+            steps.append(model(follow[:, i : i + 1], **with_cache(model, cache)).logits[0, -1])
     return torch.stack(steps)
 
 

@@ -31,8 +31,19 @@ LAYERS = {
     "context": ["context"],
     "cache": ["cache", "cascade", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "static", "sliding"],
-    "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format"],
-    "base": ["models", "conversion", "gguf_parts", "adapters", "devices", "prompts", "haystack", "version"],
+    "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format", "tensor_parallel"],
+    "base": [
+        "models",
+        "conversion",
+        "gguf_parts",
+        "adapters",
+        "devices",
+        "sdpa",
+        "varlen",
+        "prompts",
+        "haystack",
+        "version",
+    ],
 }
 
 

@@ -17,6 +17,7 @@ import torch
 
 import kvcake
 from kvcake import bench
+from kvcake.adapters import with_cache
 from kvcake.bench import cli
 from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
 
@@ -94,14 +95,14 @@ def test_shared_prefill_equals_separate_prefills(tiny_llama):
     assert not shared[0].followers and shared[0].full is None  # detached after the prefill
     solo_full = bench.FullCache()
     with torch.no_grad():
-        tiny_llama(ids, past_key_values=solo_full)
+        tiny_llama(ids, **with_cache(tiny_llama, solo_full))
     assert full.peak_kv_bytes == solo_full.peak_kv_bytes == dynamic_cache_bytes(solo_full)
     for a, b in zip(full.layers, solo_full.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
     for spec, cache in zip(specs, shared, strict=True):
         solo = build_cache(tiny_llama, spec, BUDGET, WINDOW)
         with kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama(ids, past_key_values=solo)
+            tiny_llama(ids, **with_cache(tiny_llama, solo))
         assert cache.prefill_peak_kv_bytes == solo.prefill_peak_kv_bytes, spec
         assert cache.kv_bytes() == solo.kv_bytes(), spec
         np.testing.assert_array_equal(cache.layer_counts(), solo.layer_counts())

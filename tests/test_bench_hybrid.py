@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcake import bench
+from kvcake.adapters import with_cache
 from kvcake.bench.common import BenchModels
 from kvcake.bench.memory import sliding_kv_bytes
 from tiny_hybrid import TINY_GEMMA3_LAYER_TYPES, TINY_GEMMA3_WINDOW
@@ -41,7 +42,7 @@ def test_memory_bench_on_a_hybrid(models, tiny_gemma3):
         ids = torch.randint(0, tiny_gemma3.config.vocab_size, (1, s))
         reference = DynamicCache(config=tiny_gemma3.config)  # what transformers itself holds
         with torch.no_grad():
-            tiny_gemma3(ids, past_key_values=reference)
+            tiny_gemma3(ids, **with_cache(tiny_gemma3, reference))
         held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in reference.layers)
         full = rows[("full", s)]
         expected = bench.full_kv_bytes(s, shape) + sliding_kv_bytes(tiny_gemma3, s, shape)

@@ -6,6 +6,7 @@ import torch
 
 import kvcake
 from kvcake import KVCakeCache, make_method
+from kvcake.adapters import with_cache
 from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 
 
@@ -83,7 +84,7 @@ def test_decoding_keeps_every_layer_at_its_budget(tiny_llama, name):
     tok = ctx.logits.argmax(-1, keepdim=True)
     with kvcake.enable(tiny_llama), torch.no_grad():
         for _ in range(50):
-            out = tiny_llama(tok, past_key_values=cache)
+            out = tiny_llama(tok, **with_cache(tiny_llama, cache))
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             assert np.array_equal(cache.layer_counts(), budget)
     assert cache.get_seq_length() == 250
@@ -103,11 +104,11 @@ def test_chunk_equals_one_token_at_a_time(tiny_llama, name):
     cache = ctx.fork()
     tok_ids = []
     with kvcake.enable(tiny_llama), torch.no_grad():
-        logits = tiny_llama(follow, past_key_values=cache).logits[:, -1]
+        logits = tiny_llama(follow, **with_cache(tiny_llama, cache)).logits[:, -1]
         for _ in range(5):
             tok = logits.argmax(-1, keepdim=True)
             tok_ids.append(tok)
-            logits = tiny_llama(tok, past_key_values=cache).logits[:, -1]
+            logits = tiny_llama(tok, **with_cache(tiny_llama, cache)).logits[:, -1]
     assert torch.equal(gen, torch.cat(tok_ids, 1))
 
 
@@ -119,8 +120,12 @@ def test_positions_stay_logical(tiny_llama):
     nxt = torch.tensor([[5]])
     implicit = ctx.forward(nxt)
     with kvcake.enable(tiny_llama), torch.no_grad():
-        explicit = tiny_llama(nxt, position_ids=torch.tensor([[150]]), past_key_values=ctx.fork()).logits
-        physical = tiny_llama(nxt, position_ids=torch.tensor([[40]]), past_key_values=ctx.fork()).logits
+        explicit = tiny_llama(
+            nxt, position_ids=torch.tensor([[150]]), **with_cache(tiny_llama, ctx.fork())
+        ).logits
+        physical = tiny_llama(
+            nxt, position_ids=torch.tensor([[40]]), **with_cache(tiny_llama, ctx.fork())
+        ).logits
     assert ctx.cache.get_seq_length() == 150
     assert torch.equal(implicit, explicit)
     assert not torch.allclose(implicit, physical)
@@ -147,7 +152,7 @@ def test_kvcake_attention_without_our_cache_is_stock(tiny_llama):
 def test_cache_without_kvcake_attention_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "cake", budget=32)
     with pytest.raises(RuntimeError, match="kvcake.enable"), torch.no_grad():
-        tiny_llama(prompt(64), past_key_values=cache)
+        tiny_llama(prompt(64), **with_cache(tiny_llama, cache))
 
 
 def test_attention_restored_after_error(tiny_llama):

@@ -88,7 +88,7 @@ def test_end_to_end_in_subprocesses(tiny_dir, tmp_path, capsys, monkeypatch):
     bad = start(["generate", *model_args(tiny_dir), "--prompt", "hi", "--method", "nope"])
     code, out, err = finish(chat)
     assert code == 0, err
-    assert len(out.splitlines()) == 2, "two answers, then the empty line ends the chat"
+    assert len(out.splitlines()) == 3, "piped input: the blank line is skipped, every question answered"
     assert "context: cake kept 192 of" in err and "Traceback" not in err
     code, out, err = finish(bad)
     assert code == 2 and out == ""
@@ -201,6 +201,18 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--max-new-tokens", "0"], "max-new-tokens"),
         (["generate", "--context-file", "DOC"], "need --question"),
         (["inspect", "--prompt", "w1", "--out", "o", "--ada-method", "adakv2"], "unknown method 'adakv2'"),
+        (["generate", "--prompt", "w1", "--method", "cake,layers.tau1=abc"], "tau1 must be a number, got 'abc'"),
+        (["generate", "--prompt", "w1", "--method", "cake,score.gama=1"], "valid: gamma, kernel, pooling, reduce"),
+        (["generate", "--prompt", "w1", "--method", "layers=pyramid,layers=uniform"], "'layers' is given twice"),
+        (["generate", "--prompt", "w1", "--method", "cake,,select=critical"], "empty part in method"),
+        (["generate", "--prompt", "w1", "--method", "full", "--budget", "64"], "--method full keeps every entry"),
+        (["generate", "--prompt", "w1", "--keep-ratio", "0"], "ratio must be in"),
+        (["generate", "--prompt", "w1", "--temperature", "0.7"], "--temperature only apply with --sample"),
+        (["generate", "--prompt", "w1", "--sample", "--temperature", "0"], "--temperature must be positive"),
+        (["generate", "--prompt", "w1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
+        (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],
+         "positions, but the model has 4096"),
     ],
 )  # fmt: skip
 def test_input_errors_are_one_line(tiny_dir, tmp_path, capsys, monkeypatch, args, message):
@@ -298,3 +310,66 @@ def test_real_model_document_questions(tmp_path, capsys, monkeypatch):
                            stdin=f"{question}\n{question}\n")  # fmt: skip
     assert code == 0, err
     assert chat.splitlines() == [fresh.strip()] * 2
+
+
+def test_full_keep_ratio_sampling_and_defaults(tiny_dir, capsys, monkeypatch):
+    doc = str(tiny_dir / "doc.txt")
+    question = ["--context-file", doc, "--question", "w1 w2", "--max-new-tokens", "6", *model_args(tiny_dir)]
+    code, out_full, err = call(capsys, monkeypatch, ["generate", *question, "--method", "full"])
+    assert code == 0, err
+    assert "context: full kept" in err and "(100.0%)" in err
+    # no size given: a document keeps DEFAULT_KEEP_RATIO["context"] (0.5) of its tokens
+    code, _, err = call(capsys, monkeypatch, ["-v", "generate", *question, "--method", "snapkv"])
+    assert code == 0 and "ratio=0.5" in err, err
+    # --keep-ratio is --ratio under a clear name
+    a = call(capsys, monkeypatch, ["generate", *question, "--keep-ratio", "0.4"])
+    b = call(capsys, monkeypatch, ["generate", *question, "--ratio", "0.4"])
+    assert a[0] == b[0] == 0 and a[1] == b[1]
+    # sampling: the seed makes it repeatable
+    sample = ["generate", *question, "--method", "full", "--sample", "--temperature", "5", "--seed", "3"]
+    first, again = call(capsys, monkeypatch, sample), call(capsys, monkeypatch, sample)
+    assert first[0] == 0 and first[1] == again[1] and first[1] != out_full
+
+
+def test_help_is_for_users(capsys, monkeypatch):
+    """Every command: -v, no developer notes, every option explained, --load only where it exists."""
+    for command in ("generate", "chat", "inspect", "methods", "save", "eval", "bench", "calibrate"):
+        code, out, _ = call(capsys, monkeypatch, [command, "--help"])
+        assert code == 0 and "-v, --verbose" in out, command
+        assert "configure_parser" not in out and "EXTENSIONS" not in out, command
+        assert ("--load" in out) == (command in ("generate", "chat")), command
+        if command in ("eval", "calibrate", "generate"):
+            assert "--device" in out and "--dtype" in out, command
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, f"kvcake {name} {action.option_strings} has no help"
+
+
+def test_readme_command_lines_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The README's ``kvcake`` lines, verbatim but for --model (the tiny model), from a folder
+    holding doc.txt."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Command line") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 5
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text((tiny_dir / "doc.txt").read_text())
+    for line in lines:
+        stdin = ""
+        if "|" in line:
+            feed, line = (part.strip() for part in line.split("|", 1))
+            stdin = shlex.split(feed)[1].encode().decode("unicode_escape")
+        argv = shlex.split(line)
+        assert argv[0] == "kvcake", line
+        extra = [] if "--load" in argv else model_args(tiny_dir)
+        code, out, err = call(capsys, monkeypatch, [*argv[1:], *extra], stdin=stdin)
+        assert code == 0, f"{line}: {err}"
+        if "chat" in argv:
+            assert len(out.splitlines()) == 2, "two questions, two answers"

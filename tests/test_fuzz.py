@@ -14,6 +14,7 @@ import torch
 
 import kvcake
 from kvcake import KVCakeCache
+from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
 from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS, make_method
 
@@ -111,7 +112,7 @@ def test_fuzz_prefill_and_decode(models, case):
     mask = (torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]).long()
     cache = KVCakeCache(model, method)
     with kvcake.enable(model), torch.no_grad():
-        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        logits = model(ids, attention_mask=mask, **with_cache(model, cache)).logits
     assert bool(torch.isfinite(logits[mask.bool()]).all()), label
 
     n_layers, lengths_t = len(cache.layers), torch.tensor(lengths)
@@ -133,7 +134,7 @@ def test_fuzz_prefill_and_decode(models, case):
         for q in STEPS:
             new = torch.cat([tok, torch.randint(3, 128, (len(lengths), q - 1), generator=g)], 1)
             mask = torch.cat([mask, torch.ones(len(lengths), q, dtype=mask.dtype)], 1)
-            out = model(new, attention_mask=mask, past_key_values=cache).logits
+            out = model(new, attention_mask=mask, **with_cache(model, cache)).logits
             grown += q
             assert bool(torch.isfinite(out).all()), label
             assert cache.get_seq_length() == s + grown, label

@@ -13,6 +13,8 @@ import transformers as tf
 
 import kvcake
 from kvcake import KVCakeCache, make_method
+from kvcake.adapters import with_cache
+from kvcake.cache import LEGACY_PENDING
 
 PROBE = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(123))
 
@@ -31,12 +33,13 @@ def _snapshot(model):
 @contextlib.contextmanager
 def untouched(model):
     """Asserts on exit that the model is as it was: attention implementation of every (sub)config,
-    no added hooks, and the same logits for a plain forward."""
+    no added hooks, no hand-off left pending, and the same logits for a plain forward."""
     impls, hooks = _snapshot(model)
     before = _logits(model)
     yield
     assert [(s, s.config._attn_implementation) for s, _ in impls] == impls, "attention implementation changed"
     assert _snapshot(model)[1] == hooks, "hooks left on the model"
+    assert LEGACY_PENDING.get() is None, "a hand-off left behind"  # releases whose update takes cache_kwargs
     assert torch.equal(_logits(model), before), "plain forward changed"
 
 
@@ -60,7 +63,7 @@ def test_empty_prompt(tiny_llama):
         # the cache sees anything: documented, not ours to intercept.
         cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
         with pytest.raises(RuntimeError, match="0 elements"), kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama(empty, past_key_values=cache)
+            tiny_llama(empty, **with_cache(tiny_llama, cache))
 
 
 def test_prompt_longer_than_the_models_positions(tiny_llama):
@@ -87,7 +90,7 @@ def test_right_padding_and_all_padding_raise(tiny_llama):
                 fn(tiny_llama, x, "cake", budget=16, window=8, attention_mask=empty, **extra)
         cache = KVCakeCache(tiny_llama, "adakv", budget=16, window=8)
         with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama(x, attention_mask=right, past_key_values=cache)
+            tiny_llama(x, attention_mask=right, **with_cache(tiny_llama, cache))
 
 
 # -- budgets -----------------------------------------------------------------------------------
@@ -122,8 +125,9 @@ def test_bad_budgets_raise_everywhere(tiny_llama, kwargs, error, match):
     with untouched(tiny_llama):
         with pytest.raises(error, match=match):
             make_method("cake", **kwargs)
-        with pytest.raises(error, match=match):
-            kvcake.generate(tiny_llama, ids(50), "cake", **kwargs, max_new_tokens=2)
+        if kwargs:  # kvcake.generate without a size keeps its scenario's default keep ratio
+            with pytest.raises(error, match=match):
+                kvcake.generate(tiny_llama, ids(50), "cake", **kwargs, max_new_tokens=2)
         with pytest.raises(error, match=match):
             KVCakeCache(tiny_llama, "adakv", **kwargs)
 
@@ -186,12 +190,29 @@ def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
         ("=cake", "unknown method key ''; valid: layers, heads, score, select, decode"),
         ("cake,foo=1", "unknown method key 'foo'"),
         ("cake,window", "bad method part 'window': expected key=value"),
-        ("layers=cascade", "unknown layers 'cascade'; valid: cake, cake-oneshot, pyramid, random, uniform"),
+        (
+            "layers=cascade",
+            "unknown layers 'cascade'; valid: cake, cake-oneshot, global, pyramid, random, uniform",
+        ),
         ("heads=ada", "unknown heads 'ada'; valid: adakv, uniform"),
-        ("score=h3o", "unknown score 'h3o'; valid: cake, h2o, snapkv, streamingllm, tova"),
+        ("score=h3o", "unknown score 'h3o'; valid: cake, defensive, h2o, snapkv, streamingllm, tova"),
         ("cake,xyz.a=1", "unknown method part 'xyz'"),
-        ("cake,layers.foo=1", "bad option for layers=cake: .*unexpected keyword argument 'foo'"),
-        ("cake,heads.alpha=0.1", "bad option for heads=uniform"),
+        (
+            "cake,layers.foo=1",
+            "bad option for layers=cake: unknown option 'foo'; valid: tau1, tau2, cascading",
+        ),
+        ("cake,heads.alpha=0.1", "bad option for heads=uniform: unknown option 'alpha'; it takes no options"),
+        ("cake,score.gama=100", "unknown option 'gama'; valid: gamma, kernel, pooling, reduce"),
+        ("cake,layers.tau1=abc", "bad option for layers=cake: tau1 must be a number, got 'abc'"),
+        ("cake,score.kernel=2.5", "pooling kernel must be a positive odd int, got 2.5"),
+        ("cake,layers.tau2=true", "bad option for layers=cake: tau2 must be a number, got 'true'"),
+        ("cake-oneshot,layers.cascading=true", "unknown option 'cascading'"),
+        ("layers=pyramid,layers=uniform", "'layers' is given twice in method"),
+        ("cake,score.gamma=1,score.gamma=2", "'score.gamma' is given twice"),
+        ("cake,,select=critical", "empty part in method 'cake,,select=critical': remove the extra comma"),
+        ("cake,", "empty part in method"),
+        ("cake,select=", "'select' has no value"),
+        ("caek", "did you mean 'cake'"),
         ("cake,score.gamma=abc", "bad option for score=cake"),
         ("cake,score.gamma=nan", "CAKE gamma must be >= 0"),
         ("cake,score.kernel=4", "pooling kernel must be a positive odd int"),
@@ -336,11 +357,11 @@ def test_generate_and_compress_always_make_a_fresh_cache(tiny_llama):
 def test_reused_cache_with_another_batch_size_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with untouched(tiny_llama), kvcake.enable(tiny_llama), torch.no_grad():
-        tiny_llama(ids(60), past_key_values=cache)
+        tiny_llama(ids(60), **with_cache(tiny_llama, cache))
         with pytest.raises(
             ValueError, match="holds a batch of 1 sequences but got 2.*make a new KVCakeCache"
         ):
-            tiny_llama(ids(30, batch=2), past_key_values=cache)
+            tiny_llama(ids(30, batch=2), **with_cache(tiny_llama, cache))
 
 
 def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
@@ -359,13 +380,13 @@ def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
         handle = tiny_llama.model.layers[2].register_forward_pre_hook(boom)
         try:
             with pytest.raises(Boom), kvcake.enable(tiny_llama), torch.no_grad():
-                tiny_llama(ids(60), past_key_values=cache)
+                tiny_llama(ids(60), **with_cache(tiny_llama, cache))
         finally:
             handle.remove()
         assert not cache.prefilled and cache.layers[0].keys.shape[-2] < 60
         with pytest.raises(RuntimeError, match="prefill did not finish.*make a new KVCakeCache"), \
                 kvcake.enable(tiny_llama), torch.no_grad():  # fmt: skip
-            tiny_llama(ids(60), past_key_values=cache)
+            tiny_llama(ids(60), **with_cache(tiny_llama, cache))
 
 
 def test_reused_cache_is_a_continuation(tiny_llama):
@@ -375,13 +396,17 @@ def test_reused_cache_is_a_continuation(tiny_llama):
     transformers. Use a new cache per prompt (kvcake.generate does) or ctx.fork()."""
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with kvcake.enable(tiny_llama), torch.no_grad():
-        tiny_llama.generate(ids(60), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        tiny_llama.generate(ids(60), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False)
         budgets = cache.budgets.clone()
-        tiny_llama.generate(ids(90, seed=5), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        tiny_llama.generate(
+            ids(90, seed=5), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False
+        )
         assert torch.equal(cache.budgets, budgets) and cache.get_seq_length() == 92
         # transformers' own error, whose type changed: IndexError in 5.0, RuntimeError later
         with pytest.raises((RuntimeError, IndexError)):
-            tiny_llama.generate(ids(20, seed=6), past_key_values=cache, max_new_tokens=3, do_sample=False)
+            tiny_llama.generate(
+                ids(20, seed=6), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False
+            )
 
 
 def test_cache_without_the_kvcake_attention_raises(tiny_llama):
@@ -391,7 +416,7 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
         pytest.raises(RuntimeError, match=r"run the model inside `with kvcake.enable\(model\):`"),
     ):
         with torch.no_grad():
-            tiny_llama(ids(40), past_key_values=cache)
+            tiny_llama(ids(40), **with_cache(tiny_llama, cache))
 
 
 # -- generation modes that roll the cache back or reorder it -------------------------------------
@@ -409,6 +434,7 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
         ),
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
         ({"past_key_values": None}, "kvcake.generate makes its own KVCakeCache"),
+        ({"cache": None}, "kvcake.generate makes its own KVCakeCache"),
     ],
 )
 def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
@@ -425,6 +451,13 @@ def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):
                         assistant_model=make_tiny_llama())  # fmt: skip
 
 
+# Who refuses a rollback first depends on the transformers release: from 5.24, generate checks
+# ``cache.is_croppable`` (False for a KVCakeCache) after the first forward and raises ValueError;
+# before, kvcake's ``crop`` raises NotImplementedError at the same point. Either way the message
+# names the crop, the model is as it was, and the cache was not rolled back half-way.
+_CROP_REFUSED = "a compressed KV cache cannot be cropped|requires a cache that can be cropped"
+
+
 @pytest.mark.parametrize("spec", ["cake", "adakv"])  # a dense and a ragged cache
 @pytest.mark.parametrize("mode", ["beams", "beam-sample", "assistant", "prompt-lookup"])
 def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_tiny_llama, spec, mode):
@@ -434,13 +467,21 @@ def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_t
         "assistant": {"assistant_model": make_tiny_llama()},
         "prompt-lookup": {"prompt_lookup_num_tokens": 3},
     }[mode]
-    match = "beam search is not supported with a compressed KV cache" if "beam" in mode else \
-        "a compressed KV cache cannot be cropped"  # fmt: skip
+    match = "beam search is not supported with a compressed KV cache" if "beam" in mode else _CROP_REFUSED
+    prompt = ids(40)
     cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
-    with untouched(tiny_llama), pytest.raises(NotImplementedError, match=match), warnings.catch_warnings():
+    assert not cache.is_croppable
+    with (
+        untouched(tiny_llama),
+        pytest.raises((NotImplementedError, ValueError), match=match),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         with kvcake.enable(tiny_llama), torch.no_grad():
-            tiny_llama.generate(ids(40), past_key_values=cache, max_new_tokens=4, **kwargs)
+            tiny_llama.generate(prompt, **with_cache(tiny_llama, cache), max_new_tokens=4, **kwargs)
+    # Nothing cropped: the cache is empty (refused before any forward) or holds every token the
+    # refused verifying forward fed it (the prompt, plus the drafts of assisted decoding).
+    assert cache.get_seq_length() == 0 or cache.get_seq_length() >= prompt.shape[1]
 
 
 def test_sampling_several_sequences_per_prompt_works(tiny_llama):
@@ -461,4 +502,4 @@ def test_errors_inside_enable_restore_the_model(tiny_llama):
     with untouched(tiny_llama):
         with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
             assert tiny_llama.config._attn_implementation == "kvcake_sdpa"
-            tiny_llama(x, attention_mask=right, past_key_values=cache)
+            tiny_llama(x, attention_mask=right, **with_cache(tiny_llama, cache))

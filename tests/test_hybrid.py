@@ -7,7 +7,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Mist
 
 import kvcake
 from kvcake import KVCakeCache, make_method
-from kvcake.adapters import describe_model, layer_windows
+from kvcake.adapters import describe_model, layer_windows, with_cache
 from kvcake.sliding import SlidingLayer
 from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -53,11 +53,11 @@ def test_sliding_layers_are_never_evicted(tiny_gemma3, name):
     full = DynamicCache(config=tiny_gemma3.config)
     tok = ctx.logits.argmax(-1, keepdim=True)
     with torch.no_grad():
-        tiny_gemma3(ids, past_key_values=full)
+        tiny_gemma3(ids, **with_cache(tiny_gemma3, full))
         with kvcake.enable(tiny_gemma3):
             for step in range(20):
-                tiny_gemma3(tok, past_key_values=cache)
-                tiny_gemma3(tok, past_key_values=full)
+                tiny_gemma3(tok, **with_cache(tiny_gemma3, cache))
+                tiny_gemma3(tok, **with_cache(tiny_gemma3, full))
                 seen = 80 + step + 1
                 for lid in SLIDING:
                     layer = cache.layers[lid]
@@ -85,7 +85,7 @@ def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
     assert parts.full == parts.sliding + s * len(GLOBAL) * ENTRY
     full = DynamicCache(config=tiny_gemma3.config)
     with torch.no_grad():
-        tiny_gemma3(prompt(s, seed=2), past_key_values=full)
+        tiny_gemma3(prompt(s, seed=2), **with_cache(tiny_gemma3, full))
     assert parts.full == kvcake.cache.cache_kv_bytes(full)
     # ratio is the kept fraction of the global layers' prompt entries
     cache, _ = prefill(tiny_gemma3, prompt(s, seed=2), make_method("snapkv", ratio=0.2, window=8))

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
+from kvcake.adapters import with_cache
 from kvcake.eval.section import keep_sections, write_section
 from kvcake.method import PRESETS
 from kvcake.models import resolve_builtin
@@ -45,7 +46,7 @@ def test_replayed_prefill_equals_compress(tiny_gemma3):
     captured = Captured()
     full = DynamicCache(config=tiny_gemma3.config)
     with capture_queries(tiny_gemma3, captured), torch.no_grad():
-        logits = tiny_gemma3(ids, past_key_values=full).logits[:, -1]
+        logits = tiny_gemma3(ids, **with_cache(tiny_gemma3, full)).logits[:, -1]
     for preset in ("cake", "adakv", "criticalkv"):
         method = kvcake.make_method(preset, budget=16, window=4)
         got = replay_compress(tiny_gemma3, method, captured, full, ids, logits)

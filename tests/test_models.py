@@ -202,3 +202,47 @@ def test_cache_validity_requires_matching_metadata(tmp_path):
     assert conversion._cache_is_valid(tmp_path, expected)
     for key, value in [("gguf_size", 11), ("gguf_mtime_ns", 6), ("transformers_version", "6")]:
         assert not conversion._cache_is_valid(tmp_path, {**expected, key: value})
+
+
+@pytest.mark.parametrize(
+    "name,suggestion",
+    [("gemma3", "did you mean 'gemma3-270m'"), ("smolm2", "did you mean 'smollm2-135m-instruct'"),
+     ("gemma3-27m", "did you mean 'gemma3-270m'"), ("nosuchmodel", "Hub ids are written org/name")],
+)  # fmt: skip
+def test_mistyped_name_fails_fast_with_suggestions(monkeypatch, name, suggestion):
+    """A name close to a built-in one, or a short name that is not in the local Hugging Face
+    cache, fails before any network access (the Hub is not reached: its loader would raise)."""
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was contacted")
+
+    monkeypatch.setattr(models, "_load_hub", no_hub)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=suggestion) as info:
+        load_model(name)
+    assert "gemma3-270m, smollm2-135m-instruct" in str(info.value)
+    assert time.perf_counter() - start < 2
+
+
+def test_each_transformers_version_keeps_its_own_conversion(monkeypatch, tmp_path):
+    """Switching between environments with different transformers (the venv and the floor one)
+    converts once per version, not at every switch."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really a gguf file")
+    made = []
+
+    def fake_convert(src, out):
+        def build(tmp):
+            (tmp / "model.safetensors").write_bytes(b"")
+            (tmp / conversion._CACHE_META).write_text(json.dumps(conversion._source_meta(src)))
+
+        conversion._write_atomically(out, build)
+        made.append(out.name)
+        return None, None
+
+    monkeypatch.setattr(conversion, "convert_gguf", fake_convert)
+    for version in ("5.0.0", "5.24.0", "5.0.0", "5.24.0"):
+        monkeypatch.setattr(conversion.transformers, "__version__", version)
+        folder = conversion._ensure_converted(gguf, conversion.converted_folder(tmp_path, "m"))
+        assert folder.name == f"m@transformers-{version}"
+    assert made == ["m@transformers-5.0.0", "m@transformers-5.24.0"]

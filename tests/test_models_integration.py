@@ -23,7 +23,7 @@ def fresh_conversion(tmp_path_factory):
     cache = tmp_path_factory.mktemp("kvcake-cache")
     gguf = resolve_builtin(DEFAULT_MODEL).gguf_path()
     start = time.perf_counter()
-    converted, converted_tok = convert_gguf(gguf, cache / DEFAULT_MODEL)
+    converted, converted_tok = convert_gguf(gguf, conversion.converted_folder(cache, DEFAULT_MODEL))
     convert_s = time.perf_counter() - start
     start = time.perf_counter()
     cached, cached_tok = load_model(cache_dir=cache)
@@ -77,7 +77,7 @@ def test_cached_reload_matches_gguf_logits(fresh_conversion):
 
 def test_fresh_cache_loads_fast_and_is_complete(fresh_conversion):
     assert fresh_conversion["load_s"] < 5
-    folder = fresh_conversion["cache"] / DEFAULT_MODEL
+    folder = conversion.converted_folder(fresh_conversion["cache"], DEFAULT_MODEL)
     assert {"config.json", "model.safetensors", "tokenizer.json", conversion._CACHE_META} <= {
         p.name for p in folder.iterdir()
     }

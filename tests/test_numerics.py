@@ -14,6 +14,7 @@ import torch
 
 import kvcake
 from kvcake import KVCakeCache, make_method
+from kvcake.adapters import with_cache
 from kvcake.allocators import AllocationRequest, CakeAllocator, preference
 from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer, StreamingScorer, TOVAScorer
 from kvcake.scorers.base import window_rows_mean_var
@@ -59,7 +60,7 @@ def peaky_models(make_tiny_llama):
 def _prefill(model, input_ids, method, mask=None, cls=KVCakeCache):
     cache = cls(model, method)
     with kvcake.enable(model), torch.no_grad():
-        logits = model(input_ids, attention_mask=mask, past_key_values=cache).logits
+        logits = model(input_ids, attention_mask=mask, **with_cache(model, cache)).logits
     return cache, logits
 
 
@@ -107,7 +108,7 @@ def test_low_precision_end_to_end_is_finite(make_tiny_llama, impl, dtype):
         with kvcake.enable(model), torch.no_grad():
             for _ in range(3):
                 step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=step_mask.dtype)], 1)
-                out = model(tok, attention_mask=step_mask, past_key_values=cache).logits
+                out = model(tok, attention_mask=step_mask, **with_cache(model, cache)).logits
                 assert bool(torch.isfinite(out).all()), spec
                 tok = out[:, -1:].argmax(-1)
 

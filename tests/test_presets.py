@@ -7,6 +7,7 @@ import torch
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake.adapters import with_cache
 
 COMPOSITIONS = [
     "layers=cake,heads=adakv,score=cake,select=critical",
@@ -26,10 +27,10 @@ def test_method_end_to_end(tiny_llama, spec):
     ids = torch.randint(3, 128, (2, 150), generator=g)
     cache = KVCakeCache(tiny_llama, method)
     with kvcake.enable(tiny_llama), torch.no_grad():
-        out = tiny_llama(ids, past_key_values=cache)
+        out = tiny_llama(ids, **with_cache(tiny_llama, cache))
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(20):
-            tok = tiny_llama(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+            tok = tiny_llama(tok, **with_cache(tiny_llama, cache)).logits[:, -1:].argmax(-1)
     counts = cache.layer_counts()  # (B, L, H_kv)
     assert torch.equal(cache.budgets.sum(1), torch.tensor([40 * 4, 40 * 4]))
     grown = 20 if method.decode == "none" else 0
@@ -51,11 +52,11 @@ def test_registry_lists_every_preset_and_rejects_unknown():
     names = [name for name, _ in kvcake.list_methods()]
     assert names == list(PRESETS)
     for required in ("streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "criticalkv", "adakv",
-                     "ada-pyramidkv", "critical-adakv", "cake-adakv"):  # fmt: skip
+                     "ada-pyramidkv", "critical-adakv", "cake-adakv", "defensivekv", "layer-defensivekv"):  # fmt: skip
         assert required in PRESETS
     with pytest.raises(ValueError, match="presets: streamingllm"):
         make_method("snapkvv", budget=64)
-    with pytest.raises(ValueError, match="valid: cake, cake-oneshot, pyramid, random, uniform"):
+    with pytest.raises(ValueError, match="valid: cake, cake-oneshot, global, pyramid, random, uniform"):
         make_method("layers=cak", budget=64)
     with pytest.raises(ValueError, match="valid: critical, topk"):
         make_method("select=best", budget=64)

@@ -33,7 +33,15 @@ from kvcake.allocators import (
     UniformHeads,
 )
 from kvcake.budget import BudgetSpec
-from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer, StreamingScorer, TOVAScorer
+from kvcake.scorers import (
+    CakeScorer,
+    DefensiveScorer,
+    H2OScorer,
+    PrefillInputs,
+    SnapKVScorer,
+    StreamingScorer,
+    TOVAScorer,
+)
 from kvcake.selectors import Critical, SelectionInputs, TopK
 
 # Modest and derandomized by default, so CI is fast and a run is reproducible; a deeper random
@@ -287,6 +295,8 @@ SCORERS = [
     SnapKVScorer(),
     SnapKVScorer(pooling="avg", reduce="max"),
     CakeScorer(),
+    DefensiveScorer(),
+    DefensiveScorer(aggregate="mean", critical_mass=0.0),
 ]
 
 

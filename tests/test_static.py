@@ -14,6 +14,7 @@ import torch
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake.adapters import with_cache
 
 STEPS = 30
 
@@ -40,11 +41,11 @@ def _decode(model, spec: str, static: bool):
     cache = KVCakeCache(model, make_method(spec, budget=24, window=4), static=static)
     logits, kept = [], []
     with kvcake.enable(model), torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache)
+        out = model(ids, attention_mask=mask, **with_cache(model, cache))
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(STEPS):
             mask = torch.cat([mask, torch.ones_like(tok)], 1)
-            out = model(tok, attention_mask=mask, past_key_values=cache)
+            out = model(tok, attention_mask=mask, **with_cache(model, cache))
             tok = out.logits[:, -1:].argmax(-1)
             logits.append(out.logits[:, -1])
             kept.append(_kept(cache))
@@ -100,12 +101,12 @@ def test_static_decode_steps_read_nothing_back(tiny_llama, spec):
     cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
     reads = _HostReads()
     with kvcake.enable(tiny_llama), torch.no_grad():
-        tok = tiny_llama(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-        tiny_llama(tok, past_key_values=cache)  # the first step moves the layers into their buffers
+        tok = tiny_llama(ids, **with_cache(tiny_llama, cache)).logits[:, -1:].argmax(-1)
+        tiny_llama(tok, **with_cache(tiny_llama, cache))  # the first step moves the layers into their buffers
         assert all(cache.layers[lid].static is not None for lid in cache.compressed)
         with reads.watching():
             for _ in range(5):
-                tiny_llama(tok, past_key_values=cache)
+                tiny_llama(tok, **with_cache(tiny_llama, cache))
     assert reads.calls == [], f"host reads during static decode steps: {sorted(set(reads.calls))}"
     with reads.watching():  # the counter itself sees a read
         bool(torch.ones(()) > 0)
@@ -121,4 +122,4 @@ def test_static_refuses_to_preallocate_a_huge_budget(tiny_llama):
     mask[1, :25] = 0
     cache = KVCakeCache(tiny_llama, make_method("cake", budget=2**40, window=4), static=True)
     with kvcake.enable(tiny_llama), torch.no_grad(), pytest.raises(ValueError, match="static=False"):
-        tiny_llama(x, attention_mask=mask, past_key_values=cache)
+        tiny_llama(x, attention_mask=mask, **with_cache(tiny_llama, cache))

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from kvcake import PRESETS, KVCakeCache, make_method
 from kvcake.bench.step_counts import SYNCING, CountOps, step_ops
+from kvcake.cache import KWARGS_HANDOFF
 
 MAX_EXTRA_OPS_PER_LAYER = 30
 # the presets whose static step meets the bound today (the others: docs/step_counts.md)
@@ -23,7 +24,10 @@ def test_a_static_decode_step_has_no_host_synchronising_op(tiny_llama, spec, bat
     decide whether it may skip the mask, which it does not try for a compileable cache."""
     cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
     ops = step_ops(tiny_llama, cache, batch)
-    assert {k: v for k, v in ops.items() if k in SYNCING} == {}
+    expected = {}
+    if not KWARGS_HANDOFF:  # 5.0: the cache is not compileable, so transformers' own mask check runs
+        expected = {k: v for k, v in step_ops(tiny_llama, DynamicCache(), batch).items() if k in SYNCING}
+    assert {k: v for k, v in ops.items() if k in SYNCING} == expected
 
 
 @pytest.mark.parametrize("spec", WITHIN_OP_BOUND)

@@ -81,7 +81,20 @@ def test_uncalibrated_model_warns_once_naming_the_command(tiny_llama, caplog):
     assert ctx.cache.tau.source == "family" and ctx.cache._tau == default_tau("llama", 20)
     caplog.clear()
     assert resolve_tau("e" * 16, "madeup", 20).source == "fallback"
-    assert len([r for r in caplog.records if "kvcake calibrate" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "kvcake calibrate --model MODEL" in r.getMessage()]) == 1
+
+
+def test_uncalibrated_warning_names_the_model(tiny_llama, tmp_path, caplog):
+    """The command in the warning loads this very model: its folder, or a built-in's name."""
+    caplog.set_level(logging.WARNING, logger="kvcake.temperatures")
+    tiny_llama.save_pretrained(tmp_path / "my model")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "my model")
+    kvcake.compress(model, _ids(), "cake", budget=20, window=4)
+    assert f"kvcake calibrate --model '{tmp_path / 'my model'}'" in caplog.text
+    model.name_or_path = str(tmp_path / "smollm2-135m-instruct@transformers-5.0.0")
+    assert kvcake.models.model_name(model) == "smollm2-135m-instruct"
 
 
 @pytest.mark.parametrize("spec", ["cake", "cake-oneshot", "cake-adakv", "layers=cake,score=snapkv"])

@@ -5,7 +5,8 @@ cache), CriticalKV (output-aware selection) and the baselines they compare with,
 composable parts: a layer allocator x a head allocator x a token scorer x a selector.
 """
 
-from .api import compress, generate
+from .adapters import with_cache
+from .api import answer, compress, generate
 from .attention import enable
 from .budget import BudgetSpec
 from .cache import KVCakeCache
@@ -13,6 +14,7 @@ from .calibration import calibrate
 from .context import CompressedContext
 from .method import PRESETS, Method, list_methods, make_method, method_spec
 from .models import DEFAULT_MODEL, load_model
+from .prompts import PromptIds, build_prompt
 from .storage import ContextFileError, load_context, save_context
 from .version import __version__
 
@@ -24,7 +26,10 @@ __all__ = [
     "ContextFileError",
     "KVCakeCache",
     "Method",
+    "PromptIds",
     "__version__",
+    "answer",
+    "build_prompt",
     "calibrate",
     "compress",
     "enable",
@@ -34,5 +39,6 @@ __all__ = [
     "load_model",
     "make_method",
     "method_spec",
+    "with_cache",
     "save_context",
 ]

@@ -2,8 +2,8 @@
 output projection is, and which CAKE temperatures fit the family.
 
 Supported: decoder-only models whose attention modules call transformers' attention interface
-after RoPE and after ``past_key_values.update`` with causal attention over plain per-head keys
-and values: Llama, Mistral (without sliding window), Qwen2/Qwen3, Phi-3, Gemma (1), Granite, OLMo
+after RoPE and after ``cache.update`` (``past_key_values.update`` before transformers 5.24) with
+causal attention over plain per-head keys and values: Llama, Mistral (without sliding window), Qwen2/Qwen3, Phi-3, Gemma (1), Granite, OLMo
 and similar; and hybrids whose ``config.layer_types`` mixes ``sliding_attention`` with
 ``full_attention`` (Gemma 3, ...): their sliding layers keep transformers' own sliding-window
 cache and only the full-attention ("global") layers are compressed.
@@ -11,6 +11,8 @@ cache and only the full-attention ("global") layers are compressed.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -159,3 +161,25 @@ def output_projection(module: torch.nn.Module) -> torch.Tensor:
         f"cannot find the output projection of {type(module).__name__} (looked for {_OUTPUT_PROJECTIONS}); "
         "CriticalKV selection needs it"
     )
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which ``model``'s forward and ``generate`` take a ``Cache``: ``cache``
+    where the forward accepts it (transformers >= 5.24, which deprecates the old name for removal
+    in 5.40), else ``past_key_values`` (the 5.0 floor and earlier 5.x)."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # an opaque forward: the name every 5.x release accepts
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """``{keyword: cache}`` for ``model(..., **with_cache(model, cache))`` and ``model.generate``,
+    spelled the way the installed transformers wants it (see :func:`cache_keyword`)."""
+    return {cache_keyword(model): cache}

@@ -1,8 +1,18 @@
-"""The Python API: compress with ``model.generate``, or compress once and ask many times.
+"""The Python API: answer a question about a text, compress with ``model.generate``, or
+compress once and ask many times.
+
+>>> kvcake.answer(model, tokenizer, context=document, question="Who wrote it?")   # -> str
+
+Return conventions: ``answer`` returns text; ``generate`` returns what ``model.generate``
+returns (prompt and answer ids, (B, S + n)) and the cache; ``CompressedContext.generate``
+returns only the answer's ids (B, n), since its prompt is split between the context and the
+question.
 
 >>> method = kvcake.make_method("cake", budget=128)
 >>> with kvcake.enable(model):
-...     out = model.generate(ids, past_key_values=kvcake.KVCakeCache(model, method), max_new_tokens=32)
+...     out = model.generate(ids, cache=kvcake.KVCakeCache(model, method), max_new_tokens=32)
+
+(``cache=`` on transformers >= 5.24; ``past_key_values=`` before.)
 
 or, for a document served to many questions (context-only compression):
 
@@ -15,12 +25,16 @@ from __future__ import annotations
 import logging
 
 import torch
+import transformers
 from transformers import CompileConfig
 
+from .adapters import cache_keyword, with_cache
 from .attention import enable
-from .cache import KVCakeCache
-from .context import CompressedContext
-from .method import Method, make_method
+from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
+from .cache import KWARGS_HANDOFF, KVCakeCache
+from .context import CompressedContext, check_positions
+from .method import FULL, Method, make_method, resolve_ratio
+from .prompts import build_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +45,33 @@ def _as_method(method: Method | str, budget: int | None, ratio: float | None, wi
             raise ValueError("give budget=/ratio= either to make_method or here, not both")
         return method
     return make_method(method, budget=budget, ratio=ratio, window=window)
+
+
+def _default_sizes(method, budget, ratio, scenario: str, prompt_tokens: int, window: int):
+    """(budget, ratio) as given, or the scenario's default keep ratio when neither is."""
+    if budget is not None or ratio is not None or isinstance(method, Method):
+        return budget, ratio
+    if isinstance(method, str) and method.strip().lower() == FULL:
+        return budget, ratio
+    defaults = default_budget(scenario, prompt_tokens, window)
+    return defaults.get("budget"), defaults.get("ratio")
+
+
+def _warn_if_starved(method: Method, prompt_tokens: int) -> None:
+    """Warn when a long prompt keeps only a few percent of its entries: answers about a document
+    compressed that far are often made up (docs/results.md, context-only tables)."""
+    spec = method.budget
+    if method.name == FULL or prompt_tokens < STARVED_MIN_TOKENS:
+        return
+    kept = spec.ratio if spec.ratio is not None else spec.budget / prompt_tokens
+    if kept < STARVED_FRACTION:
+        logger.warning(
+            "%s keeps %.1f%% of a %d-token prompt: answers about text compressed this far are often made "
+            "up; keep more (keep_ratio=0.5, or --keep-ratio 0.5) or compare with method 'full'",
+            spec.describe(),
+            100 * kept,
+            prompt_tokens,
+        )
 
 
 def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
@@ -49,11 +90,13 @@ def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
 def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict) -> None:
     """Refuse, before any compute, the generation modes a compressed cache cannot serve, whether
     asked for by keyword or through a ``generation_config`` (the model's default included)."""
-    if "past_key_values" in generate_kwargs:
-        raise ValueError(
-            "kvcake.generate makes its own KVCakeCache: to pass your own, call model.generate(..., "
-            "past_key_values=cache) inside `with kvcake.enable(model):`"
-        )
+    for name in ("past_key_values", "cache"):
+        if name in generate_kwargs:
+            raise ValueError(
+                f"kvcake.generate makes its own KVCakeCache, so {name}= is not taken: to pass your "
+                f"own, call model.generate(..., {cache_keyword(model)}=cache) inside "
+                "`with kvcake.enable(model):`"
+            )
     config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
     def setting(name: str):
@@ -84,29 +127,44 @@ def generate(
     ratio: float | None = None,
     window: int = 32,
     progress: bool = False,
+    keep_ratio: float | None = None,
     compile: bool | CompileConfig = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
-    """``model.generate`` with a compressed cache; returns the output ids and the cache.
+    """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
 
-    The prompt (question included: question-aware compression) is compressed during prefill.
-    ``progress=True`` shows a progress bar over the layers while the prompt is prefilled.
+    ``output_ids`` is what ``model.generate`` returns, (B, S + n): the prompt followed by the
+    answer (``output_ids[:, input_ids.shape[1]:]`` is the answer alone). The prompt (question
+    included: question-aware compression) is compressed during prefill. ``keep_ratio`` (older
+    name ``ratio``) is the fraction of the prompt kept, ``budget`` the entries kept per layer;
+    give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]``. ``method="full"``
+    keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
     ``compile=True`` decodes in static storage and lets ``generate`` compile the decoding forward
     (``torch.compile(fullgraph=True)``, CUDA graphs through ``mode="reduce-overhead"`` on CUDA;
     on a CPU inductor is often slower than eager); a ``CompileConfig`` chooses the options.
     """
     _check_ids(input_ids, model)
+    ratio = resolve_ratio(ratio, keep_ratio)
+    budget, ratio = _default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
     _check_generate_kwargs(model, generate_kwargs)
+    check_positions(model, input_ids.shape[1], generate_kwargs)
+    _warn_if_starved(m, input_ids.shape[1])
     new = generate_kwargs.get("max_new_tokens")
     room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
     if compile is not False:
+        if not KWARGS_HANDOFF:
+            raise ValueError(
+                f"compile=True needs a transformers release whose models pass their attention kwargs to "
+                f"cache.update (5.24 does; the installed {transformers.__version__} passes cache_kwargs, "
+                "which the kvcake attention reads back eagerly only): upgrade transformers or use compile=False"
+            )
         config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # transformers compiles on accelerators only by default
         generate_kwargs["compile_config"] = config
     cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=compile is not False)
     with enable(model), torch.no_grad():
-        out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+        out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
 
 
@@ -120,16 +178,88 @@ def compress(
     ratio: float | None = None,
     window: int = 32,
     progress: bool = False,
+    keep_ratio: float | None = None,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
 
-    The returned context answers any number of follow-ups with ``.generate`` / ``.forward``;
-    each works on its own copy, so the context is never changed by answering."""
+    The returned context answers any number of follow-ups with ``.generate`` (which returns the
+    answer's ids only) / ``.forward``; each works on its own copy, so the context is never
+    changed by answering. Budget keywords as in :func:`generate`; neither keeps
+    ``DEFAULT_KEEP_RATIO["context"]``."""
     _check_ids(input_ids, model)
+    ratio = resolve_ratio(ratio, keep_ratio)
+    budget, ratio = _default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
+    _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = KVCakeCache(model, m, progress=progress)
     with enable(model), torch.no_grad():
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
+        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])
+
+
+SCENARIOS = ("context", "question")
+
+
+def answer(
+    model: torch.nn.Module,
+    tokenizer,
+    context: str,
+    question: str,
+    method: Method | str | None = None,
+    *,
+    scenario: str = "context",
+    budget: int | None = None,
+    keep_ratio: float | None = None,
+    ratio: float | None = None,
+    window: int = 32,
+    chat: bool | None = None,
+    max_new_tokens: int = 64,
+    **generate_kwargs,
+) -> str:
+    """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
+    answer as text.
+
+    The prompt is laid out as the ``kvcake`` command lays it out (:func:`kvcake.build_prompt`):
+    with the tokenizer's chat template when it has one (``chat=None``), the document and the
+    question form one user turn, ``<context>\n\n<question>``.
+
+    Parameters
+    ----------
+    scenario:
+        ``"context"`` (default): the document is compressed alone, then the question is asked
+        after it, as when one document serves many questions (use :func:`compress` to keep it);
+        ``"question"``: the question is compressed with the document (question-aware, easier).
+    budget, keep_ratio:
+        Entries kept per layer, or the fraction of the prompt kept (``ratio`` is its older
+        name; kvpress's ``compression_ratio=0.2`` is ``keep_ratio=0.8``). Neither keeps
+        ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
+    method:
+        A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
+        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``criticalkv``
+        for a document, ``snapkv`` question-aware: README "Which method").
+    generate_kwargs:
+        Passed to ``model.generate`` (greedy unless ``do_sample=True``).
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
+    if method is None:
+        method = DEFAULT_METHOD[scenario]
+    for name, text in (("context", context), ("question", question)):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{name}= must be non-empty text, got {text!r}")
+    prompt = build_prompt(tokenizer, context.strip() + "\n\n", question.strip(), chat=chat)
+    device = next(model.parameters()).device
+    generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs}
+    generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    check_positions(model, prompt.full.shape[1], generate_kwargs)
+    sizes = {"budget": budget, "keep_ratio": keep_ratio, "ratio": ratio, "window": window}
+    if scenario == "question":
+        ids = prompt.full.to(device)
+        out, _ = generate(model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs)
+        new = out[:, ids.shape[1] :]
+    else:
+        ctx = compress(model, prompt.context.to(device), method, **sizes)
+        new = ctx.generate(prompt.question.to(device), **generate_kwargs)
+    return tokenizer.decode(new[0], skip_special_tokens=True).strip()

@@ -20,7 +20,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters import describe_model
-from .cache import HANDOFF
+from .cache import HANDOFF, KWARGS_HANDOFF, LEGACY_PENDING
+from .devices import input_device
+from .sdpa import check_policy, sdpa_policy
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
@@ -53,6 +55,16 @@ def key_validity(mask: torch.Tensor | None, batch: int, kv_len: int, device: tor
     return valid.expand(batch, kv_len) if valid.shape[0] != batch else valid
 
 
+def _legacy_handoff(layer_idx: int | None, key: torch.Tensor):
+    """The cache a release without the kwargs hand-off left for this layer (``cache.LEGACY_PENDING``),
+    taken once: the same layer and the very keys its ``update`` returned, else None."""
+    pending = LEGACY_PENDING.get()
+    if pending is None or pending[1] != layer_idx or pending[2] is not key:
+        return None
+    LEGACY_PENDING.set(None)
+    return pending[0]
+
+
 def _make_attention(inner_name: str):
     def kvcake_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
@@ -60,6 +72,8 @@ def _make_attention(inner_name: str):
             scaling = query.shape[-1] ** -0.5
         cache = kwargs.pop(HANDOFF, None)
         layer_idx = getattr(module, "layer_idx", None)
+        if not KWARGS_HANDOFF and cache is None and not torch.compiler.is_compiling():
+            cache = _legacy_handoff(layer_idx, key)
         if cache is None or cache._unconsumed != layer_idx:  # any other cache, or none: the stock kernel
             return inner(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -108,12 +122,16 @@ def _set_impl(model: torch.nn.Module, name: str) -> None:
 
 
 @contextlib.contextmanager
-def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Module]:
     """Run ``model`` with the kvcake attention inside the block; restored on exit, errors included.
 
-    A KVCakeCache passed as ``past_key_values`` inside the block compresses itself; any other
-    cache (or none) runs exactly as before.
+    A KVCakeCache passed as ``cache`` (``past_key_values`` before transformers 5.24) inside the
+    block compresses itself; any other cache (or none) runs exactly as before. ``sdpa``: the SDPA
+    backend policy of the block's attention calls (``kvcake.sdpa``; ``"auto"``: flash, then
+    memory-efficient, then math on CUDA, SDPA's own choice elsewhere; ``"default"``: SDPA's own
+    choice everywhere).
     """
+    check_policy(sdpa)
     describe_model(model)
     configs = [(sub.config, sub.config._attn_implementation) for sub in model.modules()
                if getattr(sub, "config", None) is not None and hasattr(sub.config, "_attn_implementation")]  # fmt: skip
@@ -124,7 +142,9 @@ def enable(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     name = register(original)
     try:
         _set_impl(model, name)
-        yield model
+        with sdpa_policy(sdpa, input_device(model)):
+            yield model
     finally:
         for config, impl in configs:
             config._attn_implementation = impl
+        LEGACY_PENDING.set(None)

@@ -16,6 +16,35 @@ import torch
 # Budgets beyond this many entries per layer are all "unbounded" (see BudgetSpec.per_layer).
 MAX_BUDGET = 1 << 40
 
+#: The kept fraction used when neither a budget nor a keep ratio is given, per scenario
+#: ("question": the question is compressed with the prompt; "context": a document compressed
+#: alone, questions asked after it). Evidence, docs/results.md (default model, 12 prompts of 2k
+#: and 4k tokens): question-aware, every preset scores 67-72 against the full cache's 72 from
+#: ratio 0.1 up, so 0.25 costs little; context-only, scores fall to 0-25 at 0.25 and 8-42 at 0.5
+#: (full cache 72), so a document keeps half: the least that keeps some answers, not a guarantee.
+DEFAULT_KEEP_RATIO = {"question": 0.25, "context": 0.5}
+
+#: The method ``kvcake.answer`` uses when none is given, per scenario: the "Which method" pick of
+#: README / docs/results.md on the default model (question-aware: `snapkv`, KL 0.089 at 0.25 for 2%
+#: of prefill work; context-only: `criticalkv`, score 42 against `cake`'s 17 at 0.5).
+DEFAULT_METHOD = {"question": "snapkv", "context": "criticalkv"}
+
+#: A run keeping less than this fraction of a prompt of at least STARVED_MIN_TOKENS gets a warning.
+STARVED_FRACTION = 0.03
+STARVED_MIN_TOKENS = 1024
+
+
+def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[str, int | float]:
+    """``budget=``/``ratio=`` keyword for a prompt of ``prompt_tokens`` when the user gave none:
+    ``DEFAULT_KEEP_RATIO[scenario]``, or the whole prompt when that ratio would leave less than
+    the window (short prompts need no compression)."""
+    if scenario not in DEFAULT_KEEP_RATIO:
+        raise ValueError(f"scenario must be one of {', '.join(DEFAULT_KEEP_RATIO)}, got {scenario!r}")
+    ratio = DEFAULT_KEEP_RATIO[scenario]
+    if round(ratio * prompt_tokens) < window:
+        return {"budget": max(window, prompt_tokens)}
+    return {"ratio": ratio}
+
 
 @dataclass(frozen=True)
 class BudgetSpec:

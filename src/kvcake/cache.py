@@ -27,6 +27,9 @@ cascade mean the ``L_g`` full-attention layers (``info.compressed_layers``), in 
 
 from __future__ import annotations
 
+import contextvars
+import inspect
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
@@ -36,9 +39,10 @@ from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .method import Method, make_method
-from .models import model_fingerprint
+from .models import model_fingerprint, model_name
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import TauChoice
+from .tensor_parallel import HeadSplit, find_split
 
 # The key under which ``update`` hands the cache to the kvcake attention function: transformers'
 # attention modules call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then
@@ -46,6 +50,15 @@ from .temperatures import TauChoice
 # attention call of the same layer and no other. Plain Python state the compiler traces (a
 # ContextVar, read in every attention call, is not).
 HANDOFF = "kvcake_cache"
+# Releases before that (5.0: ``Cache.update(..., cache_kwargs)``) call ``update(k, v, layer_idx,
+# cache_kwargs)`` with a dict of their own that the attention never sees; there the cache leaves
+# ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING``, which the attention reads (eager only: the
+# compiler cannot trace a ContextVar, so such a cache is not compileable). Decided once, from the
+# installed transformers' ``Cache.update`` signature.
+KWARGS_HANDOFF = "cache_kwargs" not in inspect.signature(Cache.update).parameters
+LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
+    "kvcake_pending", default=None
+)
 
 
 class KVCakeCache(Cache):
@@ -59,7 +72,8 @@ class KVCakeCache(Cache):
         A :class:`~kvcake.method.Method`, or a preset/composed string with ``budget=``/``ratio=``.
 
     Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
-    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, past_key_values=cache)``.
+    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, cache=cache)`` (spelled
+    ``past_key_values=cache`` before transformers 5.24).
     """
 
     def __init__(
@@ -92,6 +106,7 @@ class KVCakeCache(Cache):
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
+        self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0
@@ -111,6 +126,7 @@ class KVCakeCache(Cache):
         self._fingerprint = (
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
+        self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
         # static=True: decode in preallocated buffers with in-place eviction (static.py), a step the
         # compiler traces whole (tests/test_compile.py); False (still the default: the byte and
         # storage tests assume compact layers): the dynamic path, the reference.
@@ -121,7 +137,10 @@ class KVCakeCache(Cache):
             raise ValueError(
                 f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}"
             )
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
+        # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
+        # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
+        self.split: HeadSplit | None = find_split(model)
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -136,6 +155,7 @@ class KVCakeCache(Cache):
                 "error): its state is incomplete, so make a new KVCakeCache"
             )
         if self._unconsumed is not None:
+            LEGACY_PENDING.set(None)  # do not keep this cache's keys alive past the error
             raise RuntimeError(
                 "KVCakeCache was updated but the kvcake attention did not run for layer "
                 f"{self._unconsumed}: run the model inside `with kvcake.enable(model):` (or use "
@@ -153,6 +173,8 @@ class KVCakeCache(Cache):
         model_kwargs = kwargs.get("kwargs")
         if isinstance(model_kwargs, dict):  # the dict the model passes on to its attention function
             model_kwargs[HANDOFF] = self
+        elif not KWARGS_HANDOFF:  # an older release's cache_kwargs: the attention reads it back
+            LEGACY_PENDING.set((self, layer_idx, keys))
         self._track_bytes(layer_idx)
         return keys, values
 
@@ -164,10 +186,19 @@ class KVCakeCache(Cache):
         return False
 
     @property
+    def max_cache_len(self) -> int | None:
+        """The prompt plus the tokens to generate when known (``KVCakeCache(max_cache_len=)``), else
+        None. A property here: transformers 5.0's ``Cache`` has one without a setter."""
+        return self._max_cache_len
+
+    @property
     def is_compileable(self) -> bool:
         """Static storage makes a decode step one graph (``tests/test_compile.py``): transformers'
         ``generate`` then compiles the decoding forward as for its own static caches. Hybrid
-        models' sliding layers are transformers' dynamic ones, so those are not."""
+        models' sliding layers are transformers' dynamic ones, so those are not; nor is any cache
+        on a release whose models do not hand ``kwargs`` to ``update`` (``KWARGS_HANDOFF``)."""
+        if not KWARGS_HANDOFF:
+            return False
         return bool(self.static) and not any(isinstance(layer, SlidingLayer) for layer in self.layers)
 
     # -- bookkeeping ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
 from .temperatures import resolve_tau
+from .tensor_parallel import local_weight
 
 logger = logging.getLogger(__name__)
 
@@ -75,19 +76,29 @@ def prefill_stage(
         window=m.budget.window, scaling=scaling,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
-    if m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores:
+    if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
+        layer.scores = cache.split.head_mean(layer.scores)
+    if (m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores) or m.layers.needs_scores:
         # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
         # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
-        # at the end of prefill), which keeps the cascade equal to one-shot eviction.
+        # at the end of prefill), which keeps the cascade equal to one-shot eviction. The
+        # global allocator ranks these across layers.
         cache.count_scores[layer_idx] = layer.scores
-    if m.selector.needs_value_norms:
-        layer.norms = projected_value_norms(layer.values, output_projection(module), cache.info.num_heads)
+    if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
+        # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
+        cache.o_weights[layer_idx] = local_weight(output_projection(module))
     if m.layers.needs_preferences:
         cache.preferences.append(layer_preference(cache, inputs))
     last = g == len(cache.compressed) - 1
-    if m.layers.needs_preferences:
+    if m.layers.needs_preferences or m.layers.needs_scores:
         if m.layers.cascading or last:
-            budgets = allocate(cache, torch.stack(cache.preferences, 1), final=last)
+            prefs = torch.stack(cache.preferences, 1) if m.layers.needs_preferences else None
+            seen = (
+                tuple(cache.count_scores[lid] for lid in cache.compressed[: g + 1])
+                if m.layers.needs_scores
+                else None
+            )
+            budgets = allocate(cache, prefs, final=last, layer_scores=seen)
             cache.stage_budgets.append(budgets)
             for j in range(g + 1):
                 cache._evict_layer(cache.compressed[j], budgets[:, j])
@@ -113,6 +124,8 @@ def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
     entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
     _, var = window_rows_mean_var(sub, row_valid)
     variance = var.sum((1, 2))  # (B,)
+    if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
+        entropy, variance = cache.split.sum(torch.stack([entropy.double(), variance.double()]))
     tau1, tau2 = temperatures(cache)
     # host: (B,) per layer, stacked across layers that may sit on different devices
     entropy, variance = entropy.double().cpu(), variance.double().cpu()
@@ -138,11 +151,14 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     per_layer = budget.per_layer(lengths)
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
-    if bool((per_layer >= lengths).all()):
+    if bool((per_layer >= lengths).all()) and cache.method.name != "full":
         logger.warning(
-            "the budget (%s) covers the whole prompt (%d tokens): nothing is compressed",
+            "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
             budget.describe(),
             int(lengths.max()),
+            "; decode=fixed then holds each layer at that size while decoding (method 'full' keeps all)"
+            if cache.method.decode == "fixed"
+            else "",
         )
 
 
@@ -150,16 +166,19 @@ def temperatures(cache: Cache) -> tuple[float, float]:
     """CAKE's (tau1, tau2) in force, resolved once the average budget is known."""
     if cache.tau is None:
         lay, avg = cache.method.layers, float(cache.seq.per_layer.double().mean())
-        cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from)
+        cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from,
+                                model_name=cache._model_name)  # fmt: skip
     return cache.tau.tau1, cache.tau.tau2
 
 
-def allocate(cache: Cache, preferences: torch.Tensor | None, final: bool) -> torch.Tensor:
+def allocate(
+    cache: Cache, preferences: torch.Tensor | None, final: bool, layer_scores: tuple | None = None
+) -> torch.Tensor:
     """(B, m) budgets of the first ``m`` compressed layers (all of them unless cascading)."""
     s = cache.seq
     req = AllocationRequest(
         total=s.total, cap=s.lengths, window=s.window, num_layers=len(cache.compressed),
-        preferences=preferences, final=final,
+        preferences=preferences, final=final, layer_scores=layer_scores, split=cache.split,
     )  # fmt: skip
     return cache.method.layers.allocate(req)
 
@@ -173,18 +192,35 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     window = cache.seq.window.to(dev)
     budget = budget.to(dev)
     if m.heads.ragged:
-        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window)
+        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window, cache.split)
     else:
         n_valid = (scores > float("-inf")).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
     counts_host = counts.cpu().numpy()
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
+    if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
+        heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
+        norms = value_norms(m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts)
+        layer.norms = m.selector.prepare_norms(norms, cache.split)
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+
+def value_norms(selector, values, o_weight, num_heads, scores, counts) -> torch.Tensor:
+    """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction:
+    only on the entries the selector can keep with ``counts`` when it says which
+    (``Critical.value_norms``), else on all (``projected_value_norms``, the reference)."""
+    if PRUNED_NORMS and hasattr(selector, "value_norms"):
+        return selector.value_norms(values, o_weight, num_heads, scores, counts)
+    return projected_value_norms(values, o_weight, num_heads)
+
+
+# False computes every entry's value norm (the reference path; tests compare the two).
+PRUNED_NORMS = True
 
 
 def finish_prefill(cache: Cache) -> None:
@@ -198,6 +234,7 @@ def finish_prefill(cache: Cache) -> None:
     # prompt may grow to the average budget before eviction starts.
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
     cache.count_scores.clear()
+    cache.o_weights.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"
     fixed = m.decode == "fixed"

@@ -9,8 +9,32 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adapters import with_cache
 from .attention import enable
 from .cache import KVCakeCache
+
+
+def check_positions(model: torch.nn.Module, prompt_tokens: int, generate_kwargs: dict) -> None:
+    """Refuse, before any compute, a prompt whose length plus the tokens asked for passes the
+    model's positions (``config.max_position_embeddings``; compression keeps positions)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    new = generate_kwargs.get("max_new_tokens")
+    if new is None and generate_kwargs.get("max_length") is not None:
+        return _check_total(limit, int(generate_kwargs["max_length"]), prompt_tokens, None)
+    if new is None:
+        config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        new = getattr(config, "max_new_tokens", None)
+    _check_total(limit, prompt_tokens + int(new or 0), prompt_tokens, new)
+
+
+def _check_total(limit: int | None, total: int, prompt_tokens: int, new: int | None) -> None:
+    if limit is None or total <= limit:
+        return
+    asked = f" + {new} new tokens" if new else ""
+    raise ValueError(
+        f"{prompt_tokens} prompt tokens{asked} = {total} positions, but the model has {limit}: shorten the "
+        "prompt or lower max_new_tokens (compression keeps positions, it does not extend the context window)"
+    )
 
 
 @dataclass
@@ -42,11 +66,14 @@ class CompressedContext:
 
     def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
         """Append ``question_ids`` (B, q) to a fork of the context and generate; returns only the
-        new tokens (B, n)."""
+        new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``."""
         full, mask = self._extend_inputs(question_ids)
+        check_positions(self.model, full.shape[1], generate_kwargs)
         cache = self.fork()
         with enable(self.model), torch.no_grad():
-            out = self.model.generate(full, attention_mask=mask, past_key_values=cache, **generate_kwargs)
+            out = self.model.generate(
+                full, attention_mask=mask, **with_cache(self.model, cache), **generate_kwargs
+            )
         return out[:, full.shape[1] :]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -54,7 +81,9 @@ class CompressedContext:
         full, mask = self._extend_inputs(ids)
         cache = self.fork()
         with enable(self.model), torch.no_grad():
-            out = self.model(ids if ids.dim() == 2 else ids[None], attention_mask=mask, past_key_values=cache)
+            out = self.model(
+                ids if ids.dim() == 2 else ids[None], attention_mask=mask, **with_cache(self.model, cache)
+            )
         return out.logits
 
     def save(self, path) -> None:

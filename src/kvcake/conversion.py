@@ -125,6 +125,14 @@ def _cache_is_valid(folder: Path, expected: dict[str, Any]) -> bool:
     return meta == expected and (folder / "model.safetensors").is_file()
 
 
+def converted_folder(root: Path, name: str) -> Path:
+    """Where model ``name``'s conversion lives under ``root``: one folder per transformers
+    version, since what a conversion holds (de-quantised weights, tokenizer files, config keys)
+    is transformers' own GGUF reader's output. Environments with different transformers (the
+    development venv and the floor one) then share ``root`` without reconverting at each switch."""
+    return root / f"{name}@transformers-{transformers.__version__}"
+
+
 def _ensure_converted(gguf_path: Path, folder: Path) -> Path:
     """Return ``folder``, converting ``gguf_path`` into it first unless a valid copy is there."""
     expected = _source_meta(gguf_path)

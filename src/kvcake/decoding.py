@@ -29,7 +29,7 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     layer = cache.layers[layer_idx]
     window = cache.method.budget.window
     if layer.static == "fixed":
-        scores = static.decode_scores(layer, cache.method.scorer, probs)
+        scores = static.decode_scores(layer, cache.method.scorer, probs, _across(cache))
         static.place_newest(layer, scores, layer.length_dev - 1 - window)
         return
     if probs is None:
@@ -38,6 +38,8 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     over = bool((layer.counts > budget).any())
     positions = layer.padded_positions()  # (B, H_kv, N)
     scores = cache.method.scorer.decode(probs, positions, layer.padded(layer.scores, float("-inf")))
+    if (across := _across(cache)) is not None:
+        scores = across(scores)
     if layer.scores is not None:  # stateful (H2O): keep the accumulated sums
         layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
     if not over:
@@ -49,3 +51,12 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
     layer.evict(keep, counts, ragged=layer.layout == "ragged")
     cache._track_bytes(layer_idx)
+
+
+def _across(cache: Cache):
+    """For a layer-wide scorer (TOVA) on a tensor-parallel model: the mean over ranks, applied to
+    each step's (B, H_kv, N) scores (every head holds the same positions in the same slots, since
+    they share scores); ``None`` otherwise. Costs one all-gather of the scores per layer and step."""
+    if cache.split is None or not cache.method.scorer.layer_wide:
+        return None
+    return cache.split.head_mean

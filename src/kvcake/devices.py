@@ -5,11 +5,75 @@ A model may sit on one device or be split across several with accelerate's ``dev
 device (transformers hands it that layer's keys), so anything rebuilt outside a forward (a
 loaded context) must go to the same place. Host bookkeeping (budgets, counts, CAKE's per-layer
 preferences) stays on the CPU and is moved explicitly where it meets a layer's tensors.
+
+``check_device`` is the one place that turns "this device is not here" into one line a user can
+act on (the device, what torch was built with, the fix), for the API and every command.
 """
 
 from __future__ import annotations
 
 import torch
+
+_GET_TORCH = "https://pytorch.org/get-started/locally/"
+_ON_CPU = "or run on the CPU (--device cpu, device='cpu')"
+
+
+def _cuda_problem(device: torch.device) -> str | None:
+    built = torch.version.cuda or getattr(torch.version, "hip", None)
+    if built is None:
+        return (f"this torch {torch.__version__} was built without CUDA: install a CUDA build of torch "
+                f"({_GET_TORCH}) {_ON_CPU}")  # fmt: skip
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return (f"torch {torch.__version__} was built with CUDA {built} but sees no GPU: check the driver "
+                f"(nvidia-smi) and CUDA_VISIBLE_DEVICES, {_ON_CPU}")  # fmt: skip
+    if device.index is not None and device.index >= count:
+        return (f"torch {torch.__version__} (CUDA {built}) sees {count} GPU(s), cuda:0 to cuda:{count - 1}: "
+                f"pick one of them {_ON_CPU}")  # fmt: skip
+    return None
+
+
+def _mps_problem(device: torch.device) -> str | None:
+    if torch.backends.mps.is_available():
+        return None
+    if not torch.backends.mps.is_built():
+        return f"this torch {torch.__version__} was built without MPS (Apple GPUs only): {_ON_CPU[3:]}"
+    return f"torch {torch.__version__} has MPS but this machine offers none (macOS 12.3+ on Apple silicon), {_ON_CPU}"
+
+
+def _other_problem(device: torch.device) -> str | None:
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or available():
+        return None
+    return f"this torch {torch.__version__} has no usable {device.type} device: install a build with it {_ON_CPU}"
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, checked to exist in this process.
+
+    Raises
+    ------
+    TypeError
+        ``device`` is neither a str nor a ``torch.device``.
+    ValueError
+        The name is not a device, or the device is absent: one line naming the device, what this
+        torch was built with and the fix (instead of torch's ``AssertionError: Torch not compiled
+        with CUDA enabled`` on first use).
+    """
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"invalid device {device!r}: {' '.join(str(exc).split())}") from exc
+    if dev.type in ("cpu", "meta"):
+        return dev
+    checks = {"cuda": _cuda_problem, "mps": _mps_problem}
+    problem = checks.get(dev.type, _other_problem)(dev)
+    if problem is not None:
+        raise ValueError(f"device {str(dev)!r} is not available: {problem}")
+    return dev
 
 
 def _first_device(module: torch.nn.Module) -> torch.device | None:

@@ -7,14 +7,24 @@ any sensible combination works (``layers=cake,heads=adakv,score=cake,select=crit
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .allocators import AdaKV, CakeAllocator, LayerAllocator, Pyramid, RandomSplit, Uniform, UniformHeads
+from .allocators import (
+    AdaKV,
+    CakeAllocator,
+    GlobalAllocator,
+    LayerAllocator,
+    Pyramid,
+    RandomSplit,
+    Uniform,
+    UniformHeads,
+)
 from .allocators.adakv import HeadAllocator
-from .budget import BudgetSpec
-from .scorers import CakeScorer, H2OScorer, Scorer, SnapKVScorer, StreamingScorer, TOVAScorer
+from .budget import MAX_BUDGET, BudgetSpec
+from .scorers import CakeScorer, DefensiveScorer, H2OScorer, Scorer, SnapKVScorer, StreamingScorer, TOVAScorer
 from .selectors import Critical, Selector, TopK
 
 LAYER_ALLOCATORS: dict[str, Callable[..., LayerAllocator]] = {
@@ -23,6 +33,7 @@ LAYER_ALLOCATORS: dict[str, Callable[..., LayerAllocator]] = {
     "random": RandomSplit,
     "cake": CakeAllocator,
     "cake-oneshot": lambda **kw: CakeAllocator(cascading=False, **kw),
+    "global": GlobalAllocator,
 }
 HEAD_ALLOCATORS: dict[str, Callable[..., HeadAllocator]] = {"uniform": UniformHeads, "adakv": AdaKV}
 SCORERS: dict[str, Callable[..., Scorer]] = {
@@ -31,9 +42,11 @@ SCORERS: dict[str, Callable[..., Scorer]] = {
     "tova": TOVAScorer,
     "snapkv": SnapKVScorer,
     "cake": CakeScorer,
+    "defensive": DefensiveScorer,
 }
 SELECTORS: dict[str, Callable[..., Selector]] = {"topk": TopK, "critical": Critical}
 DECODE_POLICIES = ("none", "fixed")
+FULL = "full"  # the uncompressed baseline: every entry kept
 
 
 @dataclass(frozen=True)
@@ -45,11 +58,12 @@ class Method:
     budget:
         How much to keep (``BudgetSpec``: ``budget=`` or ``ratio=``, and the window).
     layers:
-        Layer allocator: uniform, pyramid, random, or CAKE's preference allocation.
+        Layer allocator: uniform, pyramid, random, CAKE's preference allocation, or one ranking
+        of every layer's scores (Layer-DefensiveKV's ``global``).
     heads:
         Head allocator: uniform, or Ada-KV (ragged cache).
     scorer:
-        Token scores: StreamingLLM, H2O, TOVA, SnapKV, CAKE.
+        Token scores: StreamingLLM, H2O, TOVA, SnapKV, CAKE, DefensiveKV.
     selector:
         Top-k, or CriticalKV's two-stage selection.
     decode:
@@ -76,9 +90,16 @@ class Method:
                            (self.selector, Selector)):  # fmt: skip
             if not isinstance(part, base):
                 raise TypeError(f"expected a {base.__name__}, got {type(part).__name__}")
+        if self.selector.needs_marks and not self.scorer.marks_critical:
+            raise ValueError(
+                f"select.first=marked needs a scorer that marks the first stage (score=defensive with "
+                f"critical_mass > 0), got score={self.scorer.describe()}: use select.first=ratio"
+            )
 
     def describe(self) -> str:
         """The preset name and the full composed spec (every non-default option), with the budget."""
+        if self.name == FULL:
+            return "full (every entry kept)"
         return f"{self.name}[{method_spec(self)}] {self.budget.describe()} window={self.budget.window}"
 
     def replace(self, **changes) -> Method:
@@ -100,7 +121,14 @@ adakv          uniform       adakv    snapkv        topk      none   Ada-SnapKV:
 ada-pyramidkv  pyramid       adakv    snapkv        topk      none   PyramidKV layers x Ada-KV heads
 critical-adakv uniform       adakv    snapkv        critical  none   Ada-KV heads + CriticalKV selection
 cake-adakv     cake          adakv    cake          topk      fixed  CAKE layers x Ada-KV heads (ragged)
+defensivekv    uniform       adakv    defensive     critical  none   DefensiveKV: worst-case window attention, Ada-KV
+layer-defensivekv global     adakv    defensive     critical  none   Layer-DefensiveKV: one ranking over all layers, cascade
 """
+# Part options a preset sets beyond its parts' defaults (written like a composed string's).
+PRESET_OPTIONS: dict[str, str] = {
+    "defensivekv": "select.first=marked,select.value_norm=heads",
+    "layer-defensivekv": "select.first=marked,select.value_norm=heads",
+}
 # name -> (layers, heads, score, select, decode, one-line description)
 PRESETS: dict[str, tuple[str, str, str, str, str, str]] = {
     name: tuple(rest) for name, *rest in (row.split(maxsplit=6) for row in _PRESET_TABLE.strip().splitlines())
@@ -109,13 +137,50 @@ _KEYS = {"layers": LAYER_ALLOCATORS, "heads": HEAD_ALLOCATORS, "score": SCORERS,
 
 
 def _build(kind: str, name: str, options: dict[str, object]):
+    """The part ``kind=name`` built with ``options``; unknown options and values of the wrong
+    type are refused naming the valid options and the expected type."""
     registry = _KEYS[kind]
     if name not in registry:
         raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
+    factory = registry[name]
+    cls = factory if isinstance(factory, type) else type(factory())
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
+    if name == "cake-oneshot":
+        fields.pop("cascading", None)  # fixed by the name
+    where = f"bad option for {kind}={name}"
+    for opt in options:
+        if opt not in fields:
+            valid = f"valid: {', '.join(fields)}" if fields else "it takes no options"
+            raise ValueError(f"{where}: unknown option {opt!r}; {valid}")
     try:
-        return registry[name](**options)
+        part = factory(**options)
     except TypeError as err:
-        raise ValueError(f"bad option for {kind}={name}: {err}") from None
+        for opt, value in options.items():
+            _check_type(where, opt, value, fields[opt].type)
+        raise ValueError(f"{where}: {err}") from None
+    for opt, value in options.items():
+        _check_type(where, opt, value, fields[opt].type)
+    return part
+
+
+def _check_type(where: str, opt: str, value: object, annotation: object) -> None:
+    """Refuse ``value`` for a field annotated ``annotation`` (a string under postponed
+    annotations) when its type cannot be right: text for a number, a number for a switch."""
+    ann = str(annotation)
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if "bool" in ann:
+        ok, expected = isinstance(value, bool), "true or false"
+    elif "float" in ann:
+        ok, expected = numeric, "a number"
+    elif "int" in ann:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif "str" in ann:
+        ok, expected = isinstance(value, str), "a name"
+    else:
+        return
+    if not ok:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise ValueError(f"{where}: {opt} must be {expected}, got {shown!r}")
 
 
 def _parse_value(text: str) -> object:
@@ -133,34 +198,58 @@ def make_method(
     budget: int | None = None,
     ratio: float | None = None,
     window: int = 32,
+    keep_ratio: float | None = None,
 ) -> Method:
     """Build a method from a preset name or a composed string.
 
     Examples: ``"cake"``, ``"snapkv"``, ``"layers=cake,heads=adakv,score=cake,select=critical"``,
     ``"cake,select=critical,decode=none"`` (a preset with overrides), and part options with a dot:
-    ``"cake,layers.tau1=1.0,score.gamma=100"``.
+    ``"cake,layers.tau1=1.0,score.gamma=100"``. ``"full"`` keeps every entry (the uncompressed
+    baseline, with the same summaries); it takes no budget.
+
+    ``keep_ratio`` is ``ratio`` under a name that says what it means: the fraction of the prompt
+    *kept* (kvpress's ``compression_ratio`` is the fraction removed: its 0.2 is our 0.8).
+    Unknown names, options and values of the wrong type are refused, listing the valid ones;
+    so are a key given twice and an empty part (``"cake,,select=critical"``).
     """
     if isinstance(spec, Method):
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method must be a preset name or a composed string, got {spec!r}")
+    ratio = resolve_ratio(ratio, keep_ratio)
+    if spec.strip().lower() == FULL:
+        if budget is not None or ratio is not None:
+            raise ValueError("method 'full' keeps every entry: drop budget=/keep_ratio=")
+        return Method(budget=BudgetSpec(budget=MAX_BUDGET, window=window), name=FULL)
     spec_budget = BudgetSpec(budget=budget, ratio=ratio, window=window)
-    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    tokens = [t.strip() for t in spec.split(",")]
+    if "" in tokens:
+        raise ValueError(f"empty part in method {spec!r}: remove the extra comma")
     choice = {"layers": "uniform", "heads": "uniform", "score": "snapkv", "select": "topk", "decode": "none"}
     name = "custom"
     if "=" not in tokens[0]:
         name = tokens.pop(0).lower()
         if name not in PRESETS:
-            raise ValueError(f"unknown method {name!r}; presets: {', '.join(PRESETS)}; or compose "
-                             "e.g. 'layers=cake,heads=adakv,score=cake,select=critical'")  # fmt: skip
+            close = difflib.get_close_matches(name, [*PRESETS, FULL], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown method {name!r}; presets: {', '.join(PRESETS)}, full; or compose "
+                             f"e.g. 'layers=cake,heads=adakv,score=cake,select=critical'{hint}")  # fmt: skip
         choice.update(zip(("layers", "heads", "score", "select", "decode"), PRESETS[name][:5], strict=False))
     options: dict[str, dict[str, object]] = {k: {} for k in _KEYS}
-    for tok in tokens:
+    preset_tokens = [t for t in PRESET_OPTIONS.get(name, "").split(",") if t]
+    seen: set[str] = set()
+    for i, tok in enumerate([*preset_tokens, *tokens]):
         if "=" not in tok:
             raise ValueError(
                 f"bad method part {tok!r}: expected key=value (keys: {', '.join([*_KEYS, 'decode'])})"
             )
         key, value = (s.strip() for s in tok.split("=", 1))
+        if i >= len(preset_tokens):  # the caller's own parts override the preset's options
+            if key in seen:
+                raise ValueError(f"{key!r} is given twice in method {spec!r}: keep one")
+            seen.add(key)
+        if not value:
+            raise ValueError(f"{key!r} has no value in method {spec!r}: write {key}=VALUE")
         if "." in key:
             part, opt = key.split(".", 1)
             if part not in options:
@@ -170,6 +259,12 @@ def make_method(
             choice[key] = value.lower()
         else:
             raise ValueError(f"unknown method key {key!r}; valid: {', '.join([*_KEYS, 'decode'])}")
+    for tok in preset_tokens:  # a preset's option is dropped with its part (e.g. ``select=topk``)
+        part, opt = tok.split("=", 1)[0].split(".", 1)
+        if choice[part] != PRESETS[name][list(_KEYS).index(part)] and not any(
+            t.split("=", 1)[0].strip() == f"{part}.{opt}" for t in tokens
+        ):
+            options[part].pop(opt, None)
     if tokens and name != "custom":
         name = f"{name}+"  # a preset with overrides
     return Method(
@@ -183,10 +278,22 @@ def make_method(
     )
 
 
+def resolve_ratio(ratio: float | None, keep_ratio: float | None) -> float | None:
+    """``keep_ratio`` and its older name ``ratio`` are one setting: give at most one."""
+    if keep_ratio is not None and ratio is not None:
+        raise ValueError("give keep_ratio= or its older name ratio=, not both")
+    return ratio if keep_ratio is None else keep_ratio
+
+
 def list_methods() -> list[tuple[str, str]]:
     """(preset, one-line description with its parts) for every registered preset."""
     return [
-        (name, f"{desc} [layers={p[0]}, heads={p[1]}, score={p[2]}, select={p[3]}, decode={p[4]}]")
+        (
+            name,
+            f"{desc} [layers={p[0]}, heads={p[1]}, score={p[2]}, select={p[3]}, decode={p[4]}"
+            + "".join(f", {o}" for o in PRESET_OPTIONS.get(name, "").split(",") if o)
+            + "]",
+        )
         for name, (*p, desc) in PRESETS.items()
     ]
 

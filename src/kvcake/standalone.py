@@ -28,7 +28,7 @@ def standalone_main(
     """
     parser = argparse.ArgumentParser(
         prog=prog,
-        description=description,
+        description=user_description(description),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
@@ -49,9 +49,28 @@ def add_subcommand(
 ) -> argparse.ArgumentParser:
     """Add ``name`` to ``kvcake``'s ``argparse`` subparsers, with the subcommand's own arguments."""
     p = subparsers.add_parser(
-        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        name, help=help, description=user_description(description),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     return add_arguments(p)
+
+
+def user_description(doc: str | None) -> str | None:
+    """A module docstring as ``--help`` text: the paragraphs written for developers (those about
+    how the module plugs into ``kvcake``: ``configure_parser``, ``EXTENSIONS``) left out."""
+    if doc is None:
+        return None
+    paragraphs = [
+        p for p in doc.strip().split("\n\n") if not any(w in p for w in ("configure_parser", "EXTENSIONS"))
+    ]
+    return "\n\n".join(paragraphs)
+
+
+def model_placement(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` of the model, as ``kvcake generate`` takes them."""
+    parser.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="parameter dtype (default: float32)")  # fmt: skip
 
 
 def comma_ints(text: str) -> tuple[int, ...]:

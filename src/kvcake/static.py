@@ -152,11 +152,12 @@ def _grow_if_full(layer) -> None:
     to_static(layer, None)
 
 
-def decode_scores(layer, scorer, probs: torch.Tensor) -> torch.Tensor:
+def decode_scores(layer, scorer, probs: torch.Tensor, across=None) -> torch.Tensor:
     """``scorer.decode`` over a static layer (B, H_kv, N), whose slots are not in position
     order: scorers that pool over neighbours (``order_sensitive``) see the entries sorted by
     position (one argsort of the positions, empties first like the reference's left padding).
-    Stateful scorers (H2O) keep the new sums in ``layer.scores``."""
+    Stateful scorers (H2O) keep the new sums in ``layer.scores``. ``across``: a function applied
+    to the scores before they are kept (a tensor-parallel cache's mean over ranks, TOVA)."""
     positions = layer.padded(layer.positions, -1)  # (B, H_kv, N)
     previous = layer.padded(layer.scores, float("-inf"))
     if not scorer.order_sensitive:
@@ -168,6 +169,8 @@ def decode_scores(layer, scorer, probs: torch.Tensor) -> torch.Tensor:
         prev = None if previous is None else previous.gather(-1, order)
         sorted_scores = scorer.decode(probs.gather(-1, head_order), positions.gather(-1, order), prev)
         scores = torch.empty_like(sorted_scores).scatter_(-1, order, sorted_scores)
+    if across is not None:
+        scores = across(scores)
     if layer.scores is not None:
         layer.scores = layer.unpad(scores.masked_fill(positions < 0, 0.0))
     return scores

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,8 +160,10 @@ def resolve_tau(
     tau1: float | None = None,
     tau2: float | None = None,
     tau_from: str = "auto",
+    model_name: str | None = None,
 ) -> TauChoice:
     """The temperatures for a model at ``budget`` average entries per layer (see the module doc).
+    ``model_name`` (what ``--model`` loads it by) is quoted in the warning's command.
 
     A user value wins for its own temperature; the other comes from the rest of the cascade.
     ``tau_from="family"`` or ``"fallback"`` skips the calibrations (and the warning): ablations."""
@@ -181,7 +184,8 @@ def resolve_tau(
         logger.warning(
             "CAKE temperatures are not calibrated for this model (%s, fingerprint %s): using %s "
             "tau1=%.3g tau2=%.3g, which may allocate layer budgets poorly. Run `kvcake calibrate "
-            "--model MODEL` (a few minutes) to fit them.", model_type, fingerprint, what, t1, t2,
+            "--model %s` (a few minutes) to fit them.", model_type, fingerprint, what, t1, t2,
+            shlex.quote(model_name or "MODEL"),
         )  # fmt: skip
     if tau1 is not None or tau2 is not None:
         return TauChoice(tau1 or t1, tau2 or t2, f"user+{source}")

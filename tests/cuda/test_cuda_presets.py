@@ -11,6 +11,7 @@ from cuda_helpers import DEVICE, HALF, ids
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake.adapters import with_cache
 from shared_checks import single_step_logits
 
 HOST = torch.device("cpu")
@@ -55,7 +56,7 @@ def test_budget_covering_prompt_is_bit_identical(on_device, name, dtype):
         full_out = model.generate(prompt, max_new_tokens=10, do_sample=False)
     cache = KVCakeCache(model, make_method(name, budget=90, window=8))
     with kvcake.enable(model), torch.no_grad():
-        logits = model(prompt, past_key_values=cache).logits
+        logits = model(prompt, **with_cache(model, cache)).logits
     assert torch.equal(logits, full_logits)
     out, cache = kvcake.generate(
         model, prompt, name, budget=200, window=8, max_new_tokens=10, do_sample=False

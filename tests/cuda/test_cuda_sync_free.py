@@ -17,6 +17,7 @@ from cuda_helpers import DEVICE, ids
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake.adapters import with_cache
 
 
 @contextlib.contextmanager
@@ -38,10 +39,10 @@ def test_static_decode_steps_do_not_synchronise(on_device, name):
     prompt = ids(200, seed=3).to(DEVICE)
     cache = KVCakeCache(model, make_method(name, budget=40, window=8), static=True)
     with kvcake.enable(model), torch.no_grad():
-        tok = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
-        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)  # into the buffers
+        tok = model(prompt, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
+        tok = model(tok, **with_cache(model, cache)).logits[:, -1:].argmax(-1)  # into the buffers
         assert all(cache.layers[lid].static is not None for lid in cache.compressed)
         with _sync_errors():
             for _ in range(4):
-                tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+                tok = model(tok, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
     assert cache.get_seq_length() == 206

@@ -14,6 +14,7 @@ from word_tokenizer import WordTokenizer
 
 import kvcake
 from kvcake import temperatures
+from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
 from kvcake.calibration.samples import build_texts, reference
 from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
@@ -77,7 +78,7 @@ def _captured(model, ids):
 
     captured, cache = Captured(), DynamicCache()
     with capture_queries(model, captured), torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits[:, -1]
+        logits = model(ids, **with_cache(model, cache)).logits[:, -1]
     return captured, cache, logits
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
+from kvcake.adapters import with_cache
 from kvcake.eval.fidelity import (
     Captured,
     ScoreMemo,
@@ -49,7 +50,7 @@ def _full(model, ids: torch.Tensor, captured: Captured | None = None):
     cache = DynamicCache(config=model.config)
     ctx = capture_queries(model, captured) if captured is not None else torch.no_grad()
     with ctx, torch.no_grad():
-        out = model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, logits_to_keep=1)
+        out = model(ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), logits_to_keep=1)
     return cache, out.logits[:, -1]
 
 
@@ -83,7 +84,9 @@ def test_replay_of_a_question_extension_equals_compress_of_the_whole_prompt(tiny
     captured = Captured()
     cache, _ = _full(tiny_llama, ctx, captured)
     with capture_queries(tiny_llama, captured), torch.no_grad():
-        out = tiny_llama(question, attention_mask=torch.ones(1, 39, dtype=torch.long), past_key_values=cache)
+        out = tiny_llama(
+            question, attention_mask=torch.ones(1, 39, dtype=torch.long), **with_cache(tiny_llama, cache)
+        )
     full_ids = torch.cat([ctx, question], dim=1)
     method = kvcake.make_method("cake", budget=12, window=WINDOW)
     got = replay_compress(tiny_llama, method, captured, cache, full_ids, out.logits[:, -1])
@@ -104,12 +107,12 @@ def _fidelity(model, prefix: torch.Tensor, question: torch.Tensor | None, contin
     appended = question if question is not None else torch.zeros(1, 0, dtype=torch.long)
     if question is not None:
         with torch.no_grad():
-            out = model(question, past_key_values=cache)
+            out = model(question, **with_cache(model, cache))
         last = out.logits[:, -1]
     for _ in range(continuation_len):
         cont.append(last.argmax(-1))
         with torch.no_grad():
-            last = model(cont[-1][:, None], past_key_values=cache).logits[:, -1]
+            last = model(cont[-1][:, None], **with_cache(model, cache)).logits[:, -1]
     cont = torch.cat(cont)
     n = cont.numel()
     appended = torch.cat([appended, cont[None, :-1]], dim=1)

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
-from kvcake.adapters import describe_model
+from kvcake.adapters import describe_model, with_cache
 from kvcake.prompts import build_prompt
 from kvcake.sliding import SlidingLayer
 
@@ -42,7 +42,7 @@ def test_gemma3_270m_hybrid_compression(gemma3):
     assert s > WINDOW + 64, "the sliding layers must roll"
     with torch.no_grad():
         mask = torch.ones_like(ids)  # the same call as kvcake.compress, with transformers' own cache
-        full_logits = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+        full_logits = model(ids, attention_mask=mask, **with_cache(model, DynamicCache(config=model.config)),
                             logits_to_keep=1).logits[:, -1]  # fmt: skip
     same = kvcake.compress(model, ids, "cake", budget=s)  # a budget covering the prompt: the full cache
     assert torch.equal(same.logits, full_logits)

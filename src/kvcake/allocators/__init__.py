@@ -3,6 +3,7 @@
 from .adakv import AdaKV, UniformHeads
 from .base import AllocationRequest, LayerAllocator, round_exact, waterfill
 from .cake import CakeAllocator, default_tau, preference
+from .global_scores import GlobalAllocator
 from .pyramid import Pyramid
 from .random import RandomSplit
 from .uniform import Uniform
@@ -11,6 +12,7 @@ __all__ = [
     "AdaKV",
     "AllocationRequest",
     "CakeAllocator",
+    "GlobalAllocator",
     "LayerAllocator",
     "Pyramid",
     "RandomSplit",

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tensor_parallel import HeadSplit, top_over_ranks
+
 
 def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every entry along the last dim in descending score order (0 = best).
@@ -25,12 +27,17 @@ def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
 
 
 class HeadAllocator:
-    """Base class: ``counts(scores, budget, window) -> (B, H_kv)`` int64 per-head budgets."""
+    """Base class: ``counts(scores, budget, window) -> (B, H_kv)`` int64 per-head budgets.
+
+    ``split`` (tensor-parallel models): ``scores`` hold this rank's heads only; an allocator that
+    compares heads must decide over every rank's heads (``kvcake.tensor_parallel``)."""
 
     name = "uniform"
     ragged = False
 
-    def counts(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    def counts(
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - interface
 
 
@@ -40,7 +47,9 @@ class UniformHeads(HeadAllocator):
 
     name = "uniform"
 
-    def counts(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    def counts(
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:
         n_valid = (scores > float("-inf")).sum(-1)  # (B, H_kv)
         return torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
 
@@ -55,7 +64,9 @@ class AdaKV(HeadAllocator):
     remaining scores of any head. The layer total is exact; heads hold different numbers of
     entries, which the ragged cache stores without padding.
 
-    Scores: (B, H_kv, S) with the window at ``+inf`` and padding at ``-inf``.
+    Scores: (B, H_kv, S) with the window at ``+inf`` and padding at ``-inf``. Under tensor
+    parallelism (``split``) they are this rank's heads; the layer's ``H_kv * B'`` and the ranking
+    span every rank's heads, and the result is this rank's slice of the one-process selection.
     """
 
     alpha: float = 0.2
@@ -66,10 +77,14 @@ class AdaKV(HeadAllocator):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"Ada-KV safeguard alpha must be in [0, 1], got {self.alpha}")
 
-    def counts(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        return self.select(scores, budget, window).sum(-1)
+    def counts(
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:
+        return self.select(scores, budget, window, split).sum(-1)
 
-    def select(self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    def select(
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:
         """The kept set itself: (B, H_kv, S) bool (window included, padding never)."""
         b, h, s = scores.shape
         finite = torch.isfinite(scores)  # prefix entries that may be chosen
@@ -79,6 +94,11 @@ class AdaKV(HeadAllocator):
         prefix = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
         pinned = (ranks_desc(prefix) < pin[:, None, None]) & finite
         rest = torch.where(pinned, torch.full_like(prefix, float("-inf")), prefix)
-        fill = h * prefix_budget - pinned.sum((1, 2))  # (B,)
-        won = (ranks_desc(rest.reshape(b, h * s)) < fill[:, None]).reshape(b, h, s) & finite & ~pinned
+        if split is None:
+            fill = h * prefix_budget - pinned.sum((1, 2))  # (B,)
+            won = ranks_desc(rest.reshape(b, h * s)) < fill[:, None]  # (B, H_kv * S)
+        else:  # every rank's heads: the layer's H_kv is h * world, its pinned entries summed over ranks
+            fill = h * split.world * prefix_budget - split.sum(pinned.sum((1, 2)))  # (B,)
+            won = top_over_ranks(rest, fill, split)  # (B, H_local, S)
+        won = won.reshape(b, h, s) & finite & ~pinned
         return is_window | pinned | won

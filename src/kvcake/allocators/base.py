@@ -27,6 +27,11 @@ class AllocationRequest:
     num_layers: ``L``.
     preferences: (B, n) float64 or None, one per layer seen so far (CAKE).
     final: whether this is the last stage (exact rounding) or an intermediate one.
+    layer_scores: the full prompt's (B, H_kv, S) scores of each layer seen so far, or None
+    (the global allocator); the one exception to the host rule: they stay on the model's
+    device and the allocator reduces them to host counts.
+    split: the tensor-parallel head split (:class:`kvcake.tensor_parallel.HeadSplit`) when
+    ``layer_scores`` hold this rank's heads only, else None.
     """
 
     total: torch.Tensor
@@ -35,6 +40,8 @@ class AllocationRequest:
     num_layers: int
     preferences: torch.Tensor | None = None
     final: bool = True
+    layer_scores: tuple[torch.Tensor, ...] | None = None
+    split: object | None = None
 
     def __post_init__(self) -> None:
         named = {"total": self.total, "cap": self.cap, "window": self.window, "preferences": self.preferences}
@@ -48,10 +55,12 @@ class AllocationRequest:
 
 class LayerAllocator:
     """Base class. ``needs_preferences`` tells the cache to compute CAKE's preference scores;
-    ``cascading`` tells it to re-allocate after every layer (Algorithm 1 of CAKE)."""
+    ``cascading`` tells it to re-allocate after every layer (Algorithm 1 of CAKE);
+    ``needs_scores`` to keep every layer's full prompt scores during prefill and pass them."""
 
     name = "base"
     needs_preferences = False
+    needs_scores = False
     cascading = False
 
     def allocate(self, req: AllocationRequest) -> torch.Tensor:  # pragma: no cover - interface

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import DynamicCache
 
+from ..adapters import with_cache
 from ..cache import KVCakeCache, cache_kv_bytes
 from ..method import Method, make_method
 from .probes import Clock
@@ -120,6 +121,6 @@ def shared_prefill(
     lead = caches[0].follow(caches[1:], full)
     try:
         with enable(model), torch.no_grad():
-            model(ids, past_key_values=lead, logits_to_keep=1)
+            model(ids, **with_cache(model, lead), logits_to_keep=1)
     finally:
         lead.detach()

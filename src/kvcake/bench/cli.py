@@ -1,10 +1,11 @@
-"""``kvcake bench {memory,prefill,decode,bandwidth,all}``: the benchmarks from the command line.
+"""``kvcake bench {memory,prefill,decode,bandwidth,all,gpu}``: the benchmarks from the command line.
 
 ``kvcake.cli`` adds the subcommand with ``configure_parser(subparsers)`` and calls ``run(args)``;
 ``python -m kvcake.bench ...`` runs the same parser on its own (``main``). Every bench prints its
 markdown tables, writes ``OUT/<bench>.json`` and ``OUT/<bench>.png``; ``--doc PATH`` also renders
 the results into a markdown page (``docs/benchmarks.md`` is made this way by
-``scripts/bench_all.sh``).
+``scripts/bench_all.sh``). ``gpu`` is its own run (``kvcake.bench.gpu``): every preset and the
+full cache at its best on a random model of ``--shape``, written to ``docs/benchmarks-gpu.md``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ EXAMPLES = (
     "kvcake bench memory --lengths 1024,2048,4096 --out bench-results",
     "kvcake bench decode --lengths 4k,16k --budgets 128,512 --methods snapkv,cake,adakv",
     "kvcake bench all --quick --out bench-results",
+    "kvcake bench gpu --device cuda   # docs/benchmarks-gpu.md: llama-3.1-8b shape, 8k/32k/128k, budget 1024",
+    "kvcake bench gpu --device cpu --shape tiny --lengths 256 --budget 64 --doc /tmp/gpu.md   # smoke run",
 )
 
-BENCHES = ("bandwidth", "memory", "prefill", "decode", "all", "report")
+BENCHES = ("bandwidth", "memory", "prefill", "decode", "all", "report", "gpu")  # "all": the first four
 
 # Defaults sized so that `bench all` takes about a quarter of an hour on two CPU cores (see
 # docs/benchmarks.md for the measured time); --quick is a minute-scale smoke run.
@@ -74,12 +77,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_ints, default=None,
                    help="prompt/context lengths for every bench, e.g. 1024,2048,4096 (4k works too); longer "
                         "than the model's positions runs a random model of its shape")  # fmt: skip
-    p.add_argument("--memory-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--memory-lengths", type=_ints, default=None, help="lengths of the memory bench (default: --lengths)"
+    )
     p.add_argument(
         "--rss-lengths", type=_ints, default=None, help="lengths of the per-method process-memory runs"
     )
-    p.add_argument("--prefill-lengths", type=_ints, default=None)
-    p.add_argument("--decode-lengths", type=_ints, default=None)
+    p.add_argument(
+        "--prefill-lengths",
+        type=_ints,
+        default=None,
+        help="lengths of the prefill bench (default: --lengths)",
+    )
+    p.add_argument(
+        "--decode-lengths", type=_ints, default=None, help="lengths of the decode bench (default: --lengths)"
+    )
     p.add_argument("--methods", type=_names, default=None,
                    help="method presets or composed specs, comma-separated (';' if a spec has commas); "
                         "the full cache is always included")  # fmt: skip
@@ -101,7 +113,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--out", default="bench-results", help="folder for <bench>.json and <bench>.png")
     p.add_argument("--doc", default=None, help="also write a markdown page with every table and figure")
+    p.add_argument("--add", action="store_true",
+                   help="memory/prefill: merge this run's rows into the results already in --out (rows of "
+                        "the same method and length replaced; targets recomputed) instead of replacing them; "
+                        "with --doc, rewrite the page from every result in --out")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
+    g = p.add_argument_group("gpu", "the 'gpu' bench (its defaults: --lengths 8k,32k,128k --budget 1024, every preset, "
+                             "--rounds 3 --steps 8 --doc docs/benchmarks-gpu.md)")  # fmt: skip
+    g.add_argument(
+        "--shape", default="llama-3.1-8b", help="random-weight model shape (kvcake.bench.shapes.SHAPES)"
+    )
+    g.add_argument("--merge", action="store_true",
+                   help="keep the rows of OUT/gpu.json at other lengths (one command per length, e.g. under a "
+                        "10-minute limit); the page shows them all")  # fmt: skip
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the compiled decode step (default: on)")  # fmt: skip
     return p
 
 
@@ -150,8 +176,13 @@ def run(args: argparse.Namespace) -> int:
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
     out = Path(args.out)
+    if args.which == "gpu":
+        return _run_gpu(args, device, dtype, out)
     started = time.perf_counter()
     which = BENCHES[:4] if args.which == "all" else (args.which,)
+    if args.add and any(b not in ("memory", "prefill") for b in which):
+        print(f"kvcake bench: --add merges the memory and prefill benches, not {args.which}", file=sys.stderr)
+        return 2
     models = None if which == ("bandwidth",) else load_models(args.model, device=device, dtype=dtype)
     attn = models.model.config._attn_implementation if models else "-"
     machine = describe_machine(device, dtype, attn)
@@ -168,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     for bench in which:
         print(f"\n## {bench}\n", flush=True)
         t0 = time.perf_counter()
+        path = out / f"{bench}.json"
+        previous = (
+            json.loads(path.read_text()) if args.add and path.exists() else None
+        )  # before the run rewrites it
         if bench == "bandwidth":
             results[bench] = bandwidth.run(device, size_bytes=bw_bytes, out=out, machine=machine)
         elif bench == "memory":
@@ -189,11 +224,29 @@ def run(args: argparse.Namespace) -> int:
                 machine=machine,
             )  # fmt: skip
         results[bench]["seconds"] = time.perf_counter() - t0
+        if previous is not None:
+            from .merge import merge
+
+            results[bench] = merge(bench, previous, results[bench])
+            write_json(path, results[bench])
+            plots = {"memory": memory.plot, "prefill": speed.plot_prefill}
+            plots[bench](results[bench], out / f"{bench}.png")
+            print(f"merged into {path}", flush=True)
     total = time.perf_counter() - started
     print(
         f"\nwrote {', '.join(str(out / f'{b}.json') for b in results)} (+ .png) in {total / 60:.1f} min",
         flush=True,
     )
+    if args.add and (out / "run.json").exists():  # the page lists the runs merged since its own
+        argv = getattr(args, "argv", None)
+        prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
+        run_info = json.loads((out / "run.json").read_text())
+        added = dict(command=" ".join([prefix, *(shlex.quote(a) for a in argv)]), total_s=total,
+                     date=datetime.date.today().isoformat())  # fmt: skip
+        run_info["added"] = [*run_info.get("added", []), added]
+        write_json(out / "run.json", run_info)
+    if args.doc and args.add:  # the page from every result in --out, as `report` writes it
+        return _report(args)
     if args.doc:
         from .report import render
 
@@ -210,9 +263,52 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(args: argparse.Namespace) -> str:
+    argv = getattr(args, "argv", None)
+    prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
+    return " ".join([prefix, *(shlex.quote(a) for a in argv)])
+
+
+def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
+    """``bench gpu``: measure, print the table, write ``OUT/gpu.json`` and the page."""
+    import torch
+
+    from ..method import PRESETS
+    from .common import describe_machine, machine_lines, write_json
+    from .gpu import GpuSettings, driver_version, gpu_table, merge, render_page, run_gpu
+
+    settings = GpuSettings(
+        shape=args.shape, lengths=tuple(args.lengths or GpuSettings.lengths), budget=args.budget or GpuSettings.budget,
+        methods=tuple(m for m in (args.methods or PRESETS) if m != "full"), rounds=args.rounds or GpuSettings.rounds,
+        steps=args.steps or GpuSettings.steps, window=args.window, compile=args.compile,
+    )  # fmt: skip
+    machine = describe_machine(device, dtype, "sdpa") | {
+        "driver": driver_version(),
+        "cuda": torch.version.cuda,
+    }
+    print(
+        "\n".join(["# kvcake bench gpu", "", *(f"- {line}" for line in machine_lines(machine)), ""]),
+        flush=True,
+    )
+    started = time.perf_counter()
+    result = run_gpu(settings, device=device, dtype=dtype)
+    total = time.perf_counter() - started
+    result["machine"] = machine
+    result["runs"] = [dict(command=_command(args), date=datetime.date.today().isoformat(), total_s=total)]
+    print(gpu_table(result), flush=True)
+    if args.merge and (out / "gpu.json").is_file():
+        result = merge(json.loads((out / "gpu.json").read_text()), result)
+    write_json(out / "gpu.json", result)
+    doc = Path(args.doc or "docs/benchmarks-gpu.md")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(render_page(result, machine))
+    print(f"wrote {out / 'gpu.json'} and {doc} in {total / 60:.1f} min", flush=True)
+    return 0
+
+
 def _render_args(run_info: dict) -> dict:
     keys = ("machine", "command", "total_s", "date")
-    return {k: run_info[k] for k in keys}
+    return {**{k: run_info[k] for k in keys}, "added": run_info.get("added")}
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..ragged import flash_available
+from ..devices import check_device
+from ..varlen import describe_route
 from .caches import BenchCache, FullCache, build_cache, dynamic_cache_bytes, shared_prefill
 from .output import fmt, log_axes, markdown_table, median, new_figure, save_figure, verdict, write_json
 from .probes import Clock, PeakMemory
@@ -117,17 +118,8 @@ def thread_probe(size: int = 256, repeats: int = 50) -> dict:
 
 
 def ragged_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    """Which ragged attention runs when no probabilities are needed (``kvcake.ragged.ragged_attention``)."""
-    if flash_available(device) and dtype in (torch.float16, torch.bfloat16):
-        return "flash-attn varlen"
-    why = (
-        "no CUDA"
-        if device.type != "cuda"
-        else "flash_attn not installed"
-        if not flash_available(device)
-        else "fp32"
-    )
-    return f"PyTorch reference (segment softmax; {why})"
+    """Which ragged attention runs when no probabilities are needed (``kvcake.varlen.choose_route``)."""
+    return describe_route(device, dtype)
 
 
 def machine_lines(machine: dict) -> list[str]:
@@ -144,10 +136,7 @@ def machine_lines(machine: dict) -> list[str]:
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
-    return device
+    return check_device(name)
 
 
 # -- models and prompts --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..adapters import with_cache
 from ..attention import enable
 from .common import (
     PREFILL_METHODS,
@@ -126,7 +127,7 @@ def layerwise_peak(budgets, length: int, shape: KVShape) -> int:
 def peak_theory(method, budgets, length: int, shape: KVShape) -> tuple[int, str]:
     """(theoretical prefill peak, which rule) for a ``kvcake.Method`` with final (L,) budgets."""
     layers = method.layers
-    if getattr(layers, "needs_preferences", False):
+    if getattr(layers, "needs_preferences", False) or getattr(layers, "needs_scores", False):
         if getattr(layers, "cascading", False):
             return cascade_peak_bound(int(np.sum(budgets)), length, shape), "B_total + S (bound)"
         return full_kv_bytes(length, shape), "S*L (all layers full)"
@@ -181,7 +182,7 @@ def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: i
         cache = FullCache(model.config) if spec == "full" else build_cache(model, spec, budget, window)
         ctx = contextlib.nullcontext() if spec == "full" else enable(model)
         with ctx, torch.no_grad():
-            model(ids, past_key_values=cache, logits_to_keep=1)
+            model(ids, **with_cache(model, cache), logits_to_keep=1)
         kv_peak = cache.peak_kv_bytes if spec == "full" else cache.prefill_peak_kv_bytes
     del cache
     return dict(method=spec, length=length, model=label, base=mem.base, peak=mem.peak,
@@ -194,9 +195,10 @@ def targets(rows: list[dict]) -> list[dict]:
     by = {(r["method"], r["length"]): r for r in rows}
     for (method, length), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         full = by.get(("full", length))
-        if method == "cake":
+        if method in ("cake", "layer-defensivekv"):
             ratio = r["peak"] / r["cascade_bound"]
-            out.append(dict(target="CAKE cascade peak <= 1.05 x (B_total + one full layer)", length=length,
+            who = "CAKE" if method == "cake" else "Layer-DefensiveKV"
+            out.append(dict(target=f"{who} cascade peak <= 1.05 x (B_total + one full layer)", length=length,
                             value=ratio, ok=ratio <= 1 + TOLERANCE))  # fmt: skip
         elif method == "cake-oneshot" and full is not None:
             ratio = r["peak"] / full["peak"]

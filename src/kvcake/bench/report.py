@@ -331,11 +331,15 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
 
 
 def render(results: dict, *, machine: dict, figures: Path, doc: Path, command: str, total_s: float,
-           date: str | None = None) -> str:  # fmt: skip
-    """The markdown page for ``results`` (bench name -> result dict)."""
+           date: str | None = None, added: list[dict] | None = None) -> str:  # fmt: skip
+    """The markdown page for ``results`` (bench name -> result dict); ``added``: the ``--add``
+    runs merged since (``command``, ``date``, ``total_s``)."""
     figures, doc = Path(figures), Path(doc)
     date = date or datetime.date.today().isoformat()
     parts = ["# Benchmarks", "", _machine(machine, total_s, command, date), ""]
+    if added:
+        runs = "; ".join(f"`{a['command']}` on {a['date']} in {a['total_s'] / 60:.1f} minutes" for a in added)
+        parts += [f"Rows added since (`--add`, merged into the results above): {runs}.", ""]
     if "bandwidth" in results:
         parts += ["## Memory bandwidth", "", bandwidth_bench.table(results["bandwidth"]), ""]
     if "memory" in results:

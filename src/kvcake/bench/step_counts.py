@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from .. import PRESETS, KVCakeCache, enable, make_method
+from ..adapters import with_cache
 
 INTRO = (
     "Tiny random Llama (4 layers, 4 query / 2 KV heads, head dim 16), a 160-token prompt (20 tokens of "
@@ -91,11 +92,11 @@ def step_ops(model, cache, batch: int = 1) -> Counter[str]:
     """ATen ops of the third single-token step after the prompt."""
     ids, mask = _prompt(batch)
     with enable(model), torch.no_grad():
-        tok = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tok = model(ids, attention_mask=mask, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
         for _ in range(3):
             mask = torch.cat([mask, torch.ones_like(tok)], 1)
             with CountOps() as counter:
-                model(tok, attention_mask=mask, past_key_values=cache)
+                model(tok, attention_mask=mask, **with_cache(model, cache))
     return counter.ops
 
 
@@ -107,10 +108,12 @@ def compiled_graphs(model, spec: str, batch: int, steps: int) -> int:
     ids, mask = _prompt(batch)
     cache = _cache(model, spec, PROMPT + steps)
     with enable(model), torch.no_grad():
-        tok = model(ids, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+        tok = model(ids, attention_mask=mask, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
         for _ in range(steps):
             mask = torch.cat([mask, torch.ones_like(tok)], 1)
-            out = step(tok, attention_mask=mask, cache=cache, position_ids=mask.cumsum(-1)[:, -1:] - 1)
+            out = step(
+                tok, attention_mask=mask, **with_cache(model, cache), position_ids=mask.cumsum(-1)[:, -1:] - 1
+            )
             tok = out.logits[:, -1:].argmax(-1)
     return counter.graphs
 

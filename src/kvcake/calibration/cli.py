@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..standalone import model_placement, user_description
+
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (a few minutes)",
     "kvcake calibrate --model ./my-model --text notes.txt --ratios 0.1,0.25,0.5",
@@ -34,8 +36,10 @@ def _ints(text: str) -> tuple[int, ...]:
 def configure_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``calibrate`` subcommand to ``kvcake``'s ``argparse`` subparsers."""
     p = subparsers.add_parser("calibrate", help="fit CAKE's temperatures (tau1, tau2) to a model",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                              description=user_description(__doc__),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
+    model_placement(p)
     p.add_argument("--text", default="paul_graham",
                    help="calibration text: paul_graham (default), noise, or a text file/folder")  # fmt: skip
     p.add_argument(
@@ -61,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device,
+                                         dtype=getattr(torch, args.dtype))  # fmt: skip
     cal = calibrate(model, tokenizer, ratios=args.ratios, budgets=args.budgets, text=args.text,
                     samples=args.samples, length=args.length, grid=args.grid,
                     save=args.out if args.out else True)  # fmt: skip

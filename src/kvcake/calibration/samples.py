@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvcake.adapters import with_cache
 from kvcake.haystack import Haystack
 from kvcake.replay import Captured, attention_outputs, capture_queries
 
@@ -96,13 +97,13 @@ def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
     ids = torch.tensor([prompt], device=dev)
     captured, cache = Captured(), DynamicCache()
     with capture_queries(model, captured):
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **with_cache(model, cache), use_cache=True)
     logits = out.logits[:, -1]
     appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
     preds, attn = [logits.float()], []
     if appended.shape[1]:
         with attention_outputs(model) as outputs:
-            more = model(appended, past_key_values=cache, use_cache=True).logits[0]
+            more = model(appended, **with_cache(model, cache), use_cache=True).logits[0]
         preds.append(more.float())
         attn = [outputs[i][0] for i in sorted(outputs)]
         cache.crop(-appended.shape[1])

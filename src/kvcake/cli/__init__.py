@@ -109,7 +109,8 @@ COMMANDS.update({
         "answer a prompt, or a question about a document, with a compressed cache",
         _configure_generate, _run_generate,
         ('kvcake generate --prompt "Name three colours." --method cake --budget 128',
-         "kvcake generate --context-file doc.txt --question 'Who wrote it?' --method cake-adakv --ratio 0.2",
+         "kvcake generate --context-file doc.txt --question 'Who wrote it?' --method criticalkv --keep-ratio 0.5",
+         "kvcake generate --context-file doc.txt --question 'Who wrote it?' --method full",
          "kvcake generate --load doc.kvc --question 'When?'"),
     ),
     "chat": Command(
@@ -156,12 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         _verbose(p)
-        _common(p)
+        _common(p, load=name in ("generate", "chat"))
         cmd.configure(p)
         p.set_defaults(run=cmd.run)
     for name, module in extensions.items():
         p = module.configure_parser(sub) or sub.choices.get(name)
         if p is not None:
+            if not any("-v" in action.option_strings for action in p._actions):
+                _verbose(p)  # `kvcake eval -v` as well as `kvcake -v eval`
             p.set_defaults(run=module.run)
     return parser
 

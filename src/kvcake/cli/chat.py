@@ -1,4 +1,5 @@
-"""``kvcake chat``: compress a document once, then answer questions read from stdin."""
+"""``kvcake chat``: compress a document once, then answer questions read from stdin (one per
+line; at a terminal an empty line ends, piped input is read to its end)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,12 @@ def _run_chat(args: argparse.Namespace) -> int:
             sys.stderr.write("question> ")
             sys.stderr.flush()
         line = sys.stdin.readline()
-        if not line.strip():
+        if not line:  # end of input
             break
+        if not line.strip():
+            if interactive:
+                break
+            continue  # piped input: blank lines separate questions, only the end of input stops
         out, streamer, start = _answer(ctx, tokenizer, line.strip(), chat, gen)  # a fork of ctx each time
         asked += 1
         logger.info("answer %d: %d tokens in %.2f s, decode %s", asked, out.shape[1],

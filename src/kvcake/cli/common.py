@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -58,10 +59,29 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
 def _check_generation(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    given = [
+        f"--{n.replace('_', '-')}" for n in ("temperature", "top_p", "seed") if getattr(args, n) is not None
+    ]
+    if given and not args.sample:
+        raise ValueError(f"{', '.join(given)} only apply with --sample (greedy decoding has no randomness)")
+    if args.temperature is not None and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise ValueError(f"--temperature must be positive, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
 def _gen_kwargs(args: argparse.Namespace, tokenizer) -> dict:
-    return {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    """``generate`` keywords: greedy, or sampling with the temperature/top-p given (else the model's
+    generation config's); the seed is set here."""
+    gen = {"max_new_tokens": args.max_new_tokens, "do_sample": bool(args.sample),
+           "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    if args.sample:
+        gen.update(
+            {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
+        )
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+    return gen
 
 
 class _Streamer:
@@ -165,11 +185,16 @@ def _context_from_args(args: argparse.Namespace):
                            "with" if chat else "without")  # fmt: skip
         line = f"loaded {ctx.input_ids.shape[1]} context tokens from {args.load} in {time.perf_counter() - start:.2f} s"
         return model, tokenizer, ctx, chat, line
-    method = _method(args)
+    _method(args)  # bad input fails before the model loads
     document = _read_text(args.context_file)
     model, tokenizer = _load(args)
     chat = _use_chat(tokenizer, args.chat_template)
     ids = _context_ids(tokenizer, document, chat).to(args.device)
+    method = _method(args, ids.shape[1], "context")
+    if getattr(args, "max_new_tokens", None):  # before compressing: the questions add to this
+        from ..context import check_positions
+
+        check_positions(model, ids.shape[1], {"max_new_tokens": args.max_new_tokens})
     ctx, seconds = _compress(model, ids, method)
     line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
     return model, tokenizer, ctx, chat, line

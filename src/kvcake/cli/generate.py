@@ -56,10 +56,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         return 0
     from ..api import generate
 
-    method = _method(args)
+    _method(args)  # bad input fails before the model loads
     model, tokenizer = _load(args)
     gen = _gen_kwargs(args, tokenizer)
     ids = _prompt_ids(tokenizer, args.prompt, _use_chat(tokenizer, args.chat_template)).to(args.device)
+    method = _method(args, ids.shape[1], "question")
     streamer = _Streamer(tokenizer)
     start = time.perf_counter()
     out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,

@@ -22,9 +22,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from ..inspect import inspect_prompt
     from ..method import make_method
 
-    method = _method(args)
-    ada = make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
-                      window=method.budget.window)  # fmt: skip
+    method = _method(args)  # bad input fails before the model loads
+    make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
+                window=method.budget.window)  # fmt: skip
     document = _read_text(args.context_file) if args.context_file else None
     model, tokenizer = _load(args)
     chat = _use_chat(tokenizer, args.chat_template)
@@ -32,6 +32,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
         ids = _context_ids(tokenizer, document, chat)
     else:
         ids = _prompt_ids(tokenizer, args.prompt, chat)
+    method = _method(args, ids.shape[1], "context" if document is not None else "question")
+    ada = make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
+                      window=method.budget.window)  # fmt: skip
     for path in inspect_prompt(model, tokenizer, ids, method, ada_method=ada, out_dir=args.out):
         print(path)
     return 0

@@ -34,6 +34,7 @@ def _run_methods(args: argparse.Namespace) -> int:
     for name, desc in rows:
         defaults = _part_defaults(make_method(name, budget=DEFAULT_BUDGET))
         print(f"{name:<{width}}  {desc}" + (f"  defaults: {defaults}" if defaults else ""))
+    print(f"{'full':<{width}}  every entry kept: the uncompressed baseline, to compare answers with")
     print(f"\n{describe_resolution()}")
     if args.parts:
         for key, registry in (("layers", LAYER_ALLOCATORS), ("heads", HEAD_ALLOCATORS), ("score", SCORERS),

@@ -9,19 +9,22 @@ import time
 
 import torch
 
+from ..budget import DEFAULT_KEEP_RATIO, default_budget
+
 logger = logging.getLogger("kvcake.cli")
 
-DEFAULT_BUDGET = 128  # the papers' "128L" when neither --budget nor --ratio is given
+DEFAULT_BUDGET = 128  # the papers' "128L": what 'kvcake methods' shows defaults at
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    """--model and friends, accepted by every command that runs a model."""
+def _common(parser: argparse.ArgumentParser, load: bool = False) -> None:
+    """--model and friends, accepted by every command that runs a model (``load``: the command
+    has ``--load``, whose saved model is the default)."""
     from ..models import DEFAULT_MODEL
 
     g = parser.add_argument_group("model")
+    saved = "; with --load, the model the context was saved with" if load else ""
     g.add_argument("--model", default=None,
-                   help=f"built-in name, model folder, .gguf file or Hub id (default: {DEFAULT_MODEL}; with "
-                        "--load, the model the context was saved with)")  # fmt: skip
+                   help=f"built-in name, model folder, .gguf file or Hub id (default: {DEFAULT_MODEL}{saved})")  # fmt: skip
     g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default: float32)")  # fmt: skip
@@ -35,8 +38,12 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
                         f"'layers=cake,heads=adakv,score=cake,select=critical' (default: {default_method})")  # fmt: skip
     size = g.add_mutually_exclusive_group()
     size.add_argument("--budget", type=int, default=None,
-                      help=f"average KV entries kept per layer and KV head (default: {DEFAULT_BUDGET})")  # fmt: skip
-    size.add_argument("--ratio", type=float, default=None, help="kept fraction of the prompt, in (0, 1]")
+                      help="average KV entries kept per layer and KV head (default: --keep-ratio "
+                           f"{DEFAULT_KEEP_RATIO['context']} of a document, {DEFAULT_KEEP_RATIO['question']} of "
+                           "a --prompt; the whole prompt when that is under the window)")  # fmt: skip
+    size.add_argument("--keep-ratio", "--ratio", dest="ratio", type=float, default=None,
+                      help="fraction of the prompt KEPT, in (0, 1] (kvpress's compression_ratio=0.2 is "
+                           "--keep-ratio 0.8); --ratio is its older name")  # fmt: skip
     g.add_argument("--window", type=int, default=None, help="observation window, always kept (default: 32)")
     parser.set_defaults(default_method=default_method)
 
@@ -47,7 +54,23 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _generation_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default: 64)")
+    g = parser.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default: 64)")
+    g.add_argument("--sample", action="store_true",
+                   help="sample the answer instead of greedy decoding (with --temperature, --top-p, --seed)")  # fmt: skip
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: the model's generation config)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling threshold (default: the model's generation config)",
+    )
+    g.add_argument("--seed", type=int, default=None, help="random seed for --sample (default: not seeded)")
 
 
 def _verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
@@ -55,15 +78,23 @@ def _verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
                         help="more logging (-v: steps and timings, -vv: debug and tracebacks)")  # fmt: skip
 
 
-def _method(args: argparse.Namespace):
-    """Build (and so validate) the method before the model is loaded: bad input fails fast."""
-    from ..method import make_method
+def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario: str = "context"):
+    """The method the options name. Called once before the model is loaded (bad input fails
+    fast) and again with the prompt's length, for the scenario's default keep ratio."""
+    from ..method import FULL, make_method
 
+    spec = args.method or args.default_method
+    window = 32 if args.window is None else args.window
     budget, ratio = args.budget, args.ratio
-    if budget is None and ratio is None:
-        budget = DEFAULT_BUDGET
-    return make_method(args.method or args.default_method, budget=budget, ratio=ratio,
-                       window=32 if args.window is None else args.window)  # fmt: skip
+    if isinstance(spec, str) and spec.strip().lower() == FULL:
+        if budget is not None or ratio is not None:
+            raise ValueError("--method full keeps every entry: drop --budget/--keep-ratio")
+    elif budget is None and ratio is None:
+        sizes = {"budget": max(window, DEFAULT_BUDGET)}
+        if prompt_tokens is not None:
+            sizes = default_budget(scenario, prompt_tokens, window)
+        budget, ratio = sizes.get("budget"), sizes.get("ratio")
+    return make_method(spec, budget=budget, ratio=ratio, window=window)
 
 
 def _load(args: argparse.Namespace, saved_model: str | None = None):

@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..standalone import add_subcommand, log_progress, standalone_main
+from ..standalone import add_subcommand, log_progress, model_placement, standalone_main
 from ..standalone import comma_ints as _ints
 from .suites import SUITES, resolve
 
@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="a named configuration: 'results' is the one of docs/results.md")  # fmt: skip
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
+    model_placement(p)
     p.add_argument("--methods", default=None,
                    help="presets or composed specs, comma-separated ('full' = uncompressed baseline); a part "
                         "with '=' continues the previous spec (cake,select=critical); ';' separates "
@@ -136,13 +137,17 @@ def _run(args: argparse.Namespace) -> int:
     argv = getattr(args, "argv", None)
     prefix, argv = ("python -m kvcake.eval", argv) if argv is not None else ("kvcake", sys.argv[1:])
     command = " ".join([prefix, *(shlex.quote(a) for a in argv)]).strip()
-    model = tokenizer = None
-    if args.model is not None:
-        import kvcake
+    import kvcake
+    from kvcake.devices import check_device
 
-        model, tokenizer = kvcake.load_model(args.model)
+    device = check_device(args.device)  # an absent device fails before any work
+    model = tokenizer = None
+    model_name = args.model
+    if args.model is not None or device.type != "cpu" or args.dtype != "float32":
+        model_name = args.model or kvcake.DEFAULT_MODEL
+        model, tokenizer = kvcake.load_model(model_name, device=device, dtype=getattr(torch, args.dtype))
     result = run_eval(
-        model, tokenizer, model_name=args.model, methods=s["methods"], budgets=s["budgets"], ratios=s["ratios"],
+        model, tokenizer, model_name=model_name, methods=s["methods"], budgets=s["budgets"], ratios=s["ratios"],
         tasks=s["tasks"], lengths=s["lengths"], samples=s["samples"], scenario=s["scenario"], seed=args.seed,
         haystack=args.haystack, needle_style=args.needle_style, max_new_tokens=args.max_new_tokens,
         fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, window=args.window, out=s["out"],
@@ -209,10 +214,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace, s: dict[str, object], results: Path) -> None:
     """``--tau-sweep``: the oracle temperature sweep on the run's prompts (synthetic tasks, ratios)."""
+    import torch
+
     import kvcake
     from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
 
-    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device,
+                                         dtype=getattr(torch, args.dtype))  # fmt: skip
     records = run_sweep(
         model, tokenizer, tasks=tuple(s["tasks"]), lengths=tuple(s["lengths"]), samples=int(s["samples"]),
         ratios=tuple(s["ratios"]), out=sweep_path(results), seed=args.seed, haystack=args.haystack,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from kvcake.adapters import with_cache
 from kvcake.attention import enable
 from kvcake.eval.questions import ContextGroup, Question
 from kvcake.replay import Captured, TeacherForced, capture_queries, teacher_force
@@ -65,7 +66,7 @@ def continue_greedy(
         return first[0]
     ids = torch.cat([prefix, first], dim=1)
     with enable(model), torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache),
                              max_new_tokens=max_new_tokens - 1, do_sample=False)  # fmt: skip
     return out[0, prefix.shape[1] :]
 
@@ -77,7 +78,9 @@ def _greedy_tokens(model, cache, prefix_len: int, logits: torch.Tensor, n: int) 
     with torch.no_grad():
         for i in range(1, n):
             mask = _ones(prefix_len + i, logits.device)
-            out = model(tokens[-1][:, None], attention_mask=mask, past_key_values=cache, logits_to_keep=1)
+            out = model(
+                tokens[-1][:, None], attention_mask=mask, **with_cache(model, cache), logits_to_keep=1
+            )
             tokens.append(out.logits[:, -1].argmax(-1))
     return torch.cat(tokens)
 
@@ -100,7 +103,7 @@ def full_reference(model, group: ContextGroup, shared: bool, fidelity: bool, fid
     cache = DynamicCache(config=model.config)
     t0 = time.perf_counter()
     with capture_queries(model, captured) if shared else nullcontext(), torch.no_grad():
-        out = model(ctx_ids, attention_mask=_ones(c, dev), past_key_values=cache, logits_to_keep=1)
+        out = model(ctx_ids, attention_mask=_ones(c, dev), **with_cache(model, cache), logits_to_keep=1)
     logits = out.logits[:, -1]  # (1, vocab)
     ref = GroupRef(cache, captured, logits, time.perf_counter() - t0, [])
     for q in group.questions:
@@ -111,7 +114,10 @@ def full_reference(model, group: ContextGroup, shared: bool, fidelity: bool, fid
         t0 = time.perf_counter()
         with capture_queries(model, q_captured) if shared else nullcontext(), torch.no_grad():
             out = model(
-                q_ids, attention_mask=_ones(full_ids.shape[1], dev), past_key_values=q_cache, logits_to_keep=1
+                q_ids,
+                attention_mask=_ones(full_ids.shape[1], dev),
+                **with_cache(model, q_cache),
+                logits_to_keep=1,
             )
         q_logits = out.logits[:, -1]
         prefill_s = time.perf_counter() - t0

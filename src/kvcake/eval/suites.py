@@ -11,24 +11,44 @@ import argparse
 
 SYNTHETIC_SUITE_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 
+WHICH_METHOD = """\
+**Which method** (read off the tables on this page on 2026-11-24; hand-written, so check it after a
+rerun). *Prefill work*: time the method adds inside the cache during prefill, as a share of the
+full cache's prefill (2k tokens, `kvcake bench prefill --prefill-lengths 2048 --methods
+"h2o,tova,streamingllm,snapkv,criticalkv,cake" --repeats 1 --threads 1`, shared 2-core CPU).
+
+| model | scenario | use | keep ratio | score (full cache) | KL | prefill work | runner-up / default |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| SmolLM2-135M | question-aware | `snapkv` | 0.25 | 67 (72) | 0.089 | 2% | `h2o` KL 0.036 at 508% prefill work; `cake` KL 0.136 at 8% |
+| SmolLM2-135M | context-only | `criticalkv` | 0.5 | 42 (72) | 0.085 | 19% | `h2o` 42, KL 0.055 at 508%; `cake` 17, KL 0.272 |
+| Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100) | 0.0024 | - | `snapkv` KL 0.0027; `cake` 0.0328 |
+| Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 0, KL 0.647 |
+
+No method reaches the full cache's score context-only on the default model, even keeping half:
+`kvcake` keeps 0.5 of a document and 0.25 of a question-aware prompt by default for that reason.
+"""
+
 NOTES_RESULTS = """## Observations
 
-Written by hand from the run of 2026-11-22 (the tables above are regenerated from the results file
-on every run; this text is not, so check it against them after a rerun).
+Written by hand from the run of 2026-11-22, the first two bullets corrected against the tables on
+2026-11-24 (the tables above are regenerated from the results file on every run; this text is
+not, so check it against them after a rerun).
 
 - **Question-aware retrieval does not separate the methods; fidelity does.** On `niah_single` and
   `niah_multikey` every method keeps the answer at every ratio down to 0.1 (the question sits in
   the observation window, so even StreamingLLM's recent tokens are enough once the needle is
-  restated). The KL tables by task do separate them: at ratio 0.25 the SnapKV family (`snapkv`,
-  `criticalkv`, `adakv`, `critical-adakv`) is at 0.001-0.003 nats/token, `pyramidkv` 0.003-0.004,
-  TOVA and H2O 0.006-0.014, StreamingLLM 0.017-0.040, and CAKE 0.025-0.031.
+  restated). The KL table by task (question-aware, averaged over the three ratios) does separate
+  them on the NIAH tasks: CAKE (`cake`, `cake-adakv`) at 0.0012-0.0047 nats/token and the SnapKV
+  family (`snapkv`, `criticalkv`, `adakv`, `critical-adakv`) at 0.0016-0.0046 are lowest,
+  `pyramidkv` 0.0029-0.0047, TOVA 0.005-0.016, H2O 0.004-0.033 and StreamingLLM 0.026-0.047.
 - **The full cache itself fails `variable_tracking`** (30 at 2k, 0 at 4k): its scores say nothing
   there. At 2k its KL is two orders of magnitude above the NIAH tasks' and dominates the mean KL
   of each summary table (at 4k, where the full cache's own continuation is an off-task numbered list, the KL is
-  small for every method). On it, H2O and CAKE move the model least (question-aware KL 0.09 at
-  ratio 0.25, against 0.26 for SnapKV and 0.67 for StreamingLLM): accumulated attention (H2O) and
-  layer budgets that follow attention dispersion (CAKE) both help when the facts are spread over
-  the whole context.
+  small for every method). On it (2k, question-aware, averaged over the ratios) H2O moves the
+  model least (KL 0.28), then CriticalKV (0.55) and SnapKV (0.59); CAKE (0.81) is near PyramidKV
+  (0.90) and StreamingLLM is worst (1.22): accumulated attention (H2O) helps most when the facts
+  are spread over the whole context. This KL, 100x the NIAH tasks', decides the question-aware
+  means of the summary tables.
 - **Context-only compression collapses**, as the Ada-KV and CriticalKV papers report for larger
   models: with the full cache at 100 on both NIAH tasks, the compressed caches score 0-75 on them
   even at ratio 0.5 (0-25 at ratio 0.1); wrong answers are made-up words ("love", "fantasy") or,
@@ -150,7 +170,9 @@ SUITES: dict[str, dict[str, object]] = {
         "scenario": "both",
         "out": "docs/figures/eval_results.jsonl",
         "doc": "docs/results.md",
-        "intro": (
+        "intro": WHICH_METHOD
+        + "\n"
+        + (
             "Every kvcake preset at three kept ratios (0.1, 0.25, 0.5 of each prompt), and the full cache, on the "
             "synthetic suite of `kvcake.eval.tasks` with the default model (SmolLM2-135M-Instruct: 30 layers, "
             "9 query and 3 KV heads), in both scenarios. Three tasks that the full cache mostly solves on this "

@@ -51,6 +51,7 @@ class _MemoScorer(Scorer):
     def __init__(self, inner: Scorer, memo: ScoreMemo) -> None:
         self.inner, self.memo = inner, memo
         self.name, self.stateful, self.reduce = inner.name, inner.stateful, inner.reduce
+        self.marks_critical = inner.marks_critical
 
     def prefill(self, inp: PrefillInputs) -> torch.Tensor:
         return self.memo.scores(self.inner, inp)
@@ -110,7 +111,7 @@ def replay_compress(
                     f"layer {layer}: {query.shape[2]} recorded queries, {keys.shape[2]} cached keys, "
                     f"{input_ids.shape[1]} prompt ids: they must match"
                 )
-            kv.update(keys, values, layer)
+            kv.update(keys, values, layer, kwargs={})  # a model's attention kwargs (hand-off unused)
             kv.consume(layer)  # what the kvcake attention function does before its hooks
             kv.after_prefill_attention(layer, captured.modules[layer], query, valid, captured.scaling[layer])
     return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)

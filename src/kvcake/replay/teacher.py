@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcake.adapters import with_cache
 from kvcake.attention import enable
 
 from .capture import attention_outputs
@@ -69,7 +70,7 @@ def teacher_force(
     if appended.shape[1] > 0:
         mask = torch.ones(1, prefix_len + appended.shape[1], dtype=torch.long, device=appended.device)
         with attention_outputs(model) as outputs, enable(model), torch.no_grad():
-            out = model(appended, attention_mask=mask, past_key_values=cache, output_hidden_states=True)
+            out = model(appended, attention_mask=mask, **with_cache(model, cache), output_hidden_states=True)
         preds.append(out.logits[0].float())
         attn = [outputs[i][0] for i in sorted(outputs)]
         hidden = out.hidden_states[-1][0]

@@ -2,6 +2,7 @@
 
 from .base import PrefillInputs, Scorer, group_reduce, pool1d, protect
 from .cake import CakeScorer
+from .defensive import DefensiveScorer
 from .h2o import H2OScorer, accumulated_attention
 from .snapkv import SnapKVScorer
 from .streaming import StreamingScorer
@@ -9,6 +10,7 @@ from .tova import TOVAScorer
 
 __all__ = [
     "CakeScorer",
+    "DefensiveScorer",
     "H2OScorer",
     "PrefillInputs",
     "Scorer",

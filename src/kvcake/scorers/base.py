@@ -101,12 +101,16 @@ class Scorer:
     ``stateful`` scorers (H2O) keep their prefill scores and add each decoding step's attention.
     ``order_sensitive`` scorers read neighbouring entries while decoding (pooling), so a cache
     whose slots are not in position order must sort them first (``cache.decode_scores``).
+    ``layer_wide`` scorers (TOVA) give every head the same score, a mean over all the layer's
+    heads, so a tensor-parallel cache averages them over ranks (``kvcake.tensor_parallel``).
     """
 
     name = "base"
     stateful = False
     order_sensitive = False
+    layer_wide = False
     reduce = "mean"
+    marks_critical = False  # adds MARK to CriticalKV's first stage (DefensiveScorer)
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:  # pragma: no cover - interface
         """Per query head scores (B, H, S); only prefix columns (before the window) matter."""

@@ -16,6 +16,7 @@ class TOVAScorer(Scorer):
 
     reduce: str = "mean"
     name = "tova"
+    layer_wide = True
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
         probs, _ = inp.window_attention()

@@ -26,6 +26,12 @@ class Selector:
     # (CriticalKV), score-based head counts (Ada-KV) read off the kept entries differ from those
     # of all entries, so a cascade must count on the prompt's full scores (cascade.py).
     keeps_top_scores = True
+    needs_marks = False  # whether the scorer must mark a first stage (DefensiveScorer)
+
+    def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
+        """The value weights to keep with a layer, from its full prompt's norms (B, H_kv, S);
+        ``split``: the tensor-parallel head split, if any."""
+        return norms
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:  # pragma: no cover - interface
         """(B, H_kv, N) bool: the kept entries, exactly ``counts`` per head (fewer if a head

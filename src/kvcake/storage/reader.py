@@ -122,6 +122,11 @@ def _rebuild(
             f"its method rebuilds as {method.describe()!r}, not the saved {m['describe']!r}"
         )
     cache = KVCakeCache(model, method)
+    if cache.split is not None:
+        raise ValueError(
+            "a .kvc file holds every KV head; this model is split over tensor-parallel ranks: load the "
+            "context with the model loaded whole (without tp_plan)"
+        )
     info = cache.info
     batch = meta["context"]["batch"]
     devices = layer_devices(model, info.num_layers)

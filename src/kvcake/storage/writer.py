@@ -64,6 +64,11 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
     cache = ctx.cache
     if not isinstance(cache, KVCakeCache) or not cache.prefilled:
         raise ValueError("only a prefilled KVCakeCache can be saved (make it with kvcake.compress)")
+    if cache.split is not None:
+        raise ValueError(
+            "a context compressed on a tensor-parallel model holds only this rank's KV heads and cannot be "
+            "saved as a .kvc file: compress and save it with the model loaded whole (without tp_plan)"
+        )
     method = cache.method
     tensors: dict[str, torch.Tensor] = {
         "context.input_ids": _host(ctx.input_ids),

@@ -1,0 +1,100 @@
+"""Layer-DefensiveKV's global allocation: the layers' budgets from one ranking of every layer's
+scores. Feng et al., "DefensiveKV: Taming the Fragility of KV Cache Eviction in LLM
+Inference", ICLR 2026; the authors' code is https://github.com/FFY0/DefensiveKV
+(``kvpress/presses/efficient_ada_global_scorer_press.py``, used by
+``efficient_layer_defensivekv_press.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .adakv import ranks_desc
+from .base import AllocationRequest, LayerAllocator, round_exact, round_up
+
+
+@dataclass(frozen=True)
+class GlobalAllocator(LayerAllocator):
+    """Ada-KV's top-B taken over all heads of all layers at once.
+
+    The prefix pool ``H_kv * (B_total - n * Sw)`` (every layer keeps its window) goes to the
+    highest prefix scores of the ``n`` layers seen so far, compared across layers as they are
+    (the scorer's scale is shared: attention probabilities). Layer ``l`` gets
+    ``Sw + c_l / H_kv`` entries per KV head, where ``c_l`` is how many of its entries won,
+    rounded to integers that sum exactly to the total (Ada-KV then splits the layer's budget
+    among its heads). The authors' code ranks once after the last layer, holding every
+    layer's full cache; with ``cascading=True`` (default) the cache re-ranks after each layer
+    and evicts at once (CAKE's cascade), which gives the same budgets at the end because a
+    layer's winners only shrink as layers and competitors arrive and the pool shrinks.
+
+    Reads ``req.layer_scores``: the full prompt's (B, H_kv, S) scores of each layer seen so
+    far, window +inf, padding -inf, on the model's device(s).
+
+    Parameters
+    ----------
+    cascading:
+        Re-rank after every layer's prefill (bounded memory: the total budget plus one layer);
+        ``False`` ranks once after the last layer (the authors' code).
+    """
+
+    cascading: bool = True
+    name = "global"
+    needs_scores = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cascading, bool):
+            raise ValueError(f"global allocation cascading must be true or false, got {self.cascading!r}")
+
+    def allocate(self, req: AllocationRequest) -> torch.Tensor:
+        if not req.layer_scores:
+            raise ValueError("the global allocator needs the layers' scores (AllocationRequest.layer_scores)")
+        dev = req.layer_scores[0].device
+        b, h, s = req.layer_scores[0].shape
+        n = len(req.layer_scores)
+        world = 1 if req.split is None else req.split.world
+        hkv = h * world  # every rank's KV heads
+        flat = torch.cat([t.to(dev).reshape(b, -1) for t in req.layer_scores], dim=1)  # (B, n*h*S)
+        finite = torch.isfinite(flat)
+        pool = (hkv * (req.total - n * req.window)).clamp(min=0).to(dev)  # (B,) prefix entries to keep
+        prefix = torch.where(finite, flat, torch.full_like(flat, float("-inf")))
+        if req.split is None:
+            won = (ranks_desc(prefix) < pool[:, None]) & finite
+        else:
+            won = _won_over_ranks(prefix, pool, req.split, h, s) & finite
+        counts = won.reshape(b, n, -1).sum(-1)
+        if req.split is not None:
+            counts = req.split.sum(counts)  # every rank's winners per layer
+        # host: (B, n) counts per layer, the allocation's bookkeeping
+        counts = counts.cpu().double()
+        x = req.window.double()[:, None] + counts / hkv
+        x = torch.minimum(x, req.cap.double()[:, None])
+        return round_exact(x, req.cap, req.total) if req.final else round_up(x, req.cap)
+
+
+def _won_over_ranks(prefix: torch.Tensor, pool: torch.Tensor, split, h: int, s: int) -> torch.Tensor:
+    """This rank's part of ``ranks_desc(all ranks' prefix scores) < pool``, one process's order.
+
+    prefix: (B, n*h*S) this rank's scores, layer-major then head then slot, as one process
+    flattens (B, n*H*S) with ``H = h * world``; every rank sends its best ``min(max pool, n*h*S)``
+    candidates with their index in that flattening, and the ``pool``-th of the merged candidates
+    (value descending, index ascending) is the threshold."""
+    from kvcake.tensor_parallel import kth_over_ranks
+
+    b, m = prefix.shape
+    k = min(int(pool.max()), m)  # the same on every rank: pool and m are
+    if k <= 0:
+        return torch.zeros_like(prefix, dtype=torch.bool)
+
+    def global_index(local: torch.Tensor) -> torch.Tensor:  # local flat index -> one process's
+        layer, rest = local // (h * s), local % (h * s)
+        return (layer * (h * split.world) + split.rank * h) * s + rest
+
+    order = torch.argsort(prefix, dim=1, descending=True, stable=True)[:, :k]  # (B, k)
+    vals, idx = prefix.gather(1, order), global_index(order)
+    all_vals = split.gather(vals).permute(1, 0, 2).reshape(b, split.world * k)
+    all_idx = split.gather(idx).permute(1, 0, 2).reshape(b, split.world * k)
+    tv, ti = kth_over_ranks(all_vals, all_idx, pool)  # (B, 1) each
+    mine = global_index(torch.arange(m, device=prefix.device))[None, :]
+    return ((prefix > tv) | ((prefix == tv) & (mine <= ti))) & (pool[:, None] > 0)

@@ -1,0 +1,152 @@
+"""The text-level API (``kvcake.answer``), the scenario defaults, ``keep_ratio``, the ``full``
+method, the position check and the warning for a starved long prompt, on a tiny random Llama
+with a word-level tokenizer that has a chat template."""
+
+import logging
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import kvcake
+from kvcake.budget import DEFAULT_KEEP_RATIO, default_budget
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|end|>", "<|assistant|>"]
+WORDS = [f"w{i}" for i in range(128 - len(SPECIALS))]
+TEMPLATE = (
+    "{% for m in messages %}<|user|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=SPECIALS[4:],
+    )  # fmt: skip
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def document(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def reference(model, tok, context, question, n=6):
+    """Greedy answer with transformers' own cache, laid out as kvcake.answer lays it out."""
+    ids = kvcake.build_prompt(tok, context.strip() + "\n\n", question.strip()).full
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("scenario", ["context", "question"])
+def test_answer_full_equals_plain_generate(tiny_llama, tok, scenario):
+    """method='full' keeps every entry: the answer is transformers' own, in both scenarios, and
+    the chat template is applied (the prompt starts with the template's user marker)."""
+    doc, q = document(120), "w3 w4 w5"
+    got = kvcake.answer(tiny_llama, tok, context=doc, question=q, method="full", scenario=scenario,
+                        max_new_tokens=6)  # fmt: skip
+    assert isinstance(got, str) and got == reference(tiny_llama, tok, doc, q)
+    assert kvcake.build_prompt(tok, doc, q).context[0, 0] == tok.convert_tokens_to_ids("<|user|>")
+
+
+def test_answer_compressed_is_text_and_no_op_budget_matches(tiny_llama, tok):
+    doc, q = document(120), "w3 w4 w5"
+    small = kvcake.answer(tiny_llama, tok, context=doc, question=q, method="snapkv", keep_ratio=0.3,
+                          window=8, max_new_tokens=6)  # fmt: skip
+    assert isinstance(small, str) and small
+    whole = kvcake.answer(tiny_llama, tok, context=doc, question=q, method="snapkv", budget=4096,
+                          max_new_tokens=6)  # fmt: skip
+    assert whole == reference(tiny_llama, tok, doc, q)
+
+
+def test_answer_refuses_bad_input_before_work(tiny_llama, tok):
+    with pytest.raises(ValueError, match="scenario must be 'context' or 'question'"):
+        kvcake.answer(tiny_llama, tok, context="w1", question="w2", scenario="both")
+    with pytest.raises(ValueError, match="question= must be non-empty text"):
+        kvcake.answer(tiny_llama, tok, context="w1 w2", question="  ")
+    with pytest.raises(ValueError, match="give keep_ratio= or its older name ratio=, not both"):
+        kvcake.answer(tiny_llama, tok, context="w1", question="w2", keep_ratio=0.5, ratio=0.5)
+    with pytest.raises(ValueError, match="method 'full' keeps every entry: drop budget="):
+        kvcake.answer(tiny_llama, tok, context="w1", question="w2", method="full", budget=64)
+
+
+def test_keep_ratio_is_ratio(tiny_llama):
+    assert kvcake.make_method("cake", keep_ratio=0.2) == kvcake.make_method("cake", ratio=0.2)
+    ids = torch.randint(7, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    a = kvcake.compress(tiny_llama, ids, "snapkv", keep_ratio=0.3)
+    b = kvcake.compress(tiny_llama, ids, "snapkv", ratio=0.3)
+    assert torch.equal(a.cache.budgets, b.cache.budgets) and int(a.cache.budgets[0, 0]) == 60
+    cache = kvcake.KVCakeCache(tiny_llama, "snapkv", keep_ratio=0.3)
+    assert cache.method.budget.ratio == 0.3
+
+
+def test_scenario_defaults(tiny_llama):
+    """Neither budget nor keep_ratio: a document keeps DEFAULT_KEEP_RATIO['context'], a
+    question-aware prompt DEFAULT_KEEP_RATIO['question']; a prompt too short for the ratio is
+    kept whole instead of refused."""
+    ids = torch.randint(7, 128, (1, 400), generator=torch.Generator().manual_seed(1))
+    ctx = kvcake.compress(tiny_llama, ids, "snapkv")
+    assert ctx.cache.method.budget.ratio == DEFAULT_KEEP_RATIO["context"] == 0.5
+    assert int(ctx.cache.budgets[0, 0]) == 200
+    _, cache = kvcake.generate(tiny_llama, ids, "snapkv", max_new_tokens=2, do_sample=False)
+    assert cache.method.budget.ratio == DEFAULT_KEEP_RATIO["question"] == 0.25
+    assert default_budget("question", 100) == {"budget": 100}  # 25 < the 32-token window
+    assert default_budget("context", 100) == {"ratio": 0.5}
+    with pytest.raises(ValueError, match="scenario must be one of"):
+        default_budget("document", 100)
+
+
+def test_full_method_keeps_everything_while_decoding(tiny_llama):
+    ids = torch.randint(7, 128, (1, 80), generator=torch.Generator().manual_seed(2))
+    out, cache = kvcake.generate(tiny_llama, ids, "full", max_new_tokens=5, do_sample=False)
+    ref = tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, ref)
+    assert cache.method.name == "full" and cache.method.describe() == "full (every entry kept)"
+    parts = cache.kv_bytes_parts()
+    assert parts.entries == parts.full_entries
+
+
+def test_positions_checked_before_any_work(tiny_llama, tok):
+    ids = torch.randint(7, 128, (1, 4000))
+    with pytest.raises(ValueError, match=r"4000 prompt tokens \+ 200 new tokens = 4200 positions, .* 4096"):
+        kvcake.generate(tiny_llama, ids, "snapkv", budget=64, max_new_tokens=200)
+    ctx = kvcake.compress(tiny_llama, ids[:, :3990], "snapkv", budget=64)
+    with pytest.raises(ValueError, match="positions, but the model has 4096"):
+        ctx.generate(ids[:, :5], max_new_tokens=200)
+    with pytest.raises(ValueError, match="positions, but the model has 4096"):
+        kvcake.answer(tiny_llama, tok, context=document(4090), question="w1 w2", max_new_tokens=64)
+
+
+def test_starved_long_prompt_warns(tiny_llama, caplog):
+    ids = torch.randint(7, 128, (1, 2048), generator=torch.Generator().manual_seed(3))
+    with caplog.at_level(logging.WARNING, logger="kvcake"):
+        kvcake.compress(tiny_llama, ids, "snapkv", budget=40)  # 2.0% kept
+    assert any("keeps 2.0% of a 2048-token prompt" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcake"):
+        kvcake.compress(tiny_llama, ids, "snapkv", budget=128)  # 6.2% kept: no warning
+    assert not any("keeps" in r.getMessage() for r in caplog.records)
+
+
+def test_keep_ratio_one_says_what_decoding_does(tiny_llama, caplog):
+    """keep_ratio=1 evicts nothing during prefill; with decode=fixed the cache then stays at the
+    prompt's size while decoding, and the warning says so (method 'full' keeps everything)."""
+    ids = torch.randint(7, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    with caplog.at_level(logging.WARNING, logger="kvcake"):
+        _, cache = kvcake.generate(tiny_llama, ids, "cake", keep_ratio=1.0, max_new_tokens=4, do_sample=False)
+    assert "nothing is evicted during prefill; decode=fixed then holds each layer" in caplog.text
+    assert cache.kv_bytes_parts().entries < cache.kv_bytes_parts().full_entries  # held at 60 of 63
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcake"):
+        _, cache = kvcake.generate(tiny_llama, ids, "full", max_new_tokens=4, do_sample=False)
+    assert "nothing is evicted" not in caplog.text
+    assert cache.kv_bytes_parts().entries == cache.kv_bytes_parts().full_entries

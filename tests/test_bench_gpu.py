@@ -1,0 +1,137 @@
+"""``kvcake bench gpu`` on the CPU at the tiny shape: the smoke run of the GPU page's command, the
+compiled-decode column's three outcomes, the targets' arithmetic and the named shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcake.bench import gpu
+from kvcake.bench.cli import main
+from kvcake.bench.gpu import FULL_DYNAMIC, FULL_STATIC, GpuSettings, run_gpu, targets
+from kvcake.bench.shapes import random_model, shape_config
+from kvcake.method import PRESETS
+
+TINY = dict(shape="tiny", lengths=(64,), budget=40, rounds=1, steps=1)
+
+
+def test_smoke_run_writes_the_page(tmp_path):
+    doc = tmp_path / "docs" / "benchmarks-gpu.md"
+    argv = ["gpu", "--device", "cpu", "--shape", "tiny", "--lengths", "96", "--budget", "40", "--rounds", "1",
+            "--steps", "1", "--no-compile", "--out", str(tmp_path / "out"), "--doc", str(doc)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    names = [r["cache"] for r in result["rows"]]
+    assert names == [FULL_DYNAMIC, FULL_STATIC, *PRESETS]  # every preset and the full cache at its best
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert rows[FULL_DYNAMIC]["prefill_ratio"] == 1.0
+    full_kv = rows[FULL_DYNAMIC]["kv_mib"]
+    for name in PRESETS:
+        assert 0 < rows[name]["kv_mib"] < full_kv, name  # 40 of 96 tokens kept
+        assert rows[name]["eager_ms"] > 0 and rows[name]["compiled_ms"] == "n/a (--no-compile)"
+    page = doc.read_text()
+    assert "python -m kvcake.bench gpu --device cpu --shape tiny" in page
+    assert f"torch: {torch.__version__}" in page and "transformers: " in page and "driver: " in page
+    assert all(f"| 96 | {name} |" in page for name in PRESETS)
+    assert "## Targets" in page
+
+
+def test_one_command_per_length_merges_into_one_page(tmp_path):
+    """``--merge``: a long GPU run split into commands under a time limit still makes one page."""
+    doc, out = tmp_path / "page.md", str(tmp_path / "out")
+    argv = ["gpu", "--device", "cpu", "--shape", "tiny", "--budget", "40", "--rounds", "1", "--steps", "1",
+            "--no-compile", "--methods", "snapkv", "--out", out, "--doc", str(doc)]  # fmt: skip
+    assert main([*argv, "--lengths", "96"]) == 0
+    with pytest.raises(ValueError, match="differs in budget"):
+        main([*argv, "--lengths", "80", "--merge", "--budget", "50"])
+    assert main([*argv, "--lengths", "80", "--merge"]) == 0
+    merged = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    names = [FULL_DYNAMIC, FULL_STATIC, "snapkv"]
+    assert [(r["length"], r["cache"]) for r in merged["rows"]] == [(n, c) for n in (80, 96) for c in names]
+    page = doc.read_text()
+    assert " --lengths 96" in page and " --lengths 80 --merge" in page and "| 80 | snapkv |" in page
+    assert "| 96 | snapkv |" in page
+
+
+@pytest.mark.parametrize("outcome", ["works", "fails"])
+def test_compiled_column(monkeypatch, outcome):
+    """A cache that cannot be traced reads 'not compileable'; a compile error is a row entry, not a crash."""
+
+    def fake_compile(fn, **kwargs):
+        assert kwargs["fullgraph"] is True
+        if outcome == "works":
+            return fn
+
+        def broken(*args):
+            raise RuntimeError("cannot trace this")
+
+        return broken
+
+    monkeypatch.setattr(gpu.torch, "compile", fake_compile)
+    result = run_gpu(
+        GpuSettings(**TINY, methods=("snapkv",)), device=torch.device("cpu"), dtype=torch.float32
+    )
+    rows = {r["cache"]: r["compiled_ms"] for r in result["rows"]}
+    assert (
+        rows[FULL_DYNAMIC] == rows["snapkv"] == "n/a (not compileable)"
+    )  # DynamicCache, today's KVCakeCache
+    if outcome == "works":
+        assert isinstance(rows[FULL_STATIC], float) and rows[FULL_STATIC] > 0
+    else:
+        assert rows[FULL_STATIC] == "n/a (compile failed: RuntimeError)"
+
+
+def _row(length, cache, prefill_ratio=1.0, eager_ms=10.0, peak_mib=100.0):
+    return dict(length=length, cache=cache, prefill_ratio=prefill_ratio, eager_ms=eager_ms, peak_mib=peak_mib)
+
+
+def test_targets_arithmetic():
+    rows = []
+    for n, ms in ((8192, 10.0), (32768, 12.0)):
+        rows += [_row(n, FULL_DYNAMIC, eager_ms=ms, peak_mib=1000), _row(n, FULL_STATIC, eager_ms=ms)]
+        rows += [_row(n, "snapkv", 1.05, 10.0, 500), _row(n, "adakv", 1.2, 13.0, 560)]
+        rows += [_row(n, "cake-oneshot", 1.0, 10.0, 1000)]
+    result = dict(settings=dict(methods=["snapkv", "adakv", "cake-oneshot"]), rows=rows)
+    checks = targets(result)
+    got = {(c["target"], c["length"], c["cache"]): c["ok"] for c in checks}
+    assert got["prefill <= 1.10 x full", 8192, "snapkv"] and not got["prefill <= 1.10 x full", 8192, "adakv"]
+    assert not got["eager decode <= 1.2 x snapkv's", 8192, "adakv"]  # 13 / 10: snapkv holds the same bytes
+    assert got["eager decode at 8k <= at 32k", 8192, FULL_DYNAMIC]  # 10 ms at 8k, 12 at 32k
+    assert got["eager decode at 8k <= at 32k", 8192, "snapkv"]  # 10 and 10
+    assert ("eager decode at 8k <= at 32k", 32768, "snapkv") not in got
+    mem = [c for c in checks if c["target"].startswith("prefill peak")]
+    assert {c["cache"]: c["ok"] for c in mem} == {
+        "snapkv": True,
+        "adakv": False,
+    }  # 0.50 and 0.56; one-shot exempt
+
+
+def test_settings_and_shapes_checked():
+    with pytest.raises(ValueError, match="budget"):
+        GpuSettings(**{**TINY, "budget": 64})
+    with pytest.raises(ValueError, match="unknown"):
+        GpuSettings(**TINY, methods=("nope",))
+    with pytest.raises(ValueError, match="unknown shape 'llama-9'"):
+        shape_config("llama-9", 128)
+    # the default shape is Llama-3.1-8B's: 8.03 billion parameters (built on meta: no memory)
+    model = random_model("llama-3.1-8b", 128, device=torch.device("meta"), dtype=torch.bfloat16)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
+
+
+def test_a_cache_out_of_memory_is_a_row_entry(monkeypatch):
+    measure = gpu._Runner.measure
+
+    def oom_for_h2o(self, name):
+        if name == "h2o":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return measure(self, name)
+
+    monkeypatch.setattr(gpu._Runner, "measure", oom_for_h2o)
+    settings = GpuSettings(**TINY, methods=("h2o", "snapkv"), compile=False)
+    result = run_gpu(settings, device=torch.device("cpu"), dtype=torch.float32)
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert rows["h2o"]["prefill_s"] == "OOM" and isinstance(rows["snapkv"]["prefill_s"], float)
+    assert "| 64 | h2o | OOM | OOM |" in gpu.gpu_table(result)
+    assert {c["cache"] for c in targets(result)} == {"snapkv"}

@@ -1,0 +1,75 @@
+"""The transformers releases we declare: the cache keyword (``cache=`` from 5.24, which deprecates
+``past_key_values=`` for removal in 5.40) and no deprecation warning from kvcake's own calls.
+
+pyproject.toml also turns that deprecation into an error for the whole suite, so any call that
+still spells the old name on a release that deprecates it fails where it is."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+import kvcake
+from kvcake import KVCakeCache
+from kvcake.adapters import cache_keyword, with_cache
+from kvcake.cache import cache_kv_bytes
+
+TAKES_CACHE = "cache" in inspect.signature(tf.LlamaForCausalLM.forward).parameters
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    assert cache_keyword(Old()) == "past_key_values" and cache_keyword(New()) == "cache"
+    assert with_cache(New(), "c") == {"cache": "c"}
+
+
+def test_the_installed_release_gets_its_own_keyword(tiny_llama):
+    assert cache_keyword(tiny_llama) == ("cache" if TAKES_CACHE else "past_key_values")
+
+
+def test_kvcake_calls_print_no_deprecation(tiny_llama):
+    """Every entry point that runs the model (question-aware, context-only, follow-ups) under
+    ``FutureWarning`` as an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        kvcake.generate(tiny_llama, ids(50), "cake", budget=16, window=8, max_new_tokens=3, do_sample=False)
+        ctx = kvcake.compress(tiny_llama, ids(50), "adakv", budget=16, window=8)
+        ctx.generate(ids(5, seed=1), max_new_tokens=3, do_sample=False)
+        ctx.forward(ids(5, seed=2))
+
+
+@pytest.mark.skipif(not TAKES_CACHE, reason=f"transformers {tf.__version__} takes past_key_values= only")
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])  # a dense and a ragged cache
+def test_cache_equals_past_key_values(tiny_llama, spec):
+    """``cache=KVCakeCache(...)`` compresses exactly as ``past_key_values=`` did, in ``model(...)``
+    and ``model.generate``."""
+    prompt = ids(60)
+    outs, caches, logits = [], [], []
+    for name in ("cache", "past_key_values"):
+        with warnings.catch_warnings(), kvcake.enable(tiny_llama), torch.no_grad():
+            warnings.simplefilter("ignore", FutureWarning)  # the old name, on purpose
+            cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
+            outs.append(tiny_llama.generate(prompt, max_new_tokens=5, do_sample=False, **{name: cache}))
+            caches.append(cache)
+            one = KVCakeCache(tiny_llama, spec, budget=16, window=8)
+            logits.append(tiny_llama(prompt, **{name: one}).logits)
+            logits.append(tiny_llama(prompt[:, -1:], **{name: one}).logits)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
+    full = tf.DynamicCache(config=tiny_llama.config)
+    with torch.no_grad():
+        tiny_llama(outs[0], **with_cache(tiny_llama, full))
+    assert caches[0].kv_bytes() == caches[1].kv_bytes() < cache_kv_bytes(full) / 2

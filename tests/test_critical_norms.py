@@ -1,0 +1,76 @@
+"""CriticalKV's value norms computed only where they can matter (``Critical.value_norms``): the
+bounds hold, and the kept sets equal those of the full computation (``projected_value_norms``),
+on random inputs and through the cache, per-layer, head-wise and cascading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcake import cascade, make_method
+from kvcake.selectors import SelectionInputs, projected_value_norms
+from kvcake.selectors.critical import Critical, projected_value_norm_bounds
+from shared_checks import prefill, prompt
+
+
+def _case(seed: int, b=2, h=6, hkv=2, s=300, d=16, hidden=48, window=8, pad=5):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(b, hkv, s, d, generator=g)
+    o_weight = torch.randn(hidden, h * d, generator=g) / d**0.5
+    scores = torch.exp(3 * torch.randn(b, hkv, s, generator=g))  # heavy-tailed, like attention
+    scores[..., -window:] = float("inf")
+    scores[1, :, :pad] = float("-inf")  # left padding in the second sequence
+    counts = torch.randint(window, 80, (b, hkv), generator=g)  # ragged: every head its own count
+    return values, o_weight, h, scores, counts
+
+
+def test_bounds_hold():
+    values, o_weight, h, _, _ = _case(0)
+    exact = projected_value_norms(values, o_weight, h)
+    low, high = projected_value_norm_bounds(values, o_weight, h)
+    assert bool((low <= exact * (1 + 1e-5)).all()) and bool((exact <= high * (1 + 1e-5)).all())
+    assert float((high / low).max()) == pytest.approx(48**0.5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_same_kept_set_as_every_norm(seed, alpha):
+    values, o_weight, h, scores, counts = _case(seed)
+    sel = Critical(alpha=alpha)
+    full = projected_value_norms(values, o_weight, h)
+    pruned = sel.value_norms(values, o_weight, h, scores, counts)
+    keep = sel.select(SelectionInputs(scores, counts, full))
+    assert torch.equal(sel.select(SelectionInputs(scores, counts, pruned)), keep)
+    prefix_kept = keep & torch.isfinite(scores)
+    assert torch.equal(pruned[prefix_kept], full[prefix_kept])  # what is kept has its exact norm
+    # a cascade's later, smaller counts choose among the kept entries: still the same choice
+    smaller = (counts * 2) // 3
+    sub = torch.where(keep, scores, torch.full_like(scores, float("-inf")))
+    assert torch.equal(
+        sel.select(SelectionInputs(sub, smaller, pruned)), sel.select(SelectionInputs(sub, smaller, full))
+    )
+
+
+def test_most_norms_are_skipped_on_heavy_tails():
+    values, o_weight, h, scores, counts = _case(1, s=2000)
+    pruned = Critical().value_norms(values, o_weight, h, scores, counts)
+    computed = float((pruned > 0).float().mean())
+    assert computed < 0.5, f"{computed:.0%} of the norms computed"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["criticalkv", "critical-adakv", "layers=cake,heads=uniform,score=cake,select=critical",
+     "layers=cake,heads=adakv,score=cake,select=critical", "layers=pyramid,heads=adakv,score=snapkv,select=critical"],
+)  # fmt: skip
+def test_cache_keeps_the_same_entries(tiny_llama, monkeypatch, spec):
+    ids = prompt(300, seed=3)
+    method = make_method(spec, budget=40, window=8)
+    monkeypatch.setattr(cascade, "PRUNED_NORMS", False)
+    ref, ref_logits = prefill(tiny_llama, ids, method)
+    monkeypatch.setattr(cascade, "PRUNED_NORMS", True)
+    got, logits = prefill(tiny_llama, ids, method)
+    assert torch.equal(logits, ref_logits)
+    for a, b in zip(got.layers, ref.layers, strict=True):
+        assert torch.equal(a.padded_positions(), b.padded_positions())
+        assert torch.equal(a.keys, b.keys)

@@ -1,0 +1,192 @@
+"""The decisions taken over all heads under tensor parallelism, in one process.
+
+Ranks are simulated by threads that exchange tensors through a barrier (the semantics of
+``torch.distributed.all_gather``); each holds a contiguous block of heads, as transformers'
+tensor parallelism does. The real multi-process run is ``make test-tp`` (tests/tp/check_tp.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcake.allocators import AdaKV
+from kvcake.allocators.adakv import ranks_desc
+from kvcake.cascade import layer_preference
+from kvcake.scorers import PrefillInputs
+from kvcake.scorers.tova import TOVAScorer
+from kvcake.tensor_parallel import HeadSplit, find_split, top_over_ranks
+
+
+class Exchange:
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.slots: list[torch.Tensor | None] = [None] * world
+
+
+@dataclass(frozen=True)
+class ThreadSplit(HeadSplit):
+    """A rank of a simulated group: ``gather`` stacks every thread's tensor in rank order."""
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        ex = self.group
+        ex.slots[self.rank] = t.clone()
+        ex.barrier.wait()
+        out = torch.stack(ex.slots)
+        ex.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return out
+
+
+def on_ranks(world: int, fn):
+    """``[fn(split_r) for every rank r]``, the ranks running at once."""
+    ex, out, errors = Exchange(world), [None] * world, []
+
+    def body(r):
+        try:
+            out[r] = fn(ThreadSplit(ex, r, world))
+        except BaseException as e:  # surfaced below; a stuck peer times out on the barrier
+            errors.append(e)
+            ex.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def layer_scores(b: int, h: int, s: int, window: int, levels: int, seed: int) -> torch.Tensor:
+    """(B, H, S) scores with few distinct values (many ties), the window at +inf and the first
+    sequence's first 7 positions as left padding (-inf)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (b, h, s), generator=g).float() / levels
+    scores[..., s - window :] = float("inf")
+    scores[0, :, :7] = float("-inf")
+    return scores
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_adakv_over_ranks_is_the_slice_of_the_one_process_selection(world, alpha, seed):
+    b, h, s, window = 2, 2 * world, 40, 4
+    scores = layer_scores(b, h, s, window, levels=5 + 20 * seed, seed=seed)
+    budget = torch.tensor([9 + 3 * seed, 60])  # the second covers the whole prompt
+    win = torch.tensor([window, window])
+    ada = AdaKV(alpha=alpha)
+    whole = ada.select(scores, budget, win)
+    block = h // world
+    parts = on_ranks(
+        world, lambda sp: ada.select(scores[:, sp.rank * block : (sp.rank + 1) * block], budget, win, sp)
+    )
+    assert torch.equal(torch.cat(parts, 1), whole)
+    # the layer's total is exact over all ranks: H_kv * budget per sequence (capped by the prompt)
+    valid = torch.isfinite(scores) | (scores == float("inf"))
+    assert whole.sum((1, 2)).tolist() == torch.minimum(budget * h, valid.sum((1, 2))).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_top_over_ranks_breaks_ties_like_one_sort(world):
+    scores = torch.randint(0, 3, (3, 2 * world, 10)).float()  # mostly ties
+    scores[1, :, :5] = float("-inf")
+    fill = torch.tensor([0, 7, 1000])  # nothing, a few, more than there are
+    whole = (ranks_desc(scores.reshape(3, -1)) < fill[:, None]).reshape(scores.shape)
+    parts = on_ranks(world, lambda sp: top_over_ranks(scores[:, 2 * sp.rank : 2 * sp.rank + 2], fill, sp))
+    assert torch.equal(torch.cat(parts, 1), whole)
+
+
+def test_ranks_may_hold_views_of_different_widths():
+    """An evicted layer's padded view is as wide as the rank's fullest head: rank 1's is wider
+    here (empty slots on the left, -inf), and the ties still break like one sort."""
+    b, h, s, window = 2, 4, 30, 4
+    scores = layer_scores(b, h, s, window, levels=4, seed=7)
+    budget, win = torch.tensor([10, 12]), torch.tensor([window, window])
+    ada = AdaKV()
+    whole = ada.select(scores, budget, win)
+    extra = 9
+
+    def rank(sp):
+        mine = scores[:, 2 * sp.rank : 2 * sp.rank + 2]
+        if sp.rank == 1:
+            mine = torch.cat([mine.new_full((b, 2, extra), float("-inf")), mine], -1)
+        kept = ada.select(mine, budget, win, sp)
+        return kept[..., extra:] if sp.rank == 1 else kept
+
+    assert torch.equal(torch.cat(on_ranks(2, rank), 1), whole)
+
+
+def prefill_inputs(heads: slice, kv_heads: slice, seed: int = 0) -> PrefillInputs:
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, s, d = 2, 8, 4, 48, 8
+    query, keys = torch.randn(b, h, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    return PrefillInputs(
+        query=query[:, heads], keys=keys[:, kv_heads], values=keys[:, kv_heads], key_valid=valid,
+        window=8, scaling=d**-0.5,
+    )  # fmt: skip
+
+
+def fake_cache(split):
+    return SimpleNamespace(split=split, tau=SimpleNamespace(tau1=1.0, tau2=2.0), entropy=[], variance=[])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cake_preference_over_ranks_equals_one_process(world):
+    whole = fake_cache(None)
+    ref = layer_preference(whole, prefill_inputs(slice(None), slice(None)))
+    qb, kb = 8 // world, 4 // world
+
+    def rank(sp):
+        cache = fake_cache(sp)
+        r = sp.rank
+        pref = layer_preference(
+            cache, prefill_inputs(slice(r * qb, (r + 1) * qb), slice(r * kb, (r + 1) * kb))
+        )
+        return pref, cache.entropy[0], cache.variance[0]
+
+    out = on_ranks(world, rank)
+    for pref, entropy, variance in out:  # bit-identical on every rank
+        assert (
+            torch.equal(pref, out[0][0])
+            and torch.equal(entropy, out[0][1])
+            and torch.equal(variance, out[0][2])
+        )
+    torch.testing.assert_close(out[0][1], whole.entropy[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[0][2], whole.variance[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[0][0], ref, rtol=1e-5, atol=0)
+    # a rank alone sees other statistics: the exchange is what makes them equal
+    alone = layer_preference(fake_cache(None), prefill_inputs(slice(0, qb), slice(0, kb)))
+    assert not torch.allclose(alone, ref, rtol=1e-3)
+
+
+def test_tova_mean_over_ranks_equals_the_mean_over_all_heads():
+    tova = TOVAScorer()
+    ref = tova.prefill(prefill_inputs(slice(None), slice(None)))
+
+    def rank(sp):
+        r = sp.rank
+        return sp.head_mean(
+            tova.prefill(prefill_inputs(slice(r * 4, (r + 1) * 4), slice(r * 2, (r + 1) * 2)))
+        )
+
+    parts = on_ranks(2, rank)
+    torch.testing.assert_close(torch.cat(parts, 1), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_a_model_held_by_one_process_has_no_split(tiny_llama):
+    assert find_split(tiny_llama) is None
+
+
+def test_head_split_checks_its_rank():
+    with pytest.raises(ValueError, match="world > 1"):
+        HeadSplit(None, 0, 1)
+    with pytest.raises(ValueError, match="rank < world"):
+        HeadSplit(None, 2, 2)

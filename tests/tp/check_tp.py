@@ -1,0 +1,192 @@
+"""``make test-tp``: every preset on a tensor-parallel model equals the one-process run.
+
+Run under ``torchrun --nproc-per-node 2`` (gloo, CPU). Rank 0 saves a tiny random Llama (4
+layers, 8 query heads, 4 KV heads); every rank loads it twice, whole and with
+``tp_plan="auto"`` (2 KV heads per rank), and runs each preset on both, on a batch of two
+prompts (1024 tokens, and 724 left-padded to 1024), budget 64, 8 greedy tokens, with the default
+decoding path and with ``static=True``. Checked per preset and path:
+
+- greedy tokens equal the one-process run, logits within ``LOGIT_ATOL``;
+- the layer budgets are identical on every rank and equal the one-process budgets;
+- each rank's per-head budgets and kept entries are its heads' slice of the one-process ones
+  (Ada-KV's head split decided over all heads), after prefill and after decoding;
+- each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``);
+- a compressed context (``kvcake.compress``) answers a question with the one-process tokens.
+
+Exits non-zero with the failures listed; rank 0 logs one line per preset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import kvcake
+from kvcake.method import PRESETS
+from kvcake.tensor_parallel import HeadSplit
+
+# The tensor-parallel forward sums o_proj's and down_proj's partial products over ranks, so its
+# logits differ from the one-process forward by float32 rounding (measured ~1e-6 here).
+LOGIT_ATOL = 1e-4
+PROMPT, PADDED, BUDGET, NEW_TOKENS = 1024, 300, 64, 8
+logger = logging.getLogger("check_tp")
+
+
+def save_tiny(folder: str) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def run(model, ids, mask, preset, static):
+    cache = kvcake.KVCakeCache(model, kvcake.make_method(preset, budget=BUDGET), static=static)
+    with kvcake.enable(model), torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, **kvcake.with_cache(model, cache), max_new_tokens=NEW_TOKENS, do_sample=False,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    return out, cache
+
+
+def heads_bytes(layer, heads: slice, world: int) -> int:
+    """What a one-process cache layer holds for ``heads``: a dense layer (B, H_kv, N, d) holds
+    N slots per head; a ragged one its heads' segments (kept entries, or a static layer's
+    capacities) of head_dim keys and values each."""
+    if layer.keys is None:
+        return 0
+    if layer.keys.dim() == 4:
+        return layer.kv_bytes() // world
+    segments = layer.capacity if layer.static is not None else layer.counts  # (B, H_kv)
+    return int(segments[:, heads].sum()) * layer.keys.shape[-1] * 2 * layer.keys.element_size()
+
+
+def exchanged_in_prefill(model, ids, mask, preset) -> tuple[int, int]:
+    """(all-gathers, bytes this rank sent) while kvcake compresses the prompts (prefill only)."""
+    calls = []
+    gather = HeadSplit.gather
+
+    def counting(self, t):
+        calls.append(t.numel() * t.element_size())
+        return gather(self, t)
+
+    HeadSplit.gather = counting
+    try:
+        kvcake.compress(model, ids, preset, attention_mask=mask, budget=BUDGET)
+    finally:
+        HeadSplit.gather = gather
+    return len(calls), sum(calls)
+
+
+def context_answer(model, ids, mask, preset) -> torch.Tensor:
+    """Context-only use: compress the prompts, then answer a question on a fork of the context."""
+    ctx = kvcake.compress(model, ids, preset, attention_mask=mask, budget=BUDGET)
+    question = torch.arange(10, 26).expand(ids.shape[0], -1)
+    return ctx.generate(question, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int) -> list[str]:
+    bad = []
+    ref, ref_cache = run(full, ids, mask, preset, static)
+    out, cache = run(tp, ids, mask, preset, static)
+    if cache.split is None or cache.split.world != world:
+        bad.append(f"the split was not found from the model ({cache.split})")
+    if not torch.equal(out.sequences, ref.sequences):
+        bad.append(
+            f"tokens differ: {out.sequences[0, -NEW_TOKENS:].tolist()} vs {ref.sequences[0, -NEW_TOKENS:].tolist()}"
+        )
+    diff = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
+    if diff > LOGIT_ATOL:
+        bad.append(f"logits differ by {diff:.2e} > {LOGIT_ATOL}")
+    budgets = cache.budgets
+    every = [torch.empty_like(budgets) for _ in range(world)]
+    dist.all_gather(every, budgets)  # its own collective, not kvcake's
+    if not all(torch.equal(b, budgets) for b in every):
+        bad.append(f"ranks hold different layer budgets: {[b.tolist() for b in every]}")
+    if not torch.equal(budgets, ref_cache.budgets):
+        bad.append(f"layer budgets {budgets.tolist()} != one process {ref_cache.budgets.tolist()}")
+    h = cache.layer_counts().shape[-1]
+    heads = slice(rank * h, (rank + 1) * h)
+    if h * world != ref_cache.layer_counts().shape[-1]:
+        bad.append(f"rank holds {h} KV heads, not 1/{world} of {ref_cache.layer_counts().shape[-1]}")
+    if not (cache.decode_budget == ref_cache.decode_budget[..., heads]).all():
+        bad.append(
+            f"head budgets {cache.decode_budget.tolist()} != slice {ref_cache.decode_budget[..., heads].tolist()}"
+        )
+    counts, ref_counts = cache.layer_counts(), ref_cache.layer_counts()[..., heads]
+    if not (counts == ref_counts).all():
+        bad.append(f"kept entries per head {counts.tolist()} != slice {ref_counts.tolist()}")
+    share = sum(heads_bytes(layer, heads, world) for layer in ref_cache.layers)
+    if cache.kv_bytes() != share:
+        bad.append(
+            f"rank holds {cache.kv_bytes()} bytes, its heads' share of the one-process cache is {share}"
+        )
+    if not static:
+        answer, ref_answer = context_answer(tp, ids, mask, preset), context_answer(full, ids, mask, preset)
+        if not torch.equal(answer, ref_answer):
+            bad.append(f"context answers differ: {answer.tolist()} vs {ref_answer.tolist()}")
+        n, sent = exchanged_in_prefill(tp, ids, mask, preset)
+        if rank == 0:
+            logger.info(
+                "%-15s budgets %s | rank 0 head budgets %s | logits %.1e | KV bytes/rank %d of %d"
+                " | prefill: %d all-gathers, %d bytes sent/rank",
+                preset, budgets[0].tolist(), cache.decode_budget[0].tolist(), diff, cache.kv_bytes(),
+                ref_cache.kv_bytes(), n, sent,
+            )  # fmt: skip
+    return bad
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("kvcake").setLevel(logging.ERROR)  # the tiny model's tau fallback warning
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = [os.path.join(tmp, "tiny") if rank == 0 else None]
+        if rank == 0:
+            save_tiny(folder[0])
+        dist.broadcast_object_list(folder, src=0)
+        dist.barrier()
+        tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto")
+        full = AutoModelForCausalLM.from_pretrained(folder[0])
+        dist.barrier()  # rank 0's folder is read by every rank before it goes
+    # two prompts, the second left-padded to the first's length (PADDED padding tokens)
+    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :PADDED], mask[1, :PADDED] = 0, 0
+    failed = {}
+    for static in (False, True):  # the sort-and-copy decoding path and the preallocated one
+        for preset in PRESETS:
+            bad = check(preset, full, tp, ids, mask, static, rank, world)
+            if bad:
+                failed[f"{preset}{' static' if static else ''}"] = bad
+    ctx = kvcake.compress(tp, ids, "snapkv", attention_mask=mask, budget=BUDGET)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ctx.save(os.path.join(tmp, "ctx.kvc"))
+            failed["save"] = ["a rank's context was saved as if it held every head"]
+        except ValueError as err:
+            if "tensor-parallel" not in str(err):
+                failed["save"] = [f"unexpected refusal: {err}"]
+    every = [None] * world
+    dist.all_gather_object(every, failed)
+    dist.destroy_process_group()
+    problems = [f"rank {r} {p}: {b}" for r, f in enumerate(every) for p, bs in f.items() for b in bs]
+    if rank == 0:
+        for line in problems:
+            logger.error("FAIL %s", line)
+        logger.info("%d presets x %d ranks: %s", len(PRESETS), world, "FAILED" if problems else "all equal")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
