@@ -104,7 +104,7 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool):
 
 
 # a dense cache appending (decode=none), a dense one evicting every step with an order-sensitive
-# scorer (CAKE), a ragged one (Ada-KV); the probe over every preset is in docs/benchmarks.md
+# scorer (CAKE), a ragged one (Ada-KV); the probe over every preset is in docs/step_counts.md
 @needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
 @pytest.mark.parametrize("batch", [1, 2])
