@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters import describe_model
-from .cache import HANDOFF, KWARGS_HANDOFF, LEGACY_PENDING
+from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
 from .sdpa import check_policy, sdpa_policy
 
@@ -72,7 +72,7 @@ def _make_attention(inner_name: str):
             scaling = query.shape[-1] ** -0.5
         cache = kwargs.pop(HANDOFF, None)
         layer_idx = getattr(module, "layer_idx", None)
-        if not KWARGS_HANDOFF and cache is None and not torch.compiler.is_compiling():
+        if cache is None and not torch.compiler.is_compiling():  # an older release's hand-off
             cache = _legacy_handoff(layer_idx, key)
         if cache is None or cache._unconsumed != layer_idx:  # any other cache, or none: the stock kernel
             return inner(

@@ -50,11 +50,11 @@ from .tensor_parallel import HeadSplit, find_split
 # attention call of the same layer and no other. Plain Python state the compiler traces (a
 # ContextVar, read in every attention call, is not).
 HANDOFF = "kvcake_cache"
-# Releases before that (5.0: ``Cache.update(..., cache_kwargs)``) call ``update(k, v, layer_idx,
+# Older releases (5.0: ``Cache.update(..., cache_kwargs)``) call ``update(k, v, layer_idx,
 # cache_kwargs)`` with a dict of their own that the attention never sees; there the cache leaves
-# ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING``, which the attention reads (eager only: the
-# compiler cannot trace a ContextVar, so such a cache is not compileable). Decided once, from the
-# installed transformers' ``Cache.update`` signature.
+# ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING``, which the attention takes back when no
+# hand-off came through its kwargs, eagerly only (the compiler cannot trace a ContextVar, so a
+# KVCakeCache is compileable only where ``KWARGS_HANDOFF``, read off ``Cache.update``'s signature).
 KWARGS_HANDOFF = "cache_kwargs" not in inspect.signature(Cache.update).parameters
 LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
     "kvcake_pending", default=None
@@ -173,7 +173,7 @@ class KVCakeCache(Cache):
         model_kwargs = kwargs.get("kwargs")
         if isinstance(model_kwargs, dict):  # the dict the model passes on to its attention function
             model_kwargs[HANDOFF] = self
-        elif not KWARGS_HANDOFF:  # an older release's cache_kwargs: the attention reads it back
+        else:  # an older release's own cache_kwargs (5.0): the attention reads this back, eagerly
             LEGACY_PENDING.set((self, layer_idx, keys))
         self._track_bytes(layer_idx)
         return keys, values
