@@ -25,11 +25,13 @@ from __future__ import annotations
 import logging
 
 import torch
+import transformers
+from transformers import CompileConfig
 
 from .adapters import cache_keyword, with_cache
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
-from .cache import KVCakeCache
+from .cache import KWARGS_HANDOFF, KVCakeCache
 from .context import CompressedContext, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
@@ -126,6 +128,7 @@ def generate(
     window: int = 32,
     progress: bool = False,
     keep_ratio: float | None = None,
+    compile: bool | CompileConfig = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
@@ -136,6 +139,9 @@ def generate(
     name ``ratio``) is the fraction of the prompt kept, ``budget`` the entries kept per layer;
     give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]``. ``method="full"``
     keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
+    ``compile=True`` decodes in static storage and lets ``generate`` compile the decoding forward
+    (``torch.compile(fullgraph=True)``, CUDA graphs through ``mode="reduce-overhead"`` on CUDA;
+    on a CPU inductor is often slower than eager); a ``CompileConfig`` chooses the options.
     """
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
@@ -144,7 +150,19 @@ def generate(
     _check_generate_kwargs(model, generate_kwargs)
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
-    cache = KVCakeCache(model, m, progress=progress)
+    new = generate_kwargs.get("max_new_tokens")
+    room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
+    if compile is not False:
+        if not KWARGS_HANDOFF:
+            raise ValueError(
+                f"compile=True needs a transformers release whose models pass their attention kwargs to "
+                f"cache.update (5.24 does; the installed {transformers.__version__} passes cache_kwargs, "
+                "which the kvcake attention reads back eagerly only): upgrade transformers or use compile=False"
+            )
+        config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on accelerators only by default
+        generate_kwargs["compile_config"] = config
+    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=compile is not False)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
