@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -65,11 +66,26 @@ def _legacy_handoff(layer_idx: int | None, key: torch.Tensor):
     return pending[0]
 
 
+def _refuse_stray_cache(kwargs: dict) -> None:
+    """A cache that reached the attention as a plain keyword argument was not the model's cache: a
+    release before transformers 5.24 takes ``past_key_values=``, and its forward passes an unknown
+    ``cache=`` down to here unused, so the prompt would be neither stored nor compressed."""
+    stray = kwargs.get("cache")
+    if isinstance(stray, Cache):
+        raise TypeError(
+            f"the model got cache={type(stray).__name__}(...) but this transformers release does not know the "
+            "`cache` keyword (it arrived unused in the attention): pass past_key_values=cache, or "
+            "**kvcake.with_cache(model, cache), which picks the keyword the installed release takes"
+        )
+
+
 def _make_attention(inner_name: str):
     def kvcake_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
+        if "cache" in kwargs:
+            _refuse_stray_cache(kwargs)
         cache = kwargs.pop(HANDOFF, None)
         layer_idx = getattr(module, "layer_idx", None)
         if cache is None and not torch.compiler.is_compiling():  # an older release's hand-off
