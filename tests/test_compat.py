@@ -73,3 +73,24 @@ def test_cache_equals_past_key_values(tiny_llama, spec):
     with torch.no_grad():
         tiny_llama(outs[0], **with_cache(tiny_llama, full))
     assert caches[0].kv_bytes() == caches[1].kv_bytes() < cache_kv_bytes(full) / 2
+
+
+def test_a_cache_keyword_the_attention_got_unused_is_refused(tiny_llama):
+    """A ``cache=`` that reached the kvcake attention as a plain keyword (a release before 5.24
+    passes unknown keywords down unused) is refused, naming the fix, on every release."""
+    from kvcake.attention import _make_attention
+
+    attention = _make_attention("sdpa")
+    module = tiny_llama.model.layers[0].self_attn
+    q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
+    with pytest.raises(TypeError, match="past_key_values=cache, or \\*\\*kvcake.with_cache"):
+        attention(module, q, k, k, None, cache=KVCakeCache(tiny_llama, "snapkv", budget=16, window=8))
+
+
+@pytest.mark.skipif(TAKES_CACHE, reason=f"transformers {tf.__version__} takes cache=")
+def test_old_release_model_call_with_cache_keyword_is_refused(tiny_llama):
+    """On a release that takes ``past_key_values=`` only, ``model(ids, cache=kvcake_cache)``
+    would silently compress nothing; under ``kvcake.enable`` it is refused."""
+    cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
+    with kvcake.enable(tiny_llama), pytest.raises(TypeError, match="does not know the `cache` keyword"):
+        tiny_llama(ids(40), cache=cache)

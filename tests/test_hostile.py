@@ -14,7 +14,7 @@ import transformers as tf
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
-from kvcake.cache import PENDING
+from kvcake.cache import LEGACY_PENDING
 
 PROBE = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(123))
 
@@ -33,13 +33,13 @@ def _snapshot(model):
 @contextlib.contextmanager
 def untouched(model):
     """Asserts on exit that the model is as it was: attention implementation of every (sub)config,
-    no added hooks, no pending kvcake state, and the same logits for a plain forward."""
+    no added hooks, no hand-off left pending, and the same logits for a plain forward."""
     impls, hooks = _snapshot(model)
     before = _logits(model)
     yield
     assert [(s, s.config._attn_implementation) for s, _ in impls] == impls, "attention implementation changed"
     assert _snapshot(model)[1] == hooks, "hooks left on the model"
-    assert PENDING.get() is None
+    assert LEGACY_PENDING.get() is None, "a hand-off left behind"  # releases whose update takes cache_kwargs
     assert torch.equal(_logits(model), before), "plain forward changed"
 
 
@@ -482,7 +482,6 @@ def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_t
     # Nothing cropped: the cache is empty (refused before any forward) or holds every token the
     # refused verifying forward fed it (the prompt, plus the drafts of assisted decoding).
     assert cache.get_seq_length() == 0 or cache.get_seq_length() >= prompt.shape[1]
-    assert PENDING.get() is None
 
 
 def test_sampling_several_sequences_per_prompt_works(tiny_llama):

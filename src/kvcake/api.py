@@ -25,11 +25,13 @@ from __future__ import annotations
 import logging
 
 import torch
+import transformers
+from transformers import CompileConfig
 
 from .adapters import cache_keyword, with_cache
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
-from .cache import KVCakeCache
+from .cache import KWARGS_HANDOFF, KVCakeCache
 from .context import CompressedContext, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
@@ -128,6 +130,7 @@ def generate(
     progress: bool = False,
     keep_ratio: float | None = None,
     scenario: str | None = None,
+    compile: bool | CompileConfig = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
@@ -140,6 +143,9 @@ def generate(
     keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
     ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
     prompt ends with its question), ``"context"`` for a prompt that does not.
+    ``compile=True`` decodes in static storage and lets ``generate`` compile the decoding forward
+    (``torch.compile(fullgraph=True)``, CUDA graphs through ``mode="reduce-overhead"`` on CUDA;
+    on a CPU inductor is often slower than eager); a ``CompileConfig`` chooses the options.
     """
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model)
@@ -149,7 +155,21 @@ def generate(
     _check_generate_kwargs(model, generate_kwargs)
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
-    cache = KVCakeCache(model, m, progress=progress, scenario=scenario)
+    new = generate_kwargs.get("max_new_tokens")
+    room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
+    if compile is not False:
+        if not KWARGS_HANDOFF:
+            raise ValueError(
+                f"compile=True needs a transformers release whose models pass their attention kwargs to "
+                f"cache.update (5.24 does; the installed {transformers.__version__} passes cache_kwargs, "
+                "which the kvcake attention reads back eagerly only): upgrade transformers or use compile=False"
+            )
+        config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on accelerators only by default
+        generate_kwargs["compile_config"] = config
+    cache = KVCakeCache(
+        model, m, progress=progress, max_cache_len=room, static=compile is not False, scenario=scenario
+    )
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
@@ -228,8 +248,8 @@ def answer(
         ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
     method:
         A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
-        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``criticalkv``
-        for a document, ``snapkv`` question-aware: README "Which method").
+        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
+        in both scenarios: README "Which method").
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``).
     """

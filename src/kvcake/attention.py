@@ -16,11 +16,12 @@ from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters import describe_model
-from .cache import PENDING
+from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
 from .sdpa import check_policy, sdpa_policy
 
@@ -55,18 +56,44 @@ def key_validity(mask: torch.Tensor | None, batch: int, kv_len: int, device: tor
     return valid.expand(batch, kv_len) if valid.shape[0] != batch else valid
 
 
+def _legacy_handoff(layer_idx: int | None, key: torch.Tensor):
+    """The cache a release without the kwargs hand-off left for this layer (``cache.LEGACY_PENDING``),
+    taken once: the same layer and the very keys its ``update`` returned, else None."""
+    pending = LEGACY_PENDING.get()
+    if pending is None or pending[1] != layer_idx or pending[2] is not key:
+        return None
+    LEGACY_PENDING.set(None)
+    return pending[0]
+
+
+def _refuse_stray_cache(kwargs: dict) -> None:
+    """A cache that reached the attention as a plain keyword argument was not the model's cache: a
+    release before transformers 5.24 takes ``past_key_values=``, and its forward passes an unknown
+    ``cache=`` down to here unused, so the prompt would be neither stored nor compressed."""
+    stray = kwargs.get("cache")
+    if isinstance(stray, Cache):
+        raise TypeError(
+            f"the model got cache={type(stray).__name__}(...) but this transformers release does not know the "
+            "`cache` keyword (it arrived unused in the attention): pass past_key_values=cache, or "
+            "**kvcake.with_cache(model, cache), which picks the keyword the installed release takes"
+        )
+
+
 def _make_attention(inner_name: str):
     def kvcake_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        pending = PENDING.get()
-        if pending is None or pending[1] != getattr(module, "layer_idx", None) or pending[2] is not key:
+        if "cache" in kwargs:
+            _refuse_stray_cache(kwargs)
+        cache = kwargs.pop(HANDOFF, None)
+        layer_idx = getattr(module, "layer_idx", None)
+        if cache is None and not torch.compiler.is_compiling():  # an older release's hand-off
+            cache = _legacy_handoff(layer_idx, key)
+        if cache is None or cache._unconsumed != layer_idx:  # any other cache, or none: the stock kernel
             return inner(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
-        cache, layer_idx, _ = pending
-        PENDING.set(None)
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
         q = query.shape[2]
@@ -136,4 +163,4 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     finally:
         for config, impl in configs:
             config._attn_implementation = impl
-        PENDING.set(None)
+        LEGACY_PENDING.set(None)

@@ -28,6 +28,7 @@ cascade mean the ``L_g`` full-attention layers (``info.compressed_layers``), in 
 from __future__ import annotations
 
 import contextvars
+import inspect
 
 import numpy as np
 import torch
@@ -43,9 +44,19 @@ from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
 from .tensor_parallel import HeadSplit, find_split
 
-# The layer whose update() ran last and whose attention has not run yet: set by the cache,
-# read once by the kvcake attention function (the model calls them back to back).
-PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
+# The key under which ``update`` hands the cache to the kvcake attention function: transformers'
+# attention modules call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then
+# ``attention_interface(..., **kwargs)`` with that same dict, so an entry written here reaches the
+# attention call of the same layer and no other. Plain Python state the compiler traces (a
+# ContextVar, read in every attention call, is not).
+HANDOFF = "kvcake_cache"
+# Older releases (5.0: ``Cache.update(..., cache_kwargs)``) call ``update(k, v, layer_idx,
+# cache_kwargs)`` with a dict of their own that the attention never sees; there the cache leaves
+# ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING``, which the attention takes back when no
+# hand-off came through its kwargs, eagerly only (the compiler cannot trace a ContextVar, so a
+# KVCakeCache is compileable only where ``KWARGS_HANDOFF``, read off ``Cache.update``'s signature).
+KWARGS_HANDOFF = "cache_kwargs" not in inspect.signature(Cache.update).parameters
+LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
     "kvcake_pending", default=None
 )
 
@@ -79,6 +90,7 @@ class KVCakeCache(Cache):
         progress: bool = False,
         static: bool = False,
         scenario: str | Scenario | None = None,
+        max_cache_len: int | None = None,
         **budget_kwargs,
     ) -> None:
         self.scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
@@ -122,9 +134,17 @@ class KVCakeCache(Cache):
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
         self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
-        # static=True: decode in preallocated buffers with in-place eviction (static.py; opt-in
-        # while its capacity policy costs memory); False (default): the dynamic path.
+        # static=True: decode in preallocated buffers with in-place eviction (static.py), a step the
+        # compiler traces whole (tests/test_compile.py); False (still the default: the byte and
+        # storage tests assume compact layers): the dynamic path, the reference.
         self.static = static
+        # the prompt plus the tokens to generate, when known (kvcake.generate passes it): decode=none
+        # preallocates up to it, so the storage never grows while decoding (capacity is memory)
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(
+                f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}"
+            )
+        self._max_cache_len = max_cache_len
         # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
         # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
         self.split: HeadSplit | None = find_split(model)
@@ -142,7 +162,7 @@ class KVCakeCache(Cache):
                 "error): its state is incomplete, so make a new KVCakeCache"
             )
         if self._unconsumed is not None:
-            PENDING.set(None)  # do not keep this cache's keys alive past the error
+            LEGACY_PENDING.set(None)  # do not keep this cache's keys alive past the error
             raise RuntimeError(
                 "KVCakeCache was updated but the kvcake attention did not run for layer "
                 f"{self._unconsumed}: run the model inside `with kvcake.enable(model):` (or use "
@@ -157,7 +177,11 @@ class KVCakeCache(Cache):
             )
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx
-        PENDING.set((self, layer_idx, keys))
+        model_kwargs = kwargs.get("kwargs")
+        if isinstance(model_kwargs, dict):  # the dict the model passes on to its attention function
+            model_kwargs[HANDOFF] = self
+        else:  # an older release's own cache_kwargs (5.0): the attention reads this back, eagerly
+            LEGACY_PENDING.set((self, layer_idx, keys))
         self._track_bytes(layer_idx)
         return keys, values
 
@@ -167,6 +191,22 @@ class KVCakeCache(Cache):
     @property
     def is_croppable(self) -> bool:
         return False
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The prompt plus the tokens to generate when known (``KVCakeCache(max_cache_len=)``), else
+        None. A property here: transformers 5.0's ``Cache`` has one without a setter."""
+        return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        """Static storage makes a decode step one graph (``tests/test_compile.py``): transformers'
+        ``generate`` then compiles the decoding forward as for its own static caches. Hybrid
+        models' sliding layers are transformers' dynamic ones, so those are not; nor is any cache
+        on a release whose models do not hand ``kwargs`` to ``update`` (``KWARGS_HANDOFF``)."""
+        if not KWARGS_HANDOFF:
+            return False
+        return bool(self.static) and not any(isinstance(layer, SlidingLayer) for layer in self.layers)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from . import static
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .scorers import PrefillInputs
@@ -243,5 +244,8 @@ def finish_prefill(cache: Cache) -> None:
         if not keep_scores:
             layer.scores = None
         if cache.static:
-            layer.static_plan = ("fixed", cache.decode_budget[:, g]) if fixed else ("none", None)
+            room = static.GROWTH if cache.max_cache_len is None else cache.max_cache_len - layer.length
+            layer.static_plan = (cache.decode_budget[:, g] if fixed else None, room)
+            if not layer.plain:  # now, so that no decode step (compiled or not) converts it
+                static.to_static(layer, *layer.static_plan)
     cache.prefilled = True

@@ -18,9 +18,9 @@ def wants_probs(cache: Cache, layer_idx: int) -> bool:
     if not cache.prefilled or cache.method.decode != "fixed":
         return False
     layer = cache.layers[layer_idx]
-    # a static layer has not counted the new entry yet (it is in the spare slot)
-    counts = layer.counts + (1 if layer.static == "fixed" else 0)
-    over = counts > cache.decode_budget[:, cache._slot[layer_idx]]
+    if layer.static is not None:  # decided once for static storage, never from the data
+        return layer.static == "fixed"
+    over = layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]
     return layer.scores is not None or bool(over.any())
 
 
@@ -29,10 +29,8 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     layer = cache.layers[layer_idx]
     window = cache.method.budget.window
     if layer.static == "fixed":
-        scores = (
-            None if probs is None else static.decode_scores(layer, cache.method.scorer, probs, _across(cache))
-        )
-        static.place_newest(layer, scores, layer.length - 1 - window)
+        scores = static.decode_scores(layer, cache.method.scorer, probs, _across(cache))
+        static.place_newest(layer, scores, layer.length_dev - 1 - window)
         return
     if probs is None:
         return

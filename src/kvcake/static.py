@@ -34,10 +34,18 @@ MAX_PREALLOCATED = 1 << 20
 _ENTRY = ("keys", "values", "positions", "scores")
 
 
-def to_static(layer, budget: np.ndarray | None) -> None:
+def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     """Move ``layer`` (dense or ragged, not plain) into buffers with capacity.
 
-    budget: (B, H_kv) decode budgets for ``decode=fixed``, None for ``decode=none``."""
+    budget: (B, H_kv) decode budgets for ``decode=fixed``, None for ``decode=none``; room:
+    ``decode=none`` steps preallocated before the storage grows (the cache's ``max_cache_len``
+    minus the prompt when known, else ``GROWTH``).
+
+    Everything a step reads that changes per step is a device tensor (``length_dev``, the
+    logical length; ``used_dev``, the next dense column; ``lengths_dev``); the only host int,
+    ``room``, is compared against 0 and so is seen by the compiler as a guard that holds until the
+    storage must grow, not as a constant baked into every step."""
+    room = max(int(room), 1)
     counts = layer.counts
     dev = layer.keys.device
     if budget is not None and int(budget.max()) > int(counts.max()) + MAX_PREALLOCATED:
@@ -47,7 +55,7 @@ def to_static(layer, budget: np.ndarray | None) -> None:
             "KVCakeCache(..., static=False), which grows one entry per step"
         )
     if budget is None:
-        cap = counts + GROWTH
+        cap = counts + room
     else:
         cap = np.maximum(counts, budget) + 1  # + the spare slot
         layer.static_budget = torch.tensor(budget, device=dev)
@@ -55,14 +63,15 @@ def to_static(layer, budget: np.ndarray | None) -> None:
     padded = {name: layer.padded(getattr(layer, name), fill) for name, fill in _fills(layer).items()}
     if layer.layout == "dense":
         n = layer.keys.shape[2]
-        width = n + GROWTH if budget is None else max(n, int(budget.max())) + 1  # host ints
+        width = n + room if budget is None else max(n, int(budget.max())) + 1  # host ints
         for name, t in padded.items():
             if t is None:
                 continue
             out = _full(t, width, _fills(layer)[name])
             out[:, :, :n] = t
             setattr(layer, name, out)
-        layer.used = n
+        layer.used_dev = torch.tensor([n], device=dev)  # (1,) next free column (decode=none)
+        layer.room = width - n
         layer.spare = width - 1
     else:
         lengths = torch.as_tensor(cap.reshape(-1), device=dev)
@@ -82,9 +91,11 @@ def to_static(layer, budget: np.ndarray | None) -> None:
         layer.seg_start = meta.offsets[:-1].reshape(b, h)  # (B, H_kv) first slot of each segment
         layer.spare = (meta.offsets[1:] - 1).reshape(b, h)  # (B, H_kv) flat spare slot (fixed)
         layer.capacity = cap
+        layer.room = int((cap - counts).min())
     layer.lengths_dev = torch.tensor(
         counts, device=dev
     )  # a copy: never shares the host array  # (B, H_kv) kept entries, on device
+    layer.length_dev = torch.tensor(layer.length, device=dev)  # () logical length, on device
     layer.static = "fixed" if budget is not None else "none"
 
 
@@ -100,15 +111,19 @@ def append(layer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
     """Write one new entry per (sequence, KV head) in place. k, v: (B, H_kv, 1, d); pos (B, H_kv, 1)."""
     if layer.static == "none":
         _grow_if_full(layer)
+        layer.room -= 1
     new = {"keys": k[:, :, 0], "values": v[:, :, 0], "positions": pos[:, :, 0]}
     if layer.scores is not None:
         new["scores"] = torch.zeros_like(pos[:, :, 0], dtype=layer.scores.dtype)
     if layer.layout == "dense":
-        col = layer.spare if layer.static == "fixed" else layer.used
+        col = layer.spare if layer.static == "fixed" else layer.used_dev  # host int / (1,) device
         for name, t in new.items():
-            getattr(layer, name)[:, :, col] = t
+            if layer.static == "fixed":
+                getattr(layer, name)[:, :, col] = t
+            else:
+                getattr(layer, name).index_copy_(2, col, t.unsqueeze(2))
         if layer.static == "none":
-            layer.used += 1
+            layer.used_dev += 1
             layer.lengths_dev += 1
             layer.counts = layer.counts + 1
         return
@@ -122,17 +137,16 @@ def append(layer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
 
 def _grow_if_full(layer) -> None:
     """decode=none: add ``GROWTH`` slots when the host-known room is gone (amortised)."""
+    if layer.room > 0:
+        return
     if layer.layout == "dense":
-        if layer.used < layer.keys.shape[2]:
-            return
+        layer.room = GROWTH
         for name, fill in _fills(layer).items():
             t = getattr(layer, name)
             if t is not None:
                 out = _full(t, t.shape[2] + GROWTH, fill)
                 out[:, :, : t.shape[2]] = t
                 setattr(layer, name, out)
-        return
-    if (layer.counts < layer.capacity).all():  # host arrays
         return
     layer.static = None
     to_static(layer, None)
@@ -162,12 +176,12 @@ def decode_scores(layer, scorer, probs: torch.Tensor, across=None) -> torch.Tens
     return scores
 
 
-def place_newest(layer, scores: torch.Tensor | None, window_floor: int) -> None:
+def place_newest(layer, scores: torch.Tensor, window_floor: torch.Tensor) -> None:
     """decode=fixed: move the spare entry into its slot and free the spare, on the device.
 
-    scores: (B, H_kv, N) decoding scores over the padded view (None only when no head is over
-    budget, which the host counts tell); window_floor: positions above it are protected."""
-    over = bool((layer.counts + 1 > layer.static_budget_host).any())  # host arrays
+    scores: (B, H_kv, N) decoding scores over the padded view; window_floor: () positions above
+    it are protected. No branch on the data: every head picks a victim (argmin of its scores) and
+    a first empty slot, and keeps the victim only if it is over its budget."""
     pos = layer.padded(layer.positions, -1)  # (B, H_kv, N)
     n = pos.shape[-1]
     cols = torch.arange(n, device=pos.device)
@@ -178,18 +192,14 @@ def place_newest(layer, scores: torch.Tensor | None, window_floor: int) -> None:
     real = pos >= 0
     empty = ~real & (cols < spare_local[..., None])
     target = empty.int().argmax(-1)  # first empty slot (documented tie rule: first maximum)
-    if over:
-        budget = layer.static_budget
-        is_over = layer.lengths_dev + 1 > budget  # (B, H_kv)
-        s = scores.masked_fill(pos > window_floor, float("inf")).masked_fill(~real, float("inf"))
-        low = s.amin(-1, keepdim=True)
-        victim = torch.where(s == low, pos, torch.full_like(pos, -1)).argmax(-1)  # latest of the ties
-        target = torch.where(is_over, victim, target)
-        layer.lengths_dev = torch.minimum(layer.lengths_dev + 1, budget)
-        layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
-    else:
-        layer.lengths_dev += 1
-        layer.counts = layer.counts + 1
+    budget = layer.static_budget
+    is_over = layer.lengths_dev + 1 > budget  # (B, H_kv)
+    s = scores.masked_fill(pos > window_floor, float("inf")).masked_fill(~real, float("inf"))
+    low = s.amin(-1, keepdim=True)
+    victim = torch.where(s == low, pos, torch.full_like(pos, -1)).argmax(-1)  # latest of the ties
+    target = torch.where(is_over, victim, target)
+    layer.lengths_dev = torch.minimum(layer.lengths_dev + 1, budget)
+    layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
     if layer.layout == "dense":
         b, h = target.shape
         idx = target.reshape(b, h, 1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvcake.cache import PENDING, KVCakeCache, cache_kv_bytes
+from kvcake.cache import KVCakeCache, cache_kv_bytes
 from kvcake.context import CompressedContext
 from kvcake.method import Method
 from kvcake.scorers import PrefillInputs, Scorer
@@ -115,9 +115,8 @@ def replay_compress(
                     f"layer {layer}: {query.shape[2]} recorded queries, {keys.shape[2]} cached keys, "
                     f"{input_ids.shape[1]} prompt ids: they must match"
                 )
-            kv.update(keys, values, layer)
-            PENDING.set(None)  # what the kvcake attention function does before its hooks
-            kv.consume(layer)
+            kv.update(keys, values, layer, kwargs={})  # a model's attention kwargs (hand-off unused)
+            kv.consume(layer)  # what the kvcake attention function does before its hooks
             kv.after_prefill_attention(layer, captured.modules[layer], query, valid, captured.scaling[layer])
     return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)
 

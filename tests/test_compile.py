@@ -1,0 +1,149 @@
+"""The decode step is something ``torch.compile`` can trace: a stock transformers StaticCache inside
+``kvcake.enable(model)`` compiles to the same graphs as outside it (no Python-side state, such as
+a ContextVar, read in the attention call).
+
+Compiling costs tens of seconds on a CPU: the model is tiny (2 layers) and the tests few, marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCache
+
+import kvcake
+from kvcake.adapters import with_cache
+from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
+
+pytestmark = pytest.mark.slow
+# transformers 5.0's models pass cache.update a cache_kwargs dict of their own: the cache reaches the
+# kvcake attention through a ContextVar there (eager only), so a KVCakeCache is not compileable
+needs_kwargs_handoff = pytest.mark.skipif(
+    not KWARGS_HANDOFF, reason="this transformers' models do not hand their attention kwargs to cache.update"
+)
+
+
+def _two_layer_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+class _GraphCounter:
+    """A torch.compile backend that runs each captured graph eagerly and counts them."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _decode_static_cache(model, inside: bool, steps: int = 6):
+    torch._dynamo.reset()
+    counter = _GraphCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True)
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    logits = []
+    with kvcake.enable(model) if inside else contextlib.nullcontext(), torch.no_grad():
+        out = model(ids, **with_cache(model, cache), cache_position=torch.arange(16))
+        tok = out.logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            out = step(tok, **with_cache(model, cache), cache_position=torch.tensor([16 + i]))
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+    return counter.graphs, torch.cat(logits)
+
+
+def test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside():
+    model = _two_layer_llama()
+    graphs_out, logits_out = _decode_static_cache(model, inside=False)
+    graphs_in, logits_in = _decode_static_cache(model, inside=True)
+    assert graphs_out <= 2
+    assert graphs_in == graphs_out
+    torch.testing.assert_close(logits_in, logits_out, rtol=0, atol=0)
+
+
+STEPS = 64
+
+
+def _decode_kvcake(model, spec: str, batch: int, compiled: bool):
+    """Prefill eagerly, then 64 single-token steps through ``model.forward`` (compiled with
+    ``fullgraph=True`` and a graph-counting backend, or eager); left padding on sequence 1."""
+    torch._dynamo.reset()
+    counter = _GraphCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True) if compiled else model.forward
+    ids = torch.randint(3, 128, (batch, 60), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1:, :10] = 0
+    cache = kvcake.KVCakeCache(
+        model, kvcake.make_method(spec, budget=24, window=4), static=True, max_cache_len=60 + STEPS
+    )
+    logits = []
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask, **with_cache(model, cache))
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(STEPS):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            out = step(
+                tok, attention_mask=mask, **with_cache(model, cache), position_ids=mask.cumsum(-1)[:, -1:] - 1
+            )
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+    return counter.graphs, torch.stack(logits)
+
+
+# a dense cache appending (decode=none), a dense one evicting every step with an order-sensitive
+# scorer (CAKE), a ragged one (Ada-KV); the probe over every preset is in docs/step_counts.md
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch):
+    """fullgraph=True raises on any graph break; the second graph is the one with the growing
+    attention mask's length symbolic (transformers' StaticCache gets the same two)."""
+    model = _two_layer_llama()
+    graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True)
+    _, eager = _decode_kvcake(model, spec, batch, compiled=False)
+    assert graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the same ATen ops, run eagerly
+
+
+@needs_kwargs_handoff
+def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
+    """``compile=`` makes the cache static (``is_compileable``) and hands transformers' generate a
+    CompileConfig: its decoding forward is captured whole (fullgraph) and the tokens are eager's."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
+        graphs.append(gm)
+        return gm.forward
+
+    model = _two_layer_llama()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    out, cache = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=40, compile=config)
+    ref, _ = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=40, do_sample=False)
+    assert cache.is_compileable and 1 <= len(graphs) <= 2
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(KWARGS_HANDOFF, reason="this transformers hands the attention kwargs to cache.update")
+def test_compile_is_refused_where_the_models_do_not_hand_off_kwargs():
+    """On such a release (5.0) the cache reads back eagerly only: not compileable, and
+    ``compile=True`` says what to do instead of failing inside transformers' generate."""
+    model = _two_layer_llama()
+    assert not KVCakeCache(model, "snapkv", budget=24, window=4, static=True).is_compileable
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="upgrade transformers or use compile=False"):
+        kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, compile=True)
