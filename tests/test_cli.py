@@ -373,3 +373,41 @@ def test_readme_command_lines_run(tiny_dir, tmp_path, capsys, monkeypatch):
         assert code == 0, f"{line}: {err}"
         if "chat" in argv:
             assert len(out.splitlines()) == 2, "two questions, two answers"
+
+
+def test_scenario_picks_the_temperature_set(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--prompt uses the question-aware set, --context-file the context-only one, --scenario
+    overrides either; the summary line says which set and why (issue 24)."""
+    from kvcake import load_model, temperatures
+    from kvcake.models import model_fingerprint
+    from kvcake.temperatures import Calibration, TauPoint, save_calibration
+
+    monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(temperatures, "SHIPPED_DIR", tmp_path / "shipped")
+    fp = model_fingerprint(load_model(str(tiny_dir))[0])
+    sets = {"question": (TauPoint(10, 0.3, 2.5),), "context": (TauPoint(10, 3.0, 6.0),)}
+    save_calibration(Calibration(fp, sets, "tiny"))
+    prompt = ["generate", *model_args(tiny_dir), "--prompt", "w1 w2 " * 60, *SMALL]
+    document = ["generate", *model_args(tiny_dir), "--context-file", str(tiny_dir / "doc.txt"), "--question",
+                "w3 w4", *SMALL]  # fmt: skip
+    for args, want in (
+        (prompt, "tau1=0.3 tau2=2.5 (calibrated; question-aware, question set: kvcake generate --prompt"),
+        (document, "tau1=3 tau2=6 (calibrated; context-only, context set: kvcake generate --context-file"),
+        ([*prompt, "--scenario", "context"], "tau1=3 tau2=6 (calibrated; context-only, context set: "
+                                             "scenario='context' given"),
+        ([*document, "--scenario", "question"], "tau1=0.3 tau2=2.5 (calibrated; question-aware, question set"),
+    ):  # fmt: skip
+        code, out, err = call(capsys, monkeypatch, args)
+        assert code == 0 and want in err, err
+    code, out, err = call(capsys, monkeypatch, ["inspect", *model_args(tiny_dir), "--prompt", "w1 w2 " * 40,
+                                                "--out", str(tmp_path / "figs"), *SMALL[:4]])  # fmt: skip
+    assert len(out.splitlines()) == 4  # stdout: the figures' paths only
+    assert (
+        code == 0
+        and "cake: CAKE tau1=0.3 tau2=2.5 (calibrated; question-aware, question set: kvcake inspect" in err
+    )
+    code, out, err = call(capsys, monkeypatch, ["methods"])
+    assert "question: 0.3/2.5 at 10; context: 3/6 at 10" not in out  # only shipped ones are listed
+    assert "--scenario" in out
+    code, out, err = call(capsys, monkeypatch, [*prompt, "--scenario", "document"])
+    assert code == 2 and "invalid choice: 'document'" in err

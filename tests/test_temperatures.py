@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 
@@ -134,11 +136,15 @@ def test_every_shipped_calibration_is_valid_and_named_by_its_fingerprint():
     assert files, "the default model's calibration must ship with the package"
     for path in files:
         cal = Calibration.from_json(path.read_text(), str(path))
-        assert path.stem == cal.fingerprint and len(cal.points) >= 2
-        assert [p.budget for p in cal.points] == sorted({p.budget for p in cal.points})
-        # made by the current search: each point is the grid's best or a flatter allocation within
+        scenarios = ("question",) if cal.shared else temperatures.SCENARIOS  # a shared set serves both
+        kept = [p for s in scenarios for p in cal.set(s)]
+        assert path.stem == cal.fingerprint and all(len(cal.set(s)) >= 2 for s in scenarios)
+        for s in scenarios:
+            assert [p.budget for p in cal.set(s)] == sorted({p.budget for p in cal.set(s)})
+        metas = [m for s in scenarios for m in cal.meta["points"] if m.get("scenario", s) == s]
+        # made by the search: each point is the grid's best or a flatter allocation within
         # one standard error of it (kvcake.calibration.search.choose), recorded in its metadata
-        for point, meta in zip(cal.points, cal.meta["points"], strict=True):
+        for point, meta in zip(kept, metas, strict=True):
             assert (point.tau1, point.tau2) == (meta["tau1"], meta["tau2"])
             assert meta["loss"] <= meta["grid_best_loss"] + meta["standard_error"] + 1e-9
             assert meta["unevenness"] <= meta["grid_best_unevenness"]
@@ -158,3 +164,131 @@ def test_the_default_model_uses_its_shipped_calibration(default_model, monkeypat
         cal.at(0.25 * ids.shape[1]), rel=0.01
     )
     assert not [r for r in caplog.records if "kvcake calibrate" in r.getMessage()]
+
+
+# -- one set per scenario (issue 24) ---------------------------------------------------------------
+
+QUESTION_SET = (TauPoint(10, 0.3, 2.5), TauPoint(40, 0.5, 1.5))
+CONTEXT_SET = (TauPoint(10, 3.0, 6.0), TauPoint(40, 2.5, 5.0))
+
+
+def _per_scenario(model) -> Calibration:
+    cal = Calibration(model_fingerprint(model), {"question": QUESTION_SET, "context": CONTEXT_SET}, "tiny")
+    save_calibration(cal)
+    return cal
+
+
+def _applied(cache, cal: Calibration, scenario: str) -> bool:
+    """The cache's temperatures and preferences are ``scenario``'s set at its budget."""
+    taus = cal.at(float(cache.seq.per_layer.double().mean()), scenario)
+    want = [preference(h, v, *taus) for h, v in zip(cache.entropy, cache.variance, strict=True)]
+    return cache._tau == pytest.approx(taus) and all(
+        torch.equal(a, b) for a, b in zip(cache.preferences, want, strict=True)
+    )
+
+
+def test_each_entry_point_picks_its_scenarios_set(tiny_llama):
+    cal = _per_scenario(tiny_llama)
+    assert cal.at(20, "question") != cal.at(20, "context")
+    ctx = kvcake.compress(tiny_llama, _ids(), "cake", budget=20, window=4)
+    assert _applied(ctx.cache, cal, "context") and ctx.cache.tau.set_used == "context"
+    assert "context-only, context set: kvcake.compress" in ctx.cache.tau.describe()
+    _, cache = kvcake.generate(tiny_llama, _ids(), "cake", budget=20, window=4, max_new_tokens=1)
+    assert (
+        _applied(cache, cal, "question")
+        and "question-aware, question set: kvcake.generate" in cache.tau.describe()
+    )
+    own = kvcake.KVCakeCache(tiny_llama, "cake", budget=20, window=4)  # what model.generate is given
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama.generate(
+            _ids(), **kvcake.adapters.with_cache(tiny_llama, own), max_new_tokens=1, do_sample=False
+        )
+    assert _applied(own, cal, "question") and "KVCakeCache for model.generate" in own.tau.describe()
+
+
+def test_an_explicit_scenario_overrides_the_entry_point(tiny_llama):
+    cal = _per_scenario(tiny_llama)
+    ctx = kvcake.compress(tiny_llama, _ids(), "cake", budget=20, window=4, scenario="question")
+    assert _applied(ctx.cache, cal, "question") and "scenario='question' given" in ctx.cache.tau.describe()
+    _, cache = kvcake.generate(
+        tiny_llama, _ids(), "cake", budget=20, window=4, max_new_tokens=1, scenario="context"
+    )
+    assert _applied(cache, cal, "context")
+    own = kvcake.KVCakeCache(tiny_llama, "cake", budget=20, window=4, scenario="context")
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama(_ids(), **kvcake.adapters.with_cache(tiny_llama, own))
+    assert _applied(own, cal, "context")
+    # the eval's replays say their scenario too (kvcake.eval.cells, tau_sweep)
+    from transformers import DynamicCache
+
+    from kvcake.replay import Captured, capture_queries, replay_compress
+
+    captured, full = Captured(), DynamicCache()
+    with capture_queries(tiny_llama, captured), torch.no_grad():
+        logits = tiny_llama(_ids(), **kvcake.adapters.with_cache(tiny_llama, full)).logits[:, -1]
+    method = kvcake.make_method("cake", budget=20, window=4)
+    for scenario in ("question", "context"):
+        replayed = replay_compress(tiny_llama, method, captured, full, _ids(), logits, scenario=scenario)
+        assert _applied(replayed.cache, cal, scenario)
+    # user temperatures still win over either set
+    user = kvcake.compress(tiny_llama, _ids(), "cake,layers.tau1=0.9,layers.tau2=1.1", budget=20, window=4)
+    assert user.cache.tau == temperatures.TauChoice(0.9, 1.1, "user")
+
+
+@pytest.mark.parametrize("bad", ["document", "Question", "", 1, True])
+def test_bad_scenarios_are_refused(tiny_llama, bad):
+    with pytest.raises(ValueError, match="scenario must be 'question'.*or 'context'"):
+        kvcake.KVCakeCache(tiny_llama, "cake", budget=20, scenario=bad)
+    with pytest.raises(ValueError, match="scenario must be"):
+        kvcake.compress(tiny_llama, _ids(), "cake", budget=20, window=4, scenario=bad)
+    with pytest.raises(ValueError, match="scenario must be"):
+        kvcake.generate(tiny_llama, _ids(), "cake", budget=20, window=4, scenario=bad)
+    with pytest.raises(ValueError, match="scenario must be"):
+        CAL.at(100, bad)
+    with pytest.raises(ValueError, match="scenario must be"):
+        resolve_tau(CAL.fingerprint, "llama", 100, scenario=bad)
+
+
+def test_per_scenario_files_round_trip_and_must_hold_both_sets():
+    cal = Calibration("a" * 16, {"question": QUESTION_SET, "context": CONTEXT_SET}, "m", {"note": 1})
+    text = cal.to_json()
+    assert '"scenarios"' in text and Calibration.from_json(text) == cal and not cal.shared
+    assert "question: 0.3/2.5 at 10" in cal.describe_sets() and "context: 3/6 at 10" in cal.describe_sets()
+    with pytest.raises(ValueError, match="kvcake calibrate"):
+        Calibration.from_json(text.replace('"context"', '"document"'))
+    with pytest.raises(ValueError, match="exactly"):
+        Calibration("a" * 16, {"question": QUESTION_SET})
+
+
+def test_old_single_set_files_serve_both_scenarios(tiny_llama):
+    """A file from before the split ("points" only) loads; its set serves both scenarios, and the
+    cache says so; it writes back in its own format and keeps its eval label."""
+    fp = model_fingerprint(tiny_llama)
+    old = json.dumps({"fingerprint": fp, "model": "m", "points": [{"budget": 10, "tau1": 0.3, "tau2": 2.5}]})
+    cal = Calibration.from_json(old)
+    assert cal.shared and cal.set("question") == cal.set("context") == (TauPoint(10, 0.3, 2.5),)
+    assert '"scenarios"' not in cal.to_json() and Calibration.from_json(cal.to_json()) == cal
+    save_calibration(cal)
+    digest = hashlib.sha256(json.dumps([{"budget": 10.0, "tau1": 0.3, "tau2": 2.5}]).encode()).hexdigest()[:8]
+    assert temperatures.tau_source_label(fp, "llama", None, None) == f"calibrated:{digest}"
+    for scenario in ("question", "context"):
+        ctx = kvcake.compress(tiny_llama, _ids(), "cake", budget=20, window=4, scenario=scenario)
+        assert ctx.cache._tau == pytest.approx((0.3, 2.5)) and ctx.cache.tau.set_used == "shared"
+        assert "one set for both scenarios" in ctx.cache.tau.describe()
+    shipped = [Calibration.from_json(p.read_text()) for p in REAL_SHIPPED.glob("*.json")]
+    assert all(c.set("question") and c.set("context") for c in shipped)
+
+
+def test_the_warning_comes_once_per_model_whatever_the_scenario(tiny_llama, caplog):
+    caplog.set_level(logging.WARNING, logger="kvcake.temperatures")
+    kvcake.compress(tiny_llama, _ids(), "cake", budget=20, window=4)
+    _, cache = kvcake.generate(tiny_llama, _ids(), "cake", budget=20, window=4, max_new_tokens=1)
+    kvcake.compress(tiny_llama, _ids(), "cake", budget=20, window=4, scenario="question")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvcake.temperatures"]
+    assert len(warnings) == 1 and "Run `kvcake calibrate --model" in warnings[0]
+    assert cache.tau.source == "family" and "question-aware: kvcake.generate" in cache.tau.describe()
+
+
+def test_methods_explains_the_scenarios(monkeypatch):
+    text = temperatures.describe_resolution()
+    assert "'question'" in text and "'context'" in text and "--scenario" in text

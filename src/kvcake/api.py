@@ -35,6 +35,7 @@ from .cache import KWARGS_HANDOFF, KVCakeCache
 from .context import CompressedContext, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
+from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def generate(
     window: int = 32,
     progress: bool = False,
     keep_ratio: float | None = None,
+    scenario: str | None = None,
     compile: bool | CompileConfig = False,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
@@ -139,10 +141,13 @@ def generate(
     name ``ratio``) is the fraction of the prompt kept, ``budget`` the entries kept per layer;
     give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]``. ``method="full"``
     keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
+    ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
+    prompt ends with its question), ``"context"`` for a prompt that does not.
     ``compile=True`` decodes in static storage and lets ``generate`` compile the decoding forward
     (``torch.compile(fullgraph=True)``, CUDA graphs through ``mode="reduce-overhead"`` on CUDA;
     on a CPU inductor is often slower than eager); a ``CompileConfig`` chooses the options.
     """
+    scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
@@ -162,7 +167,9 @@ def generate(
         config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # transformers compiles on accelerators only by default
         generate_kwargs["compile_config"] = config
-    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=compile is not False)
+    cache = KVCakeCache(
+        model, m, progress=progress, max_cache_len=room, static=compile is not False, scenario=scenario
+    )
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
@@ -179,13 +186,17 @@ def compress(
     window: int = 32,
     progress: bool = False,
     keep_ratio: float | None = None,
+    scenario: str | None = None,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
 
     The returned context answers any number of follow-ups with ``.generate`` (which returns the
     answer's ids only) / ``.forward``; each works on its own copy, so the context is never
     changed by answering. Budget keywords as in :func:`generate`; neither keeps
-    ``DEFAULT_KEEP_RATIO["context"]``."""
+    ``DEFAULT_KEEP_RATIO["context"]``. ``scenario`` picks the set of calibrated CAKE
+    temperatures: ``"context"`` by default, ``"question"`` when ``input_ids`` already end with
+    the question (as ``kvcake inspect --prompt`` compresses)."""
+    scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
@@ -193,7 +204,7 @@ def compress(
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    cache = KVCakeCache(model, m, progress=progress)
+    cache = KVCakeCache(model, m, progress=progress, scenario=scenario)
     with enable(model), torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])

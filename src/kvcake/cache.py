@@ -41,7 +41,7 @@ from .cascade import SequenceBudgets
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
-from .temperatures import TauChoice
+from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
 from .tensor_parallel import HeadSplit, find_split
 
 # The key under which ``update`` hands the cache to the kvcake attention function: transformers'
@@ -70,6 +70,11 @@ class KVCakeCache(Cache):
         The transformers causal LM it will serve (checked by ``adapters.describe_model``).
     method:
         A :class:`~kvcake.method.Method`, or a preset/composed string with ``budget=``/``ratio=``.
+    scenario:
+        Which set of a calibration's CAKE temperatures to use (``kvcake.temperatures``):
+        ``"question"`` (the default: a cache passed to ``model.generate`` compresses the prompt
+        with its question) or ``"context"`` (a document compressed alone, asked about later;
+        what :func:`kvcake.compress` picks). Only CAKE's layer allocator reads it.
 
     Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
     ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, cache=cache)`` (spelled
@@ -84,9 +89,11 @@ class KVCakeCache(Cache):
         record: bool = False,
         progress: bool = False,
         static: bool = False,
+        scenario: str | Scenario | None = None,
         max_cache_len: int | None = None,
         **budget_kwargs,
     ) -> None:
+        self.scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
         self.info: ModelInfo = describe_model(model)
         if budget_kwargs and isinstance(method, Method):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")

@@ -167,7 +167,7 @@ def temperatures(cache: Cache) -> tuple[float, float]:
     if cache.tau is None:
         lay, avg = cache.method.layers, float(cache.seq.per_layer.double().mean())
         cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from,
-                                model_name=cache._model_name)  # fmt: skip
+                                model_name=cache._model_name, scenario=cache.scenario)  # fmt: skip
     return cache.tau.tau1, cache.tau.tau2
 
 

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=float, default=40.0, help="needle depth, percent of the text")
     parser.add_argument("--method", default="cake", help="preset or composed spec (see `kvcake methods`)")
     parser.add_argument("--budget", type=int, default=128, help="average KV entries kept per layer and head")
+    parser.add_argument("--scenario", choices=("question", "context"), default=None,
+                        help="set of calibrated CAKE temperatures (default: question, the prompt ends with it)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=3, help="seed of the haystack and needle")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="answer length limit")
     parser.add_argument("--rounds", type=int, default=2, help="timed runs of each cache (alternating order)")
@@ -96,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def make(label):
         return (
-            DynamicCache(config=model.config) if label == "full cache" else kvcake.KVCakeCache(model, method)
+            DynamicCache(config=model.config)
+            if label == "full cache"
+            else kvcake.KVCakeCache(model, method, scenario=args.scenario)
         )
 
     labels = ("full cache", method.name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from matplotlib.ticker import MaxNLocator
 from .api import compress
 from .cache import KVCakeCache
 from .method import Method, make_method
+from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +158,8 @@ def inspect_prompt(
     window: int = 32,
     out_dir: str | os.PathLike[str] = ".",
     ada_method: Method | str = "cake-adakv",
+    scenario: str | Scenario | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> list[Path]:
     """Compress ``text`` and draw what the methods kept; returns the four PNG paths.
 
@@ -173,10 +177,16 @@ def inspect_prompt(
         Folder for the PNG files (created if needed).
     ada_method:
         The head-adaptive method for figure 3 (and the second panel of figure 4).
+    scenario:
+        Which set of calibrated CAKE temperatures the runs use: ``"question"`` (default: a
+        prompt that ends with its question) or ``"context"`` (a document alone).
+    report:
+        Called with one line per run that resolved CAKE temperatures (which set, and why).
 
     Figure 2 needs CAKE's preferences: it uses the first of the two runs whose layer allocator
     computes them, or a third run of ``cake`` at the same budget.
     """
+    scenario = Scenario.pick(scenario, "question", "inspect_prompt: a prompt that ends with its question")
     ids = _as_ids(tokenizer, text).to(next(model.parameters()).device)
     m = (
         method
@@ -188,20 +198,23 @@ def inspect_prompt(
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     length = ids.shape[1]
-    main_ctx = compress(model, ids[:1], m)
-    ada_ctx = compress(model, ids[:1], ada)
+    main_ctx = compress(model, ids[:1], m, scenario=scenario)
+    ada_ctx = compress(model, ids[:1], ada, scenario=scenario)
     caches = [main_ctx.cache, ada_ctx.cache]
     pref = next((c for c in caches if c.entropy), None)
     if pref is None:
         logger.info(
             "neither %s nor %s computes layer preferences: running cake for figure 2", m.name, ada.name
         )
-        pref = compress(model, ids[:1], make_method("cake", **spec)).cache
+        pref = compress(model, ids[:1], make_method("cake", **spec), scenario=scenario).cache
     paths = [
         _plot_budgets(main_ctx.cache, m, length, out / FIGURES[0]),
         _plot_preferences(pref, out / FIGURES[1]),
         _plot_heads(ada_ctx.cache, out / FIGURES[2]),
         _plot_positions([(c, kept_mask(c, length)) for c in caches], length, out / FIGURES[3]),
     ]
+    for c in caches:
+        if report is not None and c.tau is not None:
+            report(f"{c.method.name}: CAKE {c.tau.describe()}")
     logger.info("wrote %d figures to %s", len(paths), out)
     return paths

@@ -15,6 +15,13 @@ For 4 and 5 a warning names ``kvcake calibrate``, once per model fingerprint. A 
 holds one point per calibrated budget (average entries per layer); between points the
 temperatures are interpolated linearly in ``log(budget)`` (on ``log(tau)``), outside them the
 nearest point is used.
+
+A calibration holds one set of points per *scenario* (:data:`SCENARIOS`): ``question``
+(question-aware: the compressed prompt ends with the question; ``kvcake.generate`` and a
+``KVCakeCache`` passed to ``model.generate``) and ``context`` (context-only: a document
+compressed alone and asked about later; ``kvcake.compress``). The cache's :class:`Scenario`
+says which set it uses and why. Files written before the sets were split hold one set
+(``"points"``): it serves both scenarios, and the cache says so.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from .models import default_cache_root, model_fingerprint
 logger = logging.getLogger(__name__)
 
 SOURCES = ("user", "calibrated", "shipped", "family", "fallback")
+SCENARIOS = ("question", "context")
 SHIPPED_DIR = Path(__file__).parent / "calibrations"
 _warned: set[str] = set()
 
@@ -53,24 +61,88 @@ class TauPoint:
                 raise ValueError(f"calibration point: {name} must be a positive number, got {value!r}")
 
 
+def check_scenario(value: object) -> str:
+    """``value`` if it names a scenario (:data:`SCENARIOS`), else a ValueError naming the fix."""
+    if value not in SCENARIOS:
+        raise ValueError(
+            f"scenario must be 'question' (the compressed prompt ends with the question) or 'context' "
+            f"(a document compressed alone, asked about later), got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Which temperature set a cache uses (``name``, one of :data:`SCENARIOS`) and ``why``: the
+    entry point that implied it, or that it was given."""
+
+    name: str
+    why: str
+
+    def __post_init__(self) -> None:
+        check_scenario(self.name)
+
+    @classmethod
+    def pick(cls, given: str | Scenario | None, default: str, entry: str) -> Scenario:
+        """``given`` if set (a :class:`Scenario` is kept as it is), else ``default`` implied by ``entry``."""
+        if isinstance(given, Scenario):
+            return given
+        if given is not None:
+            return cls(check_scenario(given), f"scenario={given!r} given")
+        return cls(default, entry)
+
+
+QUESTION_DEFAULT = Scenario(
+    "question", "a KVCakeCache for model.generate compresses the prompt with its question"
+)
+
+
+def _points(raw) -> tuple[TauPoint, ...]:
+    return tuple(TauPoint(float(p["budget"]), float(p["tau1"]), float(p["tau2"])) for p in raw)
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """A model's calibrated temperatures: ``points`` sorted by budget, plus free-form ``meta``
-    (how it was found: objective values, samples, time)."""
+    """A model's calibrated temperatures, plus free-form ``meta`` (how they were found:
+    objective values, samples, time).
+
+    ``points`` is either a mapping ``{scenario: points}`` with a set for each of
+    :data:`SCENARIOS`, or one sequence of points that serves both (``shared``: files written
+    before the sets were split). Each set is sorted by budget."""
 
     fingerprint: str
-    points: tuple[TauPoint, ...]
+    points: tuple[TauPoint, ...] | dict[str, tuple[TauPoint, ...]]
     model: str = ""
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.points:
-            raise ValueError("a calibration needs at least one (budget, tau1, tau2) point")
-        object.__setattr__(self, "points", tuple(sorted(self.points, key=lambda p: p.budget)))
+        raw = self.points
+        if isinstance(raw, dict):
+            if sorted(raw) != sorted(SCENARIOS):
+                raise ValueError(f"a calibration's sets must be exactly {SCENARIOS}, got {sorted(raw)}")
+            sets = {s: raw[s] for s in SCENARIOS}
+        else:
+            sets = {s: raw for s in SCENARIOS}
+        for name, pts in sets.items():
+            if not pts:
+                raise ValueError(f"a calibration needs at least one (budget, tau1, tau2) point ({name} set)")
+        sets = {k: tuple(sorted(v, key=lambda p: p.budget)) for k, v in sets.items()}
+        object.__setattr__(self, "points", sets["question"] if not isinstance(raw, dict) else sets)
+        object.__setattr__(self, "_sets", sets)
 
-    def at(self, budget: float) -> tuple[float, float]:
-        """(tau1, tau2) at ``budget`` entries per layer: log-log interpolation, clamped outside."""
-        pts = self.points
+    @property
+    def shared(self) -> bool:
+        """One set for both scenarios (a file from before the split)."""
+        return not isinstance(self.points, dict)
+
+    def set(self, scenario: str = "question") -> tuple[TauPoint, ...]:
+        """The points of ``scenario``'s set, sorted by budget."""
+        return self._sets[check_scenario(scenario)]
+
+    def at(self, budget: float, scenario: str = "question") -> tuple[float, float]:
+        """(tau1, tau2) of ``scenario``'s set at ``budget`` entries per layer: log-log
+        interpolation, clamped outside."""
+        pts = self.set(scenario)
         if budget <= pts[0].budget:
             return pts[0].tau1, pts[0].tau2
         if budget >= pts[-1].budget:
@@ -83,17 +155,24 @@ class Calibration:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def to_json(self) -> str:
-        points = [{"budget": p.budget, "tau1": p.tau1, "tau2": p.tau2} for p in self.points]
-        body = {"fingerprint": self.fingerprint, "model": self.model, "points": points, "meta": self.meta}
+        def dump(pts):
+            return [{"budget": p.budget, "tau1": p.tau1, "tau2": p.tau2} for p in pts]
+
+        body = {"fingerprint": self.fingerprint, "model": self.model, "meta": self.meta}
+        if self.shared:
+            body["points"] = dump(self.points)
+        else:
+            body["scenarios"] = {s: {"points": dump(self.points[s])} for s in SCENARIOS}
         return json.dumps(body, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str = "calibration") -> Calibration:
         try:
             body = json.loads(text)
-            points = tuple(
-                TauPoint(float(p["budget"]), float(p["tau1"]), float(p["tau2"])) for p in body["points"]
-            )
+            if "scenarios" in body:
+                points = {s: _points(body["scenarios"][s]["points"]) for s in body["scenarios"]}
+            else:
+                points = _points(body["points"])
             return cls(
                 str(body["fingerprint"]), points, str(body.get("model", "")), dict(body.get("meta", {}))
             )
@@ -101,6 +180,16 @@ class Calibration:
             raise ValueError(
                 f"{source}: not a kvcake calibration ({err}); rerun `kvcake calibrate`"
             ) from None
+
+    def describe_sets(self) -> str:
+        """The points of each set, e.g. ``question 2/3 at 205, ...; context ...``."""
+
+        def fmt(pts):
+            return ", ".join(f"{p.tau1:g}/{p.tau2:g} at {p.budget:.0f}" for p in pts)
+
+        if self.shared:
+            return f"one set for both scenarios: {fmt(self.points)}"
+        return "; ".join(f"{s}: {fmt(self.points[s])}" for s in SCENARIOS)
 
 
 @dataclass(frozen=True)
@@ -111,9 +200,19 @@ class TauChoice:
     tau1: float
     tau2: float
     source: str
+    scenario: Scenario | None = field(default=None, compare=False)
+    set_used: str = field(default="", compare=False)  # "question", "context", "shared" or "" (none)
 
     def describe(self) -> str:
-        return f"tau1={self.tau1:.3g} tau2={self.tau2:.3g} ({self.source})"
+        text = f"tau1={self.tau1:.3g} tau2={self.tau2:.3g} ({self.source}"
+        if self.scenario is not None:
+            used = {
+                "": "",
+                "shared": ", the calibration's one set for both scenarios",
+            }.get(self.set_used, f", {self.set_used} set")
+            aware = "question-aware" if self.scenario.name == "question" else "context-only"
+            text += f"; {aware}{used}: {self.scenario.why}"
+        return text + ")"
 
 
 def local_dir() -> Path:
@@ -161,19 +260,25 @@ def resolve_tau(
     tau2: float | None = None,
     tau_from: str = "auto",
     model_name: str | None = None,
+    scenario: Scenario | str | None = None,
 ) -> TauChoice:
     """The temperatures for a model at ``budget`` average entries per layer (see the module doc).
     ``model_name`` (what ``--model`` loads it by) is quoted in the warning's command.
+    ``scenario`` picks a calibration's set (default: question-aware, what ``model.generate``
+    with a ``KVCakeCache`` does); the family default and the fallback serve both.
 
     A user value wins for its own temperature; the other comes from the rest of the cascade.
     ``tau_from="family"`` or ``"fallback"`` skips the calibrations (and the warning): ablations."""
+    scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
     if tau1 is not None and tau2 is not None:
-        return TauChoice(tau1, tau2, "user")
+        return TauChoice(tau1, tau2, "user", scenario)
     found = find_calibration(fingerprint) if tau_from == "auto" else None
+    used = ""
     if tau_from == "fallback":
         (t1, t2), source = FALLBACK_TAU, "fallback"
     elif found is not None:
-        (t1, t2), source = found[0].at(budget), found[1]
+        (t1, t2), source = found[0].at(budget, scenario.name), found[1]
+        used = "shared" if found[0].shared else scenario.name
     elif family_key(model_type) is not None:
         (t1, t2), source = default_tau(model_type, budget), "family"
     else:
@@ -188,8 +293,8 @@ def resolve_tau(
             shlex.quote(model_name or "MODEL"),
         )  # fmt: skip
     if tau1 is not None or tau2 is not None:
-        return TauChoice(tau1 or t1, tau2 or t2, f"user+{source}")
-    return TauChoice(t1, t2, source)
+        return TauChoice(tau1 or t1, tau2 or t2, f"user+{source}", scenario, used)
+    return TauChoice(t1, t2, source, scenario, used)
 
 
 def tau_source_label(
@@ -203,7 +308,11 @@ def tau_source_label(
     if tau_from == "fallback":
         base = f"fallback:{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}"
     elif found is not None:
-        digest = hashlib.sha256(json.dumps([p.__dict__ for p in found[0].points]).encode()).hexdigest()[:8]
+        cal = found[0]  # a shared set keeps the digest it had before the sets were split
+        sets = [p.__dict__ for p in cal.points] if cal.shared else {
+            k: [p.__dict__ for p in v] for k, v in cal.points.items()
+        }  # fmt: skip
+        digest = hashlib.sha256(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:8]
         base = f"{found[1]}:{digest}"
     elif family_key(model_type) is not None:
         base = f"family:{family_key(model_type)}"
@@ -227,11 +336,13 @@ def describe_resolution() -> str:
     shipped = []
     for path in sorted(SHIPPED_DIR.glob("*.json")):
         cal = Calibration.from_json(path.read_text(encoding="utf-8"), str(path))
-        pts = ", ".join(f"{p.tau1:g}/{p.tau2:g} at {p.budget:.0f}" for p in cal.points)
-        shipped.append(f"{cal.model or cal.fingerprint} ({pts} entries/layer)")
+        shipped.append(f"{cal.model or cal.fingerprint} ({cal.describe_sets()}; entries/layer)")
     return (
         "CAKE temperatures (tau1/tau2), when a method leaves them 'auto': the model's own calibration "
         f"(`kvcake calibrate`, stored in {local_dir()}), else one shipped with kvcake "
         f"[{'; '.join(shipped) or 'none'}], else the model family's default, else the flat fallback "
-        f"{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}. Caches report theirs as `cache.tau`."
+        f"{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}. A calibration holds a set per scenario: 'question' "
+        "(question-aware: kvcake generate --prompt, kvcake.generate, a KVCakeCache passed to "
+        "model.generate) and 'context' (context-only: kvcake generate --context-file, kvcake.compress); "
+        "--scenario / scenario= picks the other. Caches report theirs as `cache.tau`."
     )

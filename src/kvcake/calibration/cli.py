@@ -1,5 +1,9 @@
 """``kvcake calibrate``: fit CAKE's temperatures to a model and store them (``kvcake.calibrate``).
 
+One set per scenario: ``question`` (the compressed prompt ends with the question) and
+``context`` (a document compressed alone), each chosen by the mean KL of the next-token
+distributions to the full cache's, relative to uniform layer budgets.
+
 Plugged into ``kvcake`` through ``kvcake.cli.EXTENSIONS`` (``configure_parser`` + ``run``). The
 result goes beside the converted models (``kvcake.temperatures.local_dir()``, or ``--out``),
 named by the model's fingerprint, and every CAKE preset picks it up from then on.
@@ -16,6 +20,7 @@ from ..standalone import model_placement, user_description
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (a few minutes)",
     "kvcake calibrate --model ./my-model --text notes.txt --ratios 0.1,0.25,0.5",
+    "kvcake calibrate --indicators avg5,max7     # also search CAKE's indicator pooling",
 )
 
 
@@ -46,9 +51,12 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
         "--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25)"
     )
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
-    p.add_argument("--samples", type=int, default=4, help="samples per kind (context-only, needle question)")
+    p.add_argument("--samples", type=int, default=4,
+                   help="samples per scenario (context-only continuations, questions for a number or key)")  # fmt: skip
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
+    p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,
+                   help="CAKE indicators to search too, e.g. avg5,max7 (default: only the paper's avg5)")  # fmt: skip
     p.add_argument(
         "--out", default=None, help="folder to write the calibration to (default: beside the models)"
     )
@@ -68,20 +76,24 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device,
                                          dtype=getattr(torch, args.dtype))  # fmt: skip
     cal = calibrate(model, tokenizer, ratios=args.ratios, budgets=args.budgets, text=args.text,
-                    samples=args.samples, length=args.length, grid=args.grid,
+                    samples=args.samples, length=args.length, grid=args.grid, indicators=args.indicators,
                     save=args.out if args.out else True)  # fmt: skip
     out = sys.stdout
     out.write(f"model {cal.model} (fingerprint {cal.fingerprint}), {cal.meta['seconds']} s\n")
     out.write(
-        "loss: KL and attention-output perturbation relative to uniform layer budgets (1.0), both "
-        "scenarios; kept: the flattest allocation within one standard error (se) of the grid's best\n"
+        "loss: mean KL to the full cache relative to uniform layer budgets (1.0), per scenario; kept: the "
+        "flattest allocation within one standard error (se) of the grid's best; attn: attention-output "
+        "perturbation relative to uniform (reported, not optimised)\n"
     )
-    out.write("setting      entries/layer  tau1   tau2   loss    se      grid best      family  fallback\n")
+    out.write("scenario setting      entries/layer  tau1   tau2   loss    se      KL nats  attn    indicator  "
+              "grid best      family  fallback\n")  # fmt: skip
     for p in cal.meta["points"]:
         best = f"{p['grid_best'][0]:g}/{p['grid_best'][1]:g} {p['grid_best_loss']:.4f}"
+        attn = "-" if p["perturbation"] is None else f"{p['perturbation']:.4f}"
         out.write(
-            f"{p['setting']:<12} {p['budget']:>13.0f}  {p['tau1']:<6g} {p['tau2']:<6g} {p['loss']:.4f}  "
-            f"{p['standard_error']:.4f}  {best:<14} {p['family_loss']:.4f}  {p['fallback_loss']:.4f}\n"
+            f"{p['scenario']:<8} {p['setting']:<12} {p['budget']:>13.0f}  {p['tau1']:<6g} {p['tau2']:<6g} "
+            f"{p['loss']:.4f}  {p['standard_error']:.4f}  {p['kl']:<8.4g} {attn:<7} {p['indicator']:<10} "
+            f"{best:<14} {p['family_loss']:.4f}  {p['fallback_loss']:.4f}\n"
         )
     out.write(f"saved to {calibration_path(cal.fingerprint, Path(args.out) if args.out else local_dir())}\n")
     return 0

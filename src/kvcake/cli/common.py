@@ -136,7 +136,7 @@ def cache_summary(cache, label: str) -> str:
     if p.sliding:
         line += (f"; sliding layers {_fmt_bytes(p.sliding)} (their window), "
                  f"{len(cache.compressed)} global layers {_fmt_bytes(p.compressed)}")  # fmt: skip
-    return line
+    return line + _tau_line(cache)
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -152,11 +152,12 @@ def _report(line: str) -> None:
 _PROGRESS_MIN_TOKENS = 1024
 
 
-def _compress(model, ids: torch.Tensor, method):
+def _compress(model, ids: torch.Tensor, method, scenario=None):
     from ..api import compress
 
     start = time.perf_counter()
-    ctx = compress(model, ids, method, progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty())
+    ctx = compress(model, ids, method, progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
+                   scenario=scenario)  # fmt: skip
     seconds = time.perf_counter() - start
     logger.info("compressed %d tokens in %.2f s (%s) with %s", ids.shape[1], seconds,
                 _rate(ids.shape[1], seconds), method.describe())  # fmt: skip
@@ -168,9 +169,10 @@ def _context_from_args(args: argparse.Namespace):
     if args.load:
         from ..storage import load_context, read_context_info
 
-        if args.method or args.budget is not None or args.ratio is not None or args.window is not None:
+        if (args.method or args.budget is not None or args.ratio is not None or args.window is not None
+                or getattr(args, "scenario", None) is not None):  # fmt: skip
             raise ValueError(
-                "--load uses the method saved with the context: drop --method/--budget/--ratio/--window"
+                "--load uses the method saved with the context: drop --method/--budget/--ratio/--window/--scenario"
             )
         info = read_context_info(args.load)
         extra = info.get("extra") or {}
@@ -195,9 +197,24 @@ def _context_from_args(args: argparse.Namespace):
         from ..context import check_positions
 
         check_positions(model, ids.shape[1], {"max_new_tokens": args.max_new_tokens})
-    ctx, seconds = _compress(model, ids, method)
+    scenario = _scenario(args, "context", "--context-file: a document compressed before its questions")
+    ctx, seconds = _compress(model, ids, method, scenario)
     line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
     return model, tokenizer, ctx, chat, line
+
+
+def _scenario(args: argparse.Namespace, default: str, why: str):
+    """The :class:`~kvcake.temperatures.Scenario` of a command: ``--scenario`` if given, else
+    ``default`` for the reason ``why``."""
+    from ..temperatures import Scenario
+
+    given = getattr(args, "scenario", None)
+    return Scenario.pick(given, default, f"kvcake {args.command} {why}" if hasattr(args, "command") else why)
+
+
+def _tau_line(cache) -> str:
+    """`` | CAKE tau1=... (source; scenario: why)`` when the cache resolved CAKE temperatures."""
+    return f" | CAKE {cache.tau.describe()}" if getattr(cache, "tau", None) is not None else ""
 
 
 def _answer(ctx, tokenizer, question: str, chat: bool, gen: dict) -> tuple[torch.Tensor, _Streamer, float]:

@@ -18,6 +18,7 @@ from .common import (
     _prompt_ids,
     _rate,
     _report,
+    _scenario,
     _Streamer,
     _use_chat,
     cache_summary,
@@ -63,8 +64,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     method = _method(args, ids.shape[1], "question")
     streamer = _Streamer(tokenizer)
     start = time.perf_counter()
+    scenario = _scenario(args, "question", "--prompt: the prompt is compressed with its question")
     out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,
-                          progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(), **gen)  # fmt: skip
+                          progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
+                          scenario=scenario, **gen)  # fmt: skip
     first = (streamer.first or time.perf_counter()) - start
     _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + first token {first:.2f} s "
             f"({_rate(ids.shape[1], first)}) | {out.shape[1] - ids.shape[1]} new tokens, decode "

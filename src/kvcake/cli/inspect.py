@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from .common import _context_ids, _prompt_ids, _read_text, _use_chat
+from .common import _context_ids, _prompt_ids, _read_text, _scenario, _use_chat
 from .options import _layout_args, _load, _method, _method_args
 
 
@@ -35,6 +36,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
     method = _method(args, ids.shape[1], "context" if document is not None else "question")
     ada = make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
                       window=method.budget.window)  # fmt: skip
-    for path in inspect_prompt(model, tokenizer, ids, method, ada_method=ada, out_dir=args.out):
+    scenario = (
+        _scenario(args, "context", "--context-file: a document compressed alone")
+        if document is not None
+        else _scenario(args, "question", "--prompt: a prompt that ends with its question")
+    )
+    for path in inspect_prompt(model, tokenizer, ids, method, ada_method=ada, out_dir=args.out, scenario=scenario,
+                               report=lambda line: print(line, file=sys.stderr)):  # fmt: skip
         print(path)
     return 0

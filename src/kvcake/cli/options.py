@@ -14,6 +14,7 @@ from ..budget import DEFAULT_KEEP_RATIO, default_budget
 logger = logging.getLogger("kvcake.cli")
 
 DEFAULT_BUDGET = 128  # the papers' "128L": what 'kvcake methods' shows defaults at
+SCENARIOS = ("question", "context")  # kvcake.temperatures.SCENARIOS, without importing the models here
 
 
 def _common(parser: argparse.ArgumentParser, load: bool = False) -> None:
@@ -45,6 +46,9 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
                       help="fraction of the prompt KEPT, in (0, 1] (kvpress's compression_ratio=0.2 is "
                            "--keep-ratio 0.8); --ratio is its older name")  # fmt: skip
     g.add_argument("--window", type=int, default=None, help="observation window, always kept (default: 32)")
+    g.add_argument("--scenario", choices=SCENARIOS, default=None,
+                   help="which set of calibrated CAKE temperatures to use (default: question with --prompt, "
+                        "context with --context-file)")  # fmt: skip
     parser.set_defaults(default_method=default_method)
 
 

@@ -100,7 +100,7 @@ def budget_chart(
         for k, (spec, colour) in enumerate(
             (("cake,layers.tau_from=family", "tab:red"), ("cake", "tab:green"))
         ):
-            cache = kvcake.compress(model, ids, spec, ratio=ratio).cache
+            cache = kvcake.compress(model, ids, spec, ratio=ratio, scenario="question").cache
             b = cache.budgets[0].numpy()
             ax.bar(np.arange(len(b)) + (k - 0.5) * 0.4, b, width=0.4, color=colour,
                    label=f"{'family default' if k == 0 else cache.tau.source} {cache.tau.tau1:.2g}/{cache.tau.tau2:.2g}")  # fmt: skip

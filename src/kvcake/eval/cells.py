@@ -68,9 +68,8 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
         if sc == "context":
             t0 = time.perf_counter()
             if shared:
-                ctx = replay_compress(
-                    model, method, ref.captured, ref.cache, ctx_ids, ref.logits, chunks=1, memo=memo
-                )
+                ctx = replay_compress(model, method, ref.captured, ref.cache, ctx_ids, ref.logits, chunks=1,
+                                      memo=memo, scenario="context")  # fmt: skip
             else:
                 ctx = kvcake.compress(model, ctx_ids, method)
             compress_s = time.perf_counter() - t0
@@ -106,9 +105,8 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                 full_ids = torch.cat([ctx_ids, q.ids.to(dev)], dim=1)
                 t0 = time.perf_counter()
                 if shared:
-                    qctx = replay_compress(
-                        model, method, qref.captured, qref.cache, full_ids, qref.logits, memo=memo
-                    )
+                    qctx = replay_compress(model, method, qref.captured, qref.cache, full_ids, qref.logits,
+                                           memo=memo, scenario="question")  # fmt: skip
                     compress_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     tokens = continue_greedy(model, qctx.fork(), full_ids, qctx.logits, q.max_new_tokens)
@@ -120,7 +118,7 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                     tokens = out[0, full_ids.shape[1] :]
                     generate_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    qctx = kvcake.compress(model, full_ids, method)  # for kv_bytes and fidelity
+                    qctx = kvcake.compress(model, full_ids, method, scenario="question")  # kv_bytes, fidelity
                     compress_s = time.perf_counter() - t0
                 kv = qctx.cache.kv_bytes()
                 full_bytes = cache_bytes(qref.cache)

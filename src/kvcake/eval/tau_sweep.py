@@ -105,7 +105,7 @@ def sweep_group(
             base = {"scenario": scenario, "ratio": ratio}
             for name in REFERENCES:
                 kl, attn = _measure(
-                    model, case, memo, q.tokens[:n], make_method(name, ratio=ratio, window=window)
+                    model, case, memo, q.tokens[:n], make_method(name, ratio=ratio, window=window), scenario
                 )
                 yield {**base, "method": name, "kl": kl, "attn": attn}
             spec = BudgetSpec(ratio=ratio, window=window)
@@ -121,13 +121,17 @@ def sweep_group(
                 yield {**base, "method": "tau", "tau1": tau1, "tau2": tau2, "kl": kl, "attn": attn}
 
 
-def _measure(model, case: tuple, memo, continuation: torch.Tensor, method) -> tuple[float, float]:
+def _measure(
+    model, case: tuple, memo, continuation: torch.Tensor, method, scenario: str | None = None
+) -> tuple[float, float]:
     """(KL, mean attention perturbation) of ``method``'s cache for one scenario ``case``:
     (recording, full cache, prompt ids, last logits, chunks, appended ids, full teacher forcing)."""
     from kvcake.eval.fidelity import compare, replay_compress, teacher_force
 
     captured, cache, ids, logits, chunks, appended, full_tf = case
-    ctx = replay_compress(model, method, captured, cache, ids, logits, chunks=chunks, memo=memo)
+    ctx = replay_compress(
+        model, method, captured, cache, ids, logits, chunks=chunks, memo=memo, scenario=scenario
+    )
     tf = teacher_force(model, ctx.cache, ids.shape[1], ctx.logits, appended, continuation.numel())
     f = compare(full_tf, tf, continuation)
     return f.kl, f.attn_rel_l1

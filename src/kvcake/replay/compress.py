@@ -74,6 +74,7 @@ def replay_compress(
     logits: torch.Tensor,
     chunks: int | None = None,
     memo: ScoreMemo | None = None,
+    scenario: str | None = None,
 ) -> CompressedContext:
     """Compress a prompt whose full-cache forward was recorded, without running the model again.
 
@@ -90,6 +91,9 @@ def replay_compress(
         Use the first ``chunks`` recorded forwards' queries (their total length must be ``S``).
     memo:
         Reuse prefill scores across calls on the same recording (e.g. several budgets).
+    scenario:
+        The set of calibrated CAKE temperatures (``KVCakeCache``'s ``scenario``; default
+        ``"question"``): give ``"context"`` when the prompt does not end with its question.
 
     Returns the same :class:`~kvcake.api.CompressedContext` ``kvcake.compress`` builds: each layer
     is stored in full, then scored and evicted by the cache's prefill hook, in layer order (so the
@@ -97,7 +101,7 @@ def replay_compress(
     """
     if memo is not None:
         method = method.replace(scorer=_MemoScorer(method.scorer, memo))
-    kv = KVCakeCache(model, method)
+    kv = KVCakeCache(model, method, scenario=scenario)
     valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         for layer in range(len(kv.layers)):
