@@ -221,6 +221,7 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--sample", "--temperature", "0"], "--temperature must be positive"),
         (["generate", "--prompt", "w1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
+        (["generate", "--context-file", "DOC", "--question", "w1", "--compile"], "--compile applies to --prompt"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],
          "positions, but the model has 4096"),
     ],
@@ -421,3 +422,39 @@ def test_scenario_picks_the_temperature_set(tiny_dir, tmp_path, capsys, monkeypa
     assert "--scenario" in out
     code, out, err = call(capsys, monkeypatch, [*prompt, "--scenario", "document"])
     assert code == 2 and "invalid choice: 'document'" in err
+
+
+def test_generate_compile_decodes_the_same_tokens(tiny_dir, capsys, monkeypatch):
+    """``--compile`` reaches ``kvcake.generate(compile=...)``: on a release that hands the attention
+    kwargs to ``cache.update`` the compiled decoding gives eager's tokens (a recording backend
+    stands in for inductor, whose compile takes minutes on this CPU); elsewhere a one-line error."""
+    import torch
+    from transformers import CompileConfig
+
+    from kvcake import api
+    from kvcake.cache import KWARGS_HANDOFF
+
+    graphs, seen = [], []
+    real = api.generate
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def recording(*args, compile=False, **kwargs):
+        seen.append(compile)
+        if compile is True:
+            compile = CompileConfig(fullgraph=True, backend=backend, mode=None)
+        return real(*args, compile=compile, **kwargs)
+
+    monkeypatch.setattr(api, "generate", recording)
+    args = ["generate", *model_args(tiny_dir), "--prompt", "w1 w2 " * 40, *SMALL]
+    eager = call(capsys, monkeypatch, args)
+    torch._dynamo.reset()
+    compiled = call(capsys, monkeypatch, [*args, "--compile"])
+    assert seen == [False, True]
+    if KWARGS_HANDOFF:
+        assert eager[0] == compiled[0] == 0, compiled[2]
+        assert compiled[1] == eager[1] and len(graphs) >= 1
+    else:
+        assert compiled[0] == 2 and "upgrade transformers or use compile=False" in compiled[2]

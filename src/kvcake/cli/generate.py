@@ -36,6 +36,12 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
         "--load", metavar="FILE", help="a context saved with 'kvcake save'; --question is asked after it"
     )
     p.add_argument("--question", help="the question asked after --context-file or --load")
+    p.add_argument(
+        "--compile", action="store_true",
+        help="with --prompt: decode in static storage with a compiled forward (torch.compile, fullgraph; "
+        "kvcake.generate(compile=True)); the first tokens pay for the compilation, and on a CPU inductor is "
+        "often slower than eager",
+    )  # fmt: skip
     _method_args(p)
     _layout_args(p)
     _generation_args(p)
@@ -47,6 +53,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError("--question goes with --context-file or --load; put it inside --prompt instead")
     if args.prompt is None and args.question is None:
         raise ValueError("--context-file and --load need --question")
+    if args.compile and args.prompt is None:
+        raise ValueError("--compile applies to --prompt (question-aware decoding); a compressed document "
+                         "(--context-file, --load) decodes eagerly: drop --compile")  # fmt: skip
     if args.prompt is None:
         model, tokenizer, ctx, chat, prefill = _context_from_args(args)
         gen = _gen_kwargs(args, tokenizer)
@@ -67,7 +76,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     scenario = _scenario(args, "question", "--prompt: the prompt is compressed with its question")
     out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,
                           progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
-                          scenario=scenario, **gen)  # fmt: skip
+                          scenario=scenario, compile=args.compile, **gen)  # fmt: skip
     first = (streamer.first or time.perf_counter()) - start
     _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + first token {first:.2f} s "
             f"({_rate(ids.shape[1], first)}) | {out.shape[1] - ids.shape[1]} new tokens, decode "
