@@ -23,8 +23,8 @@ full cache's prefill (2k tokens, one round on a shared 2-core CPU: `kvcake bench
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | SmolLM2-135M | question-aware | `layer-defensivekv` | 0.25 | 70 (72) | 0.0053 | 23% | `defensivekv` 72, KL 0.0135 at 26%; `snapkv` 67, KL 0.089 at 3%; `h2o` KL 0.036 at 508%; `cake` KL 0.136 at 8% |
 | SmolLM2-135M | context-only | `layer-defensivekv` | 0.5 | 53 (72) | 0.026 | 23% | `h2o` 42, KL 0.055 at 508%; `criticalkv` 42, KL 0.085 at 6%; `cake` 17, KL 0.272 |
-| Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100) | 0.0024 | - | `snapkv` KL 0.0027; `cake` 0.0328 (DefensiveKV presets not measured on Gemma yet) |
-| Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 0, KL 0.647 (DefensiveKV presets not measured on Gemma yet) |
+| Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100) | 0.0024 | - | `snapkv` KL 0.0027; `cake` 0.0054; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
+| Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 50, KL 0.479; `defensivekv` 0, KL 0.561; `layer-defensivekv` 0, KL 0.655 |
 
 No method reaches the full cache's score context-only on the default model, even keeping half:
 `kvcake` keeps 0.5 of a document and 0.25 of a question-aware prompt by default for that reason.
@@ -168,23 +168,33 @@ GEMMA3_INTRO = (
 )
 
 GEMMA3_NOTES = """\
-Written by hand from the run of 2026-11-23 (the tables above are regenerated from the results file
-by the command; these notes are not):
+Written by hand from the runs of 2026-11-23 and 2026-11-25 (the tables above are regenerated from
+the results file by the command; these notes are not). The 2026-11-25 run added the DefensiveKV
+presets and reran the CAKE presets: their 2026-11-23 cells did not record the temperatures in force
+(`tau`, part of a cell's key since), so they were measured again with the fallback 2/3 and the
+tables show those.
 
 - **One KV head per layer leaves Ada-KV nothing to redistribute**: `adakv` equals `snapkv`,
   `critical-adakv` equals `criticalkv` and `cake-adakv` equals `cake` in every table above, to the
   last digit. `cake-oneshot` equals `cake` too (cascading changes the peak, not the result).
 - **The sliding layers set a floor on memory**: they keep their 511 entries whatever the method,
-  so the kept bytes are 0.447 / 0.539 / 0.693 of transformers' full cache at ratios 0.1 / 0.25 /
+  so the kept bytes are 0.446 / 0.538 / 0.692 of transformers' full cache at ratios 0.1 / 0.25 /
   0.5 at 4k tokens (the global layers alone are at the ratio).
 - **Question-aware, the compressed global layers barely move the model** (KL at most 0.18
-  nats/token at ratio 0.1, `tova`/`snapkv`/`criticalkv` below 0.03) and every method answers both
-  prompts. **Context-only, the needle is lost**: only `streamingllm` and `h2o` (ratio 0.5) and
-  `criticalkv`/`critical-adakv` (ratio 0.5, one of two prompts) keep a right answer. With one
-  sample per task these scores are anecdotes, not a ranking.
-- CAKE's temperatures for this family are the fallback ones (`default_tau`: no Gemma entry) and
-  its allocation has only 3 layers to share; its question-aware KL is higher than SnapKV's at
-  every ratio here (0.036 vs 0.024 at 0.1, 0.017 vs 0.0005 at 0.5).
+  nats/token at ratio 0.1, `tova`/`snapkv`/`criticalkv`/`cake`/DefensiveKV at most 0.025) and
+  every method answers both prompts. **Context-only, the needle is lost**: at ratio 0.5
+  `streamingllm` and `h2o` answer both prompts and `criticalkv`, `critical-adakv` and the three
+  CAKE presets one of two; `h2o` answers one at 0.1 and 0.25, `streamingllm` one at 0.25; every
+  other cell none. With one sample per task these scores are anecdotes, not a ranking.
+- CAKE's temperatures for this family are the flat fallback (tau1=2, tau2=3: no Gemma calibration
+  ships) and its allocation has only 3 layers to share. Question-aware its KL is SnapKV's at 0.1
+  (0.024 both) and above it at 0.25 and 0.5 (0.0054 vs 0.0027, 0.0007 vs 0.0005); context-only it
+  is below SnapKV's at every ratio (0.647 / 0.575 / 0.479 vs 0.649 / 0.583 / 0.548).
+- **DefensiveKV does not carry over to this model**: `defensivekv` has the lowest question-aware
+  KL at ratio 0.1 (0.011) but is above SnapKV at 0.25 and 0.5, and `layer-defensivekv` (kvcake's
+  default method, best on SmolLM2) is above SnapKV at 0.25 and 0.5 (0.0104, 0.0077) and has the
+  highest context-only KL at 0.25 and 0.5 (0.639, 0.655), answering no context-only prompt. Its
+  layer allocation has only the 3 global layers to move budget between.
 """
 
 SUITES: dict[str, dict[str, object]] = {
