@@ -159,10 +159,11 @@ def test_the_default_model_uses_its_shipped_calibration(default_model, monkeypat
     assert source == "shipped"
     caplog.set_level(logging.WARNING)
     ids = tokenizer("The quick brown fox. " * 120, return_tensors="pt").input_ids
-    cache = kvcake.compress(model, ids, "cake", ratio=0.25).cache
+    cache = kvcake.compress(model, ids, "cake", ratio=0.25).cache  # a document: the context-only set
     assert cache.tau.source == "shipped" and cache._tau == pytest.approx(
-        cal.at(0.25 * ids.shape[1]), rel=0.01
+        cal.at(0.25 * ids.shape[1], "context"), rel=0.01
     )
+    assert not cal.shared and cache.tau.set_used == "context"
     assert not [r for r in caplog.records if "kvcake calibrate" in r.getMessage()]
 
 

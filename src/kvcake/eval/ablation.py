@@ -149,15 +149,18 @@ def run_section(
 
 
 def targets_section(records: Sequence[dict[str, Any]]) -> str:
-    """The page section of issue 14's targets (:func:`targets_markdown`) for the main tables'
+    """The page section of issue 24's targets (:func:`targets_markdown`) for the main tables'
     cells, or ``""`` when they hold no ``cake`` or ``cake-adakv`` cell (e.g. a run of other methods)."""
     if not any(r["method"] in ("cake", "cake-adakv") for r in records):
         return ""
     return (
-        "## Targets of issue 14 (CAKE with its calibrated temperatures)\n\nMeans over the prompts of the "
-        "tables above that both sides of a row have (every task, length and sample when the run is complete), "
-        "computed from the results file. *Prompts where it holds* makes the same comparison prompt by prompt: "
-        "a mean can be decided by one prompt with a large KL.\n\n" + targets_markdown(records)
+        "## Targets of issue 24 (CAKE with its calibrated temperatures: output KL and task score)\n\nMeans "
+        "over the prompts of the tables above that both sides of a row have (every task, length and sample "
+        "when the run is complete), computed from the results file. *Prompts where it holds* makes the same "
+        "comparison prompt by prompt: a mean can be decided by one prompt with a large KL. Context-only at "
+        "ratio 0.5 has no target (no fixed temperatures reached SnapKV there in the oracle sweep): its rows "
+        "show the gap. Attention-output perturbation is a diagnostic (tables above), not a target.\n\n"
+        + targets_markdown(records)
     )
 
 
@@ -175,11 +178,27 @@ def _sweep_section(model, tokenizer, settings: dict[str, Any], seed: int) -> str
     return sweep_markdown(records)
 
 
+# Issue 24's targets: (method, reference, scenario, ratios, factor) on mean KL, the method's mean
+# at or below factor x the reference's; ratios None = every ratio of the records. Context-only at
+# 0.5 is shown without a target (SHOWN_ONLY).
+KL_TARGETS = (
+    ("cake", "snapkv", "question", None, 1.10),
+    ("cake", "pyramidkv", "question", None, 1.0),
+    ("cake-adakv", "adakv", "question", None, 1.10),
+    ("cake", "snapkv", "context", (0.1, 0.25), 1.0),
+    ("cake", "pyramidkv", "context", (0.1, 0.25), 1.0),
+    ("cake-adakv", "adakv", "context", (0.1, 0.25), 1.0),
+)
+SHOWN_ONLY = (("cake", "snapkv", "context", 0.5), ("cake-adakv", "adakv", "context", 0.5))
+SCORE_SLACK = 0.10
+"""``cake``'s task score may be this much (10 points x 100, the page's noise level) below ``snapkv``'s."""
+
+
 def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """Issue 14's targets for the default presets, checked on the main tables' cells (all tasks,
-    lengths and samples): mean KL and attention-output perturbation of ``cake`` at or below
-    ``snapkv``'s and ``pyramidkv``'s, its context-only score at least ``snapkv``'s, and
-    ``cake-adakv``'s KL at or below ``adakv``'s (and 15% below ``snapkv``'s at ratio 0.1)."""
+    """Issue 24's targets for the default presets, checked on the main tables' cells (all tasks,
+    lengths and samples): mean KL of ``cake`` and ``cake-adakv`` against ``snapkv``, ``pyramidkv``
+    and ``adakv`` (:data:`KL_TARGETS`), and ``cake``'s task score no more than
+    :data:`SCORE_SLACK` below ``snapkv``'s in every cell."""
 
     def cells(method: str, scenario: str, ratio: float, metric: str) -> dict[tuple, float]:
         return {(r["task"], r["length"], r["seed"]): r[metric] for r in records
@@ -187,51 +206,48 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
                 and r.get(metric) is not None}  # fmt: skip
 
     def pair(
-        method: str,
-        ref: str,
-        scenario: str,
-        ratio: float,
-        metric: str,
-        factor: float = 1.0,
-        higher: bool = False,
+        method: str, ref: str, scenario: str, ratio: float, metric: str, factor: float = 1.0, slack: float = 0.0
     ) -> tuple[float | None, float | None, str]:
         """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like
-        with like), and on how many of those prompts the target holds, e.g. ``"11/12"``."""
+        with like), and on how many of those prompts the target holds, e.g. ``"11/12"``: for KL the
+        method at or below ``factor`` x the reference, for scores at least the reference less ``slack``."""
         a, b = cells(method, scenario, ratio, metric), cells(ref, scenario, ratio, metric)
         common = sorted(set(a) & set(b))
         if not common:
             return None, None, "-"
-        won = sum(a[k] >= b[k] if higher else a[k] <= factor * b[k] for k in common)
+        won = sum(a[k] >= b[k] - slack if metric == "score" else a[k] <= factor * b[k] for k in common)
         return (
             sum(a[k] for k in common) / len(common),
             sum(b[k] for k in common) / len(common),
             f"{won}/{len(common)}",
         )
 
-    checks = []  # (what, scenario, ratio, value, reference, prompts, factor)
+    def verdict(value: float | None, ref: float | None, holds: bool) -> str:
+        return "-" if value is None or ref is None else "yes" if holds else "**no**"
+
     ratios = sorted({r["ratio"] for r in records if r.get("ratio") is not None})
-    for sc in ("question", "context"):
-        for ratio in ratios:
-            for metric in ("kl", "attn_rel_l1"):
-                for ref in ("snapkv", "pyramidkv"):
-                    checks.append((f"`cake` {metric} <= `{ref}`", sc, ratio, *pair("cake", ref, sc, ratio, metric),
-                                   1.0))  # fmt: skip
-            checks.append(("`cake-adakv` kl <= `adakv`", sc, ratio, *pair("cake-adakv", "adakv", sc, ratio, "kl"),
-                           1.0))  # fmt: skip
-            if ratio == 0.1:
-                checks.append(("`cake-adakv` kl <= 0.85 x `snapkv`", sc, ratio,
-                               *pair("cake-adakv", "snapkv", sc, ratio, "kl", 0.85), 0.85))  # fmt: skip
     lines = ["| target | scenario | ratio | value | reference | holds | prompts where it holds |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for what, sc, ratio, value, ref, prompts, factor in checks:
-        ok = None if value is None or ref is None else value <= factor * ref
-        lines.append(f"| {what} | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | {_num(ref)} | "
-                     f"{'-' if ok is None else 'yes' if ok else '**no**'} | {prompts} |")  # fmt: skip
-    for ratio in ratios:
-        value, ref, prompts = pair("cake", "snapkv", "context", ratio, "score", higher=True)
-        ok = None if value is None or ref is None else value >= ref
-        lines.append(f"| `cake` score >= `snapkv` | context-only | {ratio:g} | {_num(value, 100)} | {_num(ref, 100)} | "
-                     f"{'-' if ok is None else 'yes' if ok else '**no**'} | {prompts} |")  # fmt: skip
+    for method, ref, sc, only, factor in KL_TARGETS:
+        for ratio in ratios if only is None else [r for r in ratios if r in only]:
+            value, reference, prompts = pair(method, ref, sc, ratio, "kl", factor)
+            times = "" if factor == 1.0 else f"{factor:g} x "
+            ok = verdict(value, reference, value is not None and reference is not None and value <= factor * reference)
+            lines.append(f"| `{method}` kl <= {times}`{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
+                         f"{_num(reference)} | {ok} | {prompts} |")  # fmt: skip
+    for method, ref, sc, ratio in SHOWN_ONLY:
+        if ratio in ratios:
+            value, reference, prompts = pair(method, ref, sc, ratio, "kl")
+            gap = "-" if value is None or reference is None else f"no target: {value / reference:.2f} x"
+            lines.append(f"| `{method}` kl vs `{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
+                         f"{_num(reference)} | {gap} | {prompts} |")  # fmt: skip
+    for sc in ("question", "context"):
+        for ratio in ratios:
+            value, reference, prompts = pair("cake", "snapkv", sc, ratio, "score", slack=SCORE_SLACK)
+            holds = value is not None and reference is not None and value >= reference - SCORE_SLACK
+            lines.append(f"| `cake` score >= `snapkv` - {SCORE_SLACK * 100:g} | {SCENARIO_TITLES[sc]} | {ratio:g} | "
+                         f"{_num(value, 100)} | {_num(reference, 100)} | {verdict(value, reference, holds)} | "
+                         f"{prompts} |")  # fmt: skip
     return "\n".join(lines)
 
 
