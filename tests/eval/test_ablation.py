@@ -38,7 +38,12 @@ def test_targets_hold_or_fail_from_the_numbers():
     from kvcake.eval.ablation import targets_markdown
 
     kl = {"cake": 0.105, "snapkv": 0.1, "pyramidkv": 0.05, "cake-adakv": 0.1, "adakv": 0.3}
-    records = [_record(m, 2048, sc, r, v) for m, v in kl.items() for sc in ("question", "context") for r in (0.1, 0.5)]
+    records = [
+        _record(m, 2048, sc, r, v)
+        for m, v in kl.items()
+        for sc in ("question", "context")
+        for r in (0.1, 0.5)
+    ]
     rows = _rows(targets_markdown(records))
     assert rows[("`cake` kl <= 1.1 x `snapkv`", "question-aware", "0.1")] == "yes"  # 0.105 <= 0.11
     assert rows[("`cake` kl <= `snapkv`", "context-only", "0.1")] == "**no**"  # no 10% slack context-only
@@ -55,7 +60,10 @@ def test_the_score_target_allows_ten_points_and_no_more():
     from kvcake.eval.ablation import targets_markdown
 
     def rows(cake_score):
-        records = [_record("cake", 2048, "question", 0.25, 0.1), _record("snapkv", 2048, "question", 0.25, 0.1)]
+        records = [
+            _record("cake", 2048, "question", 0.25, 0.1),
+            _record("snapkv", 2048, "question", 0.25, 0.1),
+        ]
         records[0]["score"], records[1]["score"] = cake_score, 0.5
         return _rows(targets_markdown(records))[("`cake` score >= `snapkv` - 10", "question-aware", "0.25")]
 
@@ -79,7 +87,9 @@ def test_targets_count_the_prompts_where_they_hold():
     kl = {("cake", 0): 0.1, ("cake", 1): 0.5, ("snapkv", 0): 0.2, ("snapkv", 1): 0.3}
     records = [_record(m, 2048, "question", 0.1, v, seed=s) for (m, s), v in kl.items()]
     row = next(
-        line for line in targets_markdown(records).splitlines() if "`cake` kl <= 1.1 x `snapkv` | question" in line
+        line
+        for line in targets_markdown(records).splitlines()
+        if "`cake` kl <= 1.1 x `snapkv` | question" in line
     )
     assert "| 0.3 | 0.25 | **no** | 1/2 |" in row  # the mean fails (0.3 > 0.275), one prompt of two holds
 

@@ -143,7 +143,7 @@ def run_section(
     figure = budget_chart(model, tokenizer, out.parent / BUDGET_FIGURE, tuple(settings["ratios"]))
     section = ablation_markdown(result.records, figure, doc or out)
     targets = targets_section(main_records)
-    sweep = _sweep_section(model, tokenizer, settings, args.seed)
+    sweep = _sweep_section(model, tokenizer, settings, args.seed, main_records)
     body = f"{targets}\n\n{section}" if targets else section
     return f"{body}\n\n{sweep}" if sweep else body
 
@@ -164,10 +164,14 @@ def targets_section(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
-def _sweep_section(model, tokenizer, settings: dict[str, Any], seed: int) -> str:
+def _sweep_section(
+    model, tokenizer, settings: dict[str, Any], seed: int, main_records: Sequence[dict[str, Any]] = ()
+) -> str:
     """The oracle sweep's section (:mod:`kvcake.eval.tau_sweep`) from its records next to the
-    results file, if ``--tau-sweep`` made them (computed by the command line before this runs)."""
-    from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
+    results file, if ``--tau-sweep`` made them (computed by the command line before this runs), with
+    the shipped ``cake`` taken from ``main_records`` where the sweep has no row of the temperatures
+    in force (a calibration newer than the sweep)."""
+    from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path, with_shipped
 
     path = sweep_path(str(settings["out"]))
     if not path.exists():
@@ -175,6 +179,7 @@ def _sweep_section(model, tokenizer, settings: dict[str, Any], seed: int) -> str
     records = run_sweep(model, tokenizer, tasks=settings["tasks"], lengths=settings["lengths"],
                         samples=int(settings["samples"]), ratios=settings["ratios"], out=path, seed=seed,
                         compute=False)  # fmt: skip
+    records = with_shipped(model, records, main_records)
     return sweep_markdown(records)
 
 
@@ -206,7 +211,13 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
                 and r.get(metric) is not None}  # fmt: skip
 
     def pair(
-        method: str, ref: str, scenario: str, ratio: float, metric: str, factor: float = 1.0, slack: float = 0.0
+        method: str,
+        ref: str,
+        scenario: str,
+        ratio: float,
+        metric: str,
+        factor: float = 1.0,
+        slack: float = 0.0,
     ) -> tuple[float | None, float | None, str]:
         """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like
         with like), and on how many of those prompts the target holds, e.g. ``"11/12"``: for KL the
@@ -232,7 +243,9 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
         for ratio in ratios if only is None else [r for r in ratios if r in only]:
             value, reference, prompts = pair(method, ref, sc, ratio, "kl", factor)
             times = "" if factor == 1.0 else f"{factor:g} x "
-            ok = verdict(value, reference, value is not None and reference is not None and value <= factor * reference)
+            ok = verdict(
+                value, reference, value is not None and reference is not None and value <= factor * reference
+            )
             lines.append(f"| `{method}` kl <= {times}`{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
                          f"{_num(reference)} | {ok} | {prompts} |")  # fmt: skip
     for method, ref, sc, ratio in SHOWN_ONLY:

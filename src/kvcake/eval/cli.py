@@ -217,7 +217,8 @@ def _run_sweep(args: argparse.Namespace, s: dict[str, object], results: Path) ->
     import torch
 
     import kvcake
-    from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path
+    from kvcake.eval.records import load_records
+    from kvcake.eval.tau_sweep import run_sweep, sweep_markdown, sweep_path, with_shipped
 
     model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device,
                                          dtype=getattr(torch, args.dtype))  # fmt: skip
@@ -227,7 +228,7 @@ def _run_sweep(args: argparse.Namespace, s: dict[str, object], results: Path) ->
         needle_style=args.needle_style, window=args.window, fidelity_tokens=args.fidelity_tokens,
         compute=not args.report_only, progress=not args.no_progress,
     )  # fmt: skip
-    print(sweep_markdown(records), flush=True)
+    print(sweep_markdown(with_shipped(model, records, load_records(results))), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

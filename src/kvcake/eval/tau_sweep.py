@@ -46,7 +46,33 @@ def sweep_path(results: str | Path) -> Path:
 
 
 def _prompt_key(r: dict[str, Any]) -> tuple:
-    return (r["model_fp"], r["task"], r["length"], r["seed"], r["cake_tau"])
+    """A swept prompt. The grid and the references do not depend on the shipped calibration, so a
+    new calibration does not sweep a prompt again; only its ``cake`` rows go stale (see
+    :func:`with_shipped`)."""
+    return (r["model_fp"], r["task"], r["length"], r["seed"])
+
+
+def with_shipped(
+    model, records: list[dict[str, Any]], results: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``records`` (a sweep's) with the shipped ``cake`` taken from ``results`` (the results page's
+    own ``kvcake.eval`` records) for the prompts where the sweep has no ``cake`` row of the temperatures in force: a
+    sweep made before the latest calibration is compared with today's ``cake``, measured exactly as
+    the sweep's own ``cake`` rows are (the first test of ``tests/eval/test_tau_sweep.py``)."""
+    from kvcake.method import make_method
+    from kvcake.temperatures import method_tau_label
+
+    label = method_tau_label(model, make_method("cake", ratio=0.5))
+    swept = {(r["model_fp"], r["task"], r["length"], r["seed"]) for r in records}
+    swept -= {(r["model_fp"], r["task"], r["length"], r["seed"]) for r in records if r["method"] == "cake"}
+    return records + [
+        {"model_fp": r["model_fp"], "task": r["task"], "length": r["length"], "seed": r["seed"],
+         "sample": r["sample"], "scenario": r["scenario"], "ratio": r["ratio"], "method": "cake",
+         "kl": r["kl"], "attn": r["attn_rel_l1"], "cake_tau": label, "window": r["window"]}
+        for r in results
+        if r["method"] == "cake" and r.get("tau") == label
+        and (r["model_fp"], r["task"], r["length"], r["seed"]) in swept
+    ]  # fmt: skip
 
 
 def sweep_group(
@@ -177,8 +203,9 @@ def run_sweep(
                         print(f"tau sweep: {task} {length} seed {q.seed}: {len(batch)} records in "
                               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     seeds = range(seed, seed + samples)  # sample i of a synthetic task is built from seed + i
-    return [r for r in records if r["model_fp"] == fp and r["cake_tau"] == label and r["task"] in tasks
-            and r["length"] in lengths and r["seed"] in seeds]  # fmt: skip
+    # cake rows only with the temperatures in force; the grid and references whatever they were swept with
+    return [r for r in records if r["model_fp"] == fp and (r["method"] != "cake" or r["cake_tau"] == label)
+            and r["task"] in tasks and r["length"] in lengths and r["seed"] in seeds]  # fmt: skip
 
 
 def _means(records: Sequence[dict[str, Any]]) -> dict[tuple[str, float], dict[Any, tuple[float, float, int]]]:
