@@ -4,9 +4,9 @@ reallocates while decoding within it, the bytes count it, and the dynamic layout
 
 Tolerance: static storage attends over the same entries as the reference but in another slot
 order and with another mask, so its logits equal the reference's up to float32 rounding
-(measured: at most 1.8e-7 over every preset and 80 steps of the tiny model; asserted at 1e-5). Layers that evicted nothing stay in the
-dynamic layout, so a budget covering an unpadded prompt is bit-identical either way
-(``test_cache.test_budget_covering_prompt_is_bit_identical``).
+(measured: at most 1.8e-7 over every preset and 80 steps of the tiny model; asserted at 1e-5).
+Layers that evicted nothing stay in the dynamic layout, so a budget covering an unpadded prompt
+is bit-identical either way (``test_cache.test_budget_covering_prompt_is_bit_identical``).
 """
 
 from __future__ import annotations
