@@ -223,8 +223,7 @@ def compress(
     cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False)
     with enable(model), torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
-    cache.static = static
-    cache.plan_static(lay_out=False)
+    cache.serve(static)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])
 
 

@@ -235,6 +235,13 @@ class KVCakeCache(Cache):
                 layer.to_static()
                 self._track_bytes(lid)
 
+    def serve(self, static: bool) -> None:
+        """Choose how a prefilled cache kept in the dynamic layout (a compressed context) decodes:
+        ``static`` sets the plans its layers move into static storage by at their first
+        single-token step (nothing is laid out now, so it still holds exactly its kept entries)."""
+        self.static = bool(static)
+        self.plan_static(lay_out=False)
+
     def reserve(self, max_cache_len: int | None) -> None:
         """Set the capacity (see the class docstring) before decoding, e.g. of a fork of a
         compressed context once its question's length and ``max_new_tokens`` are known. Layers

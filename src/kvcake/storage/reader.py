@@ -125,7 +125,7 @@ def _rebuild(
         raise ContextFileError(
             f"its method rebuilds as {method.describe()!r}, not the saved {m['describe']!r}"
         )
-    cache = KVCakeCache(model, method, static=static)
+    cache = KVCakeCache(model, method, static=False)
     if cache.split is not None:
         raise ValueError(
             "a .kvc file holds every KV head; this model is split over tensor-parallel ranks: load the "
@@ -194,7 +194,7 @@ def _rebuild(
     cache.prefilled = True
     if cache.kept_entries() != c["kept_entries"] or cache.kv_bytes() != c["kv_bytes"]:
         raise ContextFileError("the rebuilt cache does not hold what was saved")
-    cache.plan_static(lay_out=False)  # as kvcake.compress leaves it: the forks move into static storage
+    cache.serve(static)  # as kvcake.compress leaves it: the forks move into static storage
     ctx = CompressedContext(
         model,
         cache,
