@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import cascade, decoding
+from . import cascade, decoding, static
 from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
@@ -258,7 +258,7 @@ class KVCakeCache(Cache):
         for lid in self.compressed:
             layer = self.layers[lid]
             if layer.static is not None:
-                layer.to_dynamic()
+                static.to_dynamic(layer)
                 self._track_bytes(lid)
 
     @property

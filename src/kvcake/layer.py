@@ -43,10 +43,9 @@ class KVCakeLayer(CacheLayerMixin):
         self.meta: RaggedMeta | None = None
         self.batch = 0
         self.kv_heads = 0
-        # static decode storage (static.py): None = the dynamic reference layout, else the
-        # decoding policy it serves; ``static_plan`` is set by the cache after the prompt
-        # (``KVCakeCache.plan_static``): ((B, H_kv) decode budgets for decode=fixed / None for
-        # decode=none, the cache's max_cache_len or None), or None to stay dynamic (static=False).
+        # static decode storage (static.py): None = the dynamic reference layout, else the decoding
+        # policy it serves; ``static_plan`` (``KVCakeCache.plan_static``): ((B, H_kv) decode budgets
+        # for decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
         self.static: str | None = None
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
 
@@ -136,7 +135,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.keys is None:
             return
         if self.static is not None:
-            self.to_dynamic()
+            static.to_dynamic(self)
         if self.layout == "ragged":
             raise NotImplementedError("expanding a ragged cache over the batch is not supported")
         for name in ("keys", "values", "positions", "scores", "norms"):
@@ -150,7 +149,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.keys is None:
             return
         if self.static is not None:
-            self.to_dynamic()
+            static.to_dynamic(self)
         if self.layout == "ragged":
             raise NotImplementedError("selecting sequences of a ragged cache is not supported")
         idx = indices.to(self.keys.device)
@@ -163,20 +162,14 @@ class KVCakeLayer(CacheLayerMixin):
 
     # -- static storage ----------------------------------------------------------------------
     def to_static(self) -> None:
-        """Move into static buffers (``static.to_static``) sized by ``static_plan`` and the
-        logical length now: ``decode=none`` reserves a slot for every token up to
-        ``max_cache_len`` (``static.GROWTH`` when unknown); ``decode=fixed`` reserves per head
-        its budget, or its entries plus the tokens up to ``max_cache_len`` where that is less
-        (a head cannot hold more), plus the spare slot."""
+        """Move into ``static_plan``'s buffers: ``decode=none`` reserves a slot per token up to
+        ``max_cache_len`` (``static.GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
+        its entries plus the tokens left where that is less, plus the spare slot."""
         budget, max_len = self.static_plan
         room = static.GROWTH if max_len is None else max(max_len - self.length, 0)
         if budget is not None and max_len is not None:
-            budget = np.minimum(budget, self.counts + room)
+            budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
         static.to_static(self, budget, room)
-
-    def to_dynamic(self) -> None:
-        """Back to the dynamic reference layout: exactly the kept entries, in position order."""
-        static.to_dynamic(self)
 
     # -- views and eviction ----------------------------------------------------------------
     def padded(self, tensor: torch.Tensor | None, fill: float) -> torch.Tensor | None:
