@@ -80,7 +80,7 @@ def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
     assert torch.equal(cache.budgets[0], torch.as_tensor(counts[0, :, 0]))
     parts = cache.kv_bytes_parts()
     assert parts.sliding == len(SLIDING) * (TINY_GEMMA3_WINDOW - 1) * ENTRY
-    assert parts.compressed == 30 * 2 * ENTRY
+    assert parts.compressed == (30 + 1) * 2 * ENTRY  # + the spare slot of static decode=fixed storage
     assert parts.total == cache.kv_bytes()
     assert parts.full == parts.sliding + s * len(GLOBAL) * ENTRY
     full = DynamicCache(config=tiny_gemma3.config)
