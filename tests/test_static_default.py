@@ -178,3 +178,22 @@ def test_generate_compile_switch(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="drop static=False"):
         kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, static=False, compile=True)
 
+
+
+def test_a_huge_budget_is_bounded_by_the_capacity(tiny_llama):
+    """A left-padded batch compacts its layers, so a budget far beyond the prompt would make
+    decode=fixed storage preallocate the whole budget (refused, naming max_cache_len:
+    test_static); with the capacity known, each head reserves only what the tokens left can fill."""
+    model = tiny_llama
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0
+    method = make_method("cake", budget=2**40, window=4)
+    cache = KVCakeCache(model, method, max_cache_len=68)
+    logits, pointers = _decode(model, cache, ids, 8, mask)
+    assert all(p == pointers[0] for p in pointers)
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        assert layer.static == "fixed" and layer.keys.shape[2] <= 60 + 8 + 1
+    ref_logits, _ = _decode(model, KVCakeCache(model, method, static=False), ids, 8, mask)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
