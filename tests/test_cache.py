@@ -7,6 +7,7 @@ import torch
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
+from kvcake.static import GROWTH
 from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 
 
@@ -72,7 +73,8 @@ def test_cascade_peak_bound(tiny_llama):
     bound = (budget * layers + s + layers) * entry  # total budget + one full layer (+ ceil slack)
     assert casc.prefill_peak_kv_bytes <= bound
     assert once.prefill_peak_kv_bytes == s * layers * entry > bound
-    assert casc.kv_bytes() == once.kv_bytes() == budget * layers * entry
+    # the kept entries, plus the spare slot per head that static decode=fixed storage reserves
+    assert casc.kv_bytes() == once.kv_bytes() == (budget + 1) * layers * entry
 
 
 @pytest.mark.parametrize("name", ["cake", "h2o", "tova", "streamingllm", "cake-adakv"])
@@ -88,7 +90,9 @@ def test_decoding_keeps_every_layer_at_its_budget(tiny_llama, name):
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             assert np.array_equal(cache.layer_counts(), budget)
     assert cache.get_seq_length() == 250
-    assert cache.kv_bytes() == int(budget.sum()) * 2 * 16 * 4
+    assert all(cache.layers[lid].static == "fixed" for lid in cache.compressed)
+    # the budgets, plus the spare slot per head of static storage (capacity is memory)
+    assert cache.kv_bytes() == (int(budget.sum()) + budget.size) * 2 * 16 * 4
 
 
 @pytest.mark.parametrize("name", ["snapkv", "cake,decode=none", "adakv", "critical-adakv"])
@@ -164,10 +168,10 @@ def test_attention_restored_after_error(tiny_llama):
 
 
 def test_ragged_bytes_are_the_sum_of_head_budgets(tiny_mha):
-    """Ada-KV's heads hold different counts; the ragged layer stores exactly their sum, less than
+    """Ada-KV's heads hold different counts; the ragged layer (dynamic layout) stores exactly their sum, less than
     a layout that pads every head to the longest one (what masking-based libraries hold)."""
     ids = prompt(300, seed=11)
-    cache, _ = prefill(tiny_mha, ids, make_method("adakv", budget=48, window=8))
+    cache, _ = prefill(tiny_mha, ids, make_method("adakv", budget=48, window=8), static=False)
     counts = cache.layer_counts()[0]  # (L, H_kv)
     assert (counts.max(1) > counts.min(1)).any(), "heads differ"
     assert (counts.sum(1) == 48 * 4).all(), "each layer's total is exact"
@@ -177,3 +181,10 @@ def test_ragged_bytes_are_the_sum_of_head_budgets(tiny_mha):
     assert cache.kv_bytes() < padded
     for layer in cache.layers:
         assert layer.layout == "ragged" and layer.keys.shape == (int(layer.counts.sum()), 16)
+    # static storage (the default) reserves room per head on top (capacity is memory): adakv decodes
+    # with decode=none, so GROWTH slots per head for the tokens to come
+    method = make_method("adakv", budget=48, window=8)
+    static, _ = prefill(tiny_mha, ids, method)
+    assert (static.layer_counts() == cache.layer_counts()).all()
+    reserve = 1 if method.decode == "fixed" else GROWTH
+    assert static.kv_bytes() == (int(counts.sum()) + reserve * counts.size) * entry

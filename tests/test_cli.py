@@ -222,6 +222,7 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--compile"], "--compile applies to --prompt"),
+        (["generate", "--prompt", "w1", "--compile", "--dynamic"], "drop --dynamic"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],
          "positions, but the model has 4096"),
     ],
@@ -425,9 +426,11 @@ def test_scenario_picks_the_temperature_set(tiny_dir, tmp_path, capsys, monkeypa
 
 
 def test_generate_compile_decodes_the_same_tokens(tiny_dir, capsys, monkeypatch):
-    """``--compile`` reaches ``kvcake.generate(compile=...)``: on a release that hands the attention
-    kwargs to ``cache.update`` the compiled decoding gives eager's tokens (a recording backend
-    stands in for inductor, whose compile takes minutes on this CPU); elsewhere a one-line error."""
+    """``--compile`` reaches ``kvcake.generate(compile=...)`` (without it, None: transformers
+    decides, eager on a CPU), ``--dynamic`` reaches ``static=False``: on a release that hands the
+    attention kwargs to ``cache.update`` the compiled decoding gives eager's tokens, and so does
+    the dynamic reference (a recording backend stands in for inductor, whose compile takes minutes
+    on this CPU); elsewhere a one-line error."""
     import torch
     from transformers import CompileConfig
 
@@ -441,18 +444,20 @@ def test_generate_compile_decodes_the_same_tokens(tiny_dir, capsys, monkeypatch)
         graphs.append(gm)
         return gm.forward
 
-    def recording(*args, compile=False, **kwargs):
-        seen.append(compile)
+    def recording(*args, compile=None, static=True, **kwargs):
+        seen.append((compile, static))
         if compile is True:
             compile = CompileConfig(fullgraph=True, backend=backend, mode=None)
-        return real(*args, compile=compile, **kwargs)
+        return real(*args, compile=compile, static=static, **kwargs)
 
     monkeypatch.setattr(api, "generate", recording)
     args = ["generate", *model_args(tiny_dir), "--prompt", "w1 w2 " * 40, *SMALL]
     eager = call(capsys, monkeypatch, args)
     torch._dynamo.reset()
     compiled = call(capsys, monkeypatch, [*args, "--compile"])
-    assert seen == [False, True]
+    dynamic = call(capsys, monkeypatch, [*args, "--dynamic"])
+    assert seen == [(None, True), (True, True), (None, False)]
+    assert dynamic[0] == 0 and dynamic[1] == eager[1], dynamic[2]
     if KWARGS_HANDOFF:
         assert eager[0] == compiled[0] == 0, compiled[2]
         assert compiled[1] == eager[1] and len(graphs) >= 1

@@ -60,7 +60,8 @@ def random_case(seed: int):
 
 def check_layers(cache: KVCakeCache, lengths, pads, prefill: bool, label: str) -> None:
     """Kept positions are valid, unique, never padding, the window (prefill) or the newest
-    ``window`` tokens (decoding) are kept; bytes held match the layout."""
+    ``window`` tokens (decoding) are kept; bytes held match the layout (the dynamic one: the kept
+    entries; static storage: its slots, with a free one per head for the next token)."""
     counts = cache.layer_counts()  # (B, L, H_kv)
     window = cache.method.budget.window
     total_bytes = 0
@@ -85,7 +86,14 @@ def check_layers(cache: KVCakeCache, lengths, pads, prefill: bool, label: str) -
                 )
         el = layer.keys.element_size()
         d = layer.keys.shape[-1]
-        if layer.layout == "ragged":
+        if layer.static is not None:  # static storage: every head's slots, reserved capacity included
+            slots = int(layer.capacity.sum()) if layer.layout == "ragged" else layer.keys.shape[:3].numel()
+            assert layer.kv_bytes() == slots * 2 * d * el, label
+            if layer.layout == "ragged":
+                assert (layer.capacity > counts[:, li]).all(), f"{label}: a segment without a free slot"
+            else:
+                assert layer.keys.shape[2] > int(counts[:, li].max()), f"{label}: no free column"
+        elif layer.layout == "ragged":
             assert layer.kv_bytes() == int(counts[:, li].sum()) * 2 * d * el, label
         else:
             assert layer.keys.shape[2] == int(counts[:, li].max()), (

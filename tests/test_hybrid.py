@@ -80,15 +80,16 @@ def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
     assert torch.equal(cache.budgets[0], torch.as_tensor(counts[0, :, 0]))
     parts = cache.kv_bytes_parts()
     assert parts.sliding == len(SLIDING) * (TINY_GEMMA3_WINDOW - 1) * ENTRY
-    assert parts.compressed == 30 * 2 * ENTRY
+    assert parts.compressed == (30 + 1) * 2 * ENTRY  # + the spare slot of static decode=fixed storage
     assert parts.total == cache.kv_bytes()
     assert parts.full == parts.sliding + s * len(GLOBAL) * ENTRY
     full = DynamicCache(config=tiny_gemma3.config)
     with torch.no_grad():
         tiny_gemma3(prompt(s, seed=2), **with_cache(tiny_gemma3, full))
     assert parts.full == kvcake.cache.cache_kv_bytes(full)
-    # ratio is the kept fraction of the global layers' prompt entries
-    cache, _ = prefill(tiny_gemma3, prompt(s, seed=2), make_method("snapkv", ratio=0.2, window=8))
+    # ratio is the kept fraction of the global layers' prompt entries (the dynamic layout: static
+    # storage would add the GROWTH slots snapkv's decode=none reserves without a max_cache_len)
+    cache, _ = prefill(tiny_gemma3, prompt(s, seed=2), make_method("snapkv", ratio=0.2, window=8), static=False)
     assert cache.kv_bytes_parts().compressed == round(0.2 * s) * len(GLOBAL) * ENTRY
 
 

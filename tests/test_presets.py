@@ -1,5 +1,6 @@
 """Every preset and a few free compositions, end to end on a tiny model: prefill, 20 decoding
-steps, a batch of 2, and the bytes held equal to what the budgets say."""
+steps, a batch of 2, and the bytes held equal to what the budgets say plus the capacity that
+static storage (the default) reserves."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
 from kvcake.adapters import with_cache
+from kvcake.static import GROWTH
 
 COMPOSITIONS = [
     "layers=cake,heads=adakv,score=cake,select=critical",
@@ -39,11 +41,15 @@ def test_method_end_to_end(tiny_llama, spec):
     else:
         assert np.array_equal(counts[..., 0], cache.budgets.numpy() + grown)
     entry = 2 * 16 * 4  # K + V, head_dim 16, float32
+    assert all(layer.static == method.decode for layer in cache.layers), "every layer evicted: static"
+    # capacity is memory: static storage holds, per layer, sequence and KV head, one spare slot
+    # (decode=fixed) or GROWTH slots for the new tokens, of which 20 are used (decode=none)
+    reserved = (1 if method.decode == "fixed" else GROWTH - grown) * counts.size
     if all(layer.layout == "ragged" for layer in cache.layers):
-        assert cache.kv_bytes() == int(counts.sum()) * entry, "ragged bytes = sum of per-head budgets"
+        assert cache.kv_bytes() == (int(counts.sum()) + reserved) * entry, "ragged: per-head budgets + reserve"
     else:  # dense: each layer holds the batch's largest budget for every sequence and head
         physical = sum(int(counts[:, i].max()) * counts.shape[0] * counts.shape[2] for i in range(4))
-        assert cache.kv_bytes() == physical * entry
+        assert cache.kv_bytes() == (physical + reserved) * entry
     assert cache.get_seq_length() == 170
     assert torch.isfinite(tok.float()).all()
 

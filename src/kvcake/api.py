@@ -130,7 +130,8 @@ def generate(
     progress: bool = False,
     keep_ratio: float | None = None,
     scenario: str | None = None,
-    compile: bool | CompileConfig = False,
+    static: bool = True,
+    compile: bool | CompileConfig | None = None,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
@@ -143,9 +144,14 @@ def generate(
     keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
     ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
     prompt ends with its question), ``"context"`` for a prompt that does not.
-    ``compile=True`` decodes in static storage and lets ``generate`` compile the decoding forward
-    (``torch.compile(fullgraph=True)``, CUDA graphs through ``mode="reduce-overhead"`` on CUDA;
-    on a CPU inductor is often slower than eager); a ``CompileConfig`` chooses the options.
+    ``static`` (True by default) decodes in storage preallocated for the prompt plus
+    ``max_new_tokens`` (``KVCakeCache(static=, max_cache_len=)``), so nothing reallocates while
+    decoding; ``static=False`` decodes in the dynamic reference layout.
+    ``compile``: None (the default) leaves it to transformers, which compiles the decoding
+    forward of a compileable cache (static storage) on CUDA and other accelerators, not on a
+    CPU; ``True`` compiles it on any device (``torch.compile(fullgraph=True)``, CUDA graphs
+    through ``mode="reduce-overhead"`` on CUDA; on a CPU inductor is often slower than eager),
+    a ``CompileConfig`` chooses the options; ``False`` decodes eagerly everywhere.
     """
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model)
@@ -157,7 +163,11 @@ def generate(
     _warn_if_starved(m, input_ids.shape[1])
     new = generate_kwargs.get("max_new_tokens")
     room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
-    if compile is not False:
+    if compile is False:
+        generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
+    elif compile is not None:
+        if not static:
+            raise ValueError("compile=True compiles the static decode step: drop static=False (or compile=True)")
         if not KWARGS_HANDOFF:
             raise ValueError(
                 f"compile=True needs a transformers release whose models pass their attention kwargs to "
@@ -167,9 +177,7 @@ def generate(
         config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # transformers compiles on accelerators only by default
         generate_kwargs["compile_config"] = config
-    cache = KVCakeCache(
-        model, m, progress=progress, max_cache_len=room, static=compile is not False, scenario=scenario
-    )
+    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario)
     with enable(model), torch.no_grad():
         out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
     return out, cache
@@ -187,6 +195,7 @@ def compress(
     progress: bool = False,
     keep_ratio: float | None = None,
     scenario: str | None = None,
+    static: bool = True,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
 
@@ -195,7 +204,12 @@ def compress(
     changed by answering. Budget keywords as in :func:`generate`; neither keeps
     ``DEFAULT_KEEP_RATIO["context"]``. ``scenario`` picks the set of calibrated CAKE
     temperatures: ``"context"`` by default, ``"question"`` when ``input_ids`` already end with
-    the question (as ``kvcake inspect --prompt`` compresses)."""
+    the question (as ``kvcake inspect --prompt`` compresses).
+
+    The context holds exactly the kept entries (the dynamic layout, ``kv_bytes()`` is what
+    compression kept); with ``static=True`` (the default) each ``.generate`` moves its fork into
+    storage preallocated for the question plus ``max_new_tokens``; ``static=False`` decodes in
+    the dynamic reference layout."""
     scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
@@ -204,9 +218,12 @@ def compress(
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    cache = KVCakeCache(model, m, progress=progress, scenario=scenario)
+    # prefilled in the dynamic layout (no capacity is reserved for questions not yet asked);
+    # the static plans are set for the forks that answer them
+    cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False)
     with enable(model), torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
+    cache.serve(static)
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import cascade, decoding
+from . import cascade, decoding, static
 from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
@@ -75,6 +75,27 @@ class KVCakeCache(Cache):
         ``"question"`` (the default: a cache passed to ``model.generate`` compresses the prompt
         with its question) or ``"context"`` (a document compressed alone, asked about later;
         what :func:`kvcake.compress` picks). Only CAKE's layer allocator reads it.
+    static:
+        True (the default): at the end of the prompt every compressed layer that evicted
+        something moves into preallocated buffers (``static.py``) and each decode step writes
+        into them in place, a step the compiler traces whole (``is_compileable``). False: the
+        dynamic layout, which holds exactly the kept entries and reallocates as it goes; it is
+        the slow, obviously-right reference the tests compare with. Layers that evicted nothing
+        (a budget at least as long as the prompt) stay in the dynamic layout either way, exactly
+        what transformers' ``DynamicLayer`` holds, until their first eviction.
+    max_cache_len:
+        The capacity in logical tokens, the prompt plus the tokens to generate, as transformers'
+        ``StaticCache`` takes it (:func:`kvcake.generate` passes ``prompt + max_new_tokens``).
+        With it nothing reallocates while decoding up to that length: ``decode=none`` reserves
+        room for every token to come, ``decode=fixed`` a head's budget or, if fewer, what the
+        remaining tokens can fill. Past it, ``decode=none`` storage grows by ``static.GROWTH``
+        slots and a ``decode=fixed`` head keeps evicting at its reserved capacity. None (unknown):
+        ``decode=none`` reserves ``static.GROWTH`` slots at a time, ``decode=fixed`` its budget.
+
+    Memory: ``kv_bytes()`` (and the peaks) count the buffers the cache holds, so with static
+    storage they include the reserved capacity (empty slots are memory too); a
+    :class:`~kvcake.context.CompressedContext` keeps its cache in the dynamic layout, exactly
+    the kept entries, and reserves capacity only when it is asked a question.
 
     Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
     ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, cache=cache)`` (spelled
@@ -88,7 +109,7 @@ class KVCakeCache(Cache):
         *,
         record: bool = False,
         progress: bool = False,
-        static: bool = False,
+        static: bool = True,
         scenario: str | Scenario | None = None,
         max_cache_len: int | None = None,
         **budget_kwargs,
@@ -134,16 +155,8 @@ class KVCakeCache(Cache):
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
         self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
-        # static=True: decode in preallocated buffers with in-place eviction (static.py), a step the
-        # compiler traces whole (tests/test_compile.py); False (still the default: the byte and
-        # storage tests assume compact layers): the dynamic path, the reference.
-        self.static = static
-        # the prompt plus the tokens to generate, when known (kvcake.generate passes it): decode=none
-        # preallocates up to it, so the storage never grows while decoding (capacity is memory)
-        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
-            raise ValueError(
-                f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}"
-            )
+        self.static = bool(static)  # see the class docstring; False: the dynamic reference
+        _check_capacity(max_cache_len)
         self._max_cache_len = max_cache_len
         # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
         # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
@@ -156,6 +169,11 @@ class KVCakeCache(Cache):
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self._track_bytes(layer_idx)
             return keys, values
+        if not layer.is_initialized and (cap := self._max_cache_len) is not None and key_states.shape[-2] > cap:
+            raise ValueError(
+                f"the prompt has {key_states.shape[-2]} tokens but KVCakeCache(max_cache_len={cap}) holds at "
+                "most that many: pass max_cache_len=prompt tokens + max_new_tokens (or None when unknown)"
+            )
         if not self.prefilled and layer_idx == self.compressed[0] and layer.is_initialized:
             raise RuntimeError(
                 "this KVCakeCache's prefill did not finish (an earlier forward was interrupted by an "
@@ -194,13 +212,58 @@ class KVCakeCache(Cache):
 
     @property
     def max_cache_len(self) -> int | None:
-        """The prompt plus the tokens to generate when known (``KVCakeCache(max_cache_len=)``), else
-        None. A property here: transformers 5.0's ``Cache`` has one without a setter."""
+        """The capacity in logical tokens (prompt plus tokens to generate) when known
+        (``KVCakeCache(max_cache_len=)``, :meth:`reserve`), else None. A property here:
+        transformers 5.0's ``Cache`` has one without a setter."""
         return self._max_cache_len
+
+    # -- static storage ------------------------------------------------------------------------
+    def plan_static(self, lay_out: bool) -> None:
+        """Give every compressed layer its static plan once the decoding budgets are fixed:
+        ``((B, H_kv) decode budgets, max_cache_len)`` for ``decode=fixed``, ``(None,
+        max_cache_len)`` for ``decode=none`` (``KVCakeLayer.to_static`` turns it into buffers).
+        ``lay_out``: move the layers that evicted something into their buffers now (the end of
+        the prompt, so that no decode step converts them); the others move at their first
+        single-token step after an eviction. Nothing for ``static=False``."""
+        if not self.static:
+            return
+        fixed = self.method.decode == "fixed"
+        for g, lid in enumerate(self.compressed):
+            layer = self.layers[lid]
+            layer.static_plan = (self.decode_budget[:, g] if fixed else None, self._max_cache_len)
+            if lay_out and not layer.plain and layer.static is None:
+                layer.to_static()
+                self._track_bytes(lid)
+
+    def serve(self, static: bool) -> None:
+        """Choose how a prefilled cache kept in the dynamic layout (a compressed context) decodes:
+        ``static`` sets the plans its layers move into static storage by at their first
+        single-token step (nothing is laid out now, so it still holds exactly its kept entries)."""
+        self.static = bool(static)
+        self.plan_static(lay_out=False)
+
+    def reserve(self, max_cache_len: int | None) -> None:
+        """Set the capacity (see the class docstring) before decoding, e.g. of a fork of a
+        compressed context once its question's length and ``max_new_tokens`` are known. Layers
+        already in static storage keep theirs until they next leave it (a multi-token append)."""
+        _check_capacity(max_cache_len)
+        self._max_cache_len = max_cache_len
+        if self.prefilled:
+            self.plan_static(lay_out=False)
+
+    def compact(self) -> None:
+        """Move the layers in static storage back to the dynamic layout, which holds exactly the
+        kept entries (what a context file saves); they return to static storage at their next
+        single-token step."""
+        for lid in self.compressed:
+            layer = self.layers[lid]
+            if layer.static is not None:
+                static.to_dynamic(layer)
+                self._track_bytes(lid)
 
     @property
     def is_compileable(self) -> bool:
-        """Static storage makes a decode step one graph (``tests/test_compile.py``): transformers'
+        """Static storage (the default) makes a decode step one graph (``tests/test_compile.py``): transformers'
         ``generate`` then compiles the decoding forward as for its own static caches. Hybrid
         models' sliding layers are transformers' dynamic ones, so those are not; nor is any cache
         on a release whose models do not hand ``kwargs`` to ``update`` (``KWARGS_HANDOFF``)."""
@@ -210,7 +273,8 @@ class KVCakeCache(Cache):
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes of keys and values the cache holds now (sliding layers included)."""
+        """Bytes of keys and values the cache holds now (sliding layers included): with static
+        storage, the reserved capacity too (empty slots are allocated memory)."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def kv_bytes_parts(self) -> KVBytes:
@@ -264,6 +328,17 @@ class KVCakeCache(Cache):
     @_tau.setter
     def _tau(self, value: tuple[float, float] | None) -> None:  # a context file read back
         self.tau = None if value is None else TauChoice(float(value[0]), float(value[1]), "saved")
+
+
+def _check_capacity(max_cache_len: int | None) -> None:
+    """``max_cache_len`` must be None or a positive token count (bool is not one)."""
+    if max_cache_len is None:
+        return
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(
+            f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
+            f"(or None when unknown), got {max_cache_len!r}"
+        )
 
 
 def cache_kv_bytes(cache: Cache) -> int:

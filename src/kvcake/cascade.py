@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import static
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .scorers import PrefillInputs
@@ -237,15 +236,10 @@ def finish_prefill(cache: Cache) -> None:
     cache.o_weights.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"
-    fixed = m.decode == "fixed"
-    for g, lid in enumerate(cache.compressed):
+    for lid in cache.compressed:
         layer = cache.layers[lid]
         layer.norms = None
         if not keep_scores:
             layer.scores = None
-        if cache.static:
-            room = static.GROWTH if cache.max_cache_len is None else cache.max_cache_len - layer.length
-            layer.static_plan = (cache.decode_budget[:, g] if fixed else None, room)
-            if not layer.plain:  # now, so that no decode step (compiled or not) converts it
-                static.to_static(layer, *layer.static_plan)
+    cache.plan_static(lay_out=True)  # now, so that no decode step (compiled or not) converts a layer
     cache.prefilled = True

@@ -70,6 +70,8 @@ class CompressedContext:
         full, mask = self._extend_inputs(question_ids)
         check_positions(self.model, full.shape[1], generate_kwargs)
         cache = self.fork()
+        new = generate_kwargs.get("max_new_tokens")
+        cache.reserve(full.shape[1] + new if isinstance(new, int) else None)  # static storage's capacity
         with enable(self.model), torch.no_grad():
             out = self.model.generate(
                 full, attention_mask=mask, **with_cache(self.model, cache), **generate_kwargs

@@ -43,12 +43,11 @@ class KVCakeLayer(CacheLayerMixin):
         self.meta: RaggedMeta | None = None
         self.batch = 0
         self.kv_heads = 0
-        # static decode storage (static.py): None = the dynamic reference layout, else the
-        # decoding policy it serves; ``static_plan`` is set by the cache after the prompt:
-        # ((B, H_kv) budgets, room) for decode=fixed / (None, room) for decode=none, or None to
-        # stay dynamic (see static.to_static).
+        # static decode storage (static.py): None = the dynamic reference layout, else the decoding
+        # policy it serves; ``static_plan`` (``KVCakeCache.plan_static``): ((B, H_kv) decode budgets
+        # for decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
         self.static: str | None = None
-        self.static_plan: tuple[np.ndarray | None, int] | None = None
+        self.static_plan: tuple[np.ndarray | None, int | None] | None = None
 
     # -- transformers' CacheLayerMixin interface ---------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -67,7 +66,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.static is not None and not one_step:
             static.to_dynamic(self)  # multi-token appends take the reference path
         elif self.static is None and one_step and self.static_plan is not None and not self.plain:
-            static.to_static(self, *self.static_plan)  # back from a multi-token append
+            self.to_static()  # after its first eviction, or back from a multi-token append
         if self.static is not None:
             pos = self.length_dev.reshape(1, 1, 1).expand(b, hkv, 1)  # the device copy: no host int
             static.append(self, key_states, value_states, pos)
@@ -160,6 +159,17 @@ class KVCakeLayer(CacheLayerMixin):
                 setattr(self, name, t.index_select(0, idx))
         self.counts = self.counts[indices.cpu().numpy()]
         self.batch = len(self.counts)
+
+    # -- static storage ----------------------------------------------------------------------
+    def to_static(self) -> None:
+        """Move into ``static_plan``'s buffers: ``decode=none`` reserves a slot per token up to
+        ``max_cache_len`` (``static.GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
+        its entries plus the tokens left where that is less, plus the spare slot."""
+        budget, max_len = self.static_plan
+        room = static.GROWTH if max_len is None else max(max_len - self.length, 0)
+        if budget is not None and max_len is not None:
+            budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
+        static.to_static(self, budget, room)
 
     # -- views and eviction ----------------------------------------------------------------
     def padded(self, tensor: torch.Tensor | None, fill: float) -> torch.Tensor | None:
@@ -309,7 +319,8 @@ class KVCakeLayer(CacheLayerMixin):
         return dense_attention(query, self.keys, self.values, self.positions, qpos, scaling, return_probs)
 
     def kv_bytes(self) -> int:
-        """Bytes of keys and values actually held (empty dense slots included: they are real)."""
+        """Bytes of keys and values actually held: empty dense slots and the reserved capacity
+        of static storage included (they are allocated memory)."""
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()

@@ -51,8 +51,9 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     if budget is not None and int(budget.max()) > int(counts.max()) + MAX_PREALLOCATED:
         raise ValueError(
             f"static decode storage would preallocate {int(budget.max())} entries per head (the decode "
-            f"budget) for {int(counts.max())} kept: use a budget closer to the prompt, or "
-            "KVCakeCache(..., static=False), which grows one entry per step"
+            f"budget) for {int(counts.max())} kept: pass KVCakeCache(..., max_cache_len=prompt + new tokens) "
+            "to bound it, use a budget closer to the prompt, or KVCakeCache(..., static=False), which grows "
+            "one entry per step"
         )
     if budget is None:
         cap = counts + room

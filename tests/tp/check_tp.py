@@ -3,8 +3,8 @@
 Run under ``torchrun --nproc-per-node 2`` (gloo, CPU). Rank 0 saves a tiny random Llama (4
 layers, 8 query heads, 4 KV heads); every rank loads it twice, whole and with
 ``tp_plan="auto"`` (2 KV heads per rank), and runs each preset on both, on a batch of two
-prompts (1024 tokens, and 724 left-padded to 1024), budget 64, 8 greedy tokens, with the default
-decoding path and with ``static=True``. Checked per preset and path:
+prompts (1024 tokens, and 724 left-padded to 1024), budget 64, 8 greedy tokens, with the dynamic
+reference decoding path (``static=False``) and with static storage (the default). Checked per preset and path:
 
 - greedy tokens equal the one-process run, logits within ``LOGIT_ATOL``;
 - the layer budgets are identical on every rank and equal the one-process budgets;

@@ -106,8 +106,10 @@ class BenchCache(KVCakeCache):
         self.decode_hook_calls += 1
 
 
-def build_cache(model: torch.nn.Module, spec: str, budget: int, window: int = 32) -> BenchCache:
-    return BenchCache(model, make_method(spec, budget=budget, window=window))
+def build_cache(
+    model: torch.nn.Module, spec: str, budget: int, window: int = 32, static: bool = True
+) -> BenchCache:
+    return BenchCache(model, make_method(spec, budget=budget, window=window), static=static)
 
 
 def shared_prefill(

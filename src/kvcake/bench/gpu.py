@@ -89,9 +89,10 @@ class _Runner:
         s, n = self.settings, self.ids.shape[1]
         if name == FULL_DYNAMIC:
             return DynamicCache(config=self.model.config)
+        capacity = n + WARMUP_STEPS * 2 + 2 * s.steps  # the prompt, then the eager and the compiled steps
         if name == FULL_STATIC:
-            return StaticCache(config=self.model.config, max_cache_len=n + WARMUP_STEPS * 2 + 2 * s.steps)
-        return KVCakeCache(self.model, make_method(name, budget=s.budget, window=s.window))
+            return StaticCache(config=self.model.config, max_cache_len=capacity)
+        return KVCakeCache(self.model, make_method(name, budget=s.budget, window=s.window), max_cache_len=capacity)
 
     def context(self, name: str):
         stack = contextlib.ExitStack()

@@ -19,6 +19,11 @@ sliding layer keeps and what the full cache (a ``DynamicCache`` built from the m
 holds too.
 
 The process's peak memory is measured in separate runs, one per method (``common.PeakMemory``).
+
+The caches are built with ``static=False``: the bytes are what compression keeps, as a compressed
+context (``kvcake.compress``) holds them. A cache that goes on decoding in static storage (the
+default) adds the capacity it reserves at the end of the prompt (README, "Memory"), which is
+what the decode benchmark's bytes include.
 """
 
 from __future__ import annotations
@@ -139,7 +144,7 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
     shape = KVShape.of(model)
     ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
                              model.config.vocab_size, models.device)  # fmt: skip
-    caches = [build_cache(model, spec, budget, window) for spec in methods]
+    caches = [build_cache(model, spec, budget, window, static=False) for spec in methods]
     full = FullCache(model.config)
     logger.info("memory: prefill %d tokens once into the full cache and %s", length, ", ".join(methods))
     shared_prefill(model, ids, caches, full)
@@ -179,7 +184,7 @@ def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: i
     ids, _ = prompt_ids(models.tokenizer if model is models.model else None, length,
                         model.config.vocab_size, models.device)  # fmt: skip
     with PeakMemory(models.device) as mem:
-        cache = FullCache(model.config) if spec == "full" else build_cache(model, spec, budget, window)
+        cache = FullCache(model.config) if spec == "full" else build_cache(model, spec, budget, window, static=False)
         ctx = contextlib.nullcontext() if spec == "full" else enable(model)
         with ctx, torch.no_grad():
             model(ids, **with_cache(model, cache), logits_to_keep=1)

@@ -152,12 +152,12 @@ def _report(line: str) -> None:
 _PROGRESS_MIN_TOKENS = 1024
 
 
-def _compress(model, ids: torch.Tensor, method, scenario=None):
+def _compress(model, ids: torch.Tensor, method, scenario=None, static: bool = True):
     from ..api import compress
 
     start = time.perf_counter()
     ctx = compress(model, ids, method, progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
-                   scenario=scenario)  # fmt: skip
+                   scenario=scenario, static=static)  # fmt: skip
     seconds = time.perf_counter() - start
     logger.info("compressed %d tokens in %.2f s (%s) with %s", ids.shape[1], seconds,
                 _rate(ids.shape[1], seconds), method.describe())  # fmt: skip
@@ -166,6 +166,7 @@ def _compress(model, ids: torch.Tensor, method, scenario=None):
 
 def _context_from_args(args: argparse.Namespace):
     """(model, tokenizer, compressed context, chat layout, prefill line) from --context-file or --load."""
+    static = not getattr(args, "dynamic", False)  # --dynamic: the answers decode in the reference layout
     if args.load:
         from ..storage import load_context, read_context_info
 
@@ -178,7 +179,7 @@ def _context_from_args(args: argparse.Namespace):
         extra = info.get("extra") or {}
         model, tokenizer = _load(args, extra.get("model"))
         start = time.perf_counter()
-        ctx = load_context(model, args.load)
+        ctx = load_context(model, args.load, static=static)
         chat = extra.get("chat")
         if chat is None:
             chat = _use_chat(tokenizer, args.chat_template)
@@ -198,7 +199,7 @@ def _context_from_args(args: argparse.Namespace):
 
         check_positions(model, ids.shape[1], {"max_new_tokens": args.max_new_tokens})
     scenario = _scenario(args, "context", "--context-file: a document compressed before its questions")
-    ctx, seconds = _compress(model, ids, method, scenario)
+    ctx, seconds = _compress(model, ids, method, scenario, static)
     line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
     return model, tokenizer, ctx, chat, line
 

@@ -38,9 +38,9 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", help="the question asked after --context-file or --load")
     p.add_argument(
         "--compile", action="store_true",
-        help="with --prompt: decode in static storage with a compiled forward (torch.compile, fullgraph; "
-        "kvcake.generate(compile=True)); the first tokens pay for the compilation, and on a CPU inductor is "
-        "often slower than eager",
+        help="with --prompt: compile the static decode step on any device (torch.compile, fullgraph; "
+        "kvcake.generate(compile=True)); without it transformers compiles on CUDA only. The first tokens "
+        "pay for the compilation, and on a CPU inductor is often slower than eager",
     )  # fmt: skip
     _method_args(p)
     _layout_args(p)
@@ -56,6 +56,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.compile and args.prompt is None:
         raise ValueError("--compile applies to --prompt (question-aware decoding); a compressed document "
                          "(--context-file, --load) decodes eagerly: drop --compile")  # fmt: skip
+    if args.compile and args.dynamic:
+        raise ValueError("--compile compiles the static decode step: drop --dynamic (or --compile)")
     if args.prompt is None:
         model, tokenizer, ctx, chat, prefill = _context_from_args(args)
         gen = _gen_kwargs(args, tokenizer)
@@ -76,7 +78,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     scenario = _scenario(args, "question", "--prompt: the prompt is compressed with its question")
     out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,
                           progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
-                          scenario=scenario, compile=args.compile, **gen)  # fmt: skip
+                          scenario=scenario, static=not args.dynamic, compile=True if args.compile else None,
+                          **gen)  # fmt: skip
     first = (streamer.first or time.perf_counter()) - start
     _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + first token {first:.2f} s "
             f"({_rate(ids.shape[1], first)}) | {out.shape[1] - ids.shape[1]} new tokens, decode "

@@ -101,7 +101,7 @@ def replay_compress(
     """
     if memo is not None:
         method = method.replace(scorer=_MemoScorer(method.scorer, memo))
-    kv = KVCakeCache(model, method, scenario=scenario)
+    kv = KVCakeCache(model, method, scenario=scenario, static=False)  # as kvcake.compress: the kept entries
     valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         for layer in range(len(kv.layers)):
@@ -118,6 +118,7 @@ def replay_compress(
             kv.update(keys, values, layer, kwargs={})  # a model's attention kwargs (hand-off unused)
             kv.consume(layer)  # what the kvcake attention function does before its hooks
             kv.after_prefill_attention(layer, captured.modules[layer], query, valid, captured.scaling[layer])
+    kv.serve(static=True)  # its forks decode in static storage, as kvcake.compress's
     return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)
 
 

@@ -49,11 +49,15 @@ def _file_size(p: Path) -> int:
     return p.stat().st_size
 
 
-def load_context(model: torch.nn.Module, path: str | os.PathLike[str]) -> CompressedContext:
+def load_context(
+    model: torch.nn.Module, path: str | os.PathLike[str], *, static: bool = True
+) -> CompressedContext:
     """Rebuild the :class:`~kvcake.api.CompressedContext` saved at ``path`` for ``model``.
 
     The cache gets exactly the saved state (entries, positions, layouts, budgets, decoding
     budgets, scores), so next-token logits and generations equal those of the saved context.
+    ``static`` as in :func:`kvcake.compress`: the context holds the saved entries, and (True,
+    the default) its answers decode in static storage, or (False) in the dynamic layout.
     Each layer's tensors go to its layer's device (models split with ``device_map`` too), the
     context's ids to the input device, budgets and preferences stay on the host.
 
@@ -80,7 +84,7 @@ def load_context(model: torch.nn.Module, path: str | os.PathLike[str]) -> Compre
         raise ContextFileError(f"{p} is corrupted: its checksum does not match its contents")
     _check_model(p, meta, model)
     try:
-        return _rebuild(model, meta, tensors)
+        return _rebuild(model, meta, tensors, static)
     except KeyError as err:
         raise ContextFileError(f"{p} is incomplete: {err.args[0]!r} is missing") from None
     except ContextFileError as err:
@@ -110,7 +114,7 @@ def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> No
 
 
 def _rebuild(
-    model: torch.nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+    model: torch.nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor], static: bool
 ) -> CompressedContext:
     m = meta["method"]
     try:
@@ -121,7 +125,7 @@ def _rebuild(
         raise ContextFileError(
             f"its method rebuilds as {method.describe()!r}, not the saved {m['describe']!r}"
         )
-    cache = KVCakeCache(model, method)
+    cache = KVCakeCache(model, method, static=False)
     if cache.split is not None:
         raise ValueError(
             "a .kvc file holds every KV head; this model is split over tensor-parallel ranks: load the "
@@ -190,6 +194,7 @@ def _rebuild(
     cache.prefilled = True
     if cache.kept_entries() != c["kept_entries"] or cache.kv_bytes() != c["kv_bytes"]:
         raise ContextFileError("the rebuilt cache does not hold what was saved")
+    cache.serve(static)  # as kvcake.compress leaves it: the forks move into static storage
     ctx = CompressedContext(
         model,
         cache,

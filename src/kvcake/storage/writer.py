@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -64,6 +65,9 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
     cache = ctx.cache
     if not isinstance(cache, KVCakeCache) or not cache.prefilled:
         raise ValueError("only a prefilled KVCakeCache can be saved (make it with kvcake.compress)")
+    if any(getattr(layer, "static", None) is not None for layer in cache.layers):
+        cache = copy.deepcopy(cache)  # a file keeps the kept entries, not the reserved capacity
+        cache.compact()
     if cache.split is not None:
         raise ValueError(
             "a context compressed on a tensor-parallel model holds only this rank's KV heads and cannot be "
