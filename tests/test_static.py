@@ -36,8 +36,8 @@ def _kept(cache: KVCakeCache) -> list[list[list[int]]]:
     return out
 
 
-def _decode(model, spec: str, static: bool):
-    ids, mask = _batch()
+def _decode(model, spec: str, static: bool, batch=None):
+    ids, mask = _batch() if batch is None else batch
     cache = KVCakeCache(model, make_method(spec, budget=24, window=4), static=static)
     logits, kept = [], []
     with kvcake.enable(model), torch.no_grad():
@@ -61,6 +61,39 @@ def test_static_decoding_equals_the_reference(tiny_llama, spec):
     )
     assert any(cache.layers[lid].static is not None for lid in cache.compressed), "static path never ran"
     assert all(ref.layers[lid].static is None for lid in ref.compressed)
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert (cache.layer_counts() == ref.layer_counts()).all()
+
+
+def _short_batch():
+    """A left-padded batch whose second sequence (18 tokens) is under the budget (24): its heads
+    fill empty slots first, then evict (a static layer that is not ``full``)."""
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :12] = 0
+    return ids, mask
+
+
+FIXED = [name for name, parts in PRESETS.items() if parts[4] == "fixed"]
+
+
+@pytest.mark.parametrize("case", ["batch1", "under_budget"])
+@pytest.mark.parametrize("spec", FIXED)
+def test_static_eviction_equals_the_reference_in_both_layouts(tiny_llama, spec, case):
+    """The decode=fixed presets on the layouts the left-padded batch above may not reach: a
+    single sequence (every head at its budget: a ``full`` layer, no mask) and a sequence under
+    its budget (empty slots filled first, then one victim per step)."""
+    batch = _batch() if case == "batch1" else _short_batch()
+    if case == "batch1":
+        batch = (batch[0][:1], batch[1][:1])
+    ref_logits, ref_kept, ref = _decode(tiny_llama, spec, static=False, batch=batch)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True, batch=batch)
+    layers = [cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None]
+    assert layers, "static path never ran"
+    if case == "under_budget":
+        assert not any(getattr(layer, "full", False) for layer in layers)
     for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
         assert a == b, f"kept sets differ at decode step {step}"
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)

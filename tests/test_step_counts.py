@@ -14,7 +14,7 @@ from kvcake.cache import KWARGS_HANDOFF
 
 MAX_EXTRA_OPS_PER_LAYER = 30
 # the presets whose static step meets the bound today (the others: docs/step_counts.md)
-WITHIN_OP_BOUND = ("snapkv", "pyramidkv", "criticalkv")
+WITHIN_OP_BOUND = ("streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "cake-oneshot", "criticalkv")
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -7,11 +7,13 @@ deterministically (``min(count + 1, budget)``), device counts alongside them.
 
 Layouts (the same per-entry convention as ``layer.py``: position -1 = empty slot):
 
-* dense ``(B, H_kv, C, d)``. ``decode=none``: entries are appended at column ``used`` (a host
-  int), the capacity grows in fixed chunks of ``GROWTH`` columns. ``decode=fixed``: capacity
-  ``C = max(kept, budget) + 1`` never grows; the last column is the *spare*: the new entry is
-  written there, attended, then moved into the slot of the victim (argmin of the scores, window
-  protected) or, for a head still under its budget, into its first empty slot.
+* dense ``(B, H_kv, C, d)``. ``decode=none``: entries are appended at column ``used_dev`` (a
+  device index), the capacity grows in fixed chunks of ``GROWTH`` columns. ``decode=fixed``:
+  capacity ``C = max(kept, budget) + 1`` never grows, so every head has one *free* slot: the
+  new entry is written there and attended; then the victim (argmin of the scores, window
+  protected) is marked empty and its slot becomes the head's next free slot (nothing moves),
+  or, for a head still under its budget, its next empty slot does. The attention's visibility
+  mask (``bias``) is kept alongside, one write a step, or absent where no slot can be empty.
 * ragged ``(T_cap, d)``: every segment ``s`` owns ``cap_s`` slots, its ``len_s`` entries first;
   ``decode=none`` appends at ``offset_s + len_s`` (segments share one growth chunk, since all
   grow by one a step); ``decode=fixed`` gives ``cap_s = max(len_s, budget_s) + 1`` with the spare
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .ragged import RaggedMeta
 
@@ -41,10 +44,11 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     ``decode=none`` steps preallocated before the storage grows (the cache's ``max_cache_len``
     minus the prompt when known, else ``GROWTH``).
 
-    Everything a step reads that changes per step is a device tensor (``length_dev``, the
-    logical length; ``used_dev``, the next dense column; ``lengths_dev``); the only host int,
-    ``room``, is compared against 0 and so is seen by the compiler as a guard that holds until the
-    storage must grow, not as a constant baked into every step."""
+    Everything a step reads that changes per step is a device tensor (``newest``, the position
+    of the token being appended; ``used_dev``, the next dense column; ``free``, the slot the
+    next token takes); the only host int, ``room``, is compared against 0 and so is seen by the
+    compiler as a guard that holds until the storage must grow, not as a constant baked into
+    every step."""
     room = max(int(room), 1)
     counts = layer.counts
     dev = layer.keys.device
@@ -57,41 +61,31 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     if budget is None:
         cap = counts + room
     else:
-        cap = np.maximum(counts, budget) + 1  # + the spare slot
+        cap = np.maximum(counts, budget) + 1  # + the free slot
         layer.static_budget = torch.tensor(budget, device=dev)
         layer.static_budget_host = budget
     padded = {name: layer.padded(getattr(layer, name), fill) for name, fill in _fills(layer).items()}
     if layer.layout == "dense":
-        n = layer.keys.shape[2]
-        width = n + room if budget is None else max(n, int(budget.max())) + 1  # host ints
-        for name, t in padded.items():
-            if t is None:
-                continue
-            out = _full(t, width, _fills(layer)[name])
-            out[:, :, :n] = t
-            setattr(layer, name, out)
-        layer.used_dev = torch.tensor([n], device=dev)  # (1,) next free column (decode=none)
-        layer.room = width - n
-        layer.spare = width - 1
-    else:
-        lengths = torch.as_tensor(cap.reshape(-1), device=dev)
-        meta = RaggedMeta.from_lengths(lengths)
-        src_valid = padded["positions"] >= 0  # (B, H_kv, N): entries are first in each segment
-        rank = src_valid.long().cumsum(-1) - 1
-        b, h, n = src_valid.shape
-        dest = meta.offsets[:-1].reshape(b, h, 1) + rank  # (B, H_kv, N)
-        total = int(cap.sum())  # host
-        for name, t in padded.items():
-            if t is None:
-                continue
-            out = torch.full((total, *t.shape[3:]), _fills(layer)[name], dtype=t.dtype, device=dev)
-            out[dest[src_valid]] = t[src_valid]
-            setattr(layer, name, out)
-        layer.meta = meta
-        layer.seg_start = meta.offsets[:-1].reshape(b, h)  # (B, H_kv) first slot of each segment
-        layer.spare = (meta.offsets[1:] - 1).reshape(b, h)  # (B, H_kv) flat spare slot (fixed)
-        layer.capacity = cap
-        layer.room = int((cap - counts).min())
+        _dense_to_static(layer, padded, budget, room)
+        return
+    lengths = torch.as_tensor(cap.reshape(-1), device=dev)
+    meta = RaggedMeta.from_lengths(lengths)
+    src_valid = padded["positions"] >= 0  # (B, H_kv, N): entries are first in each segment
+    rank = src_valid.long().cumsum(-1) - 1
+    b, h, n = src_valid.shape
+    dest = meta.offsets[:-1].reshape(b, h, 1) + rank  # (B, H_kv, N)
+    total = int(cap.sum())  # host
+    for name, t in padded.items():
+        if t is None:
+            continue
+        out = torch.full((total, *t.shape[3:]), _fills(layer)[name], dtype=t.dtype, device=dev)
+        out[dest[src_valid]] = t[src_valid]
+        setattr(layer, name, out)
+    layer.meta = meta
+    layer.seg_start = meta.offsets[:-1].reshape(b, h)  # (B, H_kv) first slot of each segment
+    layer.spare = (meta.offsets[1:] - 1).reshape(b, h)  # (B, H_kv) flat spare slot (fixed)
+    layer.capacity = cap
+    layer.room = int((cap - counts).min())
     layer.lengths_dev = torch.tensor(
         counts, device=dev
     )  # a copy: never shares the host array  # (B, H_kv) kept entries, on device
@@ -99,34 +93,97 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     layer.static = "fixed" if budget is not None else "none"
 
 
+def _dense_to_static(layer, padded: dict, budget: np.ndarray | None, room: int) -> None:
+    """Dense storage ``(B, H_kv, C, d)``; ``bias`` (B, H_kv, 1, C) is the additive visibility
+    mask the attention reads (0 on a stored entry, -inf on an empty slot), kept in step with
+    the writes, so no layer rebuilds it; a ``full`` fixed layer has none (see ``evict``)."""
+    n = layer.keys.shape[2]
+    b, h = layer.counts.shape
+    dev = layer.keys.device
+    width = n + room if budget is None else max(n, int(budget.max())) + 1  # host ints
+    for name, t in padded.items():
+        if t is None:
+            continue
+        fill = _fills(layer)[name]
+        if name == "scores":  # kept sums, finite (0 where the prompt protected or padded), as
+            fill, t = 0.0, torch.where(t.isfinite(), t, 0.0)  # the reference's decode reads them
+        out = _full(t, width, fill)
+        out[:, :, :n] = t
+        setattr(layer, name, out)
+    layer.newest = torch.full((b, h, 1), layer.length - 1, device=dev)  # (B, H_kv, 1) int64
+    layer.bias = _bias(layer.positions, layer.keys.dtype)
+    if budget is None:
+        layer.used_dev = torch.tensor([n], device=dev)  # (1,) next free column
+        layer.room = width - n
+        layer.static = "none"
+        return
+    # full: every head holds exactly its budget and the budget fills every slot but one, so
+    # every head is over its budget at every step and, once the new token is written, no slot
+    # is empty: no mask, no budget test (decided here, once, on the host).
+    layer.full = bool((layer.counts == budget).all() and (budget == width - 1).all())
+    if layer.full:
+        layer.bias = None
+    layer.under = torch.tensor(budget - layer.counts, device=dev).reshape(b, h, 1)  # entries to gain
+    layer.free = layer.positions.argmin(-1, keepdim=True)  # (B, H_kv, 1) first empty slot
+    layer.static_budget_host = budget
+    layer.static = "fixed"
+
+
+def _bias(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H_kv, N) positions -> (B, H_kv, 1, N) additive mask: 0 stored, -inf empty."""
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    return torch.where(positions >= 0, zero, float("-inf")).unsqueeze(2)
+
+
 def _fills(layer) -> dict[str, float]:
     return {"keys": 0.0, "values": 0.0, "positions": -1, "scores": float("-inf")}
 
 
-def _full(t: torch.Tensor, width: int, fill) -> torch.Tensor:
-    return torch.full((*t.shape[:2], width, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
+def _full(t: torch.Tensor, width: int, fill, dim: int = 2) -> torch.Tensor:
+    """A tensor like ``t`` with ``width`` along ``dim``, filled with ``fill``."""
+    shape = list(t.shape)
+    shape[dim] = width
+    return torch.full(shape, fill, dtype=t.dtype, device=t.device)
 
 
-def append(layer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-    """Write one new entry per (sequence, KV head) in place. k, v: (B, H_kv, 1, d); pos (B, H_kv, 1)."""
+def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write the new token's entry per (sequence, KV head) in place. k, v: (B, H_kv, 1, d).
+
+    Dense: one in-place write per stored tensor, at column ``used_dev`` (``decode=none``) or at
+    each head's ``free`` slot (``decode=fixed``), and the mask's column opened."""
+    if layer.layout == "ragged":
+        pos = layer.length_dev.reshape(1, 1, 1).expand(k.shape[0], k.shape[1], 1)
+        _append_ragged(layer, k, v, pos)
+        layer.length_dev += 1  # after the write: ``pos`` is a view of it
+        return
+    layer.newest.add_(1)  # (B, H_kv, 1) the new token's position
+    if layer.static == "none":
+        _grow_if_full(layer)
+        layer.room -= 1
+        col = layer.used_dev  # (1,)
+        layer.keys.index_copy_(2, col, k)
+        layer.values.index_copy_(2, col, v)
+        layer.positions.index_copy_(2, col, layer.newest)
+        layer.bias.index_fill_(3, col, 0.0)
+        layer.used_dev.add_(1)
+        layer.counts = layer.counts + 1
+        return
+    free = layer.free.unsqueeze(-1)  # (B, H_kv, 1, 1)
+    at = free.expand_as(k)  # (B, H_kv, 1, d)
+    layer.keys.scatter_(2, at, k)
+    layer.values.scatter_(2, at, v)
+    layer.positions.scatter_(2, layer.free, layer.newest)
+    if layer.bias is not None:
+        layer.bias.scatter_(3, free, 0.0)
+
+
+def _append_ragged(layer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
     if layer.static == "none":
         _grow_if_full(layer)
         layer.room -= 1
     new = {"keys": k[:, :, 0], "values": v[:, :, 0], "positions": pos[:, :, 0]}
     if layer.scores is not None:
         new["scores"] = torch.zeros_like(pos[:, :, 0], dtype=layer.scores.dtype)
-    if layer.layout == "dense":
-        col = layer.spare if layer.static == "fixed" else layer.used_dev  # host int / (1,) device
-        for name, t in new.items():
-            if layer.static == "fixed":
-                getattr(layer, name)[:, :, col] = t
-            else:
-                getattr(layer, name).index_copy_(2, col, t.unsqueeze(2))
-        if layer.static == "none":
-            layer.used_dev += 1
-            layer.lengths_dev += 1
-            layer.counts = layer.counts + 1
-        return
     slot = layer.spare if layer.static == "fixed" else layer.seg_start + layer.lengths_dev  # (B, H_kv)
     for name, t in new.items():
         getattr(layer, name)[slot.reshape(-1)] = t.reshape(-1, *t.shape[2:])
@@ -141,19 +198,105 @@ def _grow_if_full(layer) -> None:
         return
     if layer.layout == "dense":
         layer.room = GROWTH
-        for name, fill in _fills(layer).items():
+        grown = [(name, fill, 2) for name, fill in _fills(layer).items()] + [("bias", float("-inf"), 3)]
+        for name, fill, dim in grown:
             t = getattr(layer, name)
             if t is not None:
-                out = _full(t, t.shape[2] + GROWTH, fill)
-                out[:, :, : t.shape[2]] = t
+                out = _full(t, t.shape[dim] + GROWTH, fill, dim)
+                out.narrow(dim, 0, t.shape[dim]).copy_(t)
                 setattr(layer, name, out)
         return
     layer.static = None
     to_static(layer, None)
 
 
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
+    """Attention of the new token over a dense static layer (every stored entry is in its past
+    and its own entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
+
+    Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, N) in float32
+    (the GQA group on dim 2, as ``Scorer.decode_step`` reads them): the fused kernel when no
+    probabilities are needed, else two batched matmuls around a softmax. The reference is
+    ``layer.dense_attention`` (tests/test_static.py decodes against it)."""
+    b, h, q, d = query.shape
+    hkv, n = layer.keys.shape[1], layer.keys.shape[2]
+    g = h // hkv
+    if not return_probs:
+        qs = query.reshape(b, hkv, g, d)  # GQA group folded into the query rows
+        out = F.scaled_dot_product_attention(
+            qs, layer.keys, layer.values, attn_mask=layer.bias, scale=scaling
+        )
+        return out.reshape(b, 1, h, d), None  # (B, H_kv, G, d) -> (B, 1, H, d)
+    acc = _accumulate(query.dtype)
+    qs = query.reshape(b * hkv, g, d).to(acc)  # (B*H_kv, G, d)
+    keys = layer.keys.reshape(b * hkv, n, d).to(acc).transpose(1, 2)  # (B*H_kv, d, N)
+    if layer.bias is None:
+        logits = torch.bmm(qs, keys).mul_(scaling)
+    else:  # scaling * (q k^T) + mask, in one op
+        logits = torch.baddbmm(layer.bias.reshape(b * hkv, 1, n).to(acc), qs, keys, alpha=scaling)
+    probs = torch.softmax(logits, dim=-1)  # (B*H_kv, G, N)
+    out = torch.bmm(probs, layer.values.reshape(b * hkv, n, d).to(acc)).to(query.dtype)
+    return out.reshape(b, 1, h, d), probs.reshape(b, hkv, g, n)
+
+
+def _accumulate(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, else the dtype itself (float64 for references): no ATen op."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
+    """decode=fixed, dense: score the entries, evict one victim per head over its budget.
+
+    probs: (B, H_kv, G, N) from ``attend`` (None for scorers that read no attention). The
+    newest ``window`` positions are protected; the victim is the lowest score, the latest
+    position among ties (the reference's rule: ties keep the earlier position). The victim's
+    slot becomes the head's ``free`` slot, where the next token is written: nothing is moved.
+    A head still under its budget evicts nothing and its next token takes its first empty slot.
+    ``across``: a function applied to the scores before they are used (a tensor-parallel
+    cache's mean over ranks, TOVA)."""
+    if layer.layout == "ragged":
+        scores = decode_scores(layer, scorer, probs, across)
+        place_newest(layer, scores, layer.length_dev - 1 - window)
+        return
+    pos = layer.positions  # (B, H_kv, N)
+    previous = layer.scores if scorer.stateful else None
+    if scorer.order_sensitive:  # pooling neighbours: entries sorted by position, newest first
+        pos_s, order = pos.sort(-1, descending=True)  # (B, H_kv, N) twice
+        if probs is not None:
+            probs = probs.gather(-1, order.unsqueeze(2).expand_as(probs))
+        if previous is not None:
+            previous = previous.gather(-1, order)
+        scores = scorer.decode_step(probs, pos_s, previous)
+    else:
+        pos_s, order = pos, None
+        scores = scorer.decode_step(probs, pos, previous)
+    if across is not None:
+        scores = across(scores.expand_as(pos_s))
+    if scorer.stateful:  # keep the new sums, in slot order
+        layer.scores = scores if order is None else torch.empty_like(scores).scatter_(-1, order, scores)
+    protected = pos_s > layer.newest - window  # the window (the new token included)
+    if not layer.full:
+        protected = protected | (pos_s < 0)  # and empty slots
+    scores = scores.masked_fill(protected, float("inf"))
+    if order is not None:  # newest first: the first minimum is the latest of the ties
+        victim = order.gather(-1, scores.argmin(-1, keepdim=True))
+    else:
+        low = scores.amin(-1, keepdim=True)
+        victim = pos.masked_fill(scores != low, -1).argmax(-1, keepdim=True)  # latest of the ties
+    if layer.full:
+        free = victim  # (B, H_kv, 1)
+    else:
+        free = torch.where(layer.under > 0, pos.argmin(-1, keepdim=True), victim)  # first empty slot
+        layer.under.sub_(1)
+    layer.positions.scatter_(2, free, -1)  # an under-budget head's empty slot stays empty
+    if scorer.stateful:
+        layer.scores.scatter_(2, free, 0.0)  # the next token's sum starts at 0
+    layer.free = free
+    layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
+
+
 def decode_scores(layer, scorer, probs: torch.Tensor, across=None) -> torch.Tensor:
-    """``scorer.decode`` over a static layer (B, H_kv, N), whose slots are not in position
+    """``scorer.decode`` over a static ragged layer (B, H_kv, N), whose slots are not in position
     order: scorers that pool over neighbours (``order_sensitive``) see the entries sorted by
     position (one argsort of the positions, empties first like the reference's left padding).
     Stateful scorers (H2O) keep the new sums in ``layer.scores``. ``across``: a function applied
@@ -177,7 +320,7 @@ def decode_scores(layer, scorer, probs: torch.Tensor, across=None) -> torch.Tens
 
 
 def place_newest(layer, scores: torch.Tensor, window_floor: torch.Tensor) -> None:
-    """decode=fixed: move the spare entry into its slot and free the spare, on the device.
+    """decode=fixed, ragged: move the spare entry into its slot and free the spare, on the device.
 
     scores: (B, H_kv, N) decoding scores over the padded view; window_floor: () positions above
     it are protected. No branch on the data: every head picks a victim (argmin of its scores) and
@@ -185,10 +328,7 @@ def place_newest(layer, scores: torch.Tensor, window_floor: torch.Tensor) -> Non
     pos = layer.padded(layer.positions, -1)  # (B, H_kv, N)
     n = pos.shape[-1]
     cols = torch.arange(n, device=pos.device)
-    if layer.layout == "dense":
-        spare_local = torch.full_like(pos[..., 0], layer.spare)
-    else:
-        spare_local = layer.spare - layer.seg_start  # (B, H_kv)
+    spare_local = layer.spare - layer.seg_start  # (B, H_kv)
     real = pos >= 0
     empty = ~real & (cols < spare_local[..., None])
     target = empty.int().argmax(-1)  # first empty slot (documented tie rule: first maximum)
@@ -200,17 +340,6 @@ def place_newest(layer, scores: torch.Tensor, window_floor: torch.Tensor) -> Non
     target = torch.where(is_over, victim, target)
     layer.lengths_dev = torch.minimum(layer.lengths_dev + 1, budget)
     layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
-    if layer.layout == "dense":
-        b, h = target.shape
-        idx = target.reshape(b, h, 1)
-        for name in _ENTRY:
-            t = getattr(layer, name)
-            if t is None:
-                continue
-            src = t[:, :, layer.spare : layer.spare + 1].clone()
-            t.scatter_(2, idx.reshape(b, h, 1, *([1] * (t.dim() - 3))).expand_as(src), src)
-        layer.positions[:, :, layer.spare] = -1
-        return
     flat_target = (layer.seg_start + target).reshape(-1)
     flat_spare = layer.spare.reshape(-1)
     for name in _ENTRY:
