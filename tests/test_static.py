@@ -36,9 +36,11 @@ def _kept(cache: KVCakeCache) -> list[list[list[int]]]:
     return out
 
 
-def _decode(model, spec: str, static: bool, batch=None):
+def _decode(model, spec: str, static: bool, batch=None, max_cache_len=None):
     ids, mask = _batch() if batch is None else batch
-    cache = KVCakeCache(model, make_method(spec, budget=24, window=4), static=static)
+    cache = KVCakeCache(
+        model, make_method(spec, budget=24, window=4), static=static, max_cache_len=max_cache_len
+    )
     logits, kept = [], []
     with kvcake.enable(model), torch.no_grad():
         out = model(ids, attention_mask=mask, **with_cache(model, cache))
@@ -76,7 +78,11 @@ def _short_batch():
     return ids, mask
 
 
-FIXED = [name for name, parts in PRESETS.items() if parts[4] == "fixed"]
+# the decode=fixed presets, and ragged layers with a stateful and a probability-free scorer
+FIXED = [name for name, parts in PRESETS.items() if parts[4] == "fixed"] + [
+    "layers=uniform,heads=adakv,score=h2o,select=topk,decode=fixed",
+    "layers=uniform,heads=adakv,score=streamingllm,select=topk,decode=fixed",
+]
 
 
 @pytest.mark.parametrize("case", ["batch1", "under_budget"])
@@ -98,6 +104,22 @@ def test_static_eviction_equals_the_reference_in_both_layouts(tiny_llama, spec, 
         assert a == b, f"kept sets differ at decode step {step}"
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert (cache.layer_counts() == ref.layer_counts()).all()
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+def test_static_storage_grows_past_its_capacity_as_the_reference(tiny_llama, spec):
+    """decode=none with room for 5 tokens (``max_cache_len``): the storage grows (dense: new
+    columns; ragged: laid out anew) while decoding 30, and decodes as the reference."""
+    ref_logits, ref_kept, ref = _decode(tiny_llama, spec, static=False)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True, max_cache_len=120 + 5)
+    layers = [cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None]
+    widths = [
+        layer.keys.shape[2] if layer.layout == "dense" else int(layer.capacity.min()) for layer in layers
+    ]
+    assert layers and min(widths) > 24 + 5, "the storage never grew"
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
 class _HostReads:

@@ -19,7 +19,7 @@ def wants_probs(cache: Cache, layer_idx: int) -> bool:
         return False
     layer = cache.layers[layer_idx]
     if layer.static is not None:  # decided once for static storage, never from the data
-        return layer.static == "fixed" and (layer.layout == "ragged" or cache.method.scorer.needs_probs)
+        return layer.static == "fixed" and cache.method.scorer.needs_probs
     over = layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]
     return layer.scores is not None or bool(over.any())
 

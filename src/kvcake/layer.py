@@ -167,7 +167,7 @@ class KVCakeLayer(CacheLayerMixin):
         m = self.meta
         shape = (self.batch * self.kv_heads, m.max_len, *tensor.shape[1:])  # keys/values keep d
         out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
-        out[m.seg, m.local] = tensor
+        out[m.seg, m.local] = tensor[: m.seg.numel()]  # static storage: all but its dummy slot
         return out.reshape(self.batch, self.kv_heads, *shape[1:])
 
     def unpad(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -277,15 +277,12 @@ class KVCakeLayer(CacheLayerMixin):
         """Attention of the newest ``q`` query rows over the held entries.
 
         query: (B, H, q, d). Returns the output (B, q, H, d) and, if asked, the probabilities
-        (B, H, q, N) in float32 over the padded view (0 on empty slots); a dense static layer
-        (one new token) returns them as (B, H_kv, G, N) (``static.attend``)."""
+        (B, H, q, N) in float32 over the padded view (0 on empty slots); a static layer (one
+        new token) returns them as (B, H_kv, G, N) (``static.attend``)."""
         b, h, q, d = query.shape
-        if self.static is not None and self.layout == "dense":
+        if self.static is not None:  # one new token over static storage
             return static.attend(self, query, scaling, return_probs)
-        if self.static is not None:  # one new token, its position on the device
-            qpos = (self.length_dev - 1).reshape(1, 1).expand(b, 1)
-        else:
-            qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
+        qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
                 query,
@@ -296,7 +293,6 @@ class KVCakeLayer(CacheLayerMixin):
                 qpos,
                 scaling,
                 return_probs,
-                compact=self.static is None,
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
                 g = probs.shape[1]

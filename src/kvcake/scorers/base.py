@@ -112,7 +112,7 @@ class Scorer:
     Parameters shared by all scorers: ``reduce`` is the GQA group reduction (``mean``/``max``).
     ``stateful`` scorers (H2O) keep their prefill scores and add each decoding step's attention.
     ``order_sensitive`` scorers read neighbouring entries while decoding (pooling), so a cache
-    whose slots are not in position order must sort them first (``cache.decode_scores``).
+    whose slots are not in position order must sort them first (``static.evict``).
     ``layer_wide`` scorers (TOVA) give every head the same score, a mean over all the layer's
     heads, so a tensor-parallel cache averages them over ranks (``kvcake.tensor_parallel``).
     """
