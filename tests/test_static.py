@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake import PRESETS, KVCakeCache, make_method, static
 from kvcake.adapters import with_cache
+from kvcake.layer import dense_attention
 
 STEPS = 30
 
@@ -120,6 +121,41 @@ def test_static_storage_grows_past_its_capacity_as_the_reference(tiny_llama, spe
     for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
         assert a == b, f"kept sets differ at decode step {step}"
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("probs", [False, True])
+@pytest.mark.parametrize("spec", ["snapkv", "h2o", "cake", "adakv", "cake-adakv"])
+def test_a_static_append_and_attention_equal_dense_attention(tiny_llama, spec, probs):
+    """``static.append`` then ``static.attend`` (the fused kernel, or bmm/softmax/bmm for the
+    probabilities; ragged layers through their padded gather) against the reference
+    ``dense_attention`` over the layer's padded view, after a few steps of decoding. The same
+    math through different kernels: float32 tolerances (assert_close's defaults)."""
+    ids, mask = _batch()
+    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tok = tiny_llama(ids, attention_mask=mask, **with_cache(tiny_llama, cache)).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            tok = (
+                tiny_llama(tok, attention_mask=mask, **with_cache(tiny_llama, cache))
+                .logits[:, -1:]
+                .argmax(-1)
+            )
+    g = torch.Generator().manual_seed(5)
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        assert layer.static is not None
+        k, v = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(2))
+        query = torch.randn(2, 4, 1, 16, generator=g)
+        static.append(layer, k, v)
+        out, p = static.attend(layer, query, 0.25, probs)
+        keys, values = layer.padded(layer.keys, 0.0), layer.padded(layer.values, 0.0)
+        positions = layer.padded(layer.positions, -1)
+        assert bool((positions == layer.newest).any(-1).all()), "the new entry is stored in every head"
+        ref, ref_p = dense_attention(query, keys, values, positions, layer.newest[:, 0], 0.25, probs)
+        torch.testing.assert_close(out, ref)
+        if probs:
+            torch.testing.assert_close(p.reshape(ref_p.shape), ref_p)
 
 
 class _HostReads:
