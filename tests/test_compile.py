@@ -103,10 +103,11 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool):
     return counter.graphs, torch.stack(logits)
 
 
-# a dense cache appending (decode=none), a dense one evicting every step with an order-sensitive
-# scorer (CAKE), a ragged one (Ada-KV); the probe over every preset is in docs/step_counts.md
+# a dense cache appending (decode=none), dense ones evicting every step with an order-sensitive
+# scorer (CAKE) and a stateful one (H2O), a ragged one appending (Ada-KV) and one evicting (CAKE
+# x Ada-KV); the probe over every preset is in docs/step_counts.md
 @needs_kwargs_handoff
-@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "h2o", "adakv", "cake-adakv"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch):
     """fullgraph=True raises on any graph break; the second graph is the one with the growing

@@ -4,7 +4,15 @@ matrix, on random post-RoPE tensors with left padding."""
 import pytest
 import torch
 
-from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer, StreamingScorer, TOVAScorer
+from kvcake.scorers import (
+    CakeScorer,
+    DefensiveScorer,
+    H2OScorer,
+    PrefillInputs,
+    SnapKVScorer,
+    StreamingScorer,
+    TOVAScorer,
+)
 from kvcake.selectors import Critical, SelectionInputs, projected_value_norms
 
 B, H, HKV, S, D, W, PAD = 2, 4, 2, 48, 8, 8, 7
@@ -170,3 +178,30 @@ def test_critical_equals_reference_and_keeps_stage_one(inputs):
             )
             topk_only += got != top
     assert topk_only > 0, "the value norms changed some selection"
+
+
+@pytest.mark.parametrize(
+    "scorer",
+    [CakeScorer(), CakeScorer(pooling="max", reduce="max"), H2OScorer(), TOVAScorer(), StreamingScorer(),
+     StreamingScorer(n_sink=0), SnapKVScorer(), DefensiveScorer()],
+    ids=lambda s: s.describe(),
+)  # fmt: skip
+def test_decode_step_equals_the_reference_decode(scorer):
+    """``decode_step`` (one query row, the static decode step's form, entries newest first)
+    returns ``decode``'s scores (entries in position order, empty slots first) on every stored
+    entry. Exact, but for order-sensitive scorers (pooling): the window's sum runs in reverse
+    order there, so float32 rounding may differ in the last bits (rtol 1e-6)."""
+    g = torch.Generator().manual_seed(3)
+    b, hkv, grp, n = 2, 2, 3, 12
+    positions = torch.arange(n).repeat(b, hkv, 1) * 3  # (B, H_kv, N) ascending
+    positions[1, 0, :4] = -1  # an under-budget head: empty slots first, as the reference keeps them
+    probs = torch.softmax(torch.randn(b, hkv, grp, n, generator=g), -1).masked_fill(
+        positions[:, :, None] < 0, 0.0
+    )
+    previous = torch.rand(b, hkv, n, generator=g).masked_fill(positions < 0, 0.0) if scorer.stateful else None
+    ref = scorer.decode(probs.reshape(b, hkv * grp, 1, n), positions, previous)
+    flipped = None if previous is None else previous.flip(-1)
+    got = scorer.decode_step(probs.flip(-1), positions.flip(-1), flipped).flip(-1).expand_as(ref)
+    stored = positions >= 0
+    tol = {"rtol": 1e-6, "atol": 1e-9} if scorer.order_sensitive else {"rtol": 0.0, "atol": 0.0}
+    torch.testing.assert_close(got[stored], ref[stored], **tol)

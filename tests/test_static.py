@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake import PRESETS, KVCakeCache, make_method, static
 from kvcake.adapters import with_cache
+from kvcake.layer import dense_attention
 
 STEPS = 30
 
@@ -36,9 +37,11 @@ def _kept(cache: KVCakeCache) -> list[list[list[int]]]:
     return out
 
 
-def _decode(model, spec: str, static: bool):
-    ids, mask = _batch()
-    cache = KVCakeCache(model, make_method(spec, budget=24, window=4), static=static)
+def _decode(model, spec: str, static: bool, batch=None, max_cache_len=None):
+    ids, mask = _batch() if batch is None else batch
+    cache = KVCakeCache(
+        model, make_method(spec, budget=24, window=4), static=static, max_cache_len=max_cache_len
+    )
     logits, kept = [], []
     with kvcake.enable(model), torch.no_grad():
         out = model(ids, attention_mask=mask, **with_cache(model, cache))
@@ -65,6 +68,94 @@ def test_static_decoding_equals_the_reference(tiny_llama, spec):
         assert a == b, f"kept sets differ at decode step {step}"
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert (cache.layer_counts() == ref.layer_counts()).all()
+
+
+def _short_batch():
+    """A left-padded batch whose second sequence (18 tokens) is under the budget (24): its heads
+    fill empty slots first, then evict (a static layer that is not ``full``)."""
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :12] = 0
+    return ids, mask
+
+
+# the decode=fixed presets, and ragged layers with a stateful and a probability-free scorer
+FIXED = [name for name, parts in PRESETS.items() if parts[4] == "fixed"] + [
+    "layers=uniform,heads=adakv,score=h2o,select=topk,decode=fixed",
+    "layers=uniform,heads=adakv,score=streamingllm,select=topk,decode=fixed",
+]
+
+
+@pytest.mark.parametrize("case", ["batch1", "under_budget"])
+@pytest.mark.parametrize("spec", FIXED)
+def test_static_eviction_equals_the_reference_in_both_layouts(tiny_llama, spec, case):
+    """The decode=fixed presets on the layouts the left-padded batch above may not reach: a
+    single sequence (every head at its budget: a ``full`` layer, no mask) and a sequence under
+    its budget (empty slots filled first, then one victim per step)."""
+    batch = _batch() if case == "batch1" else _short_batch()
+    if case == "batch1":
+        batch = (batch[0][:1], batch[1][:1])
+    ref_logits, ref_kept, ref = _decode(tiny_llama, spec, static=False, batch=batch)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True, batch=batch)
+    layers = [cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None]
+    assert layers, "static path never ran"
+    if case == "under_budget":
+        assert not any(getattr(layer, "full", False) for layer in layers)
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert (cache.layer_counts() == ref.layer_counts()).all()
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+def test_static_storage_grows_past_its_capacity_as_the_reference(tiny_llama, spec):
+    """decode=none with room for 5 tokens (``max_cache_len``): the storage grows (dense: new
+    columns; ragged: laid out anew) while decoding 30, and decodes as the reference."""
+    ref_logits, ref_kept, ref = _decode(tiny_llama, spec, static=False)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True, max_cache_len=120 + 5)
+    layers = [cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None]
+    widths = [
+        layer.keys.shape[2] if layer.layout == "dense" else int(layer.capacity.min()) for layer in layers
+    ]
+    assert layers and min(widths) > 24 + 5, "the storage never grew"
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("probs", [False, True])
+@pytest.mark.parametrize("spec", ["snapkv", "h2o", "cake", "adakv", "cake-adakv"])
+def test_a_static_append_and_attention_equal_dense_attention(tiny_llama, spec, probs):
+    """``static.append`` then ``static.attend`` (the fused kernel, or bmm/softmax/bmm for the
+    probabilities; ragged layers through their padded gather) against the reference
+    ``dense_attention`` over the layer's padded view, after a few steps of decoding. The same
+    math through different kernels: float32 tolerances (assert_close's defaults)."""
+    ids, mask = _batch()
+    cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tok = tiny_llama(ids, attention_mask=mask, **with_cache(tiny_llama, cache)).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            tok = (
+                tiny_llama(tok, attention_mask=mask, **with_cache(tiny_llama, cache))
+                .logits[:, -1:]
+                .argmax(-1)
+            )
+    g = torch.Generator().manual_seed(5)
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        assert layer.static is not None
+        k, v = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(2))
+        query = torch.randn(2, 4, 1, 16, generator=g)
+        static.append(layer, k, v)
+        out, p = static.attend(layer, query, 0.25, probs)
+        keys, values = layer.padded(layer.keys, 0.0), layer.padded(layer.values, 0.0)
+        positions = layer.padded(layer.positions, -1)
+        assert bool((positions == layer.newest).any(-1).all()), "the new entry is stored in every head"
+        ref, ref_p = dense_attention(query, keys, values, positions, layer.newest[:, 0], 0.25, probs)
+        torch.testing.assert_close(out, ref)
+        if probs:
+            torch.testing.assert_close(p.reshape(ref_p.shape), ref_p)
 
 
 class _HostReads:

@@ -19,7 +19,7 @@ def wants_probs(cache: Cache, layer_idx: int) -> bool:
         return False
     layer = cache.layers[layer_idx]
     if layer.static is not None:  # decided once for static storage, never from the data
-        return layer.static == "fixed"
+        return layer.static == "fixed" and cache.method.scorer.needs_probs
     over = layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]
     return layer.scores is not None or bool(over.any())
 
@@ -29,8 +29,7 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     layer = cache.layers[layer_idx]
     window = cache.method.budget.window
     if layer.static == "fixed":
-        scores = static.decode_scores(layer, cache.method.scorer, probs, _across(cache))
-        static.place_newest(layer, scores, layer.length_dev - 1 - window)
+        static.evict(layer, cache.method.scorer, probs, window, _across(cache))
         return
     if probs is None:
         return

@@ -67,10 +67,8 @@ class KVCakeLayer(CacheLayerMixin):
             static.to_dynamic(self)  # multi-token appends take the reference path
         elif self.static is None and one_step and self.static_plan is not None and not self.plain:
             self.to_static()  # after its first eviction, or back from a multi-token append
-        if self.static is not None:
-            pos = self.length_dev.reshape(1, 1, 1).expand(b, hkv, 1)  # the device copy: no host int
-            static.append(self, key_states, value_states, pos)
-            self.length_dev += 1  # after the write: ``pos`` is a view of it
+        if self.static is not None:  # in place, positions on the device: no host int
+            static.append(self, key_states, value_states)
             self.length += 1
             return self.keys, self.values
         qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
@@ -179,7 +177,7 @@ class KVCakeLayer(CacheLayerMixin):
         m = self.meta
         shape = (self.batch * self.kv_heads, m.max_len, *tensor.shape[1:])  # keys/values keep d
         out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
-        out[m.seg, m.local] = tensor
+        out[m.seg, m.local] = tensor[: m.seg.numel()]  # static storage: all but its dummy slot
         return out.reshape(self.batch, self.kv_heads, *shape[1:])
 
     def unpad(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -289,12 +287,12 @@ class KVCakeLayer(CacheLayerMixin):
         """Attention of the newest ``q`` query rows over the held entries.
 
         query: (B, H, q, d). Returns the output (B, q, H, d) and, if asked, the probabilities
-        (B, H, q, N) in float32 over the padded view (0 on empty slots)."""
+        (B, H, q, N) in float32 over the padded view (0 on empty slots); a static layer (one
+        new token) returns them as (B, H_kv, G, N) (``static.attend``)."""
         b, h, q, d = query.shape
-        if self.static is not None:  # one new token, its position on the device
-            qpos = (self.length_dev - 1).reshape(1, 1).expand(b, 1)
-        else:
-            qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
+        if self.static is not None:  # one new token over static storage
+            return static.attend(self, query, scaling, return_probs)
+        qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
                 query,
@@ -305,7 +303,6 @@ class KVCakeLayer(CacheLayerMixin):
                 qpos,
                 scaling,
                 return_probs,
-                compact=self.static is None,
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
                 g = probs.shape[1]
@@ -314,8 +311,6 @@ class KVCakeLayer(CacheLayerMixin):
                 probs = padded.reshape(b, self.kv_heads, self.meta.max_len, g, q).permute(0, 1, 3, 4, 2)
                 probs = probs.reshape(b, h, q, self.meta.max_len)
             return out, probs
-        if self.static is not None:  # one new token: every stored entry is in its past
-            return dense_step_attention(query, self.keys, self.values, self.positions, scaling, return_probs)
         return dense_attention(query, self.keys, self.values, self.positions, qpos, scaling, return_probs)
 
     def kv_bytes(self) -> int:
@@ -370,31 +365,3 @@ def dense_attention(
         )
         probs = None
     return out.reshape(b, h, q, d).transpose(1, 2), probs
-
-
-def dense_step_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    scaling: float,
-    return_probs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``dense_attention`` for one new query token over static storage: every stored entry is
-    in the token's past and the token's own entry is stored, so the visibility mask is just
-    "slot not empty", one (B, H_kv, 1, N) mask broadcast over the query rows.
-
-    query: (B, H, 1, d); keys/values: (B, H_kv, N, d); positions: (B, H_kv, N) (-1 = empty).
-    Returns (B, 1, H, d) and optionally the probabilities (B, H, 1, N) in float32."""
-    b, h, q, d = query.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    qs = query.reshape(b, hkv, (h // hkv) * q, d)  # (B, H_kv, G, d), GQA group folded into rows
-    allowed = (positions >= 0)[:, :, None, :]  # (B, H_kv, 1, N)
-    if return_probs:
-        acc = torch.promote_types(query.dtype, torch.float32)
-        logits = torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, H_kv, G, N)
-        out = torch.matmul(probs, values.to(acc)).to(query.dtype)
-        return out.reshape(b, h, q, d).transpose(1, 2), probs.reshape(b, h, q, n)
-    out = torch.nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=scaling)
-    return out.reshape(b, h, q, d).transpose(1, 2), None

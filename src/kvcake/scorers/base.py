@@ -85,6 +85,18 @@ def pool1d(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     return out[..., :s].reshape(b, h, s)
 
 
+def pool_rows(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """``pool1d`` over the last dim of a 4-D (B, H_kv, G, N) tensor in one ATen op: a 2-D pool
+    with a (1, kernel) window leaves dims 0-2 alone (the static decode step's form)."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    if kind == "max":
+        return F.max_pool2d(x, (1, kernel), stride=1, padding=(0, kernel // 2))
+    if kind == "avg":
+        return F.avg_pool2d(x, (1, kernel), stride=1, padding=(0, kernel // 2))
+    raise ValueError(f"pooling must be 'max' or 'avg', got {kind!r}")
+
+
 def group_reduce(x: torch.Tensor, groups: int, how: str) -> torch.Tensor:
     """(B, H, N) -> (B, H_kv, N) over each GQA group (``mean`` or ``max``)."""
     if groups == 1:
@@ -100,7 +112,7 @@ class Scorer:
     Parameters shared by all scorers: ``reduce`` is the GQA group reduction (``mean``/``max``).
     ``stateful`` scorers (H2O) keep their prefill scores and add each decoding step's attention.
     ``order_sensitive`` scorers read neighbouring entries while decoding (pooling), so a cache
-    whose slots are not in position order must sort them first (``cache.decode_scores``).
+    whose slots are not in position order must sort them first (``static.evict``).
     ``layer_wide`` scorers (TOVA) give every head the same score, a mean over all the layer's
     heads, so a tensor-parallel cache averages them over ranks (``kvcake.tensor_parallel``).
     """
@@ -111,6 +123,7 @@ class Scorer:
     layer_wide = False
     reduce = "mean"
     marks_critical = False  # adds MARK to CriticalKV's first stage (DefensiveScorer)
+    needs_probs = True  # whether decoding scores read the attention (StreamingLLM's do not)
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:  # pragma: no cover - interface
         """Per query head scores (B, H, S); only prefix columns (before the window) matter."""
@@ -139,6 +152,23 @@ class Scorer:
         if self.stateful and previous is not None:
             scores = scores + torch.where(torch.isfinite(previous), previous, torch.zeros_like(previous))
         return scores
+
+    def decode_step(
+        self, probs: torch.Tensor | None, positions: torch.Tensor, previous: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``decode`` for the single new query row of a static decode step (``static.evict``).
+
+        probs: (B, H_kv, G, N) float attention of the new token, the GQA group on dim 2 (None
+        where ``needs_probs`` is False); positions: (B, H_kv, N), -1 on empty slots; previous:
+        (B, H_kv, N) finite kept sums (stateful scorers) or None. An ``order_sensitive`` scorer
+        gets its entries sorted by position, newest first (pooling is symmetric, so that is the
+        reference's order reversed). Returns (B, H_kv, N) scores, or (B, 1, N) where every head
+        shares them; empty slots' scores are unspecified (the caller protects them).
+
+        This default is the reference ``decode`` itself; subclasses return the same scores in
+        fewer ATen ops (``tests/test_scorers.py`` compares each with ``decode``)."""
+        b, hkv, g, n = probs.shape
+        return self.decode(probs.reshape(b, hkv * g, 1, n), positions, previous)
 
     def describe(self) -> str:
         return self.name

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PrefillInputs, Scorer, pool1d, window_rows_mean_var
+from .base import PrefillInputs, Scorer, pool1d, pool_rows, window_rows_mean_var
 from .snapkv import _check_pool, _pool_prefix
 
 
@@ -45,3 +45,7 @@ class CakeScorer(Scorer):
 
     def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return pool1d(probs.mean(2), self.kernel, self.pooling)
+
+    def decode_step(self, probs, positions, previous):
+        pooled = pool_rows(probs, self.kernel, self.pooling)  # (B, H_kv, G, N)
+        return pooled.mean(2) if self.reduce == "mean" else pooled.amax(2)

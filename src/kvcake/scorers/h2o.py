@@ -30,6 +30,10 @@ class H2OScorer(Scorer):
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
         return accumulated_attention(inp, self.chunk)
 
+    def decode_step(self, probs, positions, previous):
+        scores = probs.mean(2) if self.reduce == "mean" else probs.amax(2)  # (B, H_kv, N)
+        return scores if previous is None else scores + previous
+
 
 def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
     """(B, H, S) column sums of the causal attention matrix, ``chunk`` rows at a time."""

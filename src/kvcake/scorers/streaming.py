@@ -17,6 +17,7 @@ class StreamingScorer(Scorer):
 
     n_sink: int = 4
     name = "streamingllm"
+    needs_probs = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_sink, int) or self.n_sink < 0:
@@ -38,3 +39,12 @@ class StreamingScorer(Scorer):
             sink = valid & (pos <= first[..., k - 1 : k])
             pos = torch.where(sink, torch.full_like(pos, float(1 << 40)), pos)
         return pos.repeat_interleave(groups, dim=1)
+
+    def decode_step(self, probs, positions, previous):
+        pos = positions.float()  # (B, H_kv, N)
+        k = min(self.n_sink, positions.shape[-1])
+        if k == 0:
+            return pos
+        kept = positions.masked_fill(positions < 0, 1 << 62)  # empty slots after every position
+        last_sink = kept.kthvalue(k, -1, keepdim=True).values  # (B, H_kv, 1) the k-th kept position
+        return pos.masked_fill(kept <= last_sink, float(1 << 40))

@@ -26,3 +26,7 @@ class TOVAScorer(Scorer):
     def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cur = probs[:, :, -1, :]
         return cur.mean(1, keepdim=True).expand_as(cur)
+
+    def decode_step(self, probs, positions, previous):
+        b, hkv, g, n = probs.shape
+        return probs.reshape(b, hkv * g, n).mean(1, keepdim=True)  # (B, 1, N): one set per layer
