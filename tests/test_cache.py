@@ -91,8 +91,10 @@ def test_decoding_keeps_every_layer_at_its_budget(tiny_llama, name):
             assert np.array_equal(cache.layer_counts(), budget)
     assert cache.get_seq_length() == 250
     assert all(cache.layers[lid].static == "fixed" for lid in cache.compressed)
-    # the budgets, plus the spare slot per head of static storage (capacity is memory)
-    assert cache.kv_bytes() == (int(budget.sum()) + budget.size) * 2 * 16 * 4
+    # the budgets, plus the spare slot per head of static storage (capacity is memory) and the one
+    # always-empty slot a static ragged layer keeps for its padded view
+    ragged = sum(cache.layers[lid].layout == "ragged" for lid in cache.compressed)
+    assert cache.kv_bytes() == (int(budget.sum()) + budget.size + ragged) * 2 * 16 * 4
 
 
 @pytest.mark.parametrize("name", ["snapkv", "cake,decode=none", "adakv", "critical-adakv"])
@@ -187,4 +189,5 @@ def test_ragged_bytes_are_the_sum_of_head_budgets(tiny_mha):
     static, _ = prefill(tiny_mha, ids, method)
     assert (static.layer_counts() == cache.layer_counts()).all()
     reserve = 1 if method.decode == "fixed" else GROWTH
-    assert static.kv_bytes() == (int(counts.sum()) + reserve * counts.size) * entry
+    empty = len(static.layers)  # the one always-empty slot per static ragged layer (its padded view)
+    assert static.kv_bytes() == (int(counts.sum()) + reserve * counts.size + empty) * entry
