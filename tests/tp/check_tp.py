@@ -66,7 +66,8 @@ def heads_bytes(layer, heads: slice, world: int) -> int:
     if layer.keys.dim() == 4:
         return layer.kv_bytes() // world
     segments = layer.capacity if layer.static is not None else layer.counts  # (B, H_kv)
-    return int(segments[:, heads].sum()) * layer.keys.shape[-1] * 2 * layer.keys.element_size()
+    slots = int(segments[:, heads].sum()) + (layer.static is not None)  # + every static ragged
+    return slots * layer.keys.shape[-1] * 2 * layer.keys.element_size()  # layer's one empty slot
 
 
 def exchanged_in_prefill(model, ids, mask, preset) -> tuple[int, int]:
