@@ -251,7 +251,7 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
         qs = query.reshape(b, hkv, g, d)
         out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=bias, scale=scaling)
         return out.reshape(b, 1, h, d), None  # (B, H_kv, G, d) -> (B, 1, H, d)
-    acc = _accumulate(query.dtype)
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
     if layer.layout == "dense":  # 3-D for bmm: (B*H_kv, N, d), mask (B*H_kv, 1, N)
         n = layer.keys.shape[2]
         keys, values = layer.keys.reshape(b * hkv, n, d), layer.values.reshape(b * hkv, n, d)
@@ -269,11 +269,6 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     probs = torch.softmax(logits, dim=-1)  # (B*H_kv, G, N)
     out = torch.bmm(probs, values.to(acc)).to(query.dtype)
     return out.reshape(b, 1, h, d), probs.reshape(b, hkv, g, n)
-
-
-def _accumulate(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types, else the dtype itself (float64 for references): no ATen op."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
