@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import PRESETS, KVCakeCache, make_method, static
+from kvcake import PRESETS, KVCakeCache, make_method, static, varlen
 from kvcake.adapters import with_cache
 from kvcake.layer import dense_attention
+from test_varlen import fake_kernel
 
 STEPS = 30
 
@@ -123,6 +124,48 @@ def test_static_storage_grows_past_its_capacity_as_the_reference(tiny_llama, spe
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
+# ragged presets whose decode steps attend without probabilities: on CUDA their static layers
+# go to the variable-length kernel (decode=none, and decode=fixed with a probability-free scorer)
+RAGGED_KERNEL = ["adakv", "critical-adakv", "defensivekv", "layer-defensivekv", FIXED[-1]]
+
+
+@pytest.mark.parametrize("case", ["padded", "under_budget", "grows"])
+@pytest.mark.parametrize("spec", RAGGED_KERNEL)
+def test_static_ragged_layers_attend_through_the_varlen_kernel(tiny_llama, monkeypatch, spec, case):
+    """Static ragged storage handed to the variable-length kernel (faked on the CPU: the
+    documented semantics of torch's ``varlen_attn``, ``tests/test_varlen.py``): the segments in
+    place, each read up to its used prefix (``seqused``), decodes as the dynamic reference, through
+    evictions, heads under their budget and a storage that grows."""
+    calls: list = []
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: fake_kernel(calls, torch_api=True))
+
+    def route(device, dtype, *, seqused=False):
+        assert seqused, "static storage needs a kernel that skips unused slots"
+        return "torch-varlen"
+
+    monkeypatch.setattr(static, "choose_route", route)
+    batch = _short_batch() if case == "under_budget" else None
+    max_len = 120 + 5 if case == "grows" else None
+    ref_logits, ref_kept, _ = _decode(tiny_llama, spec, static=False, batch=batch)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True, batch=batch, max_cache_len=max_len)
+    layers = [cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None]
+    assert layers and all(
+        layer.layout == "ragged" and layer.varlen_route == "torch-varlen" for layer in layers
+    )
+    assert len(calls) >= STEPS * len(layers) and all(call["seqused"] for call in calls)
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_static_ragged_layers_stay_on_the_padded_view_without_a_kernel(tiny_llama):
+    """On the CPU (no variable-length kernel) a static ragged layer reads its padded view."""
+    _, _, cache = _decode(tiny_llama, "adakv", static=True)
+    layers = [cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None]
+    assert layers and {layer.varlen_route for layer in layers} == {"reference"}
+    assert not any(hasattr(layer, "seq_used") for layer in layers)
+
+
 @pytest.mark.parametrize("probs", [False, True])
 @pytest.mark.parametrize("spec", ["snapkv", "h2o", "cake", "adakv", "cake-adakv"])
 def test_a_static_append_and_attention_equal_dense_attention(tiny_llama, spec, probs):
@@ -212,5 +255,9 @@ def test_static_refuses_to_preallocate_a_huge_budget(tiny_llama):
     mask = torch.ones_like(x)
     mask[1, :25] = 0
     cache = KVCakeCache(tiny_llama, make_method("cake", budget=2**40, window=4), static=True)
-    with kvcake.enable(tiny_llama), torch.no_grad(), pytest.raises(ValueError, match="max_cache_len=.*static=False"):
+    with (
+        kvcake.enable(tiny_llama),
+        torch.no_grad(),
+        pytest.raises(ValueError, match="max_cache_len=.*static=False"),
+    ):
         tiny_llama(x, attention_mask=mask, **with_cache(tiny_llama, cache))

@@ -131,7 +131,7 @@ def test_seqused_skips_the_unused_tail(installed):
 
 def test_ragged_attention_calls_the_kernel_route(installed, monkeypatch):
     """The ragged cache's call site: one varlen call when a kernel route is chosen, and the result
-    of its own segment-softmax reference; probabilities and non-compact storage stay on the reference."""
+    of its own segment-softmax reference; probabilities stay on the reference."""
     calls = installed(True, False)
     monkeypatch.setattr(ragged, "choose_route", lambda device, dtype: "torch-varlen")
     query, keys, values, meta = _case(q=3, lengths=(9, 40, 5, 33))
@@ -143,7 +143,6 @@ def test_ragged_attention_calls_the_kernel_route(installed, monkeypatch):
     ref, _ = ragged_attention_reference(query, keys, values, positions, meta, qpos, 0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     ragged_attention(query, keys, values, positions, meta, qpos, 0.25, return_probs=True)
-    ragged_attention(query, keys, values, positions, meta, qpos, 0.25, compact=False)
     assert len(calls) == 1
 
 

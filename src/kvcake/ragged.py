@@ -94,13 +94,12 @@ def flash_available(device: torch.device) -> bool:
 def ragged_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
-    compact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """Dispatch: a variable-length kernel on CUDA (``kvcake.varlen.choose_route``) when no
-    probabilities are needed, else the PyTorch reference. Same arguments and result as
-    ``ragged_attention_reference``; ``compact`` False (static storage: empty slots inside
-    segments) needs the reference, which masks them."""
-    route = choose_route(query.device, query.dtype) if compact and not return_probs else "reference"
+    """Dispatch for the dynamic (compact) layout: a variable-length kernel on CUDA
+    (``kvcake.varlen.choose_route``) when no probabilities are needed, else the PyTorch reference.
+    Same arguments and result as ``ragged_attention_reference``. Static storage calls the kernel
+    itself, with each segment's used prefix (``static.attend``)."""
+    route = choose_route(query.device, query.dtype) if not return_probs else "reference"
     if route != "reference":
         return varlen_attention(query, keys, values, meta.offsets, meta.max_len, scaling, route=route), None
     return ragged_attention_reference(

@@ -23,7 +23,10 @@ Layouts (the same per-entry convention as ``layer.py``: position -1 = empty slot
   1``, the free slot as in the dense layout); the last slot is a *dummy*, always empty. A step
   reads the layer through ``pad_index`` (B * H_kv, M), each segment's slots padded with the
   dummy to the longest capacity ``M``: one gather per tensor gives the dense view the dense
-  kernels and the eviction read, while the layer holds only the sum of its capacities.
+  kernels and the eviction read, while the layer holds only the sum of its capacities. Where
+  the device has a variable-length kernel that skips unused slots (``varlen.choose_route``,
+  ``seqused``), the attention without probabilities reads the segments in place instead, each up
+  to its stored prefix: the bytes a step reads are the entries held, not the padded view's.
 
 The attention's visibility mask (``bias``, additive: 0 on a stored entry, -inf on an empty
 slot) is kept alongside the writes, so no layer rebuilds it from the positions; a ``full``
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .ragged import RaggedMeta
+from .varlen import choose_route, varlen_attention
 
 GROWTH = 64  # columns (dense) or slots per segment (ragged) added when decode=none runs out
 # decode=fixed preallocates up to its budget: refuse more than this beyond what a head holds
@@ -145,6 +149,16 @@ def _ragged_to_static(layer, padded: dict, budget: np.ndarray | None, room: int)
         layer.bias = _bias(layer.positions, layer.keys.dtype).reshape(-1)  # (T_cap + 1,)
     layer.zero = torch.zeros((), dtype=layer.keys.dtype, device=dev)  # what index_put_ writes
     layer.empty = torch.full((), -1, device=dev)
+    # The attention without probabilities goes to a variable-length kernel where this device
+    # has one that skips each segment's unused tail (``seqused``), decided once per layout.
+    # The stored entries of a segment are a prefix of its slots whenever the layer attends (a
+    # victim's slot is the next token's), so ``seq_used`` (S,) counts them: +1 per append,
+    # at most ``cap - 1`` after an eviction (the free slot). Kept only on that route.
+    layer.varlen_route = choose_route(dev, layer.keys.dtype, seqused=True)
+    if layer.varlen_route != "reference":
+        layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
+        layer.seq_used = torch.as_tensor(counts.reshape(-1), dtype=torch.int32, device=dev)  # (S,)
+        layer.seq_room = (lengths - 1).to(torch.int32)  # (S,) what a segment holds after an eviction
     if budget is None:
         layer.next = meta.offsets[:-1].reshape(b, h, 1) + torch.as_tensor(counts, device=dev)[..., None]
         layer.room = int((cap - counts).min())
@@ -203,6 +217,8 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.values.scatter_(2, at_d, v)
         layer.positions.scatter_(2, at, layer.newest)
         return
+    if layer.varlen_route != "reference":
+        layer.seq_used.add_(1)
     if layer.bias is not None:  # ragged: flat slots, (B, H_kv, 1) indices
         layer.bias.index_put_((at,), layer.zero)
     layer.keys.index_put_((at,), k)
@@ -240,6 +256,13 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     b, h, _, d = query.shape
     hkv = layer.counts.shape[1]
     g = h // hkv
+    if not return_probs and layer.layout == "ragged" and layer.varlen_route != "reference":
+        # each segment's stored prefix, read in place: no gather, no padding, no mask
+        out = varlen_attention(
+            query, layer.keys, layer.values, layer.cu_k, layer.pad_index.shape[1], scaling,
+            seqused=layer.seq_used, route=layer.varlen_route,
+        )  # fmt: skip
+        return out, None  # (B, 1, H, d)
     if not return_probs:  # 4-D: (B, H_kv, G, d) queries, the GQA group folded into the rows
         if layer.layout == "dense":  # (B, H_kv, N, d) as stored, mask (B, H_kv, 1, N)
             keys, values, bias = layer.keys, layer.values, layer.bias
@@ -324,6 +347,8 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
         layer.positions.index_put_((free,), layer.empty)
         if scorer.stateful:
             layer.scores.index_put_((free,), layer.zero.to(layer.scores.dtype))
+        if layer.varlen_route != "reference":  # an evicting head's victim slot is free again
+            torch.minimum(layer.seq_used, layer.seq_room, out=layer.seq_used)
     layer.free = free
     layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
 

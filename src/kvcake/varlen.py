@@ -19,6 +19,7 @@ Routes, chosen by device, dtype and what is installed (detected once per process
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import torch
@@ -47,14 +48,20 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+def _torch_varlen_seqused() -> bool:
+    """Whether this torch's ``varlen_attn`` takes ``seqused_k`` (not every release with the kernel does)."""
+    kernel = _torch_varlen()
+    return kernel is not None and "seqused_k" in inspect.signature(kernel).parameters
+
+
 def choose_route(device: torch.device, dtype: torch.dtype, *, seqused: bool = False) -> str:
     """The kernel that serves a ragged attention call on ``device`` in ``dtype``.
 
     ``seqused``: segments hold unused slots after their last entry (static storage), which only
-    torch's kernel can skip (``seqused_k``)."""
+    torch's kernel can skip (``seqused_k``, where this torch's ``varlen_attn`` takes it)."""
     if device.type != "cuda" or dtype not in KERNEL_DTYPES:
         return "reference"
-    if _torch_varlen() is not None:
+    if _torch_varlen() is not None and (not seqused or _torch_varlen_seqused()):
         return "torch-varlen"
     if _flash_varlen() is not None and not seqused:
         return "flash-attn"

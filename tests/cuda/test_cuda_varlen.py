@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_helpers import DEVICE, HALF
+from cuda_helpers import DEVICE, HALF, ids
 
-from kvcake import varlen
+import kvcake
+from kvcake import KVCakeCache, make_method, varlen
+from kvcake.adapters import with_cache
 from kvcake.ragged import RaggedMeta
 from kvcake.varlen import varlen_attention, varlen_reference
 
@@ -51,3 +53,31 @@ def test_torch_varlen_skips_unused_tails(dtype):
     )
     ref = varlen_reference(query.float(), keys.float(), values.float(), meta.offsets, 128**-0.5, seqused=used)
     assert float((out.float() - ref).abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "name", ["adakv", "critical-adakv", "layers=uniform,heads=adakv,score=streamingllm,decode=fixed"]
+)
+def test_static_ragged_decoding_through_the_kernel(on_device, name):
+    """Static ragged layers (the default storage) attend through the kernel with ``seqused``
+    where this torch has it, and decode as the dynamic layout (compact segments) does, bf16."""
+    model = on_device(torch.bfloat16)
+    prompt = ids(160, seed=4).to(DEVICE)
+    runs = {}
+    for static in (True, False):
+        cache = KVCakeCache(model, make_method(name, budget=40, window=8), static=static)
+        with kvcake.enable(model), torch.no_grad():
+            out = model(prompt, **with_cache(model, cache))
+            tok, logits = out.logits[:, -1:].argmax(-1), []
+            for _ in range(12):
+                out = model(tok, **with_cache(model, cache))
+                tok = out.logits[:, -1:].argmax(-1)
+                logits.append(out.logits[:, -1].float())
+        runs[static] = (torch.cat(logits), cache)
+    layers = [layer for layer in runs[True][1].layers if getattr(layer, "static", None) is not None]
+    assert layers and all(layer.layout == "ragged" for layer in layers)
+    expected = varlen.choose_route(DEVICE, torch.bfloat16, seqused=True)
+    assert {layer.varlen_route for layer in layers} == {expected}
+    if DEVICE.type == "cuda" and varlen._torch_varlen_seqused():
+        assert expected == "torch-varlen"
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=5e-2, rtol=5e-2)
