@@ -37,7 +37,7 @@ BENCHES = ("bandwidth", "memory", "prefill", "decode", "all", "report", "gpu")  
 DEFAULTS = {
     "memory_lengths": (1024, 2048, 4096, 8192, 16384),
     "rss_lengths": (4096,),
-    "prefill_lengths": (4096,),
+    "prefill_lengths": (4096, 8192),
     "decode_lengths": (1024, 4096, 8192, 16384),
     "budget": 128,
     "budgets": (128, 512),
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         elif bench == "prefill":
             results[bench] = speed.run_prefill(
-                models, lengths=_setting(args, "prefill_lengths"), methods=methods or PREFILL_METHODS,
+                models, lengths=_setting(args, "prefill_lengths"), methods=methods or speed.PREFILL_TIME_METHODS,
                 budget=budget, repeats=_setting(args, "repeats"), window=args.window, out=out, machine=machine,
             )  # fmt: skip
         else:
