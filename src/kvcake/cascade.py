@@ -201,7 +201,8 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         return  # nothing to evict in this layer at this stage
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
-        norms = value_norms(m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts)
+        o_weight = cache.o_weights.pop(layer_idx)
+        norms = value_norms(m.selector, layer.values, o_weight, heads, scores, counts, cache.split)
         layer.norms = m.selector.prepare_norms(norms, cache.split)
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
@@ -210,12 +211,12 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
 
 
-def value_norms(selector, values, o_weight, num_heads, scores, counts) -> torch.Tensor:
+def value_norms(selector, values, o_weight, num_heads, scores, counts, split=None) -> torch.Tensor:
     """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction:
     only on the entries the selector can keep with ``counts`` when it says which
     (``Critical.value_norms``), else on all (``projected_value_norms``, the reference)."""
     if PRUNED_NORMS and hasattr(selector, "value_norms"):
-        return selector.value_norms(values, o_weight, num_heads, scores, counts)
+        return selector.value_norms(values, o_weight, num_heads, scores, counts, split)
     return projected_value_norms(values, o_weight, num_heads)
 
 

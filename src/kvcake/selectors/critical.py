@@ -138,7 +138,7 @@ class Critical(Selector):
 
     def value_norms(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor,
+        counts: torch.Tensor, split=None,
     ) -> torch.Tensor:  # fmt: skip
         """:func:`projected_value_norms` (B, H_kv, S) on every entry ``select`` with at most ``counts``
         (B, H_kv) per head can keep, and 0 on the others, which it then never keeps: the same kept
@@ -150,10 +150,17 @@ class Critical(Selector):
         of the stage-2 weight ``(score + eps) * norm``; ``T``, the ``b``-th largest exact weight
         among them, is at most the ``b``-th largest of all. An entry whose upper bound
         (:func:`projected_value_norm_bounds`) is below ``T`` loses to at least ``b - b1`` others in
-        stage 2 (``b1 = floor(alpha * b)`` are in stage 1), so it is never kept; the others get
-        their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
-        norms are exact."""
-        if self.value_norm == "heads":  # normalised over heads: every entry's norm is needed
+        stage 2 (``b1 <= b`` are in stage 1), so it is never kept; the others get their exact norm
+        too. A cascade's later stages keep fewer of the entries kept here, whose norms are exact.
+
+        ``value_norm="heads"`` weighs by ``n_h / sum_h' n_h'`` over the layer's KV heads at the same
+        position (``prepare_norms``), so a position is computed for every head at once (its total
+        is then exact), and the bounds are those of the ratio: ``n_h`` between ``low_h`` and
+        ``high_h``, so ``n_h / sum <= high_h / (high_h + sum_{h' != h} low_h')``. Under tensor
+        parallelism (``split``) the total spans every rank's heads, whose candidates differ: every
+        norm is computed there."""
+        heads = self.value_norm == "heads"
+        if heads and split is not None:
             return projected_value_norms(values, o_weight, num_heads)
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
@@ -164,19 +171,29 @@ class Critical(Selector):
         if 4 * kmax >= n:  # most entries are candidates anyway: compute them all
             return projected_value_norms(values, o_weight, num_heads)
         low, high = projected_value_norm_bounds(values, o_weight, num_heads)
+        if heads:  # bounds of the share n_h / sum_h' n_h' (float slack: the others' lows shaved 0.1%)
+            others = (low.sum(1, keepdim=True) - low).clamp(min=0) * (1 - 1e-3)  # (B, H_kv, S)
+            estimate = low / low.sum(1, keepdim=True).clamp(min=1e-30)
+            high = (high / (high + others).clamp(min=1e-30)).clamp(max=1.0)
+        else:
+            estimate = low
         weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
         ninf = torch.full_like(weight, float("-inf"))
         by_score = ranks_desc(torch.where(prefix_ok, scores, ninf))
-        by_estimate = ranks_desc(torch.where(prefix_ok, weight * low, ninf))
+        by_estimate = ranks_desc(torch.where(prefix_ok, weight * estimate, ninf))
         first = prefix_ok & ((by_score < b_pref[..., None]) | (by_estimate < 2 * b_pref[..., None]))
+        if heads:  # a position for every head: (B, 1, S) broadcast
+            first = prefix_ok & first.any(1, keepdim=True)
         norms = _norms_where(values, o_weight, num_heads, first)
-        exact = torch.where(first, weight * norms, ninf)
+        exact = torch.where(first, weight * self.prepare_norms(norms), ninf)
         top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
         threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
         threshold = torch.where(
             b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
         )
         second = prefix_ok & ~first & (weight * high * (1 + 1e-4) >= threshold)
+        if heads:
+            second = prefix_ok & ~first & second.any(1, keepdim=True)
         if bool(second.any()):
             norms = norms + _norms_where(values, o_weight, num_heads, second)
         return norms
