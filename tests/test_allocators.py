@@ -113,6 +113,25 @@ def test_adakv_equals_reference_and_keeps_safeguard(alpha):
         assert len(set(counts[1].tolist())) > 1, "a dominant head wins more entries"
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_adakv_ranked_counts_equal_sorting_each_time(alpha, seed):
+    """``AdaKV.rank`` once, then ``counts`` at many budgets (a cascade's stages) equals ``select``'s
+    counts, with ties, left padding and budgets past the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    h, s, window = 4, 80, 6
+    scores = torch.randint(0, 12, (3, h, s), generator=g).float()  # many ties
+    scores[..., -window:] = float("inf")
+    scores[1, :, :9] = float("-inf")  # left padding
+    ada = AdaKV(alpha=alpha)
+    ranking = ada.rank(scores)
+    win = torch.full((3,), window)
+    for budget in [0, 3, window, 7, 20, 41, 79, 80, 200]:
+        budgets = torch.tensor([budget, max(budget - 5, 0), budget + 3])
+        expected = ada.select(scores, budgets, win).sum(-1)
+        assert torch.equal(ada.counts(scores, budgets, win, ranking=ranking), expected)
+
+
 def test_adakv_bad_alpha():
     with pytest.raises(ValueError, match="alpha"):
         AdaKV(alpha=1.5)

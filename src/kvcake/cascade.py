@@ -192,7 +192,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     window = cache.seq.window.to(dev)
     budget = budget.to(dev)
     if m.heads.ragged:
-        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window, cache.split)
+        counts = head_counts(cache, layer_idx, scores, budget, window)
     else:
         n_valid = (scores > float("-inf")).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
@@ -209,6 +209,22 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+
+def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
+    """(B, H_kv) per-head counts of a head-wise method; a cascade counts on the prompt's scores
+    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept."""
+    heads = cache.method.heads
+    if layer_idx not in cache.count_scores:
+        return heads.counts(scores, budget, window, cache.split)
+    full = cache.count_scores[layer_idx]
+    if RANKED_COUNTS and cache.split is None and layer_idx not in cache.count_rankings:
+        cache.count_rankings[layer_idx] = heads.rank(full)
+    return heads.counts(full, budget, window, cache.split, cache.count_rankings.get(layer_idx))
+
+
+# False sorts a layer's scores at every stage's head counts (the reference; tests compare the two).
+RANKED_COUNTS = True
 
 
 def value_norms(selector, values, o_weight, num_heads, scores, counts, split=None) -> torch.Tensor:
@@ -235,6 +251,7 @@ def finish_prefill(cache: Cache) -> None:
     # prompt may grow to the average budget before eviction starts.
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
     cache.count_scores.clear()
+    cache.count_rankings.clear()
     cache.o_weights.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"
