@@ -26,6 +26,25 @@ def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
+def top_ranked(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``ranks_desc(scores) < k[..., None]`` without sorting: scores (..., N), k (...) int64.
+
+    The ``k``-th largest value ``t`` (one ``topk``) splits the row: every entry above ``t`` ranks
+    below ``k``, every entry below ``t`` at or past it, and of the entries equal to ``t`` the first
+    ``k - #above`` by position do (ties break by position, as in ``ranks_desc``)."""
+    n = scores.shape[-1]
+    k = k.clamp(min=0, max=n)
+    kmax = int(k.max()) if k.numel() else 0  # host: one number per call
+    if kmax == 0:
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    top = scores.topk(kmax, dim=-1).values  # (..., kmax) descending
+    kth = top.gather(-1, (k - 1).clamp(min=0)[..., None])  # (..., 1)
+    above = scores > kth
+    tie = scores == kth
+    room = k[..., None] - above.sum(-1, keepdim=True)
+    return (above | (tie & (tie.long().cumsum(-1) <= room))) & (k[..., None] > 0)
+
+
 @dataclass(frozen=True)
 class AdaRanking:
     """One layer's prompt scores sorted for Ada-KV (``AdaKV.rank``): head_ranks (B, H_kv, S) each
