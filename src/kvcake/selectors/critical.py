@@ -36,7 +36,7 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
     for start in range(0, s, _NORM_CHUNK):
         v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
         proj = torch.einsum("bkcd,kgdo->bkgco", v, w)  # (B, H_kv, G, c, hidden)
-        out[:, :, start : start + v.shape[2]] = proj.abs().sum(-1).mean(2)
+        out[:, :, start : start + v.shape[2]] = proj.abs_().sum(-1).mean(2)  # in place: no second buffer
     return out
 
 
