@@ -50,13 +50,8 @@ class PrefillInputs:
             allowed = causal[None, None] & self.key_valid[:, None, None, :]
             row_valid = self.key_valid[:, -w:]  # (B, w)
             logits = logits.masked_fill(~allowed, float("-inf"))
-            # padding rows (nothing visible) get uniform logits, then 0; without padding both
-            # steps would copy (B, H, w, S) to change nothing
-            if not bool(allowed.any(-1).all()):
-                logits = logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-            probs = torch.softmax(logits, dim=-1)
-            if not bool(row_valid.all()):
-                probs = probs * row_valid[:, None, :, None]
+            probs = torch.softmax(logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0), dim=-1)
+            probs = probs * row_valid[:, None, :, None]
             self._window_attention = (probs, row_valid)
         return self._window_attention
 
