@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvcake.allocators import AdaKV, AllocationRequest, CakeAllocator, Pyramid, RandomSplit, Uniform
+from kvcake.allocators.adakv import ranks_desc, top_ranked
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau, preference
 
 
@@ -111,6 +112,42 @@ def test_adakv_equals_reference_and_keeps_safeguard(alpha):
     if alpha < 1.0:
         counts = keep.sum(-1)
         assert len(set(counts[1].tolist())) > 1, "a dominant head wins more entries"
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_adakv_ranked_counts_equal_sorting_each_time(alpha, seed):
+    """``AdaKV.rank`` once, then ``counts`` at many budgets (a cascade's stages) equals ``select``'s
+    counts, with ties, left padding and budgets past the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    h, s, window = 4, 80, 6
+    scores = torch.randint(0, 12, (3, h, s), generator=g).float()  # many ties
+    scores[..., -window:] = float("inf")
+    scores[1, :, :9] = float("-inf")  # left padding
+    ada = AdaKV(alpha=alpha)
+    ranking = ada.rank(scores)
+    win = torch.full((3,), window)
+    for budget in [0, 3, window, 7, 20, 41, 79, 80, 200]:
+        budgets = torch.tensor([budget, max(budget - 5, 0), budget + 3])
+        expected = ada.select(scores, budgets, win).sum(-1)
+        assert torch.equal(ada.counts(scores, budgets, win, ranking=ranking), expected)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_ranked_equals_ranks_below_k(seed):
+    """``top_ranked`` (one topk) keeps exactly ``ranks_desc(scores) < k``: ties by position,
+    -inf entries, k of 0 and past the row."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 6 + 20 * (seed % 2), (2, 3, 50), generator=g).float()
+    scores[0, 1, :7] = float("-inf")
+    scores[1, 2, ::3] = float("inf")
+    for kk in [0, 1, 5, 17, 49, 50, 60]:
+        k = torch.randint(0, kk + 1, (2, 3), generator=g)
+        k[0, 0] = kk
+        assert torch.equal(top_ranked(scores, k), ranks_desc(scores) < k[..., None])
+    flat = scores.reshape(2, -1)
+    k = torch.tensor([0, 77])
+    assert torch.equal(top_ranked(flat, k), ranks_desc(flat) < k[:, None])
 
 
 def test_adakv_bad_alpha():

@@ -1,6 +1,7 @@
 """CriticalKV's value norms computed only where they can matter (``Critical.value_norms``): the
 bounds hold, and the kept sets equal those of the full computation (``projected_value_norms``),
-on random inputs and through the cache, per-layer, head-wise and cascading."""
+on random inputs and through the cache, per-layer, head-wise and cascading; DefensiveKV's
+head-normalised norms (``value_norm="heads"``) the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kvcake import cascade, make_method
+from kvcake.scorers.defensive import MARK
 from kvcake.selectors import SelectionInputs, projected_value_norms
 from kvcake.selectors.critical import Critical, projected_value_norm_bounds
 from shared_checks import prefill, prompt
@@ -30,6 +32,11 @@ def test_bounds_hold():
     low, high = projected_value_norm_bounds(values, o_weight, h)
     assert bool((low <= exact * (1 + 1e-5)).all()) and bool((exact <= high * (1 + 1e-5)).all())
     assert float((high / low).max()) == pytest.approx(48**0.5)
+    # sign vectors from some of the values themselves: a tighter lower bound, still below the norm
+    signed, high2 = projected_value_norm_bounds(values, o_weight, h, values[:, :, :16])
+    assert torch.equal(high2, high)
+    assert bool((signed >= low).all()) and bool((signed <= exact * (1 + 1e-5)).all())
+    assert float((exact / signed).median()) < 0.5 * float((exact / low).median())
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
@@ -51,6 +58,44 @@ def test_same_kept_set_as_every_norm(seed, alpha):
     )
 
 
+def _attention_like(scores: torch.Tensor, seed: int, marks: bool, floor: bool) -> torch.Tensor:
+    """DefensiveKV-like scores: at most 1 on the prefix, optionally floored at the mean (a flat
+    tail of equal scores, decided by the value norms alone) and with a marked first stage (+MARK,
+    ``DefensiveScorer.critical_mass``)."""
+    prefix = torch.isfinite(scores)
+    probs = torch.where(prefix, scores / scores[prefix].max(), scores)
+    if floor:
+        probs = torch.where(prefix, probs.clamp(min=float(probs[prefix].mean())), probs)
+    if not marks:
+        return probs
+    g = torch.Generator().manual_seed(seed)
+    marked = prefix & (torch.rand(scores.shape, generator=g) < 0.03)
+    return torch.where(marked, probs + MARK, probs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_head_normalised_norms_keep_the_same_set(seed):
+    """``value_norm="heads"`` (DefensiveKV): norms only where a head can keep the entry, each
+    computed position exact for every head (so the shares are), the same kept sets, also for a
+    cascade's later, smaller counts."""
+    values, o_weight, h, scores, counts = _case(seed, s=600)
+    scores = _attention_like(scores, seed, marks=seed % 2 == 1, floor=seed >= 4)
+    sel = Critical(first="marked", value_norm="heads")
+    full = sel.prepare_norms(projected_value_norms(values, o_weight, h))
+    pruned = sel.prepare_norms(sel.value_norms(values, o_weight, h, scores, counts))
+    keep = sel.select(SelectionInputs(scores, counts, full))
+    assert torch.equal(sel.select(SelectionInputs(scores, counts, pruned)), keep)
+    prefix_kept = keep & torch.isfinite(scores)
+    assert torch.equal(pruned[prefix_kept], full[prefix_kept])
+    smaller = (counts * 2) // 3
+    sub = torch.where(keep, scores, torch.full_like(scores, float("-inf")))
+    assert torch.equal(
+        sel.select(SelectionInputs(sub, smaller, pruned)), sel.select(SelectionInputs(sub, smaller, full))
+    )
+    if seed < 4:  # a flat tail of random values is decided by nearly every norm
+        assert float((pruned > 0).float().mean()) < 0.4, "most norms skipped"
+
+
 def test_most_norms_are_skipped_on_heavy_tails():
     values, o_weight, h, scores, counts = _case(1, s=2000)
     pruned = Critical().value_norms(values, o_weight, h, scores, counts)
@@ -61,7 +106,8 @@ def test_most_norms_are_skipped_on_heavy_tails():
 @pytest.mark.parametrize(
     "spec",
     ["criticalkv", "critical-adakv", "layers=cake,heads=uniform,score=cake,select=critical",
-     "layers=cake,heads=adakv,score=cake,select=critical", "layers=pyramid,heads=adakv,score=snapkv,select=critical"],
+     "layers=cake,heads=adakv,score=cake,select=critical", "layers=pyramid,heads=adakv,score=snapkv,select=critical",
+     "defensivekv", "layer-defensivekv"],
 )  # fmt: skip
 def test_cache_keeps_the_same_entries(tiny_llama, monkeypatch, spec):
     ids = prompt(300, seed=3)

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcake import make_method
-from kvcake.allocators import AllocationRequest, GlobalAllocator
+from kvcake import cascade, make_method
+from kvcake.allocators import AdaKV, AllocationRequest, GlobalAllocator
 from kvcake.scorers import DefensiveScorer, PrefillInputs, SnapKVScorer
 from kvcake.scorers.defensive import MARK
 from kvcake.selectors import Critical, SelectionInputs
@@ -237,6 +237,29 @@ def test_layer_defensivekv_cascade_equals_one_shot(tiny_llama, spec):
                 assert set(after[0, h][after[0, h] >= 0].tolist()) <= set(
                     before[0, h][before[0, h] >= 0].tolist()
                 )
+
+
+@pytest.mark.parametrize("spec", ["layer-defensivekv", "layers=cake,heads=adakv,score=cake,select=critical"])
+def test_cascade_ranks_head_counts_once(tiny_llama, monkeypatch, spec):
+    """A cascade's Ada-KV counts from one ranking per layer (``cascade.head_counts``) keep the
+    very entries of sorting the scores at every stage."""
+    ids = prompt(300, seed=2)
+    method = make_method(spec, budget=48, window=8)
+    monkeypatch.setattr(cascade, "RANKED_COUNTS", False)
+    ref, ref_logits = prefill(tiny_llama, ids, method, record=True)
+    monkeypatch.setattr(cascade, "RANKED_COUNTS", True)
+    ranked = []
+    rank = AdaKV.rank
+    monkeypatch.setattr(AdaKV, "rank", lambda self, scores: ranked.append(1) or rank(self, scores))
+    got, logits = prefill(tiny_llama, ids, method, record=True)
+    assert 0 < len(ranked) <= len(got.compressed), "each layer ranked at most once"
+    assert torch.equal(logits, ref_logits)
+    assert len(got.history) == len(ref.history) > len(got.compressed), "the cascade re-evicted layers"
+    for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
+        assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
+    for a, b in zip(got.layers, ref.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert not got.count_rankings, "the rankings are dropped after prefill"
 
 
 @pytest.mark.parametrize("name", ["defensivekv", "layer-defensivekv"])

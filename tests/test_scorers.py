@@ -13,6 +13,7 @@ from kvcake.scorers import (
     StreamingScorer,
     TOVAScorer,
 )
+from kvcake.scorers.base import pool1d, pool1d_reference
 from kvcake.selectors import Critical, SelectionInputs, projected_value_norms
 
 B, H, HKV, S, D, W, PAD = 2, 4, 2, 48, 8, 8, 7
@@ -55,6 +56,21 @@ def pool_ref(x, kernel, kind):
         else:  # count_include_pad=True, as torch's avg_pool1d
             out[..., i] = sum(t for t in vals if t is not None) / kernel
     return out
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kernel", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("length", [0, 1, 4, 300])
+def test_avg_pool_fast_path_has_torch_bits(kernel, length, device):
+    """``pool1d``'s shifted sum gives exactly torch's ``avg_pool1d`` (``pool1d_reference``)."""
+    g = torch.Generator().manual_seed(kernel * 1000 + length)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.rand(2, 5, length, generator=g) ** 8 * torch.rand(2, 5, 1, generator=g)
+        x = x.to(device=device, dtype=dtype)
+        assert torch.equal(pool1d(x, kernel, "avg"), pool1d_reference(x, kernel, "avg"))
+    if kernel % 2:  # the scorers' kernels are odd (checked); pool_ref centres odd windows only
+        x = torch.rand(2, 5, length, generator=g)
+        assert torch.allclose(pool1d(x, kernel, "avg"), pool_ref(x, kernel, "avg"), atol=1e-7)
 
 
 def finish(per_head, valid, reduce="mean"):

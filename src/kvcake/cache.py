@@ -134,6 +134,7 @@ class KVCakeCache(Cache):
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
+        self.count_rankings: dict[int, object] = {}  # prefill only: count_scores sorted (cascade.head_counts)
         self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         self.prefilled = False
         self.peak_kv_bytes = 0

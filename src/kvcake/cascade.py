@@ -191,7 +191,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     window = cache.seq.window.to(dev)
     budget = budget.to(dev)
     if m.heads.ragged:
-        counts = m.heads.counts(cache.count_scores.get(layer_idx, scores), budget, window, cache.split)
+        counts = head_counts(cache, layer_idx, scores, budget, window)
     else:
         n_valid = (scores > float("-inf")).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
@@ -200,7 +200,8 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         return  # nothing to evict in this layer at this stage
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
-        norms = value_norms(m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts)
+        o_weight = cache.o_weights.pop(layer_idx)
+        norms = value_norms(m.selector, layer.values, o_weight, heads, scores, counts, cache.split)
         layer.norms = m.selector.prepare_norms(norms, cache.split)
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
@@ -209,12 +210,28 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
 
 
-def value_norms(selector, values, o_weight, num_heads, scores, counts) -> torch.Tensor:
+def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
+    """(B, H_kv) per-head counts of a head-wise method; a cascade counts on the prompt's scores
+    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept."""
+    heads = cache.method.heads
+    if layer_idx not in cache.count_scores:
+        return heads.counts(scores, budget, window, cache.split)
+    full = cache.count_scores[layer_idx]
+    if RANKED_COUNTS and cache.split is None and layer_idx not in cache.count_rankings:
+        cache.count_rankings[layer_idx] = heads.rank(full)
+    return heads.counts(full, budget, window, cache.split, cache.count_rankings.get(layer_idx))
+
+
+# False sorts a layer's scores at every stage's head counts (the reference; tests compare the two).
+RANKED_COUNTS = True
+
+
+def value_norms(selector, values, o_weight, num_heads, scores, counts, split=None) -> torch.Tensor:
     """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction:
     only on the entries the selector can keep with ``counts`` when it says which
     (``Critical.value_norms``), else on all (``projected_value_norms``, the reference)."""
     if PRUNED_NORMS and hasattr(selector, "value_norms"):
-        return selector.value_norms(values, o_weight, num_heads, scores, counts)
+        return selector.value_norms(values, o_weight, num_heads, scores, counts, split)
     return projected_value_norms(values, o_weight, num_heads)
 
 
@@ -233,6 +250,7 @@ def finish_prefill(cache: Cache) -> None:
     # prompt may grow to the average budget before eviction starts.
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
     cache.count_scores.clear()
+    cache.count_rankings.clear()
     cache.o_weights.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"

@@ -26,18 +26,56 @@ def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
+def top_ranked(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``ranks_desc(scores) < k[..., None]`` without sorting: scores (..., N), k (...) int64.
+
+    The ``k``-th largest value ``t`` (one ``topk``) splits the row: every entry above ``t`` ranks
+    below ``k``, every entry below ``t`` at or past it, and of the entries equal to ``t`` the first
+    ``k - #above`` by position do (ties break by position, as in ``ranks_desc``)."""
+    n = scores.shape[-1]
+    k = k.clamp(min=0, max=n)
+    kmax = int(k.max()) if k.numel() else 0  # host: one number per call
+    if kmax == 0:
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    top = scores.topk(kmax, dim=-1).values  # (..., kmax) descending
+    kth = top.gather(-1, (k - 1).clamp(min=0)[..., None])  # (..., 1)
+    above = scores > kth
+    tie = scores == kth
+    room = k[..., None] - above.sum(-1, keepdim=True)
+    return (above | (tie & (tie.long().cumsum(-1) <= room))) & (k[..., None] > 0)
+
+
+@dataclass(frozen=True)
+class AdaRanking:
+    """One layer's prompt scores sorted for Ada-KV (``AdaKV.rank``): head_ranks (B, H_kv, S) each
+    entry's rank in its head (``ranks_desc``, non-prefix at -inf), int32; order (B, H_kv*S) the
+    flat prefix scores' stable descending order, int32; finite (B, H_kv, S) the prefix; windows
+    (B, H_kv) window entries per head. 9 bytes an entry, held with the scores during prefill."""
+
+    head_ranks: torch.Tensor
+    order: torch.Tensor
+    finite: torch.Tensor
+    windows: torch.Tensor
+
+
 class HeadAllocator:
     """Base class: ``counts(scores, budget, window) -> (B, H_kv)`` int64 per-head budgets.
 
     ``split`` (tensor-parallel models): ``scores`` hold this rank's heads only; an allocator that
-    compares heads must decide over every rank's heads (``kvcake.tensor_parallel``)."""
+    compares heads must decide over every rank's heads (``kvcake.tensor_parallel``).
+    ``ranking``: what ``rank(scores)`` returned for the same scores, so that a cascade, which
+    counts on one layer's prompt scores at every stage, sorts them once (None: nothing to reuse)."""
 
     name = "uniform"
     ragged = False
 
+    def rank(self, scores: torch.Tensor) -> object | None:
+        return None
+
     def counts(
-        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
-    ) -> torch.Tensor:
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
+        ranking: object | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         raise NotImplementedError  # pragma: no cover - interface
 
 
@@ -48,8 +86,9 @@ class UniformHeads(HeadAllocator):
     name = "uniform"
 
     def counts(
-        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
-    ) -> torch.Tensor:
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
+        ranking: object | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         n_valid = (scores > float("-inf")).sum(-1)  # (B, H_kv)
         return torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
 
@@ -77,10 +116,38 @@ class AdaKV(HeadAllocator):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"Ada-KV safeguard alpha must be in [0, 1], got {self.alpha}")
 
+    def rank(self, scores: torch.Tensor) -> AdaRanking:
+        """Sort a layer's scores (B, H_kv, S) once for every stage's ``counts``."""
+        b, h, s = scores.shape
+        finite = torch.isfinite(scores)
+        prefix = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
+        order = torch.argsort(prefix.reshape(b, h * s), dim=-1, descending=True, stable=True)  # (B, H_kv*S)
+        windows = (scores == float("inf")).sum(-1)
+        return AdaRanking(ranks_desc(prefix).int(), order.int(), finite, windows)  # int32: 9 bytes an entry
+
     def counts(
-        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
-    ) -> torch.Tensor:
-        return self.select(scores, budget, window, split).sum(-1)
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
+        ranking: AdaRanking | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if ranking is None or split is not None:
+            return self.select(scores, budget, window, split).sum(-1)
+        return self._ranked_counts(ranking, budget, window)
+
+    def _ranked_counts(self, r: AdaRanking, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """``select(...).sum(-1)`` from a ranking: the winners of the fill are the first ``fill``
+        unpinned prefix entries in the order of all prefix scores (a stable order restricted to
+        a subset is that subset's stable order), a cumulative count instead of a sort."""
+        b, h, s = r.finite.shape
+        prefix_budget = (budget - window).clamp(min=0)  # (B,) B'
+        pin = torch.floor(prefix_budget.double() * self.alpha).long()  # (B,)
+        pinned = (r.head_ranks < pin[:, None, None]) & r.finite  # (B, H_kv, S)
+        fill = h * prefix_budget - pinned.sum((1, 2))  # (B,)
+        order = r.order.long()
+        free = (r.finite & ~pinned).reshape(b, h * s).gather(1, order)  # (B, H_kv*S) in score order
+        won = free & (free.long().cumsum(1) <= fill[:, None])
+        won_per_head = torch.zeros(b, h, dtype=torch.long, device=won.device)
+        won_per_head.scatter_add_(1, torch.div(order, s, rounding_mode="floor"), won.long())
+        return r.windows + pinned.sum(-1) + won_per_head
 
     def select(
         self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adakv import ranks_desc
+from .adakv import top_ranked
 from .base import AllocationRequest, LayerAllocator, round_exact, round_up
 
 
@@ -60,7 +60,7 @@ class GlobalAllocator(LayerAllocator):
         pool = (hkv * (req.total - n * req.window)).clamp(min=0).to(dev)  # (B,) prefix entries to keep
         prefix = torch.where(finite, flat, torch.full_like(flat, float("-inf")))
         if req.split is None:
-            won = (ranks_desc(prefix) < pool[:, None]) & finite
+            won = top_ranked(prefix, pool) & finite  # ranks_desc(prefix) < pool, without the sort
         else:
             won = _won_over_ranks(prefix, pool, req.split, h, s) & finite
         counts = won.reshape(b, n, -1).sum(-1)

@@ -83,9 +83,7 @@ class DefensiveScorer(Scorer):
         mass = prefix.sum(-1, keepdim=True)  # (B, H, w, 1)
         key_ok = inp.key_valid[:, :p]  # (B, P)
         pooled = pool1d(prefix.reshape(b, h * w, p), self.kernel, "avg").reshape(b, h, w, p)
-        pooled = (
-            pooled * key_ok[:, None, None, :]
-        )  # what leaks into left padding is dropped, as past the edge
+        pooled = pooled * key_ok[:, None, None, :]  # what leaks into left padding is dropped, as past the edge
         pooled = pooled * (mass / pooled.sum(-1, keepdim=True).clamp(min=1e-30))
         pooled = pooled.reshape(b, hkv, g * w, p)  # (B, H_kv, G*w, P): group and rows together
         n_rows = (row_valid.sum(-1).clamp(min=1) * g).float()[:, None, None]  # (B, 1, 1)

@@ -15,6 +15,9 @@ from .topk import SelectionInputs, Selector
 # Positions per chunk when projecting values through o_proj: bounds the (B, H, chunk, hidden)
 # intermediate to a few MB instead of materialising it for the whole prompt.
 _NORM_CHUNK = 1024
+# Sign vectors per KV head for the L1 lower bound of ``projected_value_norm_bounds`` (DefensiveKV's
+# head-normalised norms): 16 and 64 prune about as well on SmolLM2 at 4k tokens.
+_SIGN_SOURCES = 32
 
 
 def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -33,46 +36,76 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
     for start in range(0, s, _NORM_CHUNK):
         v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
         proj = torch.einsum("bkcd,kgdo->bkgco", v, w)  # (B, H_kv, G, c, hidden)
-        out[:, :, start : start + v.shape[2]] = proj.abs().sum(-1).mean(2)
+        out[:, :, start : start + v.shape[2]] = proj.abs_().sum(-1).mean(2)  # in place: no second buffer
     return out
 
 
 def projected_value_norm_bounds(
-    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int
+    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, sign_values: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower and upper bounds of :func:`projected_value_norms`, each (B, H_kv, S) float32.
 
     ``||x||_2 <= ||x||_1 <= sqrt(hidden) ||x||_2`` for ``x = v W_O^(h)`` (hidden entries), and the
     L2 norm is exact through the ``d x d`` Gram matrix ``W_O^(h) W_O^(h)T``: ``d^2`` multiply-adds per
     position and head instead of ``d * hidden`` (a ``hidden / d`` saving: 9x on SmolLM2, 32x on
-    Llama-3.1-8B)."""
+    Llama-3.1-8B).
+
+    The L2 lower bound is ~``0.8 sqrt(hidden)`` x below the L1 norm of a spread-out ``x``.
+    ``sign_values`` (B, H_kv, K, d), values like the bounded ones (e.g. a head's highest-scoring),
+    tighten it: ``||x||_1 >= |x . s|`` for every sign vector ``s``, here the signs of their
+    projections, and ``x . s = v (W_O^(h) s)`` costs ``d`` multiply-adds per position and ``s``;
+    on SmolLM2 the bound is then within ~2x of the norm. The float error of that dot, at most
+    ``1e-5 ||v|| ||W_O^(h) s||`` (``W_O^(h) s`` summed in float64), is taken off."""
     b, hkv, s, d = values.shape
     groups = num_heads // hkv
     hidden = o_weight.shape[0]
     w = o_weight.to(values.device).float().reshape(hidden, num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
     gram = (w @ w.transpose(1, 2)).reshape(hkv, groups, d, d)  # (H_kv, G, d, d)
+    if sign_values is not None:
+        w = w.reshape(hkv, groups, d, hidden)
+        signs = torch.einsum("bkjd,kgdo->bkgjo", sign_values.float(), w).sign()  # (B, H_kv, G, K, hidden)
+        u = torch.einsum("kgdo,bkgjo->bkgdj", w.double(), signs.double())  # (B, H_kv, G, d, K)
+        u_norm = u.norm(dim=3).amax(-1)[:, :, :, None].float()  # (B, H_kv, G, 1): the largest ||W s||
+        u = u.float()
     low = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
+    high = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
     for start in range(0, s, _NORM_CHUNK):
         v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
         vg = torch.einsum("bkcd,kgde->bkgce", v, gram)  # (B, H_kv, G, c, d)
         l2 = (vg * v[:, :, None]).sum(-1).clamp(min=0).sqrt()  # (B, H_kv, G, c)
+        high[:, :, start : start + v.shape[2]] = l2.mean(2) * math.sqrt(hidden)
+        if sign_values is not None:
+            dots = torch.einsum("bkcd,bkgdj->bkgcj", v, u).abs().amax(-1)  # (B, H_kv, G, c)
+            l2 = torch.maximum(l2, dots - 1e-5 * v.norm(dim=-1)[:, :, None] * u_norm)
         low[:, :, start : start + v.shape[2]] = l2.mean(2)
-    return low, low * math.sqrt(hidden)
+    return low, high
+
+
+def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn):
+    """``fn`` (a function of (B, H_kv, m, d) values returning (B, H_kv, m) tensors, or a tuple of
+    them) where ``mask`` (B, H_kv, S) is True, 0 elsewhere, computed on the masked entries only
+    (gathered to the widest head's count)."""
+    m = int(mask.sum(-1).max())  # host: prefill only
+    if 2 * m >= mask.shape[-1]:
+        out = fn(values)
+        return tuple(t * mask for t in out) if isinstance(out, tuple) else out * mask
+    idx = mask.float().topk(m, dim=-1).indices  # (B, H_kv, m): every masked entry of each head
+    sub = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))  # (B, H_kv, m, d)
+    kept = mask.gather(-1, idx)
+
+    def scatter(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=values.device)
+        return out.scatter_(-1, idx, t * kept)
+
+    out = fn(sub)
+    return tuple(scatter(t) for t in out) if isinstance(out, tuple) else scatter(out)
 
 
 def _norms_where(
     values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, mask: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`projected_value_norms` where ``mask`` (B, H_kv, S) is True, 0 elsewhere, computed on
-    the masked entries only (gathered to the widest head's count)."""
-    m = int(mask.sum(-1).max())  # host: prefill only
-    if 2 * m >= mask.shape[-1]:
-        return projected_value_norms(values, o_weight, num_heads) * mask
-    idx = mask.float().topk(m, dim=-1).indices  # (B, H_kv, m): every masked entry of each head
-    sub = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))  # (B, H_kv, m, d)
-    exact = projected_value_norms(sub, o_weight, num_heads) * mask.gather(-1, idx)
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=values.device)
-    return out.scatter_(-1, idx, exact)
+    """:func:`projected_value_norms` where ``mask`` (B, H_kv, S) is True, 0 elsewhere."""
+    return _on_masked(values, mask, lambda v: projected_value_norms(v, o_weight, num_heads))
 
 
 @dataclass(frozen=True)
@@ -138,7 +171,7 @@ class Critical(Selector):
 
     def value_norms(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor,
+        counts: torch.Tensor, split=None,
     ) -> torch.Tensor:  # fmt: skip
         """:func:`projected_value_norms` (B, H_kv, S) on every entry ``select`` with at most ``counts``
         (B, H_kv) per head can keep, and 0 on the others, which it then never keeps: the same kept
@@ -152,9 +185,13 @@ class Critical(Selector):
         (:func:`projected_value_norm_bounds`) is below ``T`` loses to at least ``b - b1`` others in
         stage 2 (``b1 = floor(alpha * b)`` are in stage 1), so it is never kept; the others get
         their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
-        norms are exact."""
-        if self.value_norm == "heads":  # normalised over heads: every entry's norm is needed
-            return projected_value_norms(values, o_weight, num_heads)
+        norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norms`; under tensor
+        parallelism (``split``) a position's total spans every rank's heads, whose candidates
+        differ, so every norm is computed there."""
+        if self.value_norm == "heads":
+            if split is not None:
+                return projected_value_norms(values, o_weight, num_heads)
+            return self._shared_value_norms(values, o_weight, num_heads, scores, counts)
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
         kmax = int(b_pref.max()) if b_pref.numel() else 0  # host: once per layer, in prefill
@@ -177,6 +214,61 @@ class Critical(Selector):
             b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
         )
         second = prefix_ok & ~first & (weight * high * (1 + 1e-4) >= threshold)
+        if bool(second.any()):
+            norms = norms + _norms_where(values, o_weight, num_heads, second)
+        return norms
+
+    def _shared_value_norms(
+        self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """``value_norms`` for ``value_norm="heads"``: the stage-2 weight is ``(score + eps) * n_h /
+        sum_h' n_h'``, the sum over the layer's KV heads at the same position, so every norm at a
+        position is computed at once (its sum is then exact) and the share is at most 1.
+
+        With ``b`` prefix entries to keep in a head: exact norms at the positions of every head's
+        top ``2b`` by score; ``T``, the ``b``-th largest exact weight of each head among them, is
+        at most the ``b``-th largest of all. An entry with ``score + eps < T`` is never kept (its
+        share is at most 1); at the positions of the others, bounds of the share,
+        ``n_h / sum <= high_h / (high_h + sum_{h' != h} low_h')``
+        (:func:`projected_value_norm_bounds`, its sign vectors from each head's top entries), rule
+        out most, and the rest get their exact norms. Entries left at 0 lose to at least ``b - b1``
+        others in stage 2 (``b1 <= b`` in stage 1), as in ``value_norms``."""
+        prefix_ok = torch.isfinite(scores)
+        b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
+        kmax = int(b_pref.max()) if b_pref.numel() else 0  # host: once per layer, in prefill
+        n = scores.shape[-1]
+        if kmax == 0:
+            return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+        if 4 * kmax >= n:  # most entries are candidates anyway: compute them all
+            return projected_value_norms(values, o_weight, num_heads)
+        ninf = torch.full_like(scores, float("-inf"))
+        prefix = torch.where(prefix_ok, scores, ninf)
+        weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
+        near_top = (ranks_desc(prefix) < 2 * b_pref[..., None]).any(1, keepdim=True)  # (B, 1, S)
+        first = prefix_ok & near_top
+        norms = _norms_where(values, o_weight, num_heads, first)
+        exact = torch.where(first, weight * self.prepare_norms(norms), ninf)
+        top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
+        threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
+        threshold = torch.where(
+            b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
+        )
+        maybe = prefix_ok & ~first & (weight * (1 + 1e-4) >= threshold)  # a share is at most 1
+        maybe = prefix_ok & ~first & maybe.any(1, keepdim=True)  # every head at those positions
+        if not bool(maybe.any()):
+            return norms
+        best = prefix.topk(min(_SIGN_SOURCES, n), dim=-1).indices  # (B, H_kv, K): each head's top entries
+        sign_values = values.gather(
+            2, best[..., None].expand(*best.shape, values.shape[-1])
+        )  # (B, H_kv, K, d)
+        low, high = _on_masked(
+            values, maybe, lambda v: projected_value_norm_bounds(v, o_weight, num_heads, sign_values)
+        )
+        others = (low.sum(1, keepdim=True) - low).clamp(min=0) * (1 - 1e-3)  # float slack: 0.1% off
+        share = (high / (high + others).clamp(min=1e-30)).clamp(max=1.0)  # (B, H_kv, S) upper bound
+        second = maybe & (weight * share * (1 + 1e-4) >= threshold)
+        second = maybe & second.any(1, keepdim=True)
         if bool(second.any()):
             norms = norms + _norms_where(values, o_weight, num_heads, second)
         return norms
