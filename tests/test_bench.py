@@ -18,7 +18,8 @@ import torch
 import kvcake
 from kvcake import bench
 from kvcake.adapters import with_cache
-from kvcake.bench import cli
+from kvcake.bench import cli, step_counts
+from kvcake.bench import speed as bench_speed
 from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -169,15 +170,40 @@ def test_decode_bench(models, tmp_path, capsys):
                                 steps=2, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,
                                 ragged_length=64, out=tmp_path)  # fmt: skip
     data = _check_outputs(tmp_path, "decode")
-    assert len(data["rows"]) == 2 * (1 + 2 * 2)  # per length: full + 2 methods x 2 policies
+    assert len(data["rows"]) == 2 * (2 + 2 * 2)  # per length: full (dynamic, static) + 2 methods x 2 policies
     assert "Ragged (Ada-KV) vs uniform" in capsys.readouterr().out
     for r in result["rows"]:
         assert r["s"] > 0 and r["bound_s"] > 0 and r["kv_bytes"] > 0 and len(r["times"]) == 2
         assert r["allowed"] >= 1.0 or r["method"] != "full"
     full = [r for r in result["rows"] if r["method"] == "full"]
     assert all(r["allowed"] == pytest.approx(1.0) and r["speedup"] == pytest.approx(1.0) for r in full)
+    static = [r for r in result["rows"] if r["method"] == "full-static"]  # the same prompt, its capacity reserved
+    assert len(static) == 2 and all(s["kv_bytes"] > f["kv_bytes"] for s, f in zip(static, full, strict=True))
     fixed = [r for r in result["rows"] if r["policy"] == "fixed"]
     assert all(r["hook_s"] > 0 for r in fixed)
+    assert all(r["compiled_s"] is None for r in result["rows"])  # compile off by default
+
+
+def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, monkeypatch):
+    """``compile``: a compiled step per cache (fullgraph; the ``eager`` backend here, to capture
+    without inductor's minutes) timed beside the eager one, the presets' own decoding policies
+    (``preset``), the targets against the full cache at its best, and the counts table on the page."""
+    monkeypatch.setattr(step_counts, "table", lambda: "| the counts |")
+    result = bench.bench_decode(models, lengths=(64,), methods=("snapkv", "cake"), budgets=(BUDGET,),
+                                policies=("preset",), steps=2, rounds=1, warmup=2, window=WINDOW,
+                                bandwidth_bytes=2**20, compile="eager", counts=True, out=tmp_path)  # fmt: skip
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["snapkv"]["policy"] == "none" and rows["cake"]["policy"] == "fixed"
+    assert rows["full"]["compiled_s"] == "n/a (not compileable)"  # transformers' DynamicCache
+    for name in ("full-static", "snapkv", "cake"):
+        assert isinstance(rows[name]["compiled_s"], float) and rows[name]["compiled_s"] > 0, name
+    targets = {(t["target"].split(" x ")[-1], t["method"]) for t in result["targets"]}
+    assert {("the full cache at its best", m) for m in ("snapkv", "cake")} <= targets
+    assert {("its read bound", m) for m in ("snapkv", "cake")} <= targets
+    assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
+    assert "| the counts |" in bench_speed.decode_tables(result)
+    with pytest.raises(ValueError, match="unknown decoding policies"):
+        bench.bench_decode(models, lengths=(64,), policies=("greedy",))
     assert {t["length"] for t in result["targets"]} == {64}
 
 

@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
-from ..adapters import with_cache
+from ..adapters import cache_keyword, with_cache
 from ..cache import KVCakeCache, cache_kv_bytes
 from ..method import Method, make_method
 from .probes import Clock
@@ -40,6 +40,28 @@ class FullCache(DynamicCache):
         return dynamic_cache_bytes(self)
 
 
+def static_copy(full: DynamicCache, config, max_cache_len: int) -> StaticCache:
+    """A transformers ``StaticCache`` holding what ``full`` holds (the same prompt's keys and
+    values), with room for ``max_cache_len`` tokens: the full cache's other layout, prefilled once."""
+    out = StaticCache(config=config, max_cache_len=max_cache_len)
+    for i, layer in enumerate(full.layers):
+        n = layer.keys.shape[-2]
+        out.update(layer.keys, layer.values, i, {"cache_position": torch.arange(n, device=layer.keys.device)})
+    return out
+
+
+def greedy_step(model: torch.nn.Module):
+    """``step(tok, pos, cache) -> next tok``: one greedy decode step at position ``pos`` (1, 1),
+    the function the benches time eagerly and hand to ``torch.compile``."""
+    keyword = cache_keyword(model)  # outside the step: it may be traced
+
+    def step(tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        out = model(input_ids=tok, position_ids=pos, **{keyword: cache})
+        return out.logits[:, -1:].argmax(-1)  # (1, 1) greedy
+
+    return step
+
+
 class BenchCache(KVCakeCache):
     """A ``KVCakeCache`` that times its own work and can share one prefill with other caches.
 
@@ -62,6 +84,7 @@ class BenchCache(KVCakeCache):
         self.prefill_evict_s = 0.0
         self.decode_hook_s = 0.0
         self.decode_hook_calls = 0
+        self.timing = True  # False: decode steps untimed (the compiled ones)
         self.followers: list[BenchCache] = []
         self.full: FullCache | None = None
 
@@ -98,6 +121,9 @@ class BenchCache(KVCakeCache):
         self.prefill_evict_s += time.perf_counter() - t0
 
     def after_extend_attention(self, layer_idx, probs) -> None:
+        if not self.timing:  # compiled steps: nothing host-side in the traced step
+            super().after_extend_attention(layer_idx, probs)
+            return
         self.clock.sync()
         t0 = time.perf_counter()
         super().after_extend_attention(layer_idx, probs)
@@ -107,9 +133,11 @@ class BenchCache(KVCakeCache):
 
 
 def build_cache(
-    model: torch.nn.Module, spec: str, budget: int, window: int = 32, static: bool = True
-) -> BenchCache:
-    return BenchCache(model, make_method(spec, budget=budget, window=window), static=static)
+    model: torch.nn.Module, spec: str, budget: int, window: int = 32, static: bool = True,
+    max_cache_len: int | None = None,
+) -> BenchCache:  # fmt: skip
+    method = make_method(spec, budget=budget, window=window)
+    return BenchCache(model, method, static=static, max_cache_len=max_cache_len)
 
 
 def shared_prefill(

@@ -98,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=None, help="average KV entries per layer (memory, prefill)")
     p.add_argument("--budgets", type=_ints, default=None, help="budgets for the decode bench, e.g. 128,512")
     p.add_argument(
-        "--policies", type=_names, default=("fixed", "none"), help="decoding policies (decode bench)"
-    )
+        "--policies", type=_names, default=("fixed", "none"),
+        help="decoding policies (decode bench): fixed, none, or preset (each method's own)",
+    )  # fmt: skip
     p.add_argument("--window", type=int, default=32, help="observation window")
     p.add_argument("--repeats", type=int, default=None, help="rounds of alternating prefill runs")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per cache")
@@ -118,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the same method and length replaced; targets recomputed) instead of replacing them; "
                         "with --doc, rewrite the page from every result in --out")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
+    p.add_argument("--counts", action="store_true",
+                   help="decode bench: also the per-step counts of every preset (ATen ops, host syncs, compiled "
+                        "graphs; kvcake.bench.step_counts), on the page")  # fmt: skip
     g = p.add_argument_group("gpu", "the 'gpu' bench (its defaults: --lengths 8k,32k,128k --budget 1024, every preset, "
                              "--rounds 3 --steps 8 --doc docs/benchmarks-gpu.md)")  # fmt: skip
     g.add_argument(
@@ -126,8 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--merge", action="store_true",
                    help="keep the rows of OUT/gpu.json at other lengths (one command per length, e.g. under a "
                         "10-minute limit); the page shows them all")  # fmt: skip
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the compiled decode step (default: on)")  # fmt: skip
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the compiled decode step (torch.compile, fullgraph; default: on for the gpu "
+                        "bench, off for the decode bench)")  # fmt: skip
     return p
 
 
@@ -221,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
                 models, lengths=_setting(args, "decode_lengths"), methods=methods or speed.DECODE_METHODS,
                 budgets=_setting(args, "budgets"), policies=args.policies, steps=_setting(args, "steps"),
                 rounds=_setting(args, "rounds"), window=args.window, bandwidth_bytes=bw_bytes, out=out,
+                compile=bool(args.compile), counts=args.counts,
                 machine=machine,
             )  # fmt: skip
         results[bench]["seconds"] = time.perf_counter() - t0
@@ -280,7 +286,7 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
     settings = GpuSettings(
         shape=args.shape, lengths=tuple(args.lengths or GpuSettings.lengths), budget=args.budget or GpuSettings.budget,
         methods=tuple(m for m in (args.methods or PRESETS) if m != "full"), rounds=args.rounds or GpuSettings.rounds,
-        steps=args.steps or GpuSettings.steps, window=args.window, compile=args.compile,
+        steps=args.steps or GpuSettings.steps, window=args.window, compile=args.compile is not False,
     )  # fmt: skip
     machine = describe_machine(device, dtype, "sdpa") | {
         "driver": driver_version(),

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..adapters import cache_keyword, with_cache
+from ..adapters import with_cache
 from ..attention import enable
 from ..cache import KVCakeCache, cache_kv_bytes
 from ..method import PRESETS, make_method
 from ..sdpa import fastest, sdpa_policy
+from .caches import greedy_step
 from .output import fmt, markdown_table, median
 from .probes import Clock, PeakMemory
 from .shapes import random_model
@@ -109,13 +110,7 @@ class _Runner:
         return t
 
     def step_fn(self):
-        model, keyword = self.model, cache_keyword(self.model)  # outside the step: it may be traced
-
-        def step(tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-            out = model(input_ids=tok, position_ids=pos, **{keyword: cache})
-            return out.logits[:, -1:].argmax(-1)  # (1, 1) greedy
-
-        return step
+        return greedy_step(self.model)
 
     def decode(self, step, cache, start: int) -> tuple[float, int]:
         """(median seconds per step, next position) of warm-up + timed greedy steps from ``start``."""

@@ -27,8 +27,10 @@ from transformers import DynamicCache
 
 from ..adapters import with_cache
 from ..attention import enable
+from ..cache import cache_kv_bytes
 from ..method import PRESETS
 from .bandwidth import measure as measure_bandwidth
+from .caches import greedy_step, static_copy
 from .common import (
     BenchCache,
     BenchModels,
@@ -57,6 +59,11 @@ PREFILL_TARGET_LENGTHS = (4096, 8192)
 PREFILL_TIME_METHODS = tuple(PRESETS)  # the prefill-time bench's default: every preset
 SPEEDUP_TARGET = 0.70  # achieved speed-up >= 70% of the allowed one, at the longest context
 EVICT_TARGET = 0.10  # decoding-time eviction < 10% of a decode step
+# issue 22, at the longest context: a preset's step (eager, or compiled where faster) <= 0.5 x the
+# full cache at its best (DynamicCache or StaticCache, eager or compiled), <= 1.3 x its read bound
+BEST_FULL_TARGET = 0.5
+BOUND_TARGET = 1.3
+FULL_STATIC = "full-static"  # the full cache in a transformers StaticCache (compileable)
 
 
 # -- prefill -------------------------------------------------------------------------------------
@@ -195,18 +202,68 @@ def plot_prefill(result: dict, path: Path) -> Path:
 
 
 # -- decode --------------------------------------------------------------------------------------
-def _step(model, cache, tok: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=tok, **with_cache(model, cache))
-    return out.logits[:, -1:].argmax(-1)  # (1, 1) greedy
-
-
 def _attention_for(model, cache):
-    """The kvcake attention for a compressed cache; the stock one, untouched, for the full cache."""
+    """The kvcake attention for a compressed cache; the stock one, untouched, for the full caches."""
     return enable(model) if isinstance(cache, BenchCache) else contextlib.nullcontext()
 
 
 def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, int, str]]:
     return [(m, b, p) for m in methods for b in budgets for p in policies if b < length]
+
+
+def _spec(method: str, policy: str) -> str:
+    """A decode config's method spec: ``preset`` keeps the method's own decoding policy."""
+    return method if policy == "preset" else f"{method},decode={policy}"
+
+
+class _Decoder:
+    """One cache's decode steps: greedy, from the prompt's end, eager and (optionally) compiled,
+    each step timed; the position is a host count passed as ``position_ids``."""
+
+    def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock, compile: bool | str) -> None:
+        self.model, self.cache, self.tok, self.pos, self.clock = model, cache, tok, start, clock
+        self.eager = greedy_step(model)
+        self.times, self.compiled_times, self.bytes = [], [], []
+        self.compiled: object = None
+        if compile:
+            if not getattr(cache, "is_compileable", False):
+                self.compiled = "n/a (not compileable)"
+            else:
+                torch._dynamo.reset()  # each cache its own graphs, never another's recompile budget
+                backend = compile if isinstance(compile, str) else "inductor"
+                self.compiled = torch.compile(greedy_step(model), fullgraph=True, backend=backend)
+
+    def step(self, compiled: bool = False) -> float:
+        fn = self.compiled if compiled else self.eager
+        pos = torch.full((1, 1), self.pos, dtype=torch.long, device=self.tok.device)
+        if isinstance(self.cache, BenchCache):
+            self.cache.timing = not compiled
+        with _attention_for(self.model, self.cache):
+            t, self.tok = self.clock.time(lambda: fn(self.tok, pos, self.cache))
+        self.pos += 1
+        return t
+
+    def warm(self, steps: int) -> None:
+        """Warm-up steps (the compiled ones compile here); a failed compile becomes the row's reason."""
+        for _ in range(steps):
+            self.step()
+        if callable(self.compiled):
+            try:
+                for _ in range(steps):
+                    self.step(compiled=True)
+            except Exception as err:  # noqa: BLE001 - a tracing/compile failure is a row entry, not a crash
+                logger.warning("compiled decode failed: %s", " ".join(str(err).split())[:300])
+                self.compiled = f"n/a (compile failed: {type(err).__name__})"
+        if isinstance(self.cache, BenchCache):
+            self.cache.decode_hook_s, self.cache.decode_hook_calls = 0.0, 0
+
+    def timed(self, steps: int) -> None:
+        for _ in range(steps):
+            self.times.append(self.step())
+            self.bytes.append(self.cache.kv_bytes() if hasattr(self.cache, "kv_bytes") else cache_kv_bytes(self.cache))
+        if callable(self.compiled):
+            for _ in range(steps):
+                self.compiled_times.append(self.step(compiled=True))
 
 
 def run_decode(
@@ -222,17 +279,27 @@ def run_decode(
     window: int = 32,
     bandwidth_bytes: int = 2**30,
     ragged_length: int = 4096,
+    compile: bool | str = False,
+    counts: bool = False,
     out: str | Path | None = None,
     machine: dict | None = None,
     echo: bool = True,
 ) -> dict:
-    """Decode time per token for the full cache and every (method, budget, policy) at every
-    context length, with the memory bound and the allowed speed-up.
+    """Decode time per token for the full cache (``DynamicCache``, and a ``StaticCache`` holding
+    the same prompt) and every (method, budget, policy) at every context length, with the memory
+    bound and the allowed speed-up. ``policies``: ``fixed``, ``none``, or ``preset`` (the
+    method's own).
 
-    ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds. Writes
-    ``out/decode.json`` and ``out/decode.png``; returns the result dict."""
+    ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds; with ``compile``,
+    as many compiled steps (``torch.compile(fullgraph=True)`` of the step, one per cache) right
+    after each cache's eager ones (a str: the ``torch.compile`` backend, ``inductor`` for True).
+    ``counts``: also the CPU proxies of a static step per preset (``step_counts.table``: ATen ops,
+    host syncs, compiled graphs; a tiny model, deterministic), for the page. Writes ``out/decode.json`` and ``out/decode.png``; returns
+    the result dict."""
     if steps < rounds or rounds < 1:
         raise ValueError("need rounds >= 1 and steps >= rounds")
+    if bad := [p for p in policies if p not in ("fixed", "none", "preset")]:
+        raise ValueError(f"unknown decoding policies {bad}: use fixed, none or preset (the method's own)")
     methods = tuple(m for m in methods if m != "full")
     clock = Clock(models.device)
     band = measure_bandwidth(models.device, bandwidth_bytes)
@@ -243,7 +310,8 @@ def run_decode(
         ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
                                  model.config.vocab_size, models.device)  # fmt: skip
         configs = _decode_configs(methods, budgets, policies, length)
-        caches = [build_cache(model, f"{m},decode={p}", b, window) for m, b, p in configs]
+        room = length + 2 * (warmup + steps) + 1  # the prompt, then every eager and compiled step
+        caches = [build_cache(model, _spec(m, p), b, window, max_cache_len=room) for m, b, p in configs]
         full = FullCache(model.config)
         logger.info(
             "decode: prefill %d tokens once into the full cache and %d compressed caches", length, len(caches)
@@ -254,59 +322,77 @@ def run_decode(
             with torch.no_grad():
                 model(ids, **with_cache(model, full), logits_to_keep=1)
         full.tracking = False
-        entries = [(("full", 0, "-"), full), *zip(configs, caches, strict=True)]
+        configs = [(m, b, p if p != "preset" else c.method.decode) for (m, b, p), c in zip(configs, caches, strict=True)]
+        entries = [(("full", 0, "-"), full), ((FULL_STATIC, 0, "-"), static_copy(full, model.config, room)),
+                   *zip(configs, caches, strict=True)]  # fmt: skip
         tok = ids[:, -1:]
-        state = {key: dict(cache=c, tok=tok, times=[], bytes=[]) for key, c in entries}
         with torch.no_grad():
-            for st in state.values():
-                with _attention_for(model, st["cache"]):
-                    for _ in range(warmup):
-                        st["tok"] = _step(model, st["cache"], st["tok"])
-                if isinstance(st["cache"], BenchCache):
-                    st["cache"].decode_hook_s, st["cache"].decode_hook_calls = 0.0, 0
+            state = {key: _Decoder(model, c, tok, length, clock, compile) for key, c in entries}
+            for dec in state.values():
+                dec.warm(warmup)
             per_round = steps // rounds
             for r in range(rounds):
                 logger.info(
                     "decode at %d tokens: round %d/%d over %d caches", length, r + 1, rounds, len(state)
                 )
-                for st in state.values():
-                    with _attention_for(model, st["cache"]):
-                        for _ in range(per_round):
-                            t, st["tok"] = clock.time(lambda st=st, m=model: _step(m, st["cache"], st["tok"]))
-                            st["times"].append(t)
-                            st["bytes"].append(st["cache"].kv_bytes())
-        full_s = median(state[("full", 0, "-")]["times"])
-        full_bytes = sum(state[("full", 0, "-")]["bytes"]) / len(state[("full", 0, "-")]["bytes"])
-        for (m, b, p), st in state.items():
-            s = median(st["times"])
-            c_bytes = sum(st["bytes"]) / len(st["bytes"])
-            hook = (
-                st["cache"].decode_hook_s / len(st["times"]) if isinstance(st["cache"], BenchCache) else 0.0
-            )
+                for dec in state.values():
+                    dec.timed(per_round)
+        full_s = median(state[("full", 0, "-")].times)
+        full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
+        for (m, b, p), dec in state.items():
+            s = median(dec.times)
+            c_bytes = sum(dec.bytes) / len(dec.bytes)
+            hook = dec.cache.decode_hook_s / len(dec.times) if isinstance(dec.cache, BenchCache) else 0.0
             allowed = (w_bytes + full_bytes) / (w_bytes + c_bytes)
+            compiled_s = median(dec.compiled_times) if dec.compiled_times else dec.compiled
             rows.append(dict(
-                length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=st["times"],
-                kv_bytes=c_bytes, weight_bytes=w_bytes, bound_s=(w_bytes + c_bytes) / (band["read_gbps"] * 1e9),
-                speedup=full_s / s, allowed=allowed, fraction=(full_s / s) / allowed, hook_s=hook,
-                hook_share=hook / s,
+                length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=dec.times,
+                compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes,
+                bound_s=(w_bytes + c_bytes) / (band["read_gbps"] * 1e9), speedup=full_s / s, allowed=allowed,
+                fraction=(full_s / s) / allowed, hook_s=hook, hook_share=hook / s,
             ))  # fmt: skip
         del state, entries, caches, full
         gc.collect()
     result = dict(bench="decode", machine=machine, bandwidth=band, lengths=list(lengths), methods=list(methods),
                   budgets=list(budgets), policies=list(policies), steps=steps, rounds=rounds, warmup=warmup,
-                  window=window, rows=rows, ragged_length=ragged_length)  # fmt: skip
+                  window=window, rows=rows, ragged_length=ragged_length, compile=compile)  # fmt: skip
     result["targets"] = decode_targets(rows)
+    if counts:
+        from . import step_counts
+
+        logger.info("decode: per-step counts of every preset (tiny model)")
+        result["counts"] = dict(intro=step_counts.INTRO, table=step_counts.table())
     return emit(result, "decode", decode_tables(result) if echo else "", plot_decode, out, echo)
+
+
+def best_s(r: dict) -> float:
+    """A row's step at its best: eager, or compiled where that was measured and is faster."""
+    compiled = r.get("compiled_s")
+    return min(r["s"], compiled) if isinstance(compiled, float) else r["s"]
 
 
 def decode_targets(rows: list[dict]) -> list[dict]:
     if not rows:
         return []
     longest = max(r["length"] for r in rows)
+    fulls = [r for r in rows if r["length"] == longest and r["method"] in ("full", FULL_STATIC)]
+    full_best = min(fulls, key=best_s) if fulls else None
     out = []
     for r in rows:
-        if r["length"] != longest or r["method"] == "full":
+        if r["length"] != longest or r["method"] in ("full", FULL_STATIC):
             continue
+        if full_best is not None and any(f["method"] == FULL_STATIC for f in fulls):
+            mine, best = best_s(r), best_s(full_best)
+            how = "compiled" if mine < r["s"] else "eager"
+            out.append(dict(target=f"step <= {BEST_FULL_TARGET} x the full cache at its best", length=longest,
+                            method=r["method"], budget=r["budget"], policy=r["policy"], value=mine / best,
+                            detail=f"{mine * 1e3:.1f} ms ({how}) vs {best * 1e3:.1f} ms ({full_best['method']}, "
+                                   f"{'compiled' if best < full_best['s'] else 'eager'})",
+                            ok=mine <= BEST_FULL_TARGET * best))  # fmt: skip
+            out.append(dict(target=f"step <= {BOUND_TARGET} x its read bound", length=longest, method=r["method"],
+                            budget=r["budget"], policy=r["policy"], value=mine / r["bound_s"],
+                            detail=f"{mine * 1e3:.1f} of {r['bound_s'] * 1e3:.1f} ms",
+                            ok=mine <= BOUND_TARGET * r["bound_s"]))  # fmt: skip
         out.append(dict(target=f"speed-up >= {SPEEDUP_TARGET:.0%} of allowed", length=longest, method=r["method"],
                         budget=r["budget"], policy=r["policy"], value=r["fraction"],
                         detail=f"{r['speedup']:.2f}x of {r['allowed']:.2f}x", ok=r["fraction"] >= SPEEDUP_TARGET))  # fmt: skip
@@ -317,14 +403,20 @@ def decode_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _compiled_cell(r: dict) -> str:
+    c = r.get("compiled_s")
+    return "-" if c is None else c if isinstance(c, str) else fmt(c * 1e3)
+
+
 def _row_cells(r: dict) -> tuple:
-    return (r["length"], r["method"], r["budget"] or "-", r["policy"], fmt(r["s"] * 1e3), fmt(r["bound_s"] * 1e3),
+    return (r["length"], r["method"], r["budget"] or "-", r["policy"], fmt(r["s"] * 1e3), _compiled_cell(r),
+            fmt(r["bound_s"] * 1e3),
             fmt(r["bound_s"] / r["s"], 2), fmt(r["kv_bytes"] / MiB, 1), fmt(r["speedup"], 2), fmt(r["allowed"], 2),
             fmt(r["fraction"], 2), fmt(r["hook_s"] * 1e3, 1) if r["policy"] == "fixed" else "-",
             fmt(100 * r["hook_share"], 1) if r["policy"] == "fixed" else "-")  # fmt: skip
 
 
-_DECODE_HEADERS = ("context", "method", "budget", "decode", "ms/token", "bound ms", "bound/actual", "KV MiB",
+_DECODE_HEADERS = ("context", "method", "budget", "decode", "ms/token", "compiled ms/token", "bound ms", "bound/actual", "KV MiB",
                    "speed-up", "allowed", "achieved/allowed", "eviction ms", "eviction %")  # fmt: skip
 
 
@@ -354,6 +446,9 @@ def decode_tables(result: dict) -> str:
                verdict(c["ok"])) for c in result["targets"]]  # fmt: skip
     parts += ["", "Targets at the longest context:", "",
               markdown_table(("target", "context", "method", "budget", "decode", "value", "numbers", "verdict"), checks)]  # fmt: skip
+    if "counts" in result:
+        parts += ["", f"Per-step counts of a static decode step (`--counts`). {result['counts']['intro']}", "",
+                  result["counts"]["table"]]  # fmt: skip
     return "\n".join(parts)
 
 
@@ -361,7 +456,7 @@ def plot_decode(result: dict, path: Path) -> Path:
     policies = result["policies"]
     fig, axes = new_figure(len(policies) + 1, width=5.2)
     rows = result["rows"]
-    full = sorted((r for r in rows if r["method"] == "full"), key=lambda r: r["length"])
+    full = sorted((r for r in rows if r["method"] == "full"), key=lambda r: r["length"])  # DynamicCache
     styles = ["-", "--", ":", "-."]
     for ax, policy in zip(axes, policies, strict=False):
         ax.plot([r["length"] for r in full], [r["s"] * 1e3 for r in full], "ko-", label="full")
@@ -379,7 +474,7 @@ def plot_decode(result: dict, path: Path) -> Path:
                 if rs:
                     ax.plot([r["length"] for r in rs], [r["s"] * 1e3 for r in rs], marker="o", ms=3,
                             ls=styles[j % len(styles)], color=f"C{i}", label=f"{m} {b}")  # fmt: skip
-        small = [r for r in rows if r["method"] != "full" and r["policy"] == policy]
+        small = [r for r in rows if r["method"] not in ("full", FULL_STATIC) and r["policy"] == policy]
         if small:
             lo = min(small, key=lambda r: r["bound_s"])
             ax.axhline(lo["bound_s"] * 1e3, color="C7", ls=":", label="compressed: bound")
@@ -390,7 +485,7 @@ def plot_decode(result: dict, path: Path) -> Path:
         ax.legend(fontsize=6, ncol=2)
     ax = axes[-1]
     longest = max((r["length"] for r in rows), default=0)
-    rs = [r for r in rows if r["length"] == longest and r["method"] != "full"]
+    rs = [r for r in rows if r["length"] == longest and r["method"] not in ("full", FULL_STATIC)]
     xs = range(len(rs))
     ax.bar([x - 0.2 for x in xs], [r["allowed"] for r in rs], width=0.4, label="allowed by bytes", color="C7")
     ax.bar([x + 0.2 for x in xs], [r["speedup"] for r in rs], width=0.4, label="achieved", color="C0")
