@@ -42,13 +42,13 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
     total = torch.zeros(b, h, s, dtype=torch.float32, device=k.device)
     cols = torch.arange(s, device=k.device)
     for start in range(0, s, chunk):
-        stop = min(s, start + chunk)
+        stop = min(s, start + chunk)  # rows start..stop-1 see the keys before stop: no column past it
         q = inp.query[:, :, start:stop].float()  # (B, H, c, d)
-        logits = torch.matmul(q, k.transpose(-1, -2)) * inp.scaling  # (B, H, c, S)
-        allowed = (cols[None, :] <= torch.arange(start, stop, device=k.device)[:, None])[None, None]
-        allowed = allowed & inp.key_valid[:, None, None, :]
+        logits = torch.matmul(q, k[:, :, :stop].transpose(-1, -2)).mul_(inp.scaling)  # (B, H, c, stop)
+        allowed = (cols[None, :stop] <= torch.arange(start, stop, device=k.device)[:, None])[None, None]
+        allowed = allowed & inp.key_valid[:, None, None, :stop]
         row_valid = inp.key_valid[:, start:stop]  # (B, c)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0), dim=-1)
-        total += (probs * row_valid[:, None, :, None]).sum(2)
+        logits.masked_fill_(~allowed, float("-inf"))
+        probs = torch.softmax(logits.masked_fill_(~allowed.any(-1, keepdim=True), 0.0), dim=-1)
+        total[..., :stop] += probs.mul_(row_valid[:, None, :, None]).sum(2)
     return total
