@@ -30,7 +30,7 @@ LAYERS = {
     "api": ["api", "calibration", "replay", "storage", "storage.reader"],
     "context": ["context"],
     "cache": ["cache", "cascade", "decoding", "attention", "storage.writer"],
-    "method": ["method", "temperatures", "layer", "static", "sliding"],
+    "method": ["method", "temperatures", "layer", "step", "sliding"],
     "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format", "tensor_parallel"],
     "base": [
         "models",

@@ -7,7 +7,7 @@ import torch
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
-from kvcake.static import GROWTH
+from kvcake.step import GROWTH
 from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 
 

@@ -62,7 +62,7 @@ def test_cache_equals_past_key_values(tiny_llama, spec):
         with warnings.catch_warnings(), kvcake.enable(tiny_llama), torch.no_grad():
             warnings.simplefilter("ignore", FutureWarning)  # the old name, on purpose
             # the capacity as transformers' StaticCache takes it (prompt + new tokens): without it
-            # static storage reserves static.GROWTH slots per head, more than this short prompt
+            # static storage reserves step.GROWTH slots per head, more than this short prompt
             cache = KVCakeCache(tiny_llama, spec, budget=16, window=8, max_cache_len=prompt.shape[1] + 5)
             outs.append(tiny_llama.generate(prompt, max_new_tokens=5, do_sample=False, **{name: cache}))
             caches.append(cache)

@@ -9,7 +9,7 @@ import torch
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
 from kvcake.adapters import with_cache
-from kvcake.static import GROWTH
+from kvcake.step import GROWTH
 
 COMPOSITIONS = [
     "layers=cake,heads=adakv,score=cake,select=critical",

@@ -1,4 +1,4 @@
-"""Static decode storage (static.py) against the dynamic reference path (sort + masked copy).
+"""Static decode storage (``kvcake.step``) against the dynamic reference path (sort + masked copy).
 
 For every preset, a left-padded batch decodes many steps twice, once with ``static=False``
 (the reference) and once in place; the kept positions of every layer and head and the logits
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import PRESETS, KVCakeCache, make_method, static, varlen
+from kvcake import PRESETS, KVCakeCache, make_method, varlen
 from kvcake.adapters import with_cache
 from kvcake.layer import dense_attention
+from kvcake.step import ragged as ragged_step
 from test_varlen import fake_kernel
 
 STEPS = 30
@@ -143,7 +144,7 @@ def test_static_ragged_layers_attend_through_the_varlen_kernel(tiny_llama, monke
         assert seqused, "static storage needs a kernel that skips unused slots"
         return "torch-varlen"
 
-    monkeypatch.setattr(static, "choose_route", route)
+    monkeypatch.setattr(ragged_step, "choose_route", route)
     batch = _short_batch() if case == "under_budget" else None
     max_len = 120 + 5 if case == "grows" else None
     ref_logits, ref_kept, _ = _decode(tiny_llama, spec, static=False, batch=batch)
@@ -169,7 +170,7 @@ def test_static_ragged_layers_stay_on_the_padded_view_without_a_kernel(tiny_llam
 @pytest.mark.parametrize("probs", [False, True])
 @pytest.mark.parametrize("spec", ["snapkv", "h2o", "cake", "adakv", "cake-adakv"])
 def test_a_static_append_and_attention_equal_dense_attention(tiny_llama, spec, probs):
-    """``static.append`` then ``static.attend`` (the fused kernel, or bmm/softmax/bmm for the
+    """A layer's ``step.append`` then ``step.attend`` (the fused kernel, or bmm/softmax/bmm for the
     probabilities; ragged layers through their padded gather) against the reference
     ``dense_attention`` over the layer's padded view, after a few steps of decoding. The same
     math through different kernels: float32 tolerances (assert_close's defaults)."""
@@ -190,8 +191,8 @@ def test_a_static_append_and_attention_equal_dense_attention(tiny_llama, spec, p
         assert layer.static is not None
         k, v = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(2))
         query = torch.randn(2, 4, 1, 16, generator=g)
-        static.append(layer, k, v)
-        out, p = static.attend(layer, query, 0.25, probs)
+        layer.step.append(layer, k, v)
+        out, p = layer.step.attend(layer, query, 0.25, probs)
         keys, values = layer.padded(layer.keys, 0.0), layer.padded(layer.values, 0.0)
         positions = layer.padded(layer.positions, -1)
         assert bool((positions == layer.newest).any(-1).all()), "the new entry is stored in every head"

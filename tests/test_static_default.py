@@ -21,7 +21,7 @@ import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
 from kvcake.context import CompressedContext
-from kvcake.static import GROWTH
+from kvcake.step import GROWTH
 from shared_checks import prompt
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import cascade, decoding, static
+from . import cascade, decoding
 from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
@@ -77,7 +77,7 @@ class KVCakeCache(Cache):
         what :func:`kvcake.compress` picks). Only CAKE's layer allocator reads it.
     static:
         True (the default): at the end of the prompt every compressed layer that evicted
-        something moves into preallocated buffers (``static.py``) and each decode step writes
+        something moves into preallocated buffers (``kvcake.step``) and each decode step writes
         into them in place, a step the compiler traces whole (``is_compileable``). False: the
         dynamic layout, which holds exactly the kept entries and reallocates as it goes; it is
         the slow, obviously-right reference the tests compare with. Layers that evicted nothing
@@ -88,9 +88,9 @@ class KVCakeCache(Cache):
         ``StaticCache`` takes it (:func:`kvcake.generate` passes ``prompt + max_new_tokens``).
         With it nothing reallocates while decoding up to that length: ``decode=none`` reserves
         room for every token to come, ``decode=fixed`` a head's budget or, if fewer, what the
-        remaining tokens can fill. Past it, ``decode=none`` storage grows by ``static.GROWTH``
+        remaining tokens can fill. Past it, ``decode=none`` storage grows by ``kvcake.step.GROWTH``
         slots and a ``decode=fixed`` head keeps evicting at its reserved capacity. None (unknown):
-        ``decode=none`` reserves ``static.GROWTH`` slots at a time, ``decode=fixed`` its budget.
+        ``decode=none`` reserves ``kvcake.step.GROWTH`` slots at a time, ``decode=fixed`` its budget.
 
     Memory: ``kv_bytes()`` (and the peaks) count the buffers the cache holds, so with static
     storage they include the reserved capacity (empty slots are memory too); a
@@ -259,7 +259,7 @@ class KVCakeCache(Cache):
         for lid in self.compressed:
             layer = self.layers[lid]
             if layer.static is not None:
-                static.to_dynamic(layer)
+                layer.step.to_dynamic(layer)
                 self._track_bytes(lid)
 
     @property

@@ -1,6 +1,7 @@
 """The decoding side of ``KVCakeCache``: the ``fixed`` policy evicts each head back to its
 budget after every step, by the scorer's per-step scores; the newest ``window`` positions are
-protected. Static layers (``static.py``) do it in place: one victim per head by argmin.
+protected. Static layers do it in place, one victim per head by argmin (``layer.step.evict``:
+``kvcake/step/dense.py``, ``kvcake/step/ragged.py``).
 ``cache`` is always a ``KVCakeCache`` (typed by its base: this module sits below ``cache.py``)."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import static
 from .selectors import SelectionInputs, TopK
 
 
@@ -29,7 +29,7 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     layer = cache.layers[layer_idx]
     window = cache.method.budget.window
     if layer.static == "fixed":
-        static.evict(layer, cache.method.scorer, probs, window, _across(cache))
+        layer.step.evict(layer, cache.method.scorer, probs, window, _across(cache))
         return
     if probs is None:
         return

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import static
 from .ragged import RaggedMeta, ragged_attention
+from .step import GROWTH, LAYOUTS
 
 
 class KVCakeLayer(CacheLayerMixin):
@@ -43,9 +43,9 @@ class KVCakeLayer(CacheLayerMixin):
         self.meta: RaggedMeta | None = None
         self.batch = 0
         self.kv_heads = 0
-        # static decode storage (static.py): None = the dynamic reference layout, else the decoding
-        # policy it serves; ``static_plan`` (``KVCakeCache.plan_static``): ((B, H_kv) decode budgets
-        # for decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
+        # static decode storage (``kvcake.step``): None = the dynamic reference layout, else the
+        # decoding policy it serves; ``static_plan`` (``KVCakeCache.plan_static``): ((B, H_kv) decode
+        # budgets for decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
         self.static: str | None = None
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
 
@@ -64,11 +64,11 @@ class KVCakeLayer(CacheLayerMixin):
         valid = kwargs.get("valid")
         one_step = q == 1 and valid is None
         if self.static is not None and not one_step:
-            static.to_dynamic(self)  # multi-token appends take the reference path
+            self.step.to_dynamic(self)  # multi-token appends take the reference path
         elif self.static is None and one_step and self.static_plan is not None and not self.plain:
             self.to_static()  # after its first eviction, or back from a multi-token append
         if self.static is not None:  # in place, positions on the device: no host int
-            static.append(self, key_states, value_states)
+            self.step.append(self, key_states, value_states)
             self.length += 1
             return self.keys, self.values
         qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
@@ -133,7 +133,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.keys is None:
             return
         if self.static is not None:
-            static.to_dynamic(self)
+            self.step.to_dynamic(self)
         if self.layout == "ragged":
             raise NotImplementedError("expanding a ragged cache over the batch is not supported")
         for name in ("keys", "values", "positions", "scores", "norms"):
@@ -147,7 +147,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.keys is None:
             return
         if self.static is not None:
-            static.to_dynamic(self)
+            self.step.to_dynamic(self)
         if self.layout == "ragged":
             raise NotImplementedError("selecting sequences of a ragged cache is not supported")
         idx = indices.to(self.keys.device)
@@ -161,13 +161,20 @@ class KVCakeLayer(CacheLayerMixin):
     # -- static storage ----------------------------------------------------------------------
     def to_static(self) -> None:
         """Move into ``static_plan``'s buffers: ``decode=none`` reserves a slot per token up to
-        ``max_cache_len`` (``static.GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
+        ``max_cache_len`` (``GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
         its entries plus the tokens left where that is less, plus the spare slot."""
         budget, max_len = self.static_plan
-        room = static.GROWTH if max_len is None else max(max_len - self.length, 0)
+        room = GROWTH if max_len is None else max(max_len - self.length, 0)
         if budget is not None and max_len is not None:
             budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
-        static.to_static(self, budget, room)
+        self.step.to_static(self, budget, room)
+
+    @property
+    def step(self):
+        """The module of this layout's static decode step (``kvcake.step.dense`` or
+        ``kvcake.step.ragged``): the one place the step's calls choose by layout. Derived, not
+        stored: a layer is deep-copied and pickled, a module is not."""
+        return LAYOUTS[self.layout]
 
     # -- views and eviction ----------------------------------------------------------------
     def padded(self, tensor: torch.Tensor | None, fill: float) -> torch.Tensor | None:
@@ -288,10 +295,10 @@ class KVCakeLayer(CacheLayerMixin):
 
         query: (B, H, q, d). Returns the output (B, q, H, d) and, if asked, the probabilities
         (B, H, q, N) in float32 over the padded view (0 on empty slots); a static layer (one
-        new token) returns them as (B, H_kv, G, N) (``static.attend``)."""
+        new token) returns them as (B, H_kv, G, N) (its ``step.attend``)."""
         b, h, q, d = query.shape
         if self.static is not None:  # one new token over static storage
-            return static.attend(self, query, scaling, return_probs)
+            return self.step.attend(self, query, scaling, return_probs)
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(

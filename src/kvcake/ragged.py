@@ -98,7 +98,7 @@ def ragged_attention(
     """Dispatch for the dynamic (compact) layout: a variable-length kernel on CUDA
     (``kvcake.varlen.choose_route``) when no probabilities are needed, else the PyTorch reference.
     Same arguments and result as ``ragged_attention_reference``. Static storage calls the kernel
-    itself, with each segment's used prefix (``static.attend``)."""
+    itself, with each segment's used prefix (``kvcake.step.ragged.attend``)."""
     route = choose_route(query.device, query.dtype) if not return_probs else "reference"
     if route != "reference":
         return varlen_attention(query, keys, values, meta.offsets, meta.max_len, scaling, route=route), None

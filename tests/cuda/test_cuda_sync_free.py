@@ -2,7 +2,7 @@
 
 ``torch.cuda.set_sync_debug_mode("error")`` turns every host synchronisation (``.item()``,
 ``.cpu()``, a blocking copy, a data-dependent shape such as ``nonzero``) into an error. The
-first decode step moves each layer into its buffers (static.py) and may synchronise; the steps
+first decode step moves each layer into its buffers (``kvcake.step``) and may synchronise; the steps
 after it must not. On the CPU (``KVCAKE_TEST_DEVICE=cpu``) the mode does not apply, and
 tests/test_static.py counts host reads instead.
 """

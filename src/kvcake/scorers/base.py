@@ -131,7 +131,7 @@ class Scorer:
     Parameters shared by all scorers: ``reduce`` is the GQA group reduction (``mean``/``max``).
     ``stateful`` scorers (H2O) keep their prefill scores and add each decoding step's attention.
     ``order_sensitive`` scorers read neighbouring entries while decoding (pooling), so a cache
-    whose slots are not in position order must sort them first (``static.evict``).
+    whose slots are not in position order must sort them first (``kvcake.step.common.rank``).
     ``layer_wide`` scorers (TOVA) give every head the same score, a mean over all the layer's
     heads, so a tensor-parallel cache averages them over ranks (``kvcake.tensor_parallel``).
     """
@@ -175,7 +175,7 @@ class Scorer:
     def decode_step(
         self, probs: torch.Tensor | None, positions: torch.Tensor, previous: torch.Tensor | None
     ) -> torch.Tensor:
-        """``decode`` for the single new query row of a static decode step (``static.evict``).
+        """``decode`` for the single new query row of a static decode step (``kvcake.step.common.rank``).
 
         probs: (B, H_kv, G, N) float attention of the new token, the GQA group on dim 2 (None
         where ``needs_probs`` is False); positions: (B, H_kv, N), -1 on empty slots; previous:

@@ -1,0 +1,208 @@
+"""What the dense and the ragged decode steps share: nothing here knows the layout.
+
+The per-entry tensors these functions read are (B, H_kv, N) views a layout hands in (dense: as
+stored; ragged: gathered through its padded view), and the attention takes the keys, values and
+mask a layout has already shaped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROWTH = 64  # columns (dense) or slots per segment (ragged) added when decode=none runs out
+# decode=fixed preallocates up to its budget: refuse more than this beyond what a head holds
+MAX_PREALLOCATED = 1 << 20
+# what an empty slot holds; H2O's kept sums start at 0
+FILLS = {"keys": 0.0, "values": 0.0, "positions": -1, "scores": 0.0}
+
+
+# -- laying a layer out ------------------------------------------------------------------------
+def prepare(layer, budget: np.ndarray | None) -> dict[str, torch.Tensor | None]:
+    """The start of ``to_static``: check the budget, decide ``full``, start the device position.
+
+    Returns the per-entry tensors as (B, H_kv, N, ...) (``layer.padded``, empty slots filled
+    with ``FILLS``), for the layout to copy into its buffers. ``layer.full``: every head holds
+    exactly its budget (the dense layout adds that the budget fills every column but the free
+    one), so every head is over its budget at every step and, once the new token is written, no
+    slot is empty: no mask to keep, no budget test.
+
+    Everything a step reads that changes per step is a device tensor (``newest``, the position
+    of the token being appended; ``used_dev``/``next``, where ``decode=none`` appends;
+    ``free``, the slot the next token takes); the only host int, ``room``, is compared against
+    0 and so is seen by the compiler as a guard that holds until the storage must grow, not as
+    a constant baked into every step."""
+    counts = layer.counts
+    if budget is not None and int(budget.max()) > int(counts.max()) + MAX_PREALLOCATED:
+        raise ValueError(
+            f"static decode storage would preallocate {int(budget.max())} entries per head (the decode "
+            f"budget) for {int(counts.max())} kept: pass KVCakeCache(..., max_cache_len=prompt + new tokens) "
+            "to bound it, use a budget closer to the prompt, or KVCakeCache(..., static=False), which grows "
+            "one entry per step"
+        )
+    padded = {name: layer.padded(getattr(layer, name), fill) for name, fill in FILLS.items()}
+    if padded["scores"] is not None:  # kept sums, finite (0 where the prompt protected or
+        padded["scores"] = torch.where(padded["scores"].isfinite(), padded["scores"], 0.0)  # padded)
+    b, h = counts.shape
+    dev = layer.keys.device
+    layer.full = budget is not None and bool((counts == budget).all())
+    layer.newest = torch.full((b, h, 1), layer.length - 1, device=dev)  # (B, H_kv, 1) int64
+    layer.pos_zero = torch.zeros((), dtype=torch.long, device=dev)  # clamp's lower bound
+    return padded
+
+
+def finish(layer, budget: np.ndarray | None) -> None:
+    """The end of ``to_static``: the policy served, and for ``decode=fixed`` the entries each
+    head may still gain before it evicts (``under``, (B, H_kv, 1))."""
+    layer.static = "none" if budget is None else "fixed"
+    if budget is None:
+        return
+    layer.static_budget_host = budget
+    layer.under = torch.tensor(budget - layer.counts, device=layer.keys.device).reshape(*budget.shape, 1)
+
+
+def bias(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Positions (..., N) -> additive mask (..., 1, N): 0 on a stored entry, -inf on an empty slot."""
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    return torch.where(positions >= 0, zero, float("-inf")).unsqueeze(-2)
+
+
+def filled(t: torch.Tensor, width: int, fill, dim: int = 2) -> torch.Tensor:
+    """A tensor like ``t`` with ``width`` along ``dim``, filled with ``fill``."""
+    shape = list(t.shape)
+    shape[dim] = width
+    return torch.full(shape, fill, dtype=t.dtype, device=t.device)
+
+
+# -- append --------------------------------------------------------------------------------------
+def advance(layer, grow: Callable) -> None:
+    """Before an append: ``decode=none`` takes one slot of the room, after the layout's ``grow``
+    where none is left, and every head counts one more entry; ``newest`` (B, H_kv, 1) steps to
+    the new token's position (after ``grow``, which may lay the layer out anew)."""
+    if layer.static == "none":
+        if layer.room <= 0:
+            grow(layer)
+        layer.room -= 1
+        layer.counts = layer.counts + 1
+    layer.newest.add_(1)
+
+
+# -- attend --------------------------------------------------------------------------------------
+def fused_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, None]:
+    """The new token's attention without probabilities, in the fused kernel.
+
+    query: (B, H, 1, d); keys, values: (B, H_kv, N, d); mask: (B, H_kv, 1, N) additive, or None.
+    The GQA group is folded into the query rows. Returns (B, 1, H, d) and None."""
+    b, h, _, d = query.shape
+    qs = query.reshape(b, keys.shape[1], h // keys.shape[1], d)  # (B, H_kv, G, d)
+    out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(b, 1, h, d), None  # (B, H_kv, G, d) -> (B, 1, H, d)
+
+
+def attention_with_probs(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new token's attention and its probabilities: two batched matmuls around a softmax.
+
+    query: (B, H, 1, d); keys, values: (B * H_kv, N, d); mask: (B * H_kv, 1, N) additive, or
+    None. Returns the output (B, 1, H, d) and the probabilities (B, H_kv, G, N) in float32 (the
+    GQA group on dim 2, as ``Scorer.decode_step`` reads them)."""
+    b, h, _, d = query.shape
+    hkv, n = keys.shape[0] // b, keys.shape[1]
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
+    qs = query.reshape(b * hkv, h // hkv, d).to(acc)  # (B*H_kv, G, d)
+    keys_t = keys.to(acc).transpose(1, 2)  # (B*H_kv, d, N)
+    if mask is None:
+        logits = torch.bmm(qs, keys_t).mul_(scaling)
+    else:  # scaling * (q k^T) + mask, in one op
+        logits = torch.baddbmm(mask.to(acc), qs, keys_t, alpha=scaling)
+    probs = torch.softmax(logits, dim=-1)  # (B*H_kv, G, N)
+    out = torch.bmm(probs, values.to(acc)).to(query.dtype)
+    return out.reshape(b, 1, h, d), probs.reshape(b, hkv, h // hkv, n)
+
+
+# -- evict ---------------------------------------------------------------------------------------
+class Ranked(NamedTuple):
+    """One step's scores (B, H_kv, N) and the positions they belong to: sorted newest first for
+    a scorer that pools neighbours (``order``: the columns they came from), else as held
+    (``order`` None)."""
+
+    scores: torch.Tensor
+    positions: torch.Tensor
+    order: torch.Tensor | None
+
+
+def rank(
+    scorer, probs: torch.Tensor | None, pos: torch.Tensor, previous: torch.Tensor | None, across
+) -> Ranked:
+    """Score the entries of one step. probs: (B, H_kv, G, N) from ``attend`` (None for scorers
+    that read no attention); pos: (B, H_kv, N) positions; previous: the kept sums of a stateful
+    scorer (H2O), else None. ``across``: a function applied to the scores before they are used (a
+    tensor-parallel cache's mean over ranks, TOVA)."""
+    if scorer.order_sensitive:  # pooling neighbours: entries sorted by position, newest first
+        pos_s, order = pos.sort(-1, descending=True)  # (B, H_kv, N) twice
+        if probs is not None:
+            probs = probs.gather(-1, order.unsqueeze(2).expand_as(probs))
+        if previous is not None:
+            previous = previous.gather(-1, order)
+    else:
+        pos_s, order = pos, None
+    scores = scorer.decode_step(probs, pos_s, previous)
+    if across is not None:
+        scores = across(scores.expand_as(pos_s))
+    return Ranked(scores, pos_s, order)
+
+
+def in_held_order(ranked: Ranked) -> torch.Tensor:
+    """The scores (B, H_kv, N) in the columns the entries are held in (a stateful scorer's new sums)."""
+    if ranked.order is None:
+        return ranked.scores
+    return torch.empty_like(ranked.scores).scatter_(-1, ranked.order, ranked.scores)
+
+
+def choose_victim(layer, ranked: Ranked, pos: torch.Tensor, window: int, empty_slots: bool) -> torch.Tensor:
+    """The column (B, H_kv, 1) of ``pos`` (B, H_kv, N) each head frees this step.
+
+    The newest ``window`` positions are protected, and so are empty slots where the view may
+    hold some (``empty_slots``); the victim is the lowest score, the latest position among ties
+    (the reference's rule: ties keep the earlier position). A head still under its budget evicts
+    nothing: it frees its first empty column, where its next token goes. The host counts step
+    with it: every head one more entry, up to its budget."""
+    pos_s = ranked.positions
+    floor = layer.newest - window  # (B, H_kv, 1): later positions are the window
+    if empty_slots:  # the window, and empty slots (-1): outside [0, floor]
+        protected = pos_s != pos_s.clamp(min=layer.pos_zero, max=floor)
+    else:
+        protected = pos_s > floor
+    scores = ranked.scores.masked_fill(protected, float("inf"))
+    if ranked.order is not None:  # newest first: the first minimum is the latest of the ties
+        victim = ranked.order.gather(-1, scores.argmin(-1, keepdim=True))
+    else:
+        low = scores.amin(-1, keepdim=True)
+        victim = pos.masked_fill(scores != low, -1).argmax(-1, keepdim=True)  # latest of the ties
+    if not layer.full:  # a head under its budget takes its first empty slot instead
+        victim = torch.where(layer.under > 0, pos.argmin(-1, keepdim=True), victim)
+        layer.under.sub_(1)
+    layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
+    return victim
+
+
+# -- back to the reference -----------------------------------------------------------------------
+def in_position_order(layer) -> dict[str, torch.Tensor]:
+    """The start of ``to_dynamic``: every per-entry tensor as (B, H_kv, N, ...), each head's
+    empty slots first, then its entries in position order (what the layout then compacts)."""
+    pos = layer.padded(layer.positions, -1)  # (B, H_kv, N)
+    order = pos.argsort(dim=-1, stable=True)  # empties (-1) first, then position order
+    out = {}
+    for name, fill in FILLS.items():
+        t = layer.padded(getattr(layer, name), fill)
+        if t is not None:
+            idx = order.reshape(*order.shape, *([1] * (t.dim() - 3))).expand_as(t)
+            out[name] = t.gather(2, idx)
+    return out

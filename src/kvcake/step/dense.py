@@ -1,0 +1,135 @@
+"""The static decode step of a dense layer, top to bottom: lay out, append, attend, evict.
+
+Layout ``(B, H_kv, C, d)``: every KV head of the batch has the same ``C`` columns (position -1
+= empty slot, mask ``bias`` (B, H_kv, 1, C)).
+
+* ``decode=none``: entries are appended at column ``used_dev`` (a device index, the same for
+  every head); the capacity grows in fixed chunks of ``GROWTH`` columns.
+* ``decode=fixed``: capacity ``C = max(kept, budget) + 1`` never grows, so every head has one
+  *free* slot (``free``, (B, H_kv, 1)): the new entry is written there and attended; then the
+  victim (argmin of the scores, window protected) is marked empty and its slot becomes the
+  head's next free slot (nothing moves), or, for a head still under its budget, its next empty
+  slot does.
+
+The reference is the dynamic dense layer of ``layer.py`` (empty slots on the left, position
+order), which ``to_dynamic`` restores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .common import (
+    FILLS,
+    GROWTH,
+    advance,
+    attention_with_probs,
+    bias,
+    choose_victim,
+    filled,
+    finish,
+    fused_attention,
+    in_held_order,
+    in_position_order,
+    prepare,
+    rank,
+)
+
+
+def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
+    """Move a dense ``layer`` into columns with capacity.
+
+    budget: (B, H_kv) decode budgets for ``decode=fixed``, None for ``decode=none``; room:
+    ``decode=none`` steps preallocated before the storage grows (the cache's ``max_cache_len``
+    minus the prompt when known, else ``GROWTH``). See ``common.prepare``."""
+    room = max(int(room), 1)
+    padded = prepare(layer, budget)
+    n = layer.keys.shape[2]
+    width = n + room if budget is None else max(n, int(budget.max())) + 1  # host ints
+    if layer.full:  # and the budget fills every column but the free one
+        layer.full = bool((budget == width - 1).all())
+    for name, t in padded.items():
+        if t is not None:
+            out = filled(t, width, FILLS[name])
+            out[:, :, :n] = t
+            setattr(layer, name, out)
+    layer.bias = None if layer.full else bias(layer.positions, layer.keys.dtype)  # (B, H_kv, 1, C)
+    finish(layer, budget)
+    if budget is None:
+        layer.used_dev = torch.tensor([n], device=layer.keys.device)  # (1,) next free column
+        layer.room = width - n
+    else:  # each head's first empty column
+        layer.free = layer.positions.argmin(-1, keepdim=True)  # (B, H_kv, 1)
+
+
+def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write the new token's entry in place: one write per stored tensor, and the mask's slot
+    opened. k, v: (B, H_kv, 1, d)."""
+    advance(layer, grow)
+    if layer.static == "none":
+        col = layer.used_dev  # (1,): the same column for every head
+        layer.keys.index_copy_(2, col, k)
+        layer.values.index_copy_(2, col, v)
+        layer.positions.index_copy_(2, col, layer.newest)
+        layer.bias.index_fill_(3, col, 0.0)
+        layer.used_dev.add_(1)
+        return
+    at = layer.free.unsqueeze(-1)  # fixed: one column per head, (B, H_kv, 1, 1)
+    if layer.bias is not None:
+        layer.bias.scatter_(3, at, 0.0)
+    at = at.expand_as(k)  # (B, H_kv, 1, d)
+    layer.keys.scatter_(2, at, k)
+    layer.values.scatter_(2, at, v)
+    layer.positions.scatter_(2, layer.free, layer.newest)
+
+
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
+    """Attention of the new token over the layer (every stored entry is in its past and its own
+    entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
+
+    Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, C) in float32.
+    The reference is ``layer.dense_attention``."""
+    if not return_probs:  # as stored: (B, H_kv, C, d), mask (B, H_kv, 1, C)
+        return fused_attention(query, layer.keys, layer.values, layer.bias, scaling)
+    b, hkv, c, d = layer.keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
+    keys, values = layer.keys.reshape(b * hkv, c, d), layer.values.reshape(b * hkv, c, d)
+    mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
+    return attention_with_probs(query, keys, values, mask, scaling)
+
+
+def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
+    """decode=fixed: score the entries, evict one victim per head over its budget.
+
+    probs: (B, H_kv, G, C) from ``attend``; ``across``: see ``common.rank``. The victim's column
+    (``common.choose_victim``) becomes the head's ``free`` slot, where the next token is written:
+    nothing is moved."""
+    ranked = rank(scorer, probs, layer.positions, layer.scores if scorer.stateful else None, across)
+    if scorer.stateful:  # keep the new sums
+        layer.scores = in_held_order(ranked)
+    free = choose_victim(layer, ranked, layer.positions, window, empty_slots=not layer.full)  # (B, H_kv, 1)
+    layer.positions.scatter_(2, free, -1)  # an under-budget head's empty slot stays empty
+    if scorer.stateful:
+        layer.scores.scatter_(2, free, 0.0)  # the next token's sum starts at 0
+    layer.free = free
+
+
+def to_dynamic(layer) -> None:
+    """Back to the reference layout: position order, empty slots on the left, as wide as the
+    head with the most entries."""
+    new_n = int(layer.counts.max())  # host
+    for name, t in in_position_order(layer).items():
+        setattr(layer, name, t[:, :, t.shape[2] - new_n :].contiguous())
+    layer.static = None
+
+
+def grow(layer) -> None:
+    """decode=none: add ``GROWTH`` columns once the host-known room is gone (amortised)."""
+    layer.room = GROWTH
+    grown = [(name, fill, 2) for name, fill in FILLS.items()] + [("bias", float("-inf"), 3)]
+    for name, fill, dim in grown:
+        t = getattr(layer, name)
+        if t is not None:
+            out = filled(t, t.shape[dim] + GROWTH, fill, dim)
+            out.narrow(dim, 0, t.shape[dim]).copy_(t)
+            setattr(layer, name, out)

@@ -1,0 +1,184 @@
+"""The static decode step of a ragged layer, top to bottom: lay out, append, attend, evict.
+
+Layout ``(T_cap + 1, d)``, segment-major as in ``kvcake/ragged.py`` (segment ``s = b * H_kv +
+h``): every segment owns ``cap_s`` slots, its ``len_s`` entries first (position -1 = empty
+slot); the last slot is a *dummy*, always empty.
+
+* ``decode=none``: ``cap_s = len_s + room``; each segment appends at its ``next`` slot (a
+  device index, (B, H_kv, 1)), and the layer is laid out anew, ``GROWTH`` more slots per
+  segment, once the smallest room is gone.
+* ``decode=fixed``: ``cap_s = max(len_s, budget_s) + 1``, never grows, so every segment has one
+  *free* slot (``free``, (B, H_kv, 1) flat indices): the new entry is written there and
+  attended; then the victim (argmin of the scores, window protected) is marked empty and its
+  slot becomes the segment's next free slot (nothing moves), or, for a head still under its
+  budget, its next empty slot does.
+
+A step reads the layer through ``pad_index`` (B * H_kv, M), each segment's slots padded with the
+dummy to the longest capacity ``M``: one gather per tensor gives the (B, H_kv, M) view the
+dense kernels and the eviction read, while the layer holds only the sum of its capacities.
+Where the device has a variable-length kernel that skips unused slots (``varlen.choose_route``,
+``seqused``), the attention without probabilities reads the segments in place instead, each up
+to its stored prefix: the bytes a step reads are the entries held, not the padded view's.
+
+The reference is the dynamic ragged layer of ``layer.py`` (compact segments, the segment
+softmax of ``kvcake.ragged``), which ``to_dynamic`` restores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..ragged import RaggedMeta
+from ..varlen import choose_route, varlen_attention
+from .common import (
+    FILLS,
+    GROWTH,
+    advance,
+    attention_with_probs,
+    bias,
+    choose_victim,
+    finish,
+    fused_attention,
+    in_held_order,
+    in_position_order,
+    prepare,
+    rank,
+)
+
+
+def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
+    """Move a ragged ``layer`` into segments with capacity.
+
+    budget: (B, H_kv) decode budgets for ``decode=fixed``, None for ``decode=none``; room:
+    ``decode=none`` steps preallocated before the storage grows (the cache's ``max_cache_len``
+    minus the prompt when known, else ``GROWTH``). See ``common.prepare``."""
+    room = max(int(room), 1)
+    padded = prepare(layer, budget)  # (B, H_kv, N, ...) over the compact segments
+    counts = layer.counts
+    cap = counts + room if budget is None else np.maximum(counts, budget) + 1  # (B, H_kv) host
+    dev = layer.keys.device
+    lengths = torch.as_tensor(cap.reshape(-1), device=dev)
+    meta = RaggedMeta.from_lengths(lengths)
+    src_valid = padded["positions"] >= 0  # (B, H_kv, N): entries are first in each segment
+    nth = src_valid.long().cumsum(-1) - 1  # each entry's index in its segment
+    b, h, _ = src_valid.shape
+    dest = meta.offsets[:-1].reshape(b, h, 1) + nth  # (B, H_kv, N)
+    total = int(cap.sum())  # host; the dummy slot is ``total``
+    for name, t in padded.items():
+        if t is not None:
+            out = torch.full((total + 1, *t.shape[3:]), FILLS[name], dtype=t.dtype, device=dev)
+            out[dest[src_valid]] = t[src_valid]
+            setattr(layer, name, out)
+    m = int(cap.max())
+    local = torch.arange(m, device=dev)
+    inside = local < lengths[:, None]  # (B*H_kv, M)
+    pad_index = torch.where(inside, meta.offsets[:-1, None] + local, total)  # (B*H_kv, M)
+    # the same indices shaped for each gather (views of one constant tensor, never written)
+    layer.pad_index, layer.pad_rows = pad_index, pad_index[:, None]  # (B*H_kv, M), (B*H_kv, 1, M)
+    layer.pad_heads, layer.pad_rows4 = pad_index.reshape(b, h, m), pad_index.reshape(b, h, 1, m)
+    layer.meta = meta
+    layer.capacity = cap
+    if layer.full:  # no slot inside a segment is empty when the layer attends: only the padding
+        layer.bias = None
+        layer.pad_bias = bias(torch.where(inside, 0, -1), layer.keys.dtype)  # (B*H_kv, 1, M)
+    else:
+        layer.bias = bias(layer.positions, layer.keys.dtype).reshape(-1)  # (T_cap + 1,)
+    layer.zero = torch.zeros((), dtype=layer.keys.dtype, device=dev)  # what index_put_ writes
+    layer.empty = torch.full((), -1, device=dev)
+    # The attention without probabilities goes to a variable-length kernel where this device
+    # has one that skips each segment's unused tail (``seqused``), decided once per layout.
+    # The stored entries of a segment are a prefix of its slots whenever the layer attends (a
+    # victim's slot is the next token's), so ``seq_used`` (S,) counts them: +1 per append,
+    # at most ``cap - 1`` after an eviction (the free slot). Kept only on that route.
+    layer.varlen_route = choose_route(dev, layer.keys.dtype, seqused=True)
+    if layer.varlen_route != "reference":
+        layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
+        layer.seq_used = torch.as_tensor(counts.reshape(-1), dtype=torch.int32, device=dev)  # (S,)
+        layer.seq_room = (lengths - 1).to(torch.int32)  # (S,) what a segment holds after an eviction
+    if budget is None:  # each segment's first slot after its entries
+        layer.next = meta.offsets[:-1].reshape(b, h, 1) + torch.as_tensor(counts, device=dev)[..., None]
+        layer.room = int((cap - counts).min())
+    finish(layer, budget)
+    if budget is not None:  # each segment's first empty slot
+        layer.free = layer.pad_heads.gather(-1, layer.positions[layer.pad_heads].argmin(-1, keepdim=True))
+
+
+def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write the new token's entry in place: one write per stored tensor, and the mask's slot
+    opened. k, v: (B, H_kv, 1, d), written at (B, H_kv, 1) flat slots."""
+    advance(layer, grow)
+    if layer.static == "none":
+        at = layer.next
+        layer.next = at + 1
+    else:
+        at = layer.free
+    if layer.varlen_route != "reference":
+        layer.seq_used.add_(1)
+    if layer.bias is not None:
+        layer.bias.index_put_((at,), layer.zero)
+    layer.keys.index_put_((at,), k)
+    layer.values.index_put_((at,), v)
+    layer.positions.index_put_((at,), layer.newest)
+
+
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
+    """Attention of the new token over the layer (every stored entry is in its past and its own
+    entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
+
+    Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, M) in float32
+    over the padded view's columns (0 on the padding). The reference is
+    ``kvcake.ragged.ragged_attention_reference``."""
+    if not return_probs and layer.varlen_route != "reference":
+        # each segment's stored prefix, read in place: no gather, no padding, no mask
+        out = varlen_attention(
+            query, layer.keys, layer.values, layer.cu_k, layer.pad_index.shape[1], scaling,
+            seqused=layer.seq_used, route=layer.varlen_route,
+        )  # fmt: skip
+        return out, None  # (B, 1, H, d)
+    if not return_probs:  # gathered (B, H_kv, M, d), mask (B, H_kv, 1, M)
+        b, hkv = layer.counts.shape
+        keys, values = layer.keys[layer.pad_heads], layer.values[layer.pad_heads]
+        mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]
+        return fused_attention(query, keys, values, mask, scaling)
+    keys, values = layer.keys[layer.pad_index], layer.values[layer.pad_index]  # (B*H_kv, M, d)
+    mask = layer.pad_bias if layer.bias is None else layer.bias[layer.pad_rows]  # (B*H_kv, 1, M)
+    return attention_with_probs(query, keys, values, mask, scaling)
+
+
+def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
+    """decode=fixed: score the entries, evict one victim per head over its budget.
+
+    probs: (B, H_kv, G, M) from ``attend``; ``across``: see ``common.rank``. The scores are read
+    through the padded view; the victim's slot (``common.choose_victim``) becomes the
+    segment's ``free`` slot, where the next token is written: nothing is moved."""
+    pos = layer.positions[layer.pad_heads]  # (B, H_kv, M), -1 on the padding
+    previous = layer.scores[layer.pad_heads] if scorer.stateful else None
+    ranked = rank(scorer, probs, pos, previous, across)
+    if scorer.stateful:  # keep the new sums (the padding's duplicates all land on the dummy slot)
+        layer.scores.index_put_((layer.pad_heads,), in_held_order(ranked))
+    victim = choose_victim(layer, ranked, pos, window, empty_slots=True)  # (B, H_kv, 1) columns
+    free = layer.pad_heads.gather(-1, victim)  # (B, H_kv, 1) flat slots
+    layer.positions.index_put_((free,), layer.empty)
+    if scorer.stateful:  # the next token's sum starts at 0
+        layer.scores.index_put_((free,), layer.zero.to(layer.scores.dtype))
+    if layer.varlen_route != "reference":  # an evicting head's victim slot is free again
+        torch.minimum(layer.seq_used, layer.seq_room, out=layer.seq_used)
+    layer.free = free
+
+
+def to_dynamic(layer) -> None:
+    """Back to the reference layout: compact segments, entries in position order."""
+    entries = in_position_order(layer)
+    keep = entries["positions"] >= 0  # (B, H_kv, N)
+    for name, t in entries.items():
+        setattr(layer, name, t[keep])
+    layer.meta = RaggedMeta.from_lengths(torch.as_tensor(layer.counts.reshape(-1), device=keep.device))
+    layer.static = None
+
+
+def grow(layer) -> None:
+    """decode=none: once the host-known room is gone, lay the layer out anew with ``GROWTH``
+    more slots per segment (amortised)."""
+    layer.static = None
+    to_static(layer, None)
