@@ -119,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the same method and length replaced; targets recomputed) instead of replacing them; "
                         "with --doc, rewrite the page from every result in --out")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
+    p.add_argument("--compile-only", type=_names, default=None,
+                   help="decode bench: time the compiled step of these caches only (full-static and presets, "
+                        "comma-separated); implies --compile")  # fmt: skip
     p.add_argument("--counts", action="store_true",
                    help="decode bench: also the per-step counts of every preset (ATen ops, host syncs, compiled "
                         "graphs; kvcake.bench.step_counts), on the page")  # fmt: skip
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 models, lengths=_setting(args, "decode_lengths"), methods=methods or speed.DECODE_METHODS,
                 budgets=_setting(args, "budgets"), policies=args.policies, steps=_setting(args, "steps"),
                 rounds=_setting(args, "rounds"), window=args.window, bandwidth_bytes=bw_bytes, out=out,
-                compile=bool(args.compile), counts=args.counts,
+                compile=bool(args.compile or args.compile_only), compile_only=args.compile_only, counts=args.counts,
                 machine=machine,
             )  # fmt: skip
         results[bench]["seconds"] = time.perf_counter() - t0

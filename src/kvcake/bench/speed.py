@@ -217,24 +217,18 @@ def _spec(method: str, policy: str) -> str:
 
 
 class _Decoder:
-    """One cache's decode steps: greedy, from the prompt's end, eager and (optionally) compiled,
-    each step timed; the position is a host count passed as ``position_ids``."""
+    """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
+    host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
+    with ``compiled``, the compiled ones (``torch.compile(fullgraph=True)`` of the step, this
+    cache's alone: compiled, warmed and timed in a row after ``torch._dynamo.reset()``, so no
+    cache's graphs count against another's recompile limit)."""
 
-    def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock, compile: bool | str) -> None:
+    def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock) -> None:
         self.model, self.cache, self.tok, self.pos, self.clock = model, cache, tok, start, clock
-        self.eager = greedy_step(model)
         self.times, self.compiled_times, self.bytes = [], [], []
-        self.compiled: object = None
-        if compile:
-            if not getattr(cache, "is_compileable", False):
-                self.compiled = "n/a (not compileable)"
-            else:
-                torch._dynamo.reset()  # each cache its own graphs, never another's recompile budget
-                backend = compile if isinstance(compile, str) else "inductor"
-                self.compiled = torch.compile(greedy_step(model), fullgraph=True, backend=backend)
+        self.compiled: float | str | None = None  # the compiled column: None when not asked
 
-    def step(self, compiled: bool = False) -> float:
-        fn = self.compiled if compiled else self.eager
+    def step(self, fn, compiled: bool = False) -> float:
         pos = torch.full((1, 1), self.pos, dtype=torch.long, device=self.tok.device)
         if isinstance(self.cache, BenchCache):
             self.cache.timing = not compiled
@@ -244,26 +238,35 @@ class _Decoder:
         return t
 
     def warm(self, steps: int) -> None:
-        """Warm-up steps (the compiled ones compile here); a failed compile becomes the row's reason."""
+        step = greedy_step(self.model)
         for _ in range(steps):
-            self.step()
-        if callable(self.compiled):
-            try:
-                for _ in range(steps):
-                    self.step(compiled=True)
-            except Exception as err:  # noqa: BLE001 - a tracing/compile failure is a row entry, not a crash
-                logger.warning("compiled decode failed: %s", " ".join(str(err).split())[:300])
-                self.compiled = f"n/a (compile failed: {type(err).__name__})"
+            self.step(step)
         if isinstance(self.cache, BenchCache):
             self.cache.decode_hook_s, self.cache.decode_hook_calls = 0.0, 0
 
     def timed(self, steps: int) -> None:
+        step = greedy_step(self.model)
         for _ in range(steps):
-            self.times.append(self.step())
+            self.times.append(self.step(step))
             self.bytes.append(self.cache.kv_bytes() if hasattr(self.cache, "kv_bytes") else cache_kv_bytes(self.cache))
-        if callable(self.compiled):
-            for _ in range(steps):
-                self.compiled_times.append(self.step(compiled=True))
+
+    def compile_and_time(self, backend: str, warmup: int, steps: int) -> None:
+        """The compiled column: median seconds, or why there is none (a failed compile is a row
+        entry, not a crash)."""
+        if not getattr(self.cache, "is_compileable", False):
+            self.compiled = "n/a (not compileable)"
+            return
+        torch._dynamo.reset()
+        step = torch.compile(greedy_step(self.model), fullgraph=True, backend=backend)
+        try:
+            for _ in range(warmup):  # the compiles happen here
+                self.step(step, compiled=True)
+            self.compiled_times = [self.step(step, compiled=True) for _ in range(steps)]
+        except Exception as err:  # noqa: BLE001 - any tracing/compile failure is reported in the row
+            logger.warning("compiled decode failed: %s", " ".join(str(err).split())[:300])
+            self.compiled = f"n/a (compile failed: {type(err).__name__})"
+            return
+        self.compiled = median(self.compiled_times)
 
 
 def run_decode(
@@ -280,6 +283,7 @@ def run_decode(
     bandwidth_bytes: int = 2**30,
     ragged_length: int = 4096,
     compile: bool | str = False,
+    compile_only: tuple[str, ...] | None = None,
     counts: bool = False,
     out: str | Path | None = None,
     machine: dict | None = None,
@@ -291,8 +295,10 @@ def run_decode(
     method's own).
 
     ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds; with ``compile``,
-    as many compiled steps (``torch.compile(fullgraph=True)`` of the step, one per cache) right
-    after each cache's eager ones (a str: the ``torch.compile`` backend, ``inductor`` for True).
+    then as many compiled steps per cache (``_Decoder.compile_and_time``; a str: the
+    ``torch.compile`` backend, ``inductor`` for True); ``compile_only``: the methods (``full``,
+    ``full-static`` and presets) whose compiled step is measured, None for all (inductor compiles
+    take minutes per cache on a CPU).
     ``counts``: also the CPU proxies of a static step per preset (``step_counts.table``: ATen ops,
     host syncs, compiled graphs; a tiny model, deterministic), for the page. Writes ``out/decode.json`` and ``out/decode.png``; returns
     the result dict."""
@@ -327,7 +333,7 @@ def run_decode(
                    *zip(configs, caches, strict=True)]  # fmt: skip
         tok = ids[:, -1:]
         with torch.no_grad():
-            state = {key: _Decoder(model, c, tok, length, clock, compile) for key, c in entries}
+            state = {key: _Decoder(model, c, tok, length, clock) for key, c in entries}
             for dec in state.values():
                 dec.warm(warmup)
             per_round = steps // rounds
@@ -337,6 +343,13 @@ def run_decode(
                 )
                 for dec in state.values():
                     dec.timed(per_round)
+            if compile:
+                for (m, b, _), dec in state.items():
+                    if compile_only is not None and m not in compile_only:
+                        dec.compiled = "not measured (--compile-only)"
+                        continue
+                    logger.info("decode at %d tokens: compiled steps of %s %s", length, m, b or "")
+                    dec.compile_and_time(compile if isinstance(compile, str) else "inductor", warmup, steps)
         full_s = median(state[("full", 0, "-")].times)
         full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
         for (m, b, p), dec in state.items():
@@ -344,7 +357,7 @@ def run_decode(
             c_bytes = sum(dec.bytes) / len(dec.bytes)
             hook = dec.cache.decode_hook_s / len(dec.times) if isinstance(dec.cache, BenchCache) else 0.0
             allowed = (w_bytes + full_bytes) / (w_bytes + c_bytes)
-            compiled_s = median(dec.compiled_times) if dec.compiled_times else dec.compiled
+            compiled_s = dec.compiled
             rows.append(dict(
                 length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=dec.times,
                 compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes,
