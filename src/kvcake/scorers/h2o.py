@@ -36,19 +36,25 @@ class H2OScorer(Scorer):
 
 
 def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
-    """(B, H, S) column sums of the causal attention matrix, ``chunk`` rows at a time."""
+    """(B, H, S) column sums of the causal attention matrix, ``chunk`` rows at a time.
+
+    A chunk of query rows reads only the keys before its last row (the causal columns); padding
+    keys and the chunk's own upper triangle are masked with -inf, and the rows are summed
+    by one matmul with the rows' validity (a padding row adds nothing; one that sees no key at
+    all is 0, not NaN)."""
     k = _expand_kv(inp.keys.float(), inp.num_groups)  # (B, H, S, d)
     b, h, s, _ = k.shape
-    total = torch.zeros(b, h, s, dtype=torch.float32, device=k.device)
-    cols = torch.arange(s, device=k.device)
+    dev = k.device
+    total = torch.zeros(b, h, s, dtype=torch.float32, device=dev)
+    padding = ~inp.key_valid[:, None, None, :]  # (B, 1, 1, S)
+    rows = inp.key_valid.float()[:, None, None, :]  # (B, 1, 1, S)
+    upper = torch.full((chunk, chunk), float("-inf"), device=dev).triu_(1)  # (c, c): later columns
     for start in range(0, s, chunk):
-        stop = min(s, start + chunk)  # rows start..stop-1 see the keys before stop: no column past it
+        stop = min(s, start + chunk)
         q = inp.query[:, :, start:stop].float()  # (B, H, c, d)
-        logits = torch.matmul(q, k[:, :, :stop].transpose(-1, -2)).mul_(inp.scaling)  # (B, H, c, stop)
-        allowed = (cols[None, :stop] <= torch.arange(start, stop, device=k.device)[:, None])[None, None]
-        allowed = allowed & inp.key_valid[:, None, None, :stop]
-        row_valid = inp.key_valid[:, start:stop]  # (B, c)
-        logits.masked_fill_(~allowed, float("-inf"))
-        probs = torch.softmax(logits.masked_fill_(~allowed.any(-1, keepdim=True), 0.0), dim=-1)
-        total[..., :stop] += probs.mul_(row_valid[:, None, :, None]).sum(2)
+        logits = torch.matmul(q, k[:, :, :stop].transpose(-1, -2))  # (B, H, c, stop)
+        logits.mul_(inp.scaling)[..., start:stop].add_(upper[: stop - start, : stop - start])
+        logits.masked_fill_(padding[..., :stop], float("-inf"))  # (whatever padding keys hold)
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        total[..., :stop] += torch.matmul(rows[..., start:stop], probs).squeeze(2)  # (B, H, stop)
     return total
