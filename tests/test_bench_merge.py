@@ -32,8 +32,35 @@ def test_merge_replaces_only_the_new_cells_and_recomputes_targets():
     assert names == {"CAKE cascade": True, "Layer-DefensiveKV cascade": True}
     with pytest.raises(ValueError, match="budget=128, this run 64"):
         merge("memory", old, {**new, "budget": 64})
-    with pytest.raises(ValueError, match="not 'decode'"):
-        merge("decode", old, new)
+    with pytest.raises(ValueError, match="not 'bandwidth'"):
+        merge("bandwidth", old, new)
+
+
+def _step(method, length, s, policy="none", budget=128):
+    return dict(method=method, length=length, budget=budget, policy=policy, s=s, compiled_s=None, bound_s=0.01,
+                times=[s], kv_bytes=1, speedup=1.0, allowed=1.0, fraction=1.0, hook_s=0.0, hook_share=0.0)  # fmt: skip
+
+
+def test_a_decode_run_replaces_every_row_at_its_lengths():
+    """Decode rows are compared with their length's full cache, so a run replaces whole lengths."""
+    old = dict(bench="decode", window=32, lengths=[4096, 16384], budgets=[128, 512], methods=["snapkv"],
+               policies=["fixed", "none"], bandwidth=dict(read_gbps=10.0), compile=False,
+               rows=[_step("full", 4096, 0.1), _step("snapkv", 4096, 0.05), _step("full", 16384, 0.2),
+                     _step("snapkv", 16384, 0.08, budget=512)], targets=[])  # fmt: skip
+    new = dict(bench="decode", window=32, lengths=[16384], budgets=[128], methods=["snapkv", "cake"],
+               policies=["preset"], bandwidth=dict(read_gbps=12.0), compile=True, counts=dict(intro="", table="|t|"),
+               rows=[_step("full", 16384, 0.3), _step("full-static", 16384, 0.25), _step("snapkv", 16384, 0.1),
+                     _step("cake", 16384, 0.12, policy="fixed")], targets=[])  # fmt: skip
+    got = merge("decode", old, new)
+    assert [(r["method"], r["length"], r["s"]) for r in got["rows"]] == [
+        ("full", 4096, 0.1), ("snapkv", 4096, 0.05), ("full", 16384, 0.3), ("full-static", 16384, 0.25),
+        ("snapkv", 16384, 0.1), ("cake", 16384, 0.12),
+    ]  # fmt: skip
+    assert got["lengths"] == [4096, 16384] and got["budgets"] == [128, 512] and got["compile"]
+    assert got["policies"] == ["fixed", "none", "preset"] and got["counts"]["table"] == "|t|"
+    assert {t["method"] for t in got["targets"] if "at its best" in t["target"]} == {"snapkv", "cake"}
+    with pytest.raises(ValueError, match="window=32, this run 16"):
+        merge("decode", old, {**new, "window": 16})
 
 
 def test_add_on_the_command_line(tiny_llama, tmp_path, monkeypatch):
@@ -55,4 +82,4 @@ def test_add_on_the_command_line(tiny_llama, tmp_path, monkeypatch):
     text = page.read_text()
     assert "| 64 | snapkv |" in text and "| 64 | layer-defensivekv |" in text
     assert "Rows added since (`--add`" in text and "--methods layer-defensivekv --add" in text
-    assert cli.main(["decode", "--add", "--out", str(tmp_path)]) == 2
+    assert cli.main(["bandwidth", "--add", "--out", str(tmp_path)]) == 2

@@ -115,8 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results", help="folder for <bench>.json and <bench>.png")
     p.add_argument("--doc", default=None, help="also write a markdown page with every table and figure")
     p.add_argument("--add", action="store_true",
-                   help="memory/prefill: merge this run's rows into the results already in --out (rows of "
-                        "the same method and length replaced; targets recomputed) instead of replacing them; "
+                   help="memory/prefill/decode: merge this run's rows into the results already in --out (rows of "
+                        "the same method and length replaced, decode: every row at this run's lengths; targets "
+                        "recomputed) instead of replacing them; "
                         "with --doc, rewrite the page from every result in --out")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small lengths and few repeats: a smoke run")
     p.add_argument("--compile-only", type=_names, default=None,
@@ -188,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_gpu(args, device, dtype, out)
     started = time.perf_counter()
     which = BENCHES[:4] if args.which == "all" else (args.which,)
-    if args.add and any(b not in ("memory", "prefill") for b in which):
-        print(f"kvcake bench: --add merges the memory and prefill benches, not {args.which}", file=sys.stderr)
+    if args.add and any(b not in ("memory", "prefill", "decode") for b in which):
+        print(f"kvcake bench: --add merges the memory, prefill and decode benches, not {args.which}", file=sys.stderr)
         return 2
     models = None if which == ("bandwidth",) else load_models(args.model, device=device, dtype=dtype)
     attn = models.model.config._attn_implementation if models else "-"
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
             results[bench] = merge(bench, previous, results[bench])
             write_json(path, results[bench])
-            plots = {"memory": memory.plot, "prefill": speed.plot_prefill}
+            plots = {"memory": memory.plot, "prefill": speed.plot_prefill, "decode": speed.plot_decode}
             plots[bench](results[bench], out / f"{bench}.png")
             print(f"merged into {path}", flush=True)
     total = time.perf_counter() - started

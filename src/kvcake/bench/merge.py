@@ -1,17 +1,18 @@
-"""``--add``: merge a run of some methods into the memory and prefill results already in ``--out``.
+"""``--add``: merge a run of some methods into the results already in ``--out``.
 
 A bench run replaces ``<bench>.json``; a page that already holds many methods' rows would need
 all of them measured again to gain one. With ``--add`` the new run's rows replace only the rows
 of the same (method, length) and the targets are recomputed from the merged rows, so a new
 preset's rows join the page by its own command (``kvcake bench memory --methods NEW --add``, then
-``kvcake bench report``).
+``kvcake bench report``). The decode bench's rows are compared within one context length (the
+full cache's step is each row's reference), so a decode run replaces every row at its lengths.
 """
 
 from __future__ import annotations
 
 from . import memory, speed
 
-MERGEABLE = ("memory", "prefill")
+MERGEABLE = ("memory", "prefill", "decode")
 
 
 def _rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -28,9 +29,11 @@ def _rows(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def merge(bench: str, old: dict, new: dict) -> dict:
-    """The merged result of ``bench`` (``memory`` or ``prefill``); settings must match."""
+    """The merged result of ``bench`` (one of ``MERGEABLE``); settings must match."""
     if bench not in MERGEABLE:
-        raise ValueError(f"--add merges the {' and '.join(MERGEABLE)} benches, not {bench!r}")
+        raise ValueError(f"--add merges the {', '.join(MERGEABLE)} benches, not {bench!r}")
+    if bench == "decode":
+        return _merge_decode(old, new)
     for key in ("budget", "window"):
         if old.get(key) != new.get(key):
             raise ValueError(
@@ -51,4 +54,27 @@ def merge(bench: str, old: dict, new: dict) -> dict:
         out["runs"] = [r for r in old["runs"] if r["method"] not in fresh] + new["runs"]
         out.pop("target_length", None)  # (pages before issue 23: one target length)
         out["targets"] = speed.prefill_targets(out["rows"])
+    return out
+
+
+def _merge_decode(old: dict, new: dict) -> dict:
+    """Every row of ``old`` at a length ``new`` measured is replaced by ``new``'s; each row keeps
+    its own bound (from its run's bandwidth); the counts table is the newest run's."""
+    if old.get("window") != new.get("window"):
+        raise ValueError(
+            f"--add: the decode results in --out have window={old.get('window')}, this run {new.get('window')}: "
+            f"run with --window {old.get('window')} (or without --add to replace them)"
+        )
+    out = dict(old)
+    fresh = set(new["lengths"])
+    out["rows"] = sorted([r for r in old["rows"] if r["length"] not in fresh] + new["rows"], key=lambda r: r["length"])
+    for key in ("lengths", "budgets"):
+        out[key] = sorted({*old[key], *new[key]})
+    for key in ("methods", "policies"):
+        out[key] = list(dict.fromkeys([*old[key], *new[key]]))
+    out["bandwidth"], out["machine"] = new["bandwidth"], new.get("machine") or old.get("machine")
+    out["compile"] = bool(new.get("compile") or old.get("compile"))
+    if "counts" in new:
+        out["counts"] = new["counts"]
+    out["targets"] = speed.decode_targets(out["rows"])
     return out
