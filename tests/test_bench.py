@@ -19,7 +19,7 @@ import kvcake
 from kvcake import bench
 from kvcake.adapters import with_cache
 from kvcake.bench import cli, step_counts
-from kvcake.bench import speed as bench_speed
+from kvcake.bench import decode as bench_decode_module
 from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -203,7 +203,7 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     assert {("the full cache at its best", m) for m in ("snapkv", "cake")} <= targets
     assert {("its read bound", m) for m in ("snapkv", "cake")} <= targets
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
-    assert "| the counts |" in bench_speed.decode_tables(result)
+    assert "| the counts |" in bench_decode_module.decode_tables(result)
     with pytest.raises(ValueError, match="unknown decoding policies"):
         bench.bench_decode(models, lengths=(64,), policies=("greedy",))
     assert {t["length"] for t in result["targets"]} == {64}

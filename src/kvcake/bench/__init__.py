@@ -20,6 +20,7 @@ from .common import (
     load_models,
     shared_prefill,
 )
+from .decode import run_decode as bench_decode
 from .memory import (
     KVShape,
     cascade_peak_bound,
@@ -29,7 +30,6 @@ from .memory import (
     ragged_kv_bytes,
 )
 from .memory import run as bench_memory
-from .speed import run_decode as bench_decode
 from .speed import run_prefill as bench_prefill
 
 __all__ = [

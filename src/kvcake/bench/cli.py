@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the bench(es) named by ``args.which``; returns the exit status (0; 2 on bad input)."""
     import torch
 
-    from . import bandwidth, memory, speed
+    from . import bandwidth, decode, memory, speed
     from .common import (
         DTYPES,
         PREFILL_METHODS,
@@ -226,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
                 budget=budget, repeats=_setting(args, "repeats"), window=args.window, out=out, machine=machine,
             )  # fmt: skip
         else:
-            results[bench] = speed.run_decode(
-                models, lengths=_setting(args, "decode_lengths"), methods=methods or speed.DECODE_METHODS,
+            results[bench] = decode.run_decode(
+                models, lengths=_setting(args, "decode_lengths"), methods=methods or decode.DECODE_METHODS,
                 budgets=_setting(args, "budgets"), policies=args.policies, steps=_setting(args, "steps"),
                 rounds=_setting(args, "rounds"), window=args.window, bandwidth_bytes=bw_bytes, out=out,
                 compile=bool(args.compile or args.compile_only), compile_only=args.compile_only, counts=args.counts,
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
             results[bench] = merge(bench, previous, results[bench])
             write_json(path, results[bench])
-            plots = {"memory": memory.plot, "prefill": speed.plot_prefill, "decode": speed.plot_decode}
+            plots = {"memory": memory.plot, "prefill": speed.plot_prefill, "decode": decode.plot_decode}
             plots[bench](results[bench], out / f"{bench}.png")
             print(f"merged into {path}", flush=True)
     total = time.perf_counter() - started
@@ -323,7 +323,7 @@ def _render_args(run_info: dict) -> dict:
 
 def _report(args: argparse.Namespace) -> int:
     """Redraw the figures and rewrite the page from ``OUT/*.json`` (after a change to the report)."""
-    from . import bandwidth, memory, speed
+    from . import bandwidth, decode, memory, speed
     from .report import render
 
     out = Path(args.out)
@@ -334,7 +334,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"kvcake bench report: no complete results in {out} ({err}); run 'all' with --doc first",
               file=sys.stderr)  # fmt: skip
         return 2
-    plots = {"memory": memory.plot, "prefill": speed.plot_prefill, "decode": speed.plot_decode}
+    plots = {"memory": memory.plot, "prefill": speed.plot_prefill, "decode": decode.plot_decode}
     for bench, result in results.items():
         if bench in plots:
             plots[bench](result, out / f"{bench}.png")

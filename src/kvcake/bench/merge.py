@@ -10,7 +10,7 @@ full cache's step is each row's reference), so a decode run replaces every row a
 
 from __future__ import annotations
 
-from . import memory, speed
+from . import decode, memory, speed
 
 MERGEABLE = ("memory", "prefill", "decode")
 
@@ -76,5 +76,5 @@ def _merge_decode(old: dict, new: dict) -> dict:
     out["compile"] = bool(new.get("compile") or old.get("compile"))
     if "counts" in new:
         out["counts"] = new["counts"]
-    out["targets"] = speed.decode_targets(out["rows"])
+    out["targets"] = decode.decode_targets(out["rows"])
     return out

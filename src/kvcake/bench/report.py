@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from . import bandwidth as bandwidth_bench
+from . import decode as decode_bench
 from . import memory as memory_bench
 from . import speed
 from .common import MiB, fmt, markdown_table, median
@@ -225,7 +226,7 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
 def _decode(result: dict, figures: Path, doc: Path) -> str:
     b = result["bandwidth"]
     parts = _section(
-        "Decode time per token", speed.decode_tables(result), _fig(figures, doc, "decode.png", "decode"),
+        "Decode time per token", decode_bench.decode_tables(result), _fig(figures, doc, "decode.png", "decode"),
         read_gbps=b["read_gbps"], copy_gbps=b["copy_gbps"], size_mib=b["size_bytes"] / MiB,
     )  # fmt: skip
     rows = result["rows"]
@@ -235,7 +236,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
     longest = max(r["length"] for r in rows)
     shortest = min(r["length"] for r in rows)
     full_long = next(r for r in rows if r["length"] == longest and r["method"] == "full")
-    fulls = ("full", speed.FULL_STATIC)
+    fulls = ("full", decode_bench.FULL_STATIC)
     sp = [c for c in t if c["target"].startswith("speed-up")]
     ev = [c for c in t if c["target"].startswith("eviction")]
     met_sp = [c for c in sp if c["ok"]]
@@ -282,8 +283,8 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
     bound = [c for c in t if "read bound" in c["target"]]
     if best_full:
         worst = max(best_full, key=lambda c: c["value"])
-        text = (f"**Every preset's step <= {speed.BEST_FULL_TARGET} x the full cache at its best and <= "
-                f"{speed.BOUND_TARGET} x its read bound at {longest} tokens (issue 22): "
+        text = (f"**Every preset's step <= {decode_bench.BEST_FULL_TARGET} x the full cache at its best and <= "
+                f"{decode_bench.BOUND_TARGET} x its read bound at {longest} tokens (issue 22): "
                 f"{_verdict(best_full + bound)}** ({sum(c['ok'] for c in best_full)} of {len(best_full)} and "
                 f"{sum(c['ok'] for c in bound)} of {len(bound)}; worst against the full cache: {worst['method']} at "
                 f"{worst['value']:.2f}x, {worst['detail']}; against the bound: "

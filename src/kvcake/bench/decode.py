@@ -1,0 +1,365 @@
+"""Decode time per token against its memory bound, eager and compiled.
+
+For every context length one forward pass prefills the full cache and every (method, budget,
+decoding policy) cache together (``caches.shared_prefill``); a transformers ``StaticCache``
+receives a copy of the full cache (the full cache's compileable layout). Each is then decoded
+alone, greedy, one token per step, in interleaved rounds after a warm-up, and, with ``compile``,
+compiled one cache at a time. Decoding reads every weight and every cached entry once per token,
+so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with the read bandwidth measured
+in the same run (``bandwidth.measure``). Compressing the cache can therefore speed a step up by at
+most ``(W + C_full) / (W + C_method)``: the "allowed" speed-up the achieved one is compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from pathlib import Path
+
+import torch
+
+from ..adapters import with_cache
+from ..attention import enable
+from ..cache import cache_kv_bytes
+from .bandwidth import measure as measure_bandwidth
+from .caches import greedy_step, static_copy
+from .common import (
+    BenchCache,
+    BenchModels,
+    Clock,
+    FullCache,
+    MiB,
+    build_cache,
+    fmt,
+    log_axes,
+    markdown_table,
+    median,
+    new_figure,
+    prompt_ids,
+    save_figure,
+    shared_prefill,
+    verdict,
+    weight_bytes,
+)
+from .output import emit
+
+logger = logging.getLogger(__name__)
+
+DECODE_METHODS = ("snapkv", "pyramidkv", "cake", "adakv")  # cake-oneshot decodes exactly like cake
+SPEEDUP_TARGET = 0.70  # achieved speed-up >= 70% of the allowed one, at the longest context
+EVICT_TARGET = 0.10  # decoding-time eviction < 10% of a decode step
+# issue 22, at the longest context: a preset's step (eager, or compiled where faster) <= 0.5 x the
+# full cache at its best (DynamicCache or StaticCache, eager or compiled), <= 1.3 x its read bound
+BEST_FULL_TARGET = 0.5
+BOUND_TARGET = 1.3
+FULL_STATIC = "full-static"  # the full cache in a transformers StaticCache (compileable)
+
+
+def _attention_for(model, cache):
+    """The kvcake attention for a compressed cache; the stock one, untouched, for the full caches."""
+    return enable(model) if isinstance(cache, BenchCache) else contextlib.nullcontext()
+
+
+def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, int, str]]:
+    return [(m, b, p) for m in methods for b in budgets for p in policies if b < length]
+
+
+def _spec(method: str, policy: str) -> str:
+    """A decode config's method spec: ``preset`` keeps the method's own decoding policy."""
+    return method if policy == "preset" else f"{method},decode={policy}"
+
+
+class _Decoder:
+    """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
+    host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
+    with ``compiled``, the compiled ones (``torch.compile(fullgraph=True)`` of the step, this
+    cache's alone: compiled, warmed and timed in a row after ``torch._dynamo.reset()``, so no
+    cache's graphs count against another's recompile limit)."""
+
+    def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock) -> None:
+        self.model, self.cache, self.tok, self.pos, self.clock = model, cache, tok, start, clock
+        self.times, self.compiled_times, self.bytes = [], [], []
+        self.compiled: float | str | None = None  # the compiled column: None when not asked
+
+    def step(self, fn, compiled: bool = False) -> float:
+        pos = torch.full((1, 1), self.pos, dtype=torch.long, device=self.tok.device)
+        if isinstance(self.cache, BenchCache):
+            self.cache.timing = not compiled
+        with _attention_for(self.model, self.cache):
+            t, self.tok = self.clock.time(lambda: fn(self.tok, pos, self.cache))
+        self.pos += 1
+        return t
+
+    def warm(self, steps: int) -> None:
+        step = greedy_step(self.model)
+        for _ in range(steps):
+            self.step(step)
+        if isinstance(self.cache, BenchCache):
+            self.cache.decode_hook_s, self.cache.decode_hook_calls = 0.0, 0
+
+    def timed(self, steps: int) -> None:
+        step = greedy_step(self.model)
+        for _ in range(steps):
+            self.times.append(self.step(step))
+            self.bytes.append(self.cache.kv_bytes() if hasattr(self.cache, "kv_bytes") else cache_kv_bytes(self.cache))
+
+    def compile_and_time(self, backend: str, warmup: int, steps: int) -> None:
+        """The compiled column: median seconds, or why there is none (a failed compile is a row
+        entry, not a crash)."""
+        if not getattr(self.cache, "is_compileable", False):
+            self.compiled = "n/a (not compileable)"
+            return
+        torch._dynamo.reset()
+        step = torch.compile(greedy_step(self.model), fullgraph=True, backend=backend)
+        try:
+            for _ in range(warmup):  # the compiles happen here
+                self.step(step, compiled=True)
+            self.compiled_times = [self.step(step, compiled=True) for _ in range(steps)]
+        except Exception as err:  # noqa: BLE001 - any tracing/compile failure is reported in the row
+            logger.warning("compiled decode failed: %s", " ".join(str(err).split())[:300])
+            self.compiled = f"n/a (compile failed: {type(err).__name__})"
+            return
+        self.compiled = median(self.compiled_times)
+
+
+def run_decode(
+    models: BenchModels,
+    *,
+    lengths=(1024, 2048, 4096, 8192, 16384),
+    methods=DECODE_METHODS,
+    budgets=(128, 512),
+    policies=("fixed", "none"),
+    steps: int = 12,
+    rounds: int = 3,
+    warmup: int = 2,
+    window: int = 32,
+    bandwidth_bytes: int = 2**30,
+    ragged_length: int = 4096,
+    compile: bool | str = False,
+    compile_only: tuple[str, ...] | None = None,
+    counts: bool = False,
+    out: str | Path | None = None,
+    machine: dict | None = None,
+    echo: bool = True,
+) -> dict:
+    """Decode time per token for the full cache (``DynamicCache``, and a ``StaticCache`` holding
+    the same prompt) and every (method, budget, policy) at every context length, with the memory
+    bound and the allowed speed-up. ``policies``: ``fixed``, ``none``, or ``preset`` (the
+    method's own).
+
+    ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds; with ``compile``,
+    then as many compiled steps per cache (``_Decoder.compile_and_time``; a str: the
+    ``torch.compile`` backend, ``inductor`` for True); ``compile_only``: the methods (``full``,
+    ``full-static`` and presets) whose compiled step is measured, None for all (inductor compiles
+    take minutes per cache on a CPU).
+    ``counts``: also the CPU proxies of a static step per preset (``step_counts.table``: ATen ops,
+    host syncs, compiled graphs; a tiny model, deterministic), for the page. Writes ``out/decode.json`` and ``out/decode.png``; returns
+    the result dict."""
+    if steps < rounds or rounds < 1:
+        raise ValueError("need rounds >= 1 and steps >= rounds")
+    if bad := [p for p in policies if p not in ("fixed", "none", "preset")]:
+        raise ValueError(f"unknown decoding policies {bad}: use fixed, none or preset (the method's own)")
+    methods = tuple(m for m in methods if m != "full")
+    clock = Clock(models.device)
+    band = measure_bandwidth(models.device, bandwidth_bytes)
+    rows = []
+    for length in lengths:
+        model, label = models.for_length(length)
+        w_bytes = weight_bytes(model)
+        ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
+                                 model.config.vocab_size, models.device)  # fmt: skip
+        configs = _decode_configs(methods, budgets, policies, length)
+        room = length + 2 * (warmup + steps) + 1  # the prompt, then every eager and compiled step
+        caches = [build_cache(model, _spec(m, p), b, window, max_cache_len=room) for m, b, p in configs]
+        full = FullCache(model.config)
+        logger.info(
+            "decode: prefill %d tokens once into the full cache and %d compressed caches", length, len(caches)
+        )
+        if caches:
+            shared_prefill(model, ids, caches, full)
+        else:
+            with torch.no_grad():
+                model(ids, **with_cache(model, full), logits_to_keep=1)
+        full.tracking = False
+        configs = [(m, b, p if p != "preset" else c.method.decode) for (m, b, p), c in zip(configs, caches, strict=True)]
+        entries = [(("full", 0, "-"), full), ((FULL_STATIC, 0, "-"), static_copy(full, model.config, room)),
+                   *zip(configs, caches, strict=True)]  # fmt: skip
+        tok = ids[:, -1:]
+        with torch.no_grad():
+            state = {key: _Decoder(model, c, tok, length, clock) for key, c in entries}
+            for dec in state.values():
+                dec.warm(warmup)
+            per_round = steps // rounds
+            for r in range(rounds):
+                logger.info(
+                    "decode at %d tokens: round %d/%d over %d caches", length, r + 1, rounds, len(state)
+                )
+                for dec in state.values():
+                    dec.timed(per_round)
+            if compile:
+                for (m, b, _), dec in state.items():
+                    if compile_only is not None and m not in compile_only:
+                        dec.compiled = "not measured (--compile-only)"
+                        continue
+                    logger.info("decode at %d tokens: compiled steps of %s %s", length, m, b or "")
+                    dec.compile_and_time(compile if isinstance(compile, str) else "inductor", warmup, steps)
+        full_s = median(state[("full", 0, "-")].times)
+        full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
+        for (m, b, p), dec in state.items():
+            s = median(dec.times)
+            c_bytes = sum(dec.bytes) / len(dec.bytes)
+            hook = dec.cache.decode_hook_s / len(dec.times) if isinstance(dec.cache, BenchCache) else 0.0
+            allowed = (w_bytes + full_bytes) / (w_bytes + c_bytes)
+            compiled_s = dec.compiled
+            rows.append(dict(
+                length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=dec.times,
+                compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes,
+                bound_s=(w_bytes + c_bytes) / (band["read_gbps"] * 1e9), speedup=full_s / s, allowed=allowed,
+                fraction=(full_s / s) / allowed, hook_s=hook, hook_share=hook / s,
+            ))  # fmt: skip
+        del state, entries, caches, full
+        gc.collect()
+    result = dict(bench="decode", machine=machine, bandwidth=band, lengths=list(lengths), methods=list(methods),
+                  budgets=list(budgets), policies=list(policies), steps=steps, rounds=rounds, warmup=warmup,
+                  window=window, rows=rows, ragged_length=ragged_length, compile=compile)  # fmt: skip
+    result["targets"] = decode_targets(rows)
+    if counts:
+        from . import step_counts
+
+        logger.info("decode: per-step counts of every preset (tiny model)")
+        result["counts"] = dict(intro=step_counts.INTRO, table=step_counts.table())
+    return emit(result, "decode", decode_tables(result) if echo else "", plot_decode, out, echo)
+
+
+def best_s(r: dict) -> float:
+    """A row's step at its best: eager, or compiled where that was measured and is faster."""
+    compiled = r.get("compiled_s")
+    return min(r["s"], compiled) if isinstance(compiled, float) else r["s"]
+
+
+def decode_targets(rows: list[dict]) -> list[dict]:
+    if not rows:
+        return []
+    longest = max(r["length"] for r in rows)
+    fulls = [r for r in rows if r["length"] == longest and r["method"] in ("full", FULL_STATIC)]
+    full_best = min(fulls, key=best_s) if fulls else None
+    out = []
+    for r in rows:
+        if r["length"] != longest or r["method"] in ("full", FULL_STATIC):
+            continue
+        if full_best is not None and any(f["method"] == FULL_STATIC for f in fulls):
+            mine, best = best_s(r), best_s(full_best)
+            how = "compiled" if mine < r["s"] else "eager"
+            out.append(dict(target=f"step <= {BEST_FULL_TARGET} x the full cache at its best", length=longest,
+                            method=r["method"], budget=r["budget"], policy=r["policy"], value=mine / best,
+                            detail=f"{mine * 1e3:.1f} ms ({how}) vs {best * 1e3:.1f} ms ({full_best['method']}, "
+                                   f"{'compiled' if best < full_best['s'] else 'eager'})",
+                            ok=mine <= BEST_FULL_TARGET * best))  # fmt: skip
+            out.append(dict(target=f"step <= {BOUND_TARGET} x its read bound", length=longest, method=r["method"],
+                            budget=r["budget"], policy=r["policy"], value=mine / r["bound_s"],
+                            detail=f"{mine * 1e3:.1f} of {r['bound_s'] * 1e3:.1f} ms",
+                            ok=mine <= BOUND_TARGET * r["bound_s"]))  # fmt: skip
+        out.append(dict(target=f"speed-up >= {SPEEDUP_TARGET:.0%} of allowed", length=longest, method=r["method"],
+                        budget=r["budget"], policy=r["policy"], value=r["fraction"],
+                        detail=f"{r['speedup']:.2f}x of {r['allowed']:.2f}x", ok=r["fraction"] >= SPEEDUP_TARGET))  # fmt: skip
+        if r["policy"] == "fixed":
+            out.append(dict(target=f"eviction < {EVICT_TARGET:.0%} of a step", length=longest, method=r["method"],
+                            budget=r["budget"], policy=r["policy"], value=r["hook_share"],
+                            detail=f"{r['hook_s'] * 1e3:.1f} of {r['s'] * 1e3:.1f} ms", ok=r["hook_share"] < EVICT_TARGET))  # fmt: skip
+    return out
+
+
+def _compiled_cell(r: dict) -> str:
+    c = r.get("compiled_s")
+    return "-" if c is None else c if isinstance(c, str) else fmt(c * 1e3)
+
+
+def _row_cells(r: dict) -> tuple:
+    return (r["length"], r["method"], r["budget"] or "-", r["policy"], fmt(r["s"] * 1e3), _compiled_cell(r),
+            fmt(r["bound_s"] * 1e3),
+            fmt(r["bound_s"] / r["s"], 2), fmt(r["kv_bytes"] / MiB, 1), fmt(r["speedup"], 2), fmt(r["allowed"], 2),
+            fmt(r["fraction"], 2), fmt(r["hook_s"] * 1e3, 1) if r["policy"] == "fixed" else "-",
+            fmt(100 * r["hook_share"], 1) if r["policy"] == "fixed" else "-")  # fmt: skip
+
+
+_DECODE_HEADERS = ("context", "method", "budget", "decode", "ms/token", "compiled ms/token", "bound ms", "bound/actual", "KV MiB",
+                   "speed-up", "allowed", "achieved/allowed", "eviction ms", "eviction %")  # fmt: skip
+
+
+def ragged_table(result: dict) -> str:
+    at = result["ragged_length"]
+    rows = [r for r in result["rows"] if r["length"] == at and r["method"] in ("full", "snapkv", "adakv")]
+    if not rows:
+        return ""
+    rows.sort(key=lambda r: (r["budget"], r["policy"], r["method"]))
+    cells = [(r["method"], "ragged" if r["method"] == "adakv" else "uniform" if r["budget"] else "full",
+              r["budget"] or "-", r["policy"], fmt(r["s"] * 1e3), fmt(r["kv_bytes"] / MiB, 2), fmt(r["speedup"], 2))
+             for r in rows]  # fmt: skip
+    return (f"Ragged (Ada-KV) vs uniform (SnapKV) vs full cache, decode at {at} tokens ({rows[0]['model']}):\n\n"
+            + markdown_table(("method", "layout", "budget", "decode", "ms/token", "KV MiB", "speed-up vs full"), cells))  # fmt: skip
+
+
+def decode_tables(result: dict) -> str:
+    b = result["bandwidth"]
+    head = (f"Decode time per token (median of {result['steps']} steps in {result['rounds']} rounds after "
+            f"{result['warmup']} warm-up steps); bound = (weights + KV bytes) / {b['read_gbps']:.1f} GB/s read "
+            f"bandwidth measured in this run:")  # fmt: skip
+    parts = [head, "", markdown_table(_DECODE_HEADERS, [_row_cells(r) for r in result["rows"]])]
+    rag = ragged_table(result)
+    if rag:
+        parts += ["", rag]
+    checks = [(c["target"], c["length"], c["method"], c["budget"], c["policy"], fmt(c["value"], 3), c["detail"],
+               verdict(c["ok"])) for c in result["targets"]]  # fmt: skip
+    parts += ["", "Targets at the longest context:", "",
+              markdown_table(("target", "context", "method", "budget", "decode", "value", "numbers", "verdict"), checks)]  # fmt: skip
+    if "counts" in result:
+        parts += ["", f"Per-step counts of a static decode step (`--counts`). {result['counts']['intro']}", "",
+                  result["counts"]["table"]]  # fmt: skip
+    return "\n".join(parts)
+
+
+def plot_decode(result: dict, path: Path) -> Path:
+    policies = result["policies"]
+    fig, axes = new_figure(len(policies) + 1, width=5.2)
+    rows = result["rows"]
+    full = sorted((r for r in rows if r["method"] == "full"), key=lambda r: r["length"])  # DynamicCache
+    styles = ["-", "--", ":", "-."]
+    for ax, policy in zip(axes, policies, strict=False):
+        ax.plot([r["length"] for r in full], [r["s"] * 1e3 for r in full], "ko-", label="full")
+        ax.plot(
+            [r["length"] for r in full],
+            [r["bound_s"] * 1e3 for r in full],
+            "k:",
+            alpha=0.6,
+            label="full: bound",
+        )
+        for i, m in enumerate(result["methods"]):
+            for j, b in enumerate(result["budgets"]):
+                rs = sorted((r for r in rows if r["method"] == m and r["budget"] == b and r["policy"] == policy),
+                            key=lambda r: r["length"])  # fmt: skip
+                if rs:
+                    ax.plot([r["length"] for r in rs], [r["s"] * 1e3 for r in rs], marker="o", ms=3,
+                            ls=styles[j % len(styles)], color=f"C{i}", label=f"{m} {b}")  # fmt: skip
+        small = [r for r in rows if r["method"] not in ("full", FULL_STATIC) and r["policy"] == policy]
+        if small:
+            lo = min(small, key=lambda r: r["bound_s"])
+            ax.axhline(lo["bound_s"] * 1e3, color="C7", ls=":", label="compressed: bound")
+        ax.set(xlabel="context tokens", ylabel="ms per token", title=f"decode={policy}")
+        log_axes(ax, sorted({r["length"] for r in rows}))
+        ax.set_yscale("linear")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6, ncol=2)
+    ax = axes[-1]
+    longest = max((r["length"] for r in rows), default=0)
+    rs = [r for r in rows if r["length"] == longest and r["method"] not in ("full", FULL_STATIC)]
+    xs = range(len(rs))
+    ax.bar([x - 0.2 for x in xs], [r["allowed"] for r in rs], width=0.4, label="allowed by bytes", color="C7")
+    ax.bar([x + 0.2 for x in xs], [r["speedup"] for r in rs], width=0.4, label="achieved", color="C0")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(
+        list(xs), [f"{r['method']} {r['budget']}\n{r['policy']}" for r in rs], fontsize=6, rotation=60
+    )
+    ax.set(ylabel="speed-up over full cache", title=f"at {longest} tokens")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
