@@ -21,6 +21,7 @@ from kvcake.adapters import with_cache
 from kvcake.bench import cli, step_counts
 from kvcake.bench import decode as bench_decode_module
 from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
+from kvcake.cache import KWARGS_HANDOFF
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BUDGET, WINDOW = 16, 4
@@ -196,8 +197,11 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["snapkv"]["policy"] == "none" and rows["cake"]["policy"] == "fixed"
     assert rows["full"]["compiled_s"] == "n/a (not compileable)"  # transformers' DynamicCache
-    for name in ("full-static", "snapkv"):
-        assert isinstance(rows[name]["compiled_s"], float) and rows[name]["compiled_s"] > 0, name
+    assert isinstance(rows["full-static"]["compiled_s"], float) and rows["full-static"]["compiled_s"] > 0
+    if KWARGS_HANDOFF:
+        assert isinstance(rows["snapkv"]["compiled_s"], float) and rows["snapkv"]["compiled_s"] > 0
+    else:  # releases whose models do not hand the attention kwargs to cache.update (the 5.0 floor)
+        assert rows["snapkv"]["compiled_s"] == "n/a (not compileable)"
     assert rows["cake"]["compiled_s"] == "not measured (--compile-only)"
     targets = {(t["target"].split(" x ")[-1], t["method"]) for t in result["targets"]}
     assert {("the full cache at its best", m) for m in ("snapkv", "cake")} <= targets
