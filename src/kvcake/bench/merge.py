@@ -32,14 +32,14 @@ def merge(bench: str, old: dict, new: dict) -> dict:
     """The merged result of ``bench`` (one of ``MERGEABLE``); settings must match."""
     if bench not in MERGEABLE:
         raise ValueError(f"--add merges the {', '.join(MERGEABLE)} benches, not {bench!r}")
-    if bench == "decode":
-        return _merge_decode(old, new)
-    for key in ("budget", "window"):
+    for key in ("budget", "window"):  # (decode results have budgets, not one budget: None == None)
         if old.get(key) != new.get(key):
             raise ValueError(
                 f"--add: the {bench} results in --out have {key}={old.get(key)}, this run {new.get(key)}: "
                 f"run with --{key} {old.get(key)} (or without --add to replace them)"
             )
+    if bench == "decode":
+        return _merge_decode(old, new)
     out = dict(old)
     out["methods"] = list(dict.fromkeys([*old["methods"], *new["methods"]]))
     out["lengths"] = sorted({*old["lengths"], *new["lengths"]})
@@ -60,11 +60,6 @@ def merge(bench: str, old: dict, new: dict) -> dict:
 def _merge_decode(old: dict, new: dict) -> dict:
     """Every row of ``old`` at a length ``new`` measured is replaced by ``new``'s; each row keeps
     its own bound (from its run's bandwidth); the counts table is the newest run's."""
-    if old.get("window") != new.get("window"):
-        raise ValueError(
-            f"--add: the decode results in --out have window={old.get('window')}, this run {new.get('window')}: "
-            f"run with --window {old.get('window')} (or without --add to replace them)"
-        )
     out = dict(old)
     fresh = set(new["lengths"])
     out["rows"] = sorted([r for r in old["rows"] if r["length"] not in fresh] + new["rows"], key=lambda r: r["length"])
