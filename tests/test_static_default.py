@@ -27,8 +27,13 @@ from shared_checks import prompt
 
 def _decode(model, cache, ids, steps, mask=None):
     """Prefill ``ids``, then ``steps`` greedy single-token steps: (steps, B, vocab) logits and,
-    per step, the data pointers of every compressed layer's keys and values."""
-    logits, pointers = [], []
+    per step, the data pointers of every compressed layer's keys and values.
+
+    Every step's key and value tensors are held until the end, so a storage freed by a
+    reallocation cannot be handed out again at the same address (the CPU allocator did that once:
+    a reference that reallocated every step showed the same pointers at its first and last step).
+    Equal pointers therefore mean the same storage."""
+    logits, pointers, held = [], [], []
     with kvcake.enable(model), torch.no_grad():
         out = model(ids, attention_mask=mask, **with_cache(model, cache))
         for _ in range(steps):
@@ -39,6 +44,7 @@ def _decode(model, cache, ids, steps, mask=None):
             logits.append(out.logits[:, -1])
             layers = [cache.layers[lid] for lid in cache.compressed]
             pointers.append([(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in layers])
+            held.append([(layer.keys, layer.values) for layer in layers])
     return (torch.stack(logits) if logits else None), pointers
 
 
