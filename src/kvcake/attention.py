@@ -79,6 +79,19 @@ def _refuse_stray_cache(kwargs: dict) -> None:
         )
 
 
+def _plain_sdpa(module, dropout: float, kwargs: dict) -> bool:
+    """Whether transformers' SDPA call would be plain causal attention: no dropout while training,
+    causal (``is_causal`` as ``sdpa_attention_forward`` reads it), no position bias or soft cap."""
+    if (
+        (dropout and module.training)
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return False
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
 def _make_attention(inner_name: str):
     def kvcake_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
@@ -98,11 +111,20 @@ def _make_attention(inner_name: str):
         layer = cache.layers[layer_idx]
         q = query.shape[2]
         if not cache.prefilled and layer.keys.shape[-2] == q and layer.length == q:
-            # the prompt: the model's own kernel on the full keys, then score and evict
-            out = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            # the prompt: the model's own kernel on the full keys (or the scorer's, which computes
+            # the same attention and its scores in one pass), then score and evict
             valid = key_validity(attention_mask, query.shape[0], key.shape[-2], key.device)
-            cache.after_prefill_attention(layer_idx, module, query, valid, scaling)
-            return out
+            fused = None
+            if inner_name == "sdpa" and _plain_sdpa(module, dropout, kwargs):
+                fused = cache.prompt_attention(layer_idx, query, key, value, attention_mask, valid, scaling)
+            if fused is None:
+                out = inner(
+                    module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+                )
+                cache.after_prefill_attention(layer_idx, module, query, valid, scaling)
+                return out
+            cache.after_prefill_attention(layer_idx, module, query, valid, scaling, column_sums=fused[1])
+            return fused[0], None
         want = cache.wants_probs(layer_idx, q)
         if layer.plain and not want:
             return inner(

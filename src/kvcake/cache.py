@@ -311,6 +311,7 @@ class KVCakeCache(Cache):
     # The prefill stage (score, allocate, evict; cascade.py) and its eviction, kept as methods so
     # that a subclass can time them (bench/caches.py); ``self`` is their ``cache`` argument.
     after_prefill_attention = cascade.prefill_stage
+    prompt_attention = cascade.prompt_attention
     _evict_layer = cascade.evict_layer
 
     def wants_probs(self, layer_idx: int, q: int) -> bool:

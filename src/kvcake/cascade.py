@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
-from .scorers import PrefillInputs
+from .scorers import PrefillInputs, Scorer
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
 from .temperatures import resolve_tau
@@ -54,16 +54,18 @@ def prefill_stage(
     query: torch.Tensor,
     key_valid: torch.Tensor,
     scaling: float,
+    column_sums: torch.Tensor | None = None,
 ) -> None:
     """Score layer ``layer_idx``'s prompt and run this cascade stage's evictions.
 
-    query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding)."""
+    query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding); column_sums:
+    what :func:`prompt_attention` returned beside the attention's output, else None."""
     layer = cache.layers[layer_idx]
     m = cache.method
     cache._stage = layer_idx
     g = cache._slot[layer_idx]  # budget column of this layer
     if g == 0:
-        start(cache, key_valid)
+        _begin(cache, key_valid)
         if cache.progress:
             from tqdm.auto import tqdm
 
@@ -72,7 +74,7 @@ def prefill_stage(
             )
     inputs = PrefillInputs(
         query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
-        window=m.budget.window, scaling=scaling,
+        window=m.budget.window, scaling=scaling, column_sums=column_sums,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
@@ -112,6 +114,30 @@ def prefill_stage(
             cache._bar = None
     if last:
         finish_prefill(cache)
+
+
+def prompt_attention(cache: Cache, layer_idx: int, query, key, value, mask, key_valid, scaling):
+    """The scorer's own attention of layer ``layer_idx``'s prompt (:meth:`Scorer.prompt_attention`:
+    its output and the scorer's inputs from one pass), or None for the stock kernel.
+
+    Only where the prompt is evicted: a budget that covers every sequence's prompt keeps the stock
+    kernel, so its output stays bit-identical to the full cache's. Arguments as the attention
+    function has them; the first compressed layer fixes the sequences' budgets here
+    (:func:`start`), before its attention instead of after it."""
+    scorer = cache.method.scorer
+    if type(scorer).prompt_attention is Scorer.prompt_attention:
+        return None
+    if cache._slot[layer_idx] == 0:
+        _begin(cache, key_valid)
+    if cache.seq is None or bool((cache.seq.per_layer >= cache.seq.lengths).all()):  # host tensors
+        return None
+    return scorer.prompt_attention(query, key, value, mask, key_valid, scaling)
+
+
+def _begin(cache: Cache, key_valid: torch.Tensor) -> None:
+    """:func:`start` once per prompt: :func:`prompt_attention` may have run it for this layer."""
+    if cache.seq is None or cache.prefilled:
+        start(cache, key_valid)
 
 
 def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:

@@ -104,10 +104,10 @@ class BenchCache(KVCakeCache):
             self.full.update(key_states, value_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def after_prefill_attention(self, layer_idx, module, query, key_valid, scaling) -> None:
+    def after_prefill_attention(self, layer_idx, module, query, key_valid, scaling, column_sums=None) -> None:
         self.clock.sync()
         t0 = time.perf_counter()
-        super().after_prefill_attention(layer_idx, module, query, key_valid, scaling)
+        super().after_prefill_attention(layer_idx, module, query, key_valid, scaling, column_sums=column_sums)
         self.clock.sync()
         self.prefill_hook_s += time.perf_counter() - t0
         for other in self.followers:

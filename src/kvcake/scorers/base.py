@@ -19,7 +19,9 @@ class PrefillInputs:
     """Everything a scorer may read at the end of one layer's prefill.
 
     query: (B, H, S, d); keys, values: (B, H_kv, S, d); key_valid: (B, S) bool (False on left
-    padding); window: the observation window ``Sw``; scaling: the model's softmax scale.
+    padding); window: the observation window ``Sw``; scaling: the model's softmax scale;
+    column_sums: (B, H, S) float32 column sums of the prompt's causal attention where the
+    attention itself produced them (:meth:`Scorer.prompt_attention`), else None.
     """
 
     query: torch.Tensor
@@ -28,6 +30,7 @@ class PrefillInputs:
     key_valid: torch.Tensor
     window: int
     scaling: float
+    column_sums: torch.Tensor | None = None
     _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -147,6 +150,17 @@ class Scorer:
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:  # pragma: no cover - interface
         """Per query head scores (B, H, S); only prefix columns (before the window) matter."""
         raise NotImplementedError
+
+    def prompt_attention(self, query, key, value, mask, key_valid, scaling):
+        """The prompt's attention computed together with this scorer's inputs, or None.
+
+        A scorer that reads the whole prompt's attention matrix (H2O) can take it from the
+        layer's own attention instead of computing it a second time: it returns ``(out, sums)``,
+        ``out`` (B, S, H, d) as the stock kernel's output and ``sums`` what
+        :attr:`PrefillInputs.column_sums` holds. None: the stock kernel runs, then
+        ``score_heads``. query (B, H, S, d); key, value (B, H_kv, S, d); mask: the stock
+        kernel's (None or 4-D); key_valid (B, S) bool."""
+        return None
 
     def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per query head scores (B, H, N) over the cached entries during decoding.

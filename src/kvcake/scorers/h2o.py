@@ -14,21 +14,35 @@ from .base import PrefillInputs, Scorer, _expand_kv
 class H2OScorer(Scorer):
     """Accumulated attention: the sum over all prompt queries of each key's causal attention.
 
-    Computed in chunks of ``chunk`` query rows so no ``S x S`` matrix is held; while decoding,
-    each new query's attention is added to the kept entries' sums (``stateful``).
+    With ``fused`` (the default) the sums come out of the prompt's own attention
+    (:func:`attention_with_column_sums`, used where the prompt is evicted and the model's kernel is
+    SDPA), so the ``S x S`` attention is computed once, not twice; otherwise, or where the fused
+    kernel does not apply, :func:`accumulated_attention` computes them after the stock kernel
+    (the reference), in chunks of ``chunk`` query rows so no ``S x S`` matrix is held. While
+    decoding, each new query's attention is added to the kept entries' sums (``stateful``).
     """
 
     chunk: int = 512
     reduce: str = "mean"
+    fused: bool = True
     name = "h2o"
     stateful = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk, int) or self.chunk < 1:
             raise ValueError(f"H2O chunk must be a positive int, got {self.chunk!r}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"H2O fused must be true or false, got {self.fused!r}")
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
+        if inp.column_sums is not None:
+            return inp.column_sums
         return accumulated_attention(inp, self.chunk)
+
+    def prompt_attention(self, query, key, value, mask, key_valid, scaling):
+        if not self.fused or not fusable_mask(mask, query.shape[2]):
+            return None
+        return attention_with_column_sums(query, key, value, mask, key_valid, scaling)
 
     def decode_step(self, probs, positions, previous):
         scores = probs.mean(2) if self.reduce == "mean" else probs.amax(2)  # (B, H_kv, N)
@@ -58,3 +72,77 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
         total[..., :stop] += torch.matmul(rows[..., start:stop], probs).squeeze(2)  # (B, H, stop)
     return total
+
+
+# Bytes of one block of logits (B, H, rows, S) in attention_with_column_sums: on a CPU a block that
+# stays in the last-level cache (the passes over it are memory-bound: 4-8 MiB measured best at
+# 4k-8k tokens on one core), on a GPU one large enough to keep the matmuls wide.
+BLOCK_BYTES = {"cpu": 8 << 20}
+DEVICE_BLOCK_BYTES = 256 << 20
+MIN_ROWS = 16
+
+
+def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int:
+    """Query rows per block of :func:`attention_with_column_sums`: a power of two, at least
+    ``MIN_ROWS``, whose float32 logits fit the device's block size."""
+    budget = BLOCK_BYTES.get(device.type, DEVICE_BLOCK_BYTES)
+    rows = max(1, budget // (4 * batch * heads * max(length, 1)))
+    return max(MIN_ROWS, 1 << (rows.bit_length() - 1))
+
+
+def fusable_mask(mask: torch.Tensor | None, length: int) -> bool:
+    """Whether :func:`attention_with_column_sums` reads ``mask`` as SDPA does: None (causal) or a
+    boolean ``(B, 1, S, S)`` mask (True: the query may attend)."""
+    if mask is None:
+        return True
+    return (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[1] == 1
+        and mask.shape[-2:] == (length, length)
+    )
+
+
+def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows: int | None = None):
+    """The prompt's attention and H2O's column sums from the same probabilities.
+
+    query (B, H, S, d); key, value (B, H_kv, S, d); mask None (causal) or boolean (B, 1, S, S)
+    (:func:`fusable_mask`); key_valid (B, S) bool. Returns ``(out, sums)``: ``out`` (B, S, H, d) in
+    the query's dtype, SDPA's result up to float32 rounding (a query row that may attend to
+    nothing gives 0, as SDPA's does), and ``sums`` (B, H, S) float32, :func:`accumulated_attention`'s
+    result up to rounding (the sum over valid query rows of each key's attention).
+
+    ``rows`` query rows at a time (default :func:`block_rows`), each block's logits written into
+    one reused buffer and exponentiated in place: on a CPU fresh buffers of this size cost more in
+    page faults than the arithmetic. A GQA group's heads share one matmul with their KV head."""
+    b, h, s, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    dev = query.device
+    rows = min(s, rows or block_rows(b, h, s, dev))
+    q = (query.float() * scaling).reshape(b, hkv, g, s, d)
+    kt = key.float().transpose(-1, -2)  # (B, H_kv, d, S)
+    v = value.float()
+    out = torch.empty(b, hkv, g, s, d, dtype=torch.float32, device=dev)
+    sums = torch.zeros(b, hkv, g, 1, s, dtype=torch.float32, device=dev)
+    buffer = torch.empty(b * h * rows * s, dtype=torch.float32, device=dev)
+    upper = torch.full((rows, rows), float("-inf"), device=dev).triu_(1)  # later columns of a block
+    hidden = torch.finfo(torch.float32).min  # masked logits: exp(hidden - max) is 0 in a row that sees a key
+    weight = key_valid.float()[:, None, None, :]  # (B, 1, 1, S): padding query rows add nothing
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        n = stop - start
+        logits = buffer[: b * h * n * stop].view(b, hkv, g * n, stop)
+        torch.matmul(q[:, :, :, start:stop].reshape(b, hkv, g * n, d), kt[..., :stop], out=logits)
+        block = logits.view(b, hkv, g, n, stop)
+        if mask is None:
+            block[..., start:stop].add_(upper[:n, :n])
+        else:
+            block.masked_fill_(~mask[:, :, None, start:stop, :stop], hidden)
+        top = logits.amax(-1, keepdim=True)  # (B, H_kv, G*n, 1)
+        total = logits.sub_(top).exp_().sum(-1, keepdim=True)
+        scale = (top > hidden).float().div_(total)  # 1/total; 0 on a row that sees nothing
+        out[:, :, :, start:stop] = torch.matmul(logits, v[:, :, :stop]).mul_(scale).view(b, hkv, g, n, d)
+        row_weight = scale.view(b, hkv, g, 1, n) * weight[..., start:stop].unsqueeze(2)
+        sums[..., :stop] += torch.matmul(row_weight, block)  # (B, H_kv, G, 1, stop)
+    return out.view(b, h, s, d).transpose(1, 2).contiguous().to(query.dtype), sums.view(b, h, s)
