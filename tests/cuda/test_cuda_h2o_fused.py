@@ -1,0 +1,37 @@
+"""H2O's fused prompt attention (``kvcake.scorers.h2o.attention_with_column_sums``) on the GPU:
+against SDPA and the reference column sums, float32 and bf16/fp16 inputs (the kernel computes in
+float32 and returns the input's dtype), a left-padded batch with GQA groups of 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cuda_helpers import DEVICE, HALF
+
+from kvcake.scorers import h2o
+from kvcake.scorers.base import PrefillInputs
+
+
+def _case(dtype, b=2, h=8, hkv=2, s=1500, d=64, pad=300):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, s, d, generator=gen).to(DEVICE, dtype) for n in (h, hkv, hkv))
+    valid = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
+    valid[-1, :pad] = False
+    mask = torch.ones(s, s, dtype=torch.bool, device=DEVICE).tril()[None, None] & valid[:, None, None, :]
+    return q, k, v, valid, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_fused_matches_sdpa_and_the_reference(dtype):
+    if DEVICE.type != "cuda":
+        pytest.skip("a CUDA test")
+    q, k, v, valid, mask = _case(dtype)
+    out, sums = h2o.attention_with_column_sums(q, k, v, mask, valid, 0.125)
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=0.125, enable_gqa=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.transpose(1, 2), rtol=tol, atol=tol)
+    ref_sums = h2o.accumulated_attention(PrefillInputs(qf, kf, vf, valid, 8, 0.125), chunk=512)
+    torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
