@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
-from .scorers import PrefillInputs, Scorer
+from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
 from .temperatures import resolve_tau
@@ -125,7 +125,7 @@ def prompt_attention(cache: Cache, layer_idx: int, query, key, value, mask, key_
     function has them; the first compressed layer fixes the sequences' budgets here
     (:func:`start`), before its attention instead of after it."""
     scorer = cache.method.scorer
-    if type(scorer).prompt_attention is Scorer.prompt_attention:
+    if not scorer.scores_in_attention:
         return None
     if cache._slot[layer_idx] == 0:
         _begin(cache, key_valid)

@@ -114,3 +114,42 @@ def test_a_part_of_the_suite_leaves_its_page_and_ablation_alone():
     gemma = resolve(parser.parse_args(["--suite", "results-gemma3"]))
     assert not gemma["ablation"] and not gemma["narrowed"]  # the ablation is the default model's
     assert resolve(parser.parse_args(["--lengths", "2k"]))["narrowed"] == []  # no suite, nothing to narrow
+
+
+def test_the_suite_measures_the_target_methods_on_more_samples(monkeypatch):
+    """``--suite results`` runs its every-preset cells, then the methods of issue 24's targets at 6
+    samples into the same file; the page gets both runs' cells (each cell once), a part of the
+    suite neither."""
+    import argparse
+
+    from kvcake.eval import cli, runner
+    from kvcake.eval.cli import add_arguments
+    from kvcake.eval.suites import TARGET_METHODS, resolve
+
+    parser = add_arguments(argparse.ArgumentParser())
+    suite = resolve(parser.parse_args(["--suite", "results"]))
+    assert suite["more_samples"] == (TARGET_METHODS, 6) and suite["samples"] == 2
+    assert {"full", "snapkv", "pyramidkv", "cake", "adakv", "cake-adakv"} == set(TARGET_METHODS)
+    assert resolve(parser.parse_args(["--suite", "results", "--methods", "cake"]))["more_samples"] is None
+    assert resolve(parser.parse_args(["--suite", "results-gemma3"]))["more_samples"] is None
+
+    calls = []
+
+    def fake_run_eval(model, tokenizer, *, methods, samples, report=True, **kw):
+        calls.append((tuple(methods), samples, report))
+        records = [_record(m, 2048, "question", 0.25, 0.1, seed=s) for m in methods for s in range(samples)]
+        for r in records:
+            r["sample"] = r["seed"]
+        return runner.EvalResult(records, len(records), 0, "", [], Path("r.jsonl"), 1.0, 1)
+
+    monkeypatch.setattr(runner, "run_eval", fake_run_eval)
+    monkeypatch.setattr(
+        "kvcake.eval.report.summary_markdown", lambda records, methods: f"{len(records)} cells"
+    )
+    monkeypatch.setattr("kvcake.eval.report.write_plots", lambda records, prefix, methods: [])
+    first = fake_run_eval(None, None, methods=("full", "snapkv", "h2o"), samples=2)
+    merged = cli._more_samples(first, None, None, "m", {**suite, "methods": ("full", "snapkv", "h2o")}, {})
+    assert calls[-1] == (TARGET_METHODS, 6, False)
+    keys = [(r["method"], r["seed"]) for r in merged.records]
+    assert len(keys) == len(set(keys)) == 3 * 2 + len(TARGET_METHODS) * 6 - 2 * 2  # full, snapkv 0-1 once
+    assert merged.table == f"{len(keys)} cells" and merged.missing == 2 and merged.new == 6 + 6 * 6

@@ -146,14 +146,21 @@ def _run(args: argparse.Namespace) -> int:
     if args.model is not None or device.type != "cpu" or args.dtype != "float32":
         model_name = args.model or kvcake.DEFAULT_MODEL
         model, tokenizer = kvcake.load_model(model_name, device=device, dtype=getattr(torch, args.dtype))
-    result = run_eval(
-        model, tokenizer, model_name=model_name, methods=s["methods"], budgets=s["budgets"], ratios=s["ratios"],
-        tasks=s["tasks"], lengths=s["lengths"], samples=s["samples"], scenario=s["scenario"], seed=args.seed,
-        haystack=args.haystack, needle_style=args.needle_style, max_new_tokens=args.max_new_tokens,
+    if s["more_samples"] and model is None:  # two runs: load the model once
+        model_name = kvcake.DEFAULT_MODEL
+        model, tokenizer = kvcake.load_model(model_name)
+    common = dict(
+        budgets=s["budgets"], ratios=s["ratios"], tasks=s["tasks"], lengths=s["lengths"], scenario=s["scenario"],
+        seed=args.seed, haystack=args.haystack, needle_style=args.needle_style, max_new_tokens=args.max_new_tokens,
         fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, window=args.window, out=s["out"],
         longbench_dir=args.longbench_dir, prefill=args.prefill, progress=not args.no_progress, command=command,
         compute=not args.report_only,
     )  # fmt: skip
+    result = run_eval(
+        model, tokenizer, model_name=model_name, methods=s["methods"], samples=s["samples"], **common
+    )
+    if s["more_samples"]:  # the suite's further samples of some methods (suites.py: more_samples)
+        result = _more_samples(result, model, tokenizer, model_name, s, common)
     print(result.table, flush=True)
     print(
         f"{result.new} new cells, {result.skipped} resumed, in {result.seconds / 60:.1f} min -> {result.path}; "
@@ -210,6 +217,27 @@ def _run(args: argparse.Namespace) -> int:
             doc.write_text(keep_sections(doc, page))
         print(f"wrote {doc}", flush=True)
     return 0
+
+
+def _more_samples(result, model, tokenizer, model_name, s: dict[str, object], common: dict):
+    """The first run's result with the cells of the suite's ``more_samples`` run added: its
+    methods at more samples per task and length, into the same results file."""
+    from kvcake.eval.records import cell_key
+    from kvcake.eval.report import summary_markdown, write_plots
+    from kvcake.eval.runner import run_eval
+
+    methods, samples = s["more_samples"]
+    more = run_eval(
+        model, tokenizer, model_name=model_name, methods=methods, samples=samples, report=False, **common
+    )
+    seen = {cell_key(r) for r in result.records}
+    result.records += [r for r in more.records if cell_key(r) not in seen]
+    result.new, result.skipped = result.new + more.new, result.skipped + more.skipped
+    result.missing += more.missing
+    result.seconds += more.seconds
+    result.table = summary_markdown(result.records, methods=list(s["methods"]))
+    result.plots = write_plots(result.records, result.path.with_suffix(""), methods=list(s["methods"]))
+    return result
 
 
 def _run_sweep(args: argparse.Namespace, s: dict[str, object], results: Path) -> None:

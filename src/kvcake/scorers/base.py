@@ -151,6 +151,11 @@ class Scorer:
         """Per query head scores (B, H, S); only prefix columns (before the window) matter."""
         raise NotImplementedError
 
+    @property
+    def scores_in_attention(self) -> bool:
+        """Whether :meth:`prompt_attention` computes the prompt's attention (and so the scores)."""
+        return False
+
     def prompt_attention(self, query, key, value, mask, key_valid, scaling):
         """The prompt's attention computed together with this scorer's inputs, or None.
 

@@ -39,6 +39,10 @@ class H2OScorer(Scorer):
             return inp.column_sums
         return accumulated_attention(inp, self.chunk)
 
+    @property
+    def scores_in_attention(self) -> bool:
+        return self.fused
+
     def prompt_attention(self, query, key, value, mask, key_valid, scaling):
         if not self.fused or not fusable_mask(mask, query.shape[2]):
             return None
