@@ -59,3 +59,25 @@ def test_gemma3_270m_hybrid_compression(gemma3):
     out = ctx.generate(torch.tensor([[tok.encode(" ", add_special_tokens=False)[0]]]), max_new_tokens=4,
                        do_sample=False)  # fmt: skip
     assert out.shape == (1, 4)
+
+
+def test_gemma3_270m_uses_its_shipped_calibration(gemma3, caplog):
+    """Both scenarios read Gemma-3-270M's own shipped temperatures (kvcake calibrate --model
+    gemma3-270m), not the family fallback, and nothing warns about a missing calibration."""
+    import logging
+
+    from kvcake.models import model_fingerprint
+    from kvcake.temperatures import find_calibration
+
+    model, tok = gemma3
+    cal, source = find_calibration(model_fingerprint(model))
+    assert source in ("shipped", "local") and not cal.shared
+    caplog.set_level(logging.WARNING)
+    ids = build_prompt(tok, _text(700), "Question: what is the secret code? Answer:").full
+    for entry, scenario in ((kvcake.compress, "context"), (kvcake.generate, "question")):
+        kw = {} if entry is kvcake.compress else {"max_new_tokens": 1, "do_sample": False}
+        result = entry(model, ids, "cake", ratio=0.25, **kw)
+        cache = result.cache if entry is kvcake.compress else result[1]
+        assert cache.tau.set_used == scenario and cache.tau.source == source
+        assert cache._tau == pytest.approx(cal.at(0.25 * ids.shape[1], scenario), rel=0.01)
+    assert not [r for r in caplog.records if "kvcake calibrate" in r.getMessage()]
