@@ -23,8 +23,8 @@ full cache's prefill (2k tokens, one round on a shared 2-core CPU: `kvcake bench
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | SmolLM2-135M | question-aware | `layer-defensivekv` | 0.25 | 70 (72) | 0.0053 | 23% | `defensivekv` 72, KL 0.0135 at 26%; `snapkv` 67, KL 0.089 at 3%; `h2o` KL 0.036 at 24% (its time at 4k: the scoring runs in the attention); `cake` 68, KL 0.062 at 8% |
 | SmolLM2-135M | context-only | `layer-defensivekv` | 0.5 | 53 (72) | 0.026 | 23% | `h2o` 42, KL 0.055 at 24% (time at 4k); `criticalkv` 42, KL 0.085 at 6%; `cake` 25, KL 0.248 |
-| Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100) | 0.0024 | - | `snapkv` KL 0.0027; `cake` 0.0054; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
-| Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 50, KL 0.479; `defensivekv` 0, KL 0.561; `layer-defensivekv` 0, KL 0.655 |
+| Gemma-3-270M | question-aware | `cake` (its own calibration) | 0.25 | 100 (100), 2 prompts | 0.0021 | - | `criticalkv` KL 0.0024; `snapkv` 0.0027; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
+| Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 50, KL 0.193; `defensivekv` 0, KL 0.561; `layer-defensivekv` 0, KL 0.655 |
 
 No method reaches the full cache's score context-only on the default model, even keeping half:
 `kvcake` keeps 0.5 of a document and 0.25 of a question-aware prompt by default for that reason.
@@ -168,10 +168,11 @@ GEMMA3_INTRO = (
 
 GEMMA3_NOTES = """\
 Written by hand from the runs of 2026-11-23 and 2026-11-25 (the tables above are regenerated from
-the results file by the command; these notes are not). The 2026-11-25 run added the DefensiveKV
-presets and reran the CAKE presets: their 2026-11-23 cells did not record the temperatures in force
-(`tau`, part of a cell's key since), so they were measured again with the fallback 2/3 and the
-tables show those.
+the results file by the command; these notes are not). The first 2026-11-25 run added the
+DefensiveKV presets and reran the CAKE presets: their 2026-11-23 cells did not record the
+temperatures in force (`tau`, part of a cell's key since), so they were measured again with the
+fallback 2/3. The last one reran the CAKE presets with Gemma's shipped calibration: the tables show
+those.
 
 - **One KV head per layer leaves Ada-KV nothing to redistribute**: `adakv` equals `snapkv`,
   `critical-adakv` equals `criticalkv` and `cake-adakv` equals `cake` in every table above, to the
@@ -185,10 +186,15 @@ tables show those.
   `streamingllm` and `h2o` answer both prompts and `criticalkv`, `critical-adakv` and the three
   CAKE presets one of two; `h2o` answers one at 0.1 and 0.25, `streamingllm` one at 0.25; every
   other cell none. With one sample per task these scores are anecdotes, not a ranking.
-- CAKE's temperatures for this family are the flat fallback (tau1=2, tau2=3: no Gemma calibration
-  ships) and its allocation has only 3 layers to share. Question-aware its KL is SnapKV's at 0.1
-  (0.024 both) and above it at 0.25 and 0.5 (0.0054 vs 0.0027, 0.0007 vs 0.0005); context-only it
-  is below SnapKV's at every ratio (0.647 / 0.575 / 0.479 vs 0.649 / 0.583 / 0.548).
+- **CAKE with Gemma's own calibration** (shipped since the third run of 2026-11-25, `kvcake
+  calibrate --model gemma3-270m`; the cells of the fallback 2/3 stay in the results file under their
+  `tau` label). Its allocation has only the 3 global layers to share. Question-aware its KL is the
+  lowest of the SnapKV family at 0.1 and 0.25 (0.0169 and 0.0021 against SnapKV's 0.0242 and
+  0.0027; `criticalkv` 0.0189 / 0.0024) and SnapKV's at 0.5 (0.0006 vs 0.0005); with the fallback it
+  was 0.024 / 0.0054 / 0.0007. Context-only it is below SnapKV at every ratio (0.644 / 0.566 / 0.193
+  against 0.649 / 0.583 / 0.548; with the fallback 0.647 / 0.575 / 0.479), behind only `h2o`
+  (0.244 / 0.206 / 0.043) and, at 0.5, `criticalkv` (0.168). Two prompts per cell: anecdotes for
+  the scores, a first look for the KL.
 - **DefensiveKV does not carry over to this model**: `defensivekv` has the lowest question-aware
   KL at ratio 0.1 (0.011) but is above SnapKV at 0.25 and 0.5, and `layer-defensivekv` (kvcake's
   default method, best on SmolLM2) is above SnapKV at 0.25 and 0.5 (0.0104, 0.0077) and has the
