@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate docs/results.md and its figures (docs/figures/eval_results_*.png, with the per-cell
 # results in docs/figures/eval_results.jsonl) with one command:
-#   scripts/eval_results.sh                 # the full suite (about an hour on 2 idle CPU cores)
+#   scripts/eval_results.sh                 # the full suite (every preset at 2 samples, then issue 24's six methods at 6: about two hours on one core)
 #   scripts/eval_results.sh --threads 1     # on a machine whose cores other work shares
 # The run is resumable: cells already in the JSONL are skipped, so rerunning after an
 # interruption (or after deleting some lines) only computes what is missing, then rewrites the
