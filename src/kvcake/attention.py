@@ -121,10 +121,11 @@ def _make_attention(inner_name: str):
                 out = inner(
                     module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
                 )
-                cache.after_prefill_attention(layer_idx, module, query, valid, scaling)
-                return out
-            cache.after_prefill_attention(layer_idx, module, query, valid, scaling, column_sums=fused[1])
-            return fused[0], None
+                sums = None
+            else:
+                out, sums = (fused[0], None), fused[1]
+            cache.after_prefill_attention(layer_idx, module, query, valid, scaling, column_sums=sums)
+            return out
         want = cache.wants_probs(layer_idx, q)
         if layer.plain and not want:
             return inner(
