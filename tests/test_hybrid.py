@@ -177,3 +177,19 @@ def test_a_qwen2_hybrid_compresses_its_full_layers_only():
     cache, _ = prefill(model, ids, make_method("snapkv", budget=20, window=8))
     assert cache.compressed == (0,) and cache.layer_counts().shape == (1, 1, 2)
     assert int(cache.layer_counts().max()) == 20 and cache.layers[1].keys.shape[2] == 15
+
+
+def test_layer_windows_reads_the_one_dict_of_older_transformers(monkeypatch):
+    """transformers before the per-layer form (5.17 was seen on a GPU machine) returns one kwargs
+    dict for every layer; each layer's window is read from it as from the per-layer list."""
+    import kvcake.adapters as adapters
+
+    config = Gemma3TextConfig(num_hidden_layers=3, sliding_window=8, max_position_embeddings=1024,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+    per_layer = layer_windows(config, "gemma3_text")
+    monkeypatch.setattr(
+        adapters, "get_layer_types_and_kwargs", lambda text: (list(text.layer_types), {"sliding_window": 8})
+    )
+    assert layer_windows(config, "gemma3_text") == per_layer == (8, None, 8)
+    monkeypatch.setattr(adapters, "get_layer_types_and_kwargs", lambda text: (["full_attention"] * 3, {}))
+    assert layer_windows(config, "gemma3_text") == ()

@@ -103,6 +103,8 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
     Raises ``ValueError`` for chunked, linear or other layer types, and for a model whose every
     layer slides: its cache is already bounded and there is nothing to compress."""
     types, kwargs = (get_layer_types_and_kwargs or _config_layer_types)(text)
+    if isinstance(kwargs, dict):  # transformers before 5.2x (5.17 seen): one dict for every layer
+        kwargs = [kwargs] * len(types)
     max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
     windows: list[int | None] = []
     for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
