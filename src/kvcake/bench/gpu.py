@@ -112,13 +112,18 @@ class _Runner:
     def step_fn(self):
         return greedy_step(self.model)
 
-    def decode(self, step, cache, start: int) -> tuple[float, int]:
+    def decode(self, step, cache, start: int, compiled: bool = False) -> tuple[float, int]:
         """(median seconds per step, next position) of warm-up + timed greedy steps from ``start``."""
         tok = self.ids[:, -1:]
         times = []
+        graphs = compiled and self.device.type == "cuda"  # "reduce-overhead": CUDA graphs
         for i in range(WARMUP_STEPS + self.settings.steps):
             pos = torch.full((1, 1), start + i, dtype=torch.long, device=self.device)
-            t, tok = self.clock.time(lambda p=pos, x=tok: step(x, p, cache))
+            if graphs:  # a new step: the graphs may overwrite the outputs of the last one
+                torch.compiler.cudagraph_mark_step_begin()
+            # the token is cloned: a CUDA graph's output lives in memory its next replay overwrites,
+            # and it is the next step's input (the H200 run of 2026-11-26 failed on exactly that)
+            t, tok = self.clock.time(lambda p=pos, x=tok: step(x, p, cache).clone())
             if i >= WARMUP_STEPS:
                 times.append(t)
         return median(times), start + WARMUP_STEPS + self.settings.steps
@@ -146,9 +151,11 @@ class _Runner:
             compiled_s: float | str = self.compiled_step(name, cache)
             if not isinstance(compiled_s, str):
                 try:
-                    compiled_s, _ = self.decode(compiled_s, cache, pos)
+                    compiled_s, _ = self.decode(compiled_s, cache, pos, compiled=True)
                 except Exception as err:  # noqa: BLE001 - any tracing/compile failure is a row entry, not a crash
-                    logger.warning("compiled decode of %s failed: %s", name, " ".join(str(err).split())[:300])
+                    # the whole traceback: a GPU run is rare, and a bare "AssertionError" says nothing
+                    logger.warning("compiled decode of %s failed: %s", name, " ".join(str(err).split())[:300],
+                                   exc_info=True)  # fmt: skip
                     compiled_s = self.compiled[name] = f"n/a (compile failed: {type(err).__name__})"
         return dict(prefill_s=prefill_s, peak_bytes=max(mem.peak - mem.base, 0), kv_bytes=kv,
                     eager_s=eager_s, compiled_s=compiled_s)  # fmt: skip
