@@ -19,8 +19,11 @@ from kvcake.varlen import choose_route, varlen_attention, varlen_reference
 CUDA = torch.device("cuda")
 
 
-def fake_kernel(calls: list, *, torch_api: bool):
-    """A loop over sequences with one KV head (what kvcake passes), recording each call."""
+def fake_kernel(calls: list, *, torch_api: bool, release: str = "2.13"):
+    """A loop over sequences with one KV head (what kvcake passes), recording each call. ``release``:
+    the signature of that torch's ``varlen_attn`` (2.11: no ``enable_gqa``, no ``seqused_k``, GQA
+    done by its flash kernel unasked; 2.13: both, and differing head counts refused without
+    ``enable_gqa=True``), so a keyword a release lacks fails here as it fails there."""
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, causal_flag, scale, seqused=None):
         assert q.dtype == k.dtype and cu_q.dtype == cu_k.dtype == torch.int32 and k.shape[1] == 1
@@ -40,10 +43,23 @@ def fake_kernel(calls: list, *, torch_api: bool):
         calls.append(dict(max_q=max_q, max_k=max_k, causal=causal_flag, seqused=seqused is not None))
         return out
 
+    if torch_api and release == "2.11":
+
+        def varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+        ):
+            assert window_size in ((-1, 0), (-1, -1))
+            return kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal_flag=window_size == (-1, 0), scale=scale)
+
+        return varlen_attn
+
     if torch_api:
 
-        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k=None):
-            assert enable_gqa and window_size in ((-1, 0), (-1, -1))
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                        enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
+            if not enable_gqa and q.shape[1] != k.shape[1]:
+                raise ValueError("Expect query and key/value to have the same number of heads")
+            assert window_size in ((-1, 0), (-1, -1))
             return kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal_flag=window_size == (-1, 0), scale=scale,
                           seqused=seqused_k)  # fmt: skip
 
@@ -62,9 +78,11 @@ def installed(monkeypatch):
     """``installed(torch_varlen=bool, flash=bool)``: which kernels this process has, faked; returns the calls."""
     calls: list = []
 
-    def set_(torch_varlen: bool, flash: bool) -> list:
+    def set_(torch_varlen: bool, flash: bool, release: str = "2.13") -> list:
         monkeypatch.setattr(
-            varlen, "_torch_varlen", lambda: fake_kernel(calls, torch_api=True) if torch_varlen else None
+            varlen,
+            "_torch_varlen",
+            lambda: fake_kernel(calls, torch_api=True, release=release) if torch_varlen else None,
         )
         monkeypatch.setattr(
             varlen, "_flash_varlen", lambda: fake_kernel(calls, torch_api=False) if flash else None
@@ -94,6 +112,13 @@ def test_flash_cannot_skip_unused_slots(installed):
     assert choose_route(CUDA, torch.bfloat16, seqused=True) == "reference"
     installed(True, True)
     assert choose_route(CUDA, torch.bfloat16, seqused=True) == "torch-varlen"
+    installed(True, True, release="2.11")  # torch 2.11's varlen_attn has no seqused_k
+    assert choose_route(CUDA, torch.bfloat16, seqused=True) == "reference"
+    assert choose_route(CUDA, torch.bfloat16) == "torch-varlen"
+    query, keys, values, meta = _case(lengths=(12, 12, 12, 12), q=1)
+    with pytest.raises(ValueError, match="cannot skip unused slots"):
+        varlen_attention(query, keys, values, meta.offsets, 12, 0.25, seqused=torch.tensor([5, 12, 7, 3]),
+                         route="torch-varlen")  # fmt: skip
 
 
 def _case(b=2, h=6, hkv=2, lengths=(9, 40, 5, 33), q=1, d=16, seed=0, dtype=torch.float32):
@@ -105,11 +130,13 @@ def _case(b=2, h=6, hkv=2, lengths=(9, 40, 5, 33), q=1, d=16, seed=0, dtype=torc
     return query, keys, values, RaggedMeta.from_lengths(lengths)
 
 
-@pytest.mark.parametrize("route", ["torch-varlen", "flash-attn"])
+@pytest.mark.parametrize("route", ["torch-varlen", "torch-varlen 2.11", "flash-attn"])
 @pytest.mark.parametrize("q", [1, 4])
 def test_kernel_routes_equal_the_reference(installed, route, q):
-    """What kvcake hands each kernel gives the reference's answer (GQA 3, skewed segments, q rows)."""
-    calls = installed(True, True)
+    """What kvcake hands each kernel gives the reference's answer (GQA 3, skewed segments, q rows),
+    with the keywords each torch release's ``varlen_attn`` takes (2.11's: no ``enable_gqa``)."""
+    route, _, release = route.partition(" ")
+    calls = installed(True, True, release=release or "2.13")
     query, keys, values, meta = _case(q=q, lengths=(9, 40, 5, 33))
     out = varlen_attention(query, keys, values, meta.offsets, meta.max_len, 0.25, route=route)
     ref = varlen_reference(query, keys, values, meta.offsets, 0.25)
@@ -163,3 +190,28 @@ def test_bad_route_and_layout():
         varlen_attention(query, keys, values, meta.offsets, meta.max_len, 0.25, route="cudnn")
     with pytest.raises(ValueError, match="segments do not split"):
         varlen_attention(query, keys, values, meta.offsets[:-1], meta.max_len, 0.25)
+
+
+@pytest.mark.parametrize("release", ["2.11", "2.13"])
+def test_the_kernel_call_traces_whole(monkeypatch, release):
+    """The compiled decode step calls the kernel route inside its graph: choosing the keywords a
+    release's ``varlen_attn`` takes (``inspect.signature``) must not break it (fullgraph=True)."""
+
+    def v211(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        return q * scale + 0 * k.sum()
+
+    def v213(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+             enable_gqa=False, seqused_k=None):  # fmt: skip
+        assert enable_gqa
+        return q * scale + 0 * k.sum() + 0 * (0 if seqused_k is None else seqused_k.sum())
+
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: v211 if release == "2.11" else v213)
+    query, keys, values, meta = _case(lengths=(12, 12, 12, 12), q=1)
+    used = None if release == "2.11" else torch.tensor([5, 12, 7, 3])
+
+    def call(q, k, v):
+        return varlen_attention(q, k, v, meta.offsets, 12, 0.25, seqused=used, route="torch-varlen")
+
+    torch._dynamo.reset()
+    out = torch.compile(call, fullgraph=True, backend="eager")(query, keys, values)
+    torch.testing.assert_close(out, call(query, keys, values))

@@ -48,10 +48,17 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+def _torch_varlen_takes(name: str) -> bool:
+    """Whether this torch's ``varlen_attn`` takes the keyword ``name``: torch 2.11's takes neither
+    ``enable_gqa`` nor ``seqused_k`` (its flash kernel does GQA without being asked), later ones
+    take both and refuse differing head counts without ``enable_gqa=True``."""
+    kernel = _torch_varlen()
+    return kernel is not None and name in inspect.signature(kernel).parameters
+
+
 def _torch_varlen_seqused() -> bool:
     """Whether this torch's ``varlen_attn`` takes ``seqused_k`` (not every release with the kernel does)."""
-    kernel = _torch_varlen()
-    return kernel is not None and "seqused_k" in inspect.signature(kernel).parameters
+    return _torch_varlen_takes("seqused_k")
 
 
 def choose_route(device: torch.device, dtype: torch.dtype, *, seqused: bool = False) -> str:
@@ -103,10 +110,19 @@ def varlen_attention(
     cu_q = torch.arange(0, (n_seg + 1) * q, q, dtype=torch.int32, device=query.device)
     cu_k = cu_seqlens.to(device=query.device, dtype=torch.int32)
     if route == "torch-varlen":
+        extra = {}  # only the keywords this release takes (torch 2.11's takes neither)
+        if _torch_varlen_takes("enable_gqa"):
+            extra["enable_gqa"] = True
+        if seqused is not None:
+            if not _torch_varlen_seqused():
+                raise ValueError(
+                    f"this torch's ({torch.__version__}) varlen_attn cannot skip unused slots (no seqused_k): "
+                    "use the reference route (varlen.choose_route(..., seqused=True) picks it)"
+                )
+            extra["seqused_k"] = seqused.to(device=query.device, dtype=torch.int32)
         out = _torch_varlen()(
             qs, keys[:, None, :], values[:, None, :], cu_q, cu_k, q, max_len, scale=scaling,
-            window_size=(-1, 0) if q > 1 else (-1, -1), enable_gqa=True,
-            seqused_k=None if seqused is None else seqused.to(device=query.device, dtype=torch.int32),
+            window_size=(-1, 0) if q > 1 else (-1, -1), **extra,
         )  # fmt: skip
     else:
         if seqused is not None:
