@@ -48,7 +48,7 @@ test-fast: setup
 # KVCAKE_TEST_DEVICE=cpu runs the same tests on the CPU (the CUDA-memory ones skip).
 PY ?=
 test-cuda: $(if $(PY),,setup)
-	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m pytest -q -rs -m cuda tests/cuda
+	PYTHONPATH=src $(or $(PY),$(BIN)/python) -m pytest -q -rfEs --tb=short --durations=10 -m cuda tests/cuda
 
 # The GPU page (docs/benchmarks-gpu.md): every preset and the full cache at its best on a random
 # Llama-3.1-8B-shaped model at 8k/32k/128k tokens, budget 1024 (kvcake.bench.gpu), on a machine

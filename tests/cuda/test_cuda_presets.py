@@ -49,6 +49,12 @@ def test_preset_prefills_and_generates(on_device, name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_budget_covering_prompt_is_bit_identical(on_device, name, dtype):
+    """Eager decoding (``compile=False``): on CUDA transformers' generate compiles a static cache's
+    decode step by itself (its auto-compile), while the full cache's reference decodes eagerly, and
+    compiled kernels round differently (fused norms), which flips near-tied greedy tokens of a
+    random model in bfloat16. All 13 presets but h2o failed here in bfloat16 on an H200
+    (2026-11-26), float32 passed; the log was cut before the messages, so this cause is the likely
+    one, not a confirmed one. Compiled against eager is compared in tests/test_compile.py."""
     model = on_device(dtype)
     prompt = ids(90, seed=2)
     with torch.no_grad():
@@ -57,11 +63,11 @@ def test_budget_covering_prompt_is_bit_identical(on_device, name, dtype):
     cache = KVCakeCache(model, make_method(name, budget=90, window=8))
     with kvcake.enable(model), torch.no_grad():
         logits = model(prompt, **with_cache(model, cache)).logits
-    assert torch.equal(logits, full_logits)
+    assert torch.equal(logits, full_logits), "the prompt's logits differ from the full cache's"
     out, cache = kvcake.generate(
-        model, prompt, name, budget=200, window=8, max_new_tokens=10, do_sample=False
+        model, prompt, name, budget=200, window=8, max_new_tokens=10, do_sample=False, compile=False
     )
-    assert torch.equal(out, full_out)
+    assert torch.equal(out, full_out), "greedy tokens differ from the full cache's (eager decoding)"
     assert all(layer.plain for layer in cache.layers)
 
 
