@@ -98,8 +98,9 @@ def test_compiled_column(monkeypatch, outcome):
             assert rows[name] == "n/a (compile failed: RuntimeError)"
 
 
-def _row(length, cache, prefill_ratio=1.0, eager_ms=10.0, peak_mib=100.0):
-    return dict(length=length, cache=cache, prefill_ratio=prefill_ratio, eager_ms=eager_ms, peak_mib=peak_mib)
+def _row(length, cache, prefill_ratio=1.0, eager_ms=10.0, peak_mib=100.0, compiled_ms="n/a (--no-compile)"):
+    return dict(length=length, cache=cache, prefill_ratio=prefill_ratio, eager_ms=eager_ms, peak_mib=peak_mib,
+                compiled_ms=compiled_ms)  # fmt: skip
 
 
 def test_targets_arithmetic():
@@ -111,11 +112,23 @@ def test_targets_arithmetic():
     result = dict(settings=dict(methods=["snapkv", "adakv", "cake-oneshot"]), rows=rows)
     checks = targets(result)
     got = {(c["target"], c["length"], c["cache"]): c["ok"] for c in checks}
-    assert got["prefill <= 1.10 x full", 8192, "snapkv"] and not got["prefill <= 1.10 x full", 8192, "adakv"]
+    assert (
+        got["prefill <= 1.10 x full", 32768, "snapkv"] and not got["prefill <= 1.10 x full", 32768, "adakv"]
+    )
+    assert ("prefill <= 1.10 x full", 8192, "snapkv") not in got  # the prefill target: 32k and 128k
     assert not got["eager decode <= 1.2 x snapkv's", 8192, "adakv"]  # 13 / 10: snapkv holds the same bytes
     assert got["eager decode at 8k <= at 32k", 8192, FULL_DYNAMIC]  # 10 ms at 8k, 12 at 32k
     assert got["eager decode at 8k <= at 32k", 8192, "snapkv"]  # 10 and 10
     assert ("eager decode at 8k <= at 32k", 32768, "snapkv") not in got
+    # where both rows have a compiled step, the decode targets compare those
+    rows = [_row(n, m, eager_ms=10.0, compiled_ms=c) for n in (8192, 32768)
+            for m, c in (("snapkv", 4.0), ("adakv", 4.4 if n == 8192 else 5.0))]  # fmt: skip
+    got = {
+        (c["target"], c["length"], c["cache"]): c["value"]
+        for c in targets(dict(settings=dict(methods=["snapkv", "adakv"]), rows=rows))
+    }
+    assert got["compiled decode <= 1.2 x snapkv's", 8192, "adakv"] == pytest.approx(1.1)
+    assert got["compiled decode at 8k <= at 32k", 8192, "adakv"] == pytest.approx(0.88)
     mem = [c for c in checks if c["target"].startswith("prefill peak")]
     assert {c["cache"]: c["ok"] for c in mem} == {
         "snapkv": True,
@@ -149,4 +162,5 @@ def test_a_cache_out_of_memory_is_a_row_entry(monkeypatch):
     rows = {r["cache"]: r for r in result["rows"]}
     assert rows["h2o"]["prefill_s"] == "OOM" and isinstance(rows["snapkv"]["prefill_s"], float)
     assert "| 64 | h2o | OOM | OOM |" in gpu.gpu_table(result)
+    monkeypatch.setattr(gpu, "PREFILL_LENGTHS", (64,))  # the tiny run's length as a target length
     assert {c["cache"] for c in targets(result)} == {"snapkv"}

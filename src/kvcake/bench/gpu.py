@@ -259,6 +259,7 @@ PREFILL_RATIO = 1.10  # every preset's prefill within 10% of the full cache's
 ADA_RATIO = 1.20  # an Ada-KV preset decodes within 20% of the dense preset of the same bytes
 MEMORY_RATIO = 0.55  # peak prefill memory at 32k, for the methods that evict as the layers go
 MEMORY_LENGTH = 32768
+PREFILL_LENGTHS = (32768, 131072)  # the prefill target's lengths (8k is in the table, not a target)
 ADA_PAIRS = {
     "adakv": "snapkv",
     "ada-pyramidkv": "pyramidkv",
@@ -268,6 +269,14 @@ ADA_PAIRS = {
 HOLDS_WHOLE_PROMPT = (
     "cake-oneshot",
 )  # allocates after the last layer: holds every layer's prompt until then
+
+
+def _decode_pair(a: dict, b: dict) -> tuple[str, float, float]:
+    """The decode times two rows are compared by: the compiled step where both have one (what a
+    server runs; an eager step of an 8B model is mostly kernel launches), else the eager step."""
+    if not isinstance(a["compiled_ms"], str) and not isinstance(b["compiled_ms"], str):
+        return "compiled", a["compiled_ms"], b["compiled_ms"]
+    return "eager", a["eager_ms"], b["eager_ms"]
 
 
 def targets(result: dict) -> list[dict]:
@@ -281,24 +290,23 @@ def targets(result: dict) -> list[dict]:
     out = []
     for n in lengths:
         for m in methods:
-            if (n, m) not in at or (n, FULL_DYNAMIC) not in at:
+            if n not in PREFILL_LENGTHS or (n, m) not in at or (n, FULL_DYNAMIC) not in at:
                 continue
             v = at[n, m]["prefill_ratio"]
             out.append(dict(target=f"prefill <= {PREFILL_RATIO:.2f} x full", length=n, cache=m, value=v,
                             ok=v <= PREFILL_RATIO))  # fmt: skip
         for ada, dense in ADA_PAIRS.items():
             if (n, ada) in at and (n, dense) in at:
-                v = at[n, ada]["eager_ms"] / at[n, dense]["eager_ms"]
-                out.append(dict(target=f"eager decode <= {ADA_RATIO:.1f} x {dense}'s", length=n, cache=ada, value=v,
-                                ok=v <= ADA_RATIO))  # fmt: skip
+                kind, a, b = _decode_pair(at[n, ada], at[n, dense])
+                out.append(dict(target=f"{kind} decode <= {ADA_RATIO:.1f} x {dense}'s", length=n, cache=ada,
+                                value=a / b, ok=a / b <= ADA_RATIO))  # fmt: skip
     if 8192 in lengths and 32768 in lengths:
         for m in (FULL_DYNAMIC, FULL_STATIC, *methods):
             if (8192, m) not in at or (32768, m) not in at:
                 continue
-            v = at[8192, m]["eager_ms"] / at[32768, m]["eager_ms"]
-            out.append(
-                dict(target="eager decode at 8k <= at 32k", length=8192, cache=m, value=v, ok=v <= 1.0)
-            )
+            kind, a, b = _decode_pair(at[8192, m], at[32768, m])
+            out.append(dict(target=f"{kind} decode at 8k <= at 32k", length=8192, cache=m, value=a / b,
+                            ok=a / b <= 1.0))  # fmt: skip
     if (MEMORY_LENGTH, FULL_DYNAMIC) in at:
         full = at[MEMORY_LENGTH, FULL_DYNAMIC]["peak_mib"]
         for m in methods:
