@@ -22,6 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .ragged import RaggedMeta, ragged_attention
 from .step import GROWTH, LAYOUTS
+from .step.common import mark_static
 
 
 class KVCakeLayer(CacheLayerMixin):
@@ -168,6 +169,7 @@ class KVCakeLayer(CacheLayerMixin):
         if budget is not None and max_len is not None:
             budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
         self.step.to_static(self, budget, room)
+        mark_static(self)
 
     @property
     def step(self):

@@ -65,6 +65,22 @@ def finish(layer, budget: np.ndarray | None) -> None:
     layer.under = torch.tensor(budget - layer.counts, device=layer.keys.device).reshape(*budget.shape, 1)
 
 
+def mark_static(layer) -> None:
+    """Mark every tensor of a layer in static storage as a static address
+    (``torch._dynamo.mark_static_address``), as transformers' StaticCache marks its buffers: a
+    compiled step under CUDA graphs (``mode="reduce-overhead"``) then reads and writes them where
+    they are, instead of copying each one into the graph's own input memory at every replay or
+    skipping the graphs for inputs it mutates. The steps update these tensors in place (never
+    ``layer.x = new``), so the addresses hold from one step to the next. Not while tracing
+    (dynamo refuses it there); a layer laid out inside a compiled step is marked at its next
+    eager lay-out."""
+    if torch.compiler.is_compiling():
+        return
+    for value in vars(layer).values():
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.mark_static_address(value)
+
+
 def bias(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Positions (..., N) -> additive mask (..., 1, N): 0 on a stored entry, -inf on an empty slot."""
     zero = torch.zeros((), dtype=dtype, device=positions.device)
@@ -159,15 +175,20 @@ def rank(
     return Ranked(scores, pos_s, order)
 
 
-def in_held_order(ranked: Ranked) -> torch.Tensor:
-    """The scores (B, H_kv, N) in the columns the entries are held in (a stateful scorer's new sums)."""
+def in_held_order(ranked: Ranked, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores (B, H_kv, N) in the columns the entries are held in (a stateful scorer's new
+    sums), written into ``out`` where given (the layer's own tensor: ``mark_static``)."""
     if ranked.order is None:
-        return ranked.scores
-    return torch.empty_like(ranked.scores).scatter_(-1, ranked.order, ranked.scores)
+        return ranked.scores if out is None else out.copy_(ranked.scores)
+    out = torch.empty_like(ranked.scores) if out is None else out
+    return out.scatter_(-1, ranked.order, ranked.scores)
 
 
-def choose_victim(layer, ranked: Ranked, pos: torch.Tensor, window: int, empty_slots: bool) -> torch.Tensor:
-    """The column (B, H_kv, 1) of ``pos`` (B, H_kv, N) each head frees this step.
+def choose_victim(
+    layer, ranked: Ranked, pos: torch.Tensor, window: int, empty_slots: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The column (B, H_kv, 1) of ``pos`` (B, H_kv, N) each head frees this step, written into
+    ``out`` where given (the layer's own ``free``: ``mark_static``).
 
     The newest ``window`` positions are protected, and so are empty slots where the view may
     hold some (``empty_slots``); the victim is the lowest score, the latest position among ties
@@ -181,13 +202,15 @@ def choose_victim(layer, ranked: Ranked, pos: torch.Tensor, window: int, empty_s
     else:
         protected = pos_s > floor
     scores = ranked.scores.masked_fill(protected, float("inf"))
+    last = out if layer.full else None  # the last op writes into out
     if ranked.order is not None:  # newest first: the first minimum is the latest of the ties
-        victim = ranked.order.gather(-1, scores.argmin(-1, keepdim=True))
+        victim = torch.gather(ranked.order, -1, scores.argmin(-1, keepdim=True), out=last)
     else:
         low = scores.amin(-1, keepdim=True)
-        victim = pos.masked_fill(scores != low, -1).argmax(-1, keepdim=True)  # latest of the ties
+        # the latest of the ties
+        victim = torch.argmax(pos.masked_fill(scores != low, -1), -1, keepdim=True, out=last)
     if not layer.full:  # a head under its budget takes its first empty slot instead
-        victim = torch.where(layer.under > 0, pos.argmin(-1, keepdim=True), victim)
+        victim = torch.where(layer.under > 0, pos.argmin(-1, keepdim=True), victim, out=out)
         layer.under.sub_(1)
     layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
     return victim

@@ -32,6 +32,7 @@ from .common import (
     fused_attention,
     in_held_order,
     in_position_order,
+    mark_static,
     prepare,
     rank,
 )
@@ -105,13 +106,13 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
     (``common.choose_victim``) becomes the head's ``free`` slot, where the next token is written:
     nothing is moved."""
     ranked = rank(scorer, probs, layer.positions, layer.scores if scorer.stateful else None, across)
-    if scorer.stateful:  # keep the new sums
-        layer.scores = in_held_order(ranked)
-    free = choose_victim(layer, ranked, layer.positions, window, empty_slots=not layer.full)  # (B, H_kv, 1)
+    if scorer.stateful:  # keep the new sums, in place (common.mark_static)
+        in_held_order(ranked, out=layer.scores)
+    # the victims (B, H_kv, 1), into the layer's own free (common.mark_static)
+    free = choose_victim(layer, ranked, layer.positions, window, empty_slots=not layer.full, out=layer.free)
     layer.positions.scatter_(2, free, -1)  # an under-budget head's empty slot stays empty
     if scorer.stateful:
         layer.scores.scatter_(2, free, 0.0)  # the next token's sum starts at 0
-    layer.free = free
 
 
 def to_dynamic(layer) -> None:
@@ -133,3 +134,4 @@ def grow(layer) -> None:
             out = filled(t, t.shape[dim] + GROWTH, fill, dim)
             out.narrow(dim, 0, t.shape[dim]).copy_(t)
             setattr(layer, name, out)
+    mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)

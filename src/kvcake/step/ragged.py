@@ -42,6 +42,7 @@ from .common import (
     fused_attention,
     in_held_order,
     in_position_order,
+    mark_static,
     prepare,
     rank,
 )
@@ -108,11 +109,7 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write the new token's entry in place: one write per stored tensor, and the mask's slot
     opened. k, v: (B, H_kv, 1, d), written at (B, H_kv, 1) flat slots."""
     advance(layer, grow)
-    if layer.static == "none":
-        at = layer.next
-        layer.next = at + 1
-    else:
-        at = layer.free
+    at = layer.next if layer.static == "none" else layer.free
     if layer.varlen_route != "reference":
         layer.seq_used.add_(1)
     if layer.bias is not None:
@@ -120,6 +117,8 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     layer.keys.index_put_((at,), k)
     layer.values.index_put_((at,), v)
     layer.positions.index_put_((at,), layer.newest)
+    if layer.static == "none":  # in place, after the writes that read it (common.mark_static)
+        layer.next.add_(1)
 
 
 def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
@@ -158,13 +157,12 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
     if scorer.stateful:  # keep the new sums (the padding's duplicates all land on the dummy slot)
         layer.scores.index_put_((layer.pad_heads,), in_held_order(ranked))
     victim = choose_victim(layer, ranked, pos, window, empty_slots=True)  # (B, H_kv, 1) columns
-    free = layer.pad_heads.gather(-1, victim)  # (B, H_kv, 1) flat slots
+    free = torch.gather(layer.pad_heads, -1, victim, out=layer.free)  # (B, H_kv, 1) flat slots, in place
     layer.positions.index_put_((free,), layer.empty)
     if scorer.stateful:  # the next token's sum starts at 0
         layer.scores.index_put_((free,), layer.zero.to(layer.scores.dtype))
     if layer.varlen_route != "reference":  # an evicting head's victim slot is free again
         torch.minimum(layer.seq_used, layer.seq_room, out=layer.seq_used)
-    layer.free = free
 
 
 def to_dynamic(layer) -> None:
@@ -182,3 +180,4 @@ def grow(layer) -> None:
     more slots per segment (amortised)."""
     layer.static = None
     to_static(layer, None)
+    mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
