@@ -27,6 +27,19 @@ class PromptIds:
         return torch.cat([self.context, self.question], dim=1)
 
 
+def chat_frame(tokenizer) -> tuple[str, str] | None:
+    """(text before, text after) a user turn's content in the tokenizer's chat template, with the
+    assistant turn opened after it, as :func:`build_prompt` lays a chat prompt out; None for a
+    tokenizer without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
+    )
+    head, tail = text.split(_MARK)
+    return head, tail
+
+
 def build_prompt(
     tokenizer, context: str, question: str, answer_prefix: str = "", chat: bool | None = None
 ) -> PromptIds:

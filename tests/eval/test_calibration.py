@@ -17,7 +17,7 @@ import kvcake
 from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.samples import FORMS, build_texts, reference, span
+from kvcake.calibration.samples import FORMS, PLAIN_ANSWER, build_texts, reference, span
 from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
 from kvcake.eval.tasks import TASKS, make_samples
 from kvcake.haystack import NoiseHaystack
@@ -222,12 +222,36 @@ def test_question_samples_end_with_the_question_for_a_number_or_a_key():
         form = tuple(FORMS)[seed % 2]
         seen.add(form)
         _, ask, prefix = FORMS[form]
-        tail = tok(ask + prefix, add_special_tokens=False)["input_ids"]
+        tail = tok(ask + PLAIN_ANSWER + prefix, add_special_tokens=False)["input_ids"]
         assert len(prompt) == 120 and prompt[-len(tail) :] == tail  # the question closes the prompt
         value = tok.decode(scored).split(" .")[0].replace(" - ", "-").strip()
         assert re.fullmatch(r"\d{7}" if form == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}", value), value
         assert value in tok.decode(prompt).replace(" - ", "-")  # the fact is in the compressed prompt
     assert seen == set(FORMS)
+
+
+class ChatWordTokenizer(WordTokenizer):
+    """The word tokenizer with a chat template: a user turn and an opened assistant turn."""
+
+    chat_template = "user ... assistant"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        assert not tokenize and add_generation_prompt and [m["role"] for m in messages] == ["user"]
+        return "<|system|> be brief <|user|> " + messages[0]["content"] + " <|end|> <|assistant|> "
+
+
+def test_question_samples_are_laid_out_like_a_users_chat_prompt():
+    """With a chat template the question sample is framed as ``kvcake.build_prompt`` frames an
+    evaluation prompt (``kvcake.prompts.chat_frame``): the turn's head first, then passage and
+    question, the turn change and the answer prefix last; still ``length`` tokens."""
+    tok = ChatWordTokenizer()
+    for seed in range(2):
+        prompt, scored = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
+        _, ask, prefix = FORMS[tuple(FORMS)[seed % 2]]
+        head = tok("<|system|> be brief <|user|> ", add_special_tokens=False)["input_ids"]
+        tail = tok(ask + " <|end|> <|assistant|> " + prefix, add_special_tokens=False)["input_ids"]
+        assert len(prompt) == 120 and prompt[: len(head)] == head and prompt[-len(tail) :] == tail
+        assert "Answer" not in tok.decode(prompt)  # the assistant turn holds the prefix alone
 
 
 def test_calibration_prompts_are_never_evaluation_prompts():

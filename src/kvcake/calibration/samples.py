@@ -9,6 +9,11 @@ Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENA
   (question-aware); the answer is teacher-forced. The span alternates between the
   :data:`FORMS`: a 7-digit number and an alphanumeric key (``QX-4827-LM``), fragile spans that
   eviction must keep whole, so a loss on continuations alone cannot buy fidelity by dropping them.
+  With a tokenizer that has a chat template the prompt is laid out as ``kvcake.build_prompt``
+  lays out a user's (and the evaluation's) question: passage and question in the user turn, the
+  assistant turn opened and started with the answer's prefix, so the window CAKE and SnapKV
+  score from ends in the tokens it ends in when a user asks; without one, ``Answer:`` and the
+  prefix follow the question.
 
 Held out from the evaluation suite (``kvcake.eval``, checked by ``tests/eval/test_calibration.py``):
 the facts and questions are worded in words its tasks never use (no "special magic", no
@@ -31,6 +36,7 @@ from transformers import DynamicCache
 
 from kvcake.adapters import with_cache
 from kvcake.haystack import Haystack
+from kvcake.prompts import chat_frame
 from kvcake.replay import Captured, attention_outputs, capture_queries
 
 # (fact hidden in the passage, question closing the prompt, answer prefix) per form of span
@@ -38,14 +44,15 @@ FORMS = {
     "number": (
         " In the ledger of the lighthouse keeper, the tide code was written down as {value}.",
         " Question: which tide code did the lighthouse keeper write down in the ledger?",
-        " Answer: The tide code was",
+        "The tide code was",
     ),
     "key": (
         " The locker assigned to the night courier opens only with the key {value}.",
         " Question: with which key does the locker of the night courier open?",
-        " Answer: The locker opens with the key",
+        "The locker opens with the key",
     ),
 }
+PLAIN_ANSWER = " Answer: "  # between the question and the prefix, without a chat template
 KINDS = ("context", "question")
 
 
@@ -107,11 +114,15 @@ def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuat
     form = tuple(FORMS)[seed % len(FORMS)]
     fact, ask, prefix = FORMS[form]
     value = span(rng, form)
-    question = _encode(tokenizer, ask + prefix)
+    frame = chat_frame(tokenizer)
+    if frame is None:
+        head, question = [], _encode(tokenizer, ask + PLAIN_ANSWER + prefix)
+    else:  # as build_prompt: the turn's head, the passage, then question, turn change and prefix
+        head, question = _encode(tokenizer, frame[0]), _encode(tokenizer, ask + frame[1] + prefix)
     needle = _encode(tokenizer, fact.format(value=value))
-    filler = _passage(tokenizer, haystack, rng, max(length - len(question) - len(needle), 1))
+    filler = _passage(tokenizer, haystack, rng, max(length - len(head) - len(question) - len(needle), 1))
     cut = int(rng.uniform(0.1, 0.9) * len(filler))
-    prompt = filler[:cut] + needle + filler[cut:] + question
+    prompt = head + filler[:cut] + needle + filler[cut:] + question
     return prompt, _encode(tokenizer, " " + value + ".")
 
 
