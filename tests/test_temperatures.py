@@ -293,3 +293,47 @@ def test_the_warning_comes_once_per_model_whatever_the_scenario(tiny_llama, capl
 def test_methods_explains_the_scenarios(monkeypatch):
     text = temperatures.describe_resolution()
     assert "'question'" in text and "'context'" in text and "--scenario" in text
+
+
+def _scores_with(model, spec: str) -> tuple:
+    """The cache and each compressed layer's kept positions after compressing the same prompt."""
+    ctx = kvcake.compress(model, _ids(), spec, budget=20, window=4)
+    return ctx.cache, [ctx.cache.layers[i].positions for i in ctx.cache.compressed]
+
+
+@pytest.mark.parametrize("spec", ["cake", "cake-adakv"])
+def test_a_calibrated_indicator_is_used_with_its_temperatures(tiny_llama, spec):
+    """A calibration point that chose max7 makes a CAKE cache score with max pooling, kernel 7,
+    exactly as if the spec said so; an explicit pooling, ``score.indicator_from=paper``, the
+    family temperatures (``layers.tau_from=family``) and a point without one keep the paper's."""
+    fp = model_fingerprint(tiny_llama)
+    taus = "layers.tau1=0.7,layers.tau2=1.3"
+    save_calibration(Calibration(fp, (TauPoint(20, 0.7, 1.3, "max7"),)))
+    cache, got = _scores_with(tiny_llama, spec)
+    assert (cache.method.scorer.pooling, cache.method.scorer.kernel) == ("max", 7)
+    assert cache.tau.indicator == "max7" and "indicator max7" in cache.tau.describe()
+    _, want = _scores_with(tiny_llama, f"{spec},{taus},score.pooling=max,score.kernel=7")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _, paper = _scores_with(tiny_llama, f"{spec},{taus}")  # user temperatures: no calibration read
+    assert not all(torch.equal(a, b) for a, b in zip(got, paper, strict=True))
+    for kept in (f"{spec},score.indicator_from=paper", f"{spec},score.pooling=avg,score.kernel=3",
+                 f"{spec},layers.tau_from=family"):  # fmt: skip
+        cache, _ = _scores_with(tiny_llama, kept)
+        assert (cache.method.scorer.pooling, cache.method.scorer.kernel) != ("max", 7), kept
+    save_calibration(Calibration(fp, (TauPoint(20, 0.7, 1.3),)))
+    cache, same = _scores_with(tiny_llama, spec)
+    assert cache.tau.indicator is None and all(torch.equal(a, b) for a, b in zip(same, paper, strict=True))
+
+
+def test_indicators_round_trip_and_are_checked():
+    cal = Calibration("f" * 16, (TauPoint(50.0, 2.0, 0.5, "max7"), TauPoint(200.0, 0.5, 3.0)), "m")
+    back = Calibration.from_json(cal.to_json())
+    assert [p.indicator for p in back.points] == ["max7", None]
+    assert (
+        back.indicator_at(60) == "max7" and back.indicator_at(150) is None
+    )  # the nearest point in log budget
+    for bad in ("max6", "sum5", "avg"):
+        with pytest.raises(ValueError, match="indicator"):
+            TauPoint(50.0, 2.0, 0.5, bad)
+    with pytest.raises(ValueError, match="indicator_from"):
+        kvcake.make_method("cake,score.indicator_from=calibrated", budget=40, window=4)

@@ -18,6 +18,7 @@ the cache calls them and keeps ``_evict_layer`` as its method, so a subclass can
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from .allocators import AllocationRequest, preference
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
-from .temperatures import resolve_tau
+from .temperatures import parse_indicator, resolve_tau
 from .tensor_parallel import local_weight
 
 logger = logging.getLogger(__name__)
@@ -61,11 +62,12 @@ def prefill_stage(
     query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding); column_sums:
     what :func:`prompt_attention` returned beside the attention's output, else None."""
     layer = cache.layers[layer_idx]
-    m = cache.method
     cache._stage = layer_idx
     g = cache._slot[layer_idx]  # budget column of this layer
     if g == 0:
-        _begin(cache, key_valid)
+        _begin(cache, key_valid)  # may set a calibrated indicator: read the method after it
+    m = cache.method
+    if g == 0:
         if cache.progress:
             from tqdm.auto import tqdm
 
@@ -131,7 +133,9 @@ def prompt_attention(cache: Cache, layer_idx: int, query, key, value, mask, key_
         _begin(cache, key_valid)
     if cache.seq is None or bool((cache.seq.per_layer >= cache.seq.lengths).all()):  # host tensors
         return None
-    return scorer.prompt_attention(query, key, value, mask, key_valid, scaling)
+    return cache.method.scorer.prompt_attention(
+        query, key, value, mask, key_valid, scaling
+    )  # as _begin left it
 
 
 def _begin(cache: Cache, key_valid: torch.Tensor) -> None:
@@ -176,6 +180,7 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     per_layer = budget.per_layer(lengths)
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
+    _calibrated_indicator(cache)
     if bool((per_layer >= lengths).all()) and cache.method.name != "full":
         logger.warning(
             "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
@@ -184,6 +189,21 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
             "; decode=fixed then holds each layer at that size while decoding (method 'full' keeps all)"
             if cache.method.decode == "fixed"
             else "",
+        )
+
+
+def _calibrated_indicator(cache: Cache) -> None:
+    """Before the first layer is scored: a CAKE cache whose scorer takes a calibrated indicator
+    (``CakeScorer.takes_calibrated_indicator``) uses the one its temperatures' calibration chose,
+    so both come from the same calibration point (``cache.tau.indicator``)."""
+    m = cache.method
+    if not (m.layers.needs_preferences and getattr(m.scorer, "takes_calibrated_indicator", False)):
+        return
+    temperatures(cache)
+    if cache.tau.indicator is not None:
+        pooling, kernel = parse_indicator(cache.tau.indicator)
+        cache.method = dataclasses.replace(
+            m, scorer=dataclasses.replace(m.scorer, pooling=pooling, kernel=kernel)
         )
 
 

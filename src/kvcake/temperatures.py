@@ -53,12 +53,32 @@ class TauPoint:
     budget: float
     tau1: float
     tau2: float
+    indicator: str | None = None  # CAKE scorer's pooling and kernel, e.g. "max7"; None: the paper's
 
     def __post_init__(self) -> None:
         for name in ("budget", "tau1", "tau2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"calibration point: {name} must be a positive number, got {value!r}")
+        if self.indicator is not None:
+            parse_indicator(self.indicator)
+
+
+def parse_indicator(value: str | tuple[str, int]) -> tuple[str, int]:
+    """``"max7"`` or ``("max", 7)`` -> ``("max", 7)``: a CAKE scorer indicator, a pooling (avg/max)
+    and an odd kernel."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        pooling, digits = text[:3], text[3:]
+        if pooling not in ("avg", "max") or not digits.isdigit():
+            raise ValueError(
+                f"an indicator is avg or max and a kernel size, e.g. 'avg5' or 'max7'; got {value!r}"
+            )
+        value = (pooling, int(digits))
+    if (not isinstance(value, tuple) or len(value) != 2 or value[0] not in ("avg", "max")
+            or isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1 or value[1] % 2 == 0):  # fmt: skip
+        raise ValueError(f"an indicator is ('avg'|'max', odd kernel >= 1), e.g. 'max7'; got {value!r}")
+    return value
 
 
 def check_scenario(value: object) -> str:
@@ -98,7 +118,9 @@ QUESTION_DEFAULT = Scenario(
 
 
 def _points(raw) -> tuple[TauPoint, ...]:
-    return tuple(TauPoint(float(p["budget"]), float(p["tau1"]), float(p["tau2"])) for p in raw)
+    return tuple(
+        TauPoint(float(p["budget"]), float(p["tau1"]), float(p["tau2"]), p.get("indicator")) for p in raw
+    )
 
 
 @dataclass(frozen=True)
@@ -154,9 +176,16 @@ class Calibration:
                              for a, b in ((lo.tau1, hi.tau1), (lo.tau2, hi.tau2)))  # fmt: skip
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def indicator_at(self, budget: float, scenario: str = "question") -> str | None:
+        """The CAKE indicator the calibration chose at the point of ``scenario``'s set nearest
+        ``budget`` (in log budget; a discrete choice, not interpolated); None: the paper's."""
+        pts = self.set(scenario)
+        return min(pts, key=lambda p: abs(math.log(p.budget) - math.log(budget))).indicator
+
     def to_json(self) -> str:
         def dump(pts):
-            return [{"budget": p.budget, "tau1": p.tau1, "tau2": p.tau2} for p in pts]
+            return [{"budget": p.budget, "tau1": p.tau1, "tau2": p.tau2}
+                    | ({"indicator": p.indicator} if p.indicator else {}) for p in pts]  # fmt: skip
 
         body = {"fingerprint": self.fingerprint, "model": self.model, "meta": self.meta}
         if self.shared:
@@ -202,9 +231,13 @@ class TauChoice:
     source: str
     scenario: Scenario | None = field(default=None, compare=False)
     set_used: str = field(default="", compare=False)  # "question", "context", "shared" or "" (none)
+    indicator: str | None = field(default=None, compare=False)  # the calibration's, if not the paper's
 
     def describe(self) -> str:
-        text = f"tau1={self.tau1:.3g} tau2={self.tau2:.3g} ({self.source}"
+        text = f"tau1={self.tau1:.3g} tau2={self.tau2:.3g}"
+        if self.indicator is not None:
+            text += f", indicator {self.indicator}"
+        text += f" ({self.source}"
         if self.scenario is not None:
             used = {
                 "": "",
@@ -273,12 +306,13 @@ def resolve_tau(
     if tau1 is not None and tau2 is not None:
         return TauChoice(tau1, tau2, "user", scenario)
     found = find_calibration(fingerprint) if tau_from == "auto" else None
-    used = ""
+    used, indicator = "", None
     if tau_from == "fallback":
         (t1, t2), source = FALLBACK_TAU, "fallback"
     elif found is not None:
         (t1, t2), source = found[0].at(budget, scenario.name), found[1]
         used = "shared" if found[0].shared else scenario.name
+        indicator = found[0].indicator_at(budget, scenario.name)
     elif family_key(model_type) is not None:
         (t1, t2), source = default_tau(model_type, budget), "family"
     else:
@@ -293,8 +327,8 @@ def resolve_tau(
             shlex.quote(model_name or "MODEL"),
         )  # fmt: skip
     if tau1 is not None or tau2 is not None:
-        return TauChoice(tau1 or t1, tau2 or t2, f"user+{source}", scenario, used)
-    return TauChoice(t1, t2, source, scenario, used)
+        return TauChoice(tau1 or t1, tau2 or t2, f"user+{source}", scenario, used, indicator)
+    return TauChoice(t1, t2, source, scenario, used, indicator)
 
 
 def tau_source_label(
@@ -309,8 +343,12 @@ def tau_source_label(
         base = f"fallback:{FALLBACK_TAU[0]:g}/{FALLBACK_TAU[1]:g}"
     elif found is not None:
         cal = found[0]  # a shared set keeps the digest it had before the sets were split
-        sets = [p.__dict__ for p in cal.points] if cal.shared else {
-            k: [p.__dict__ for p in v] for k, v in cal.points.items()
+
+        def fields(p: TauPoint) -> dict:  # a point without an indicator keeps its older digest
+            return {k: v for k, v in p.__dict__.items() if not (k == "indicator" and v is None)}
+
+        sets = [fields(p) for p in cal.points] if cal.shared else {
+            k: [fields(p) for p in v] for k, v in cal.points.items()
         }  # fmt: skip
         digest = hashlib.sha256(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:8]
         base = f"{found[1]}:{digest}"

@@ -14,7 +14,7 @@ from kvcake.budget import BudgetSpec
 from kvcake.haystack import Haystack, resolve_haystack
 from kvcake.models import model_fingerprint, model_name
 from kvcake.scorers.cake import CakeScorer
-from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, save_calibration
+from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, parse_indicator, save_calibration
 
 from .samples import build_texts, reference
 from .search import TAU_LIMITS, Evaluator, GridResult, choose, search_grid, tau_grid
@@ -38,22 +38,6 @@ OBJECTIVE = (
 def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def parse_indicator(value: str | tuple[str, int]) -> tuple[str, int]:
-    """``"max7"`` or ``("max", 7)`` -> ``("max", 7)``: a pooling (avg/max) and an odd kernel."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        pooling, digits = text[:3], text[3:]
-        if pooling not in ("avg", "max") or not digits.isdigit():
-            raise ValueError(
-                f"an indicator is avg or max and a kernel size, e.g. 'avg5' or 'max7'; got {value!r}"
-            )
-        value = (pooling, int(digits))
-    if (not isinstance(value, tuple) or len(value) != 2 or value[0] not in ("avg", "max")
-            or isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1 or value[1] % 2 == 0):  # fmt: skip
-        raise ValueError(f"an indicator is ('avg'|'max', odd kernel >= 1), e.g. 'max7'; got {value!r}")
-    return value
 
 
 def indicator_name(indicator: tuple[str, int]) -> str:
@@ -109,8 +93,9 @@ def calibrate(
         (pooling and kernel). Default ``None``: only the paper's (avg, 5), i.e. off. When on,
         each indicator gets its own grid search and the paper's is kept unless another's kept
         point is better by more than one standard error; the choice is recorded per point
-        (``meta["points"][i]["indicator"]``) but a ``cake`` cache does not switch its scorer by
-        itself: give ``score.pooling=max,score.kernel=7`` to use it (a warning says so).
+        (``TauPoint.indicator``, and ``meta["points"][i]["indicator"]``), and a CAKE cache whose
+        scorer keeps the paper's pooling uses it with these temperatures
+        (``score.indicator_from=paper`` keeps the paper's).
     save:
         ``True`` writes the result to ``kvcake.temperatures.local_dir()``, a path writes it to that
         folder, ``False`` only returns it.
@@ -199,9 +184,9 @@ def _calibrate_point(
                   lambda *ind: 0.0 if ind == PAPER_INDICATOR else 1.0).tau  # fmt: skip
     ev, result, kept = runs[pick]
     if pick != PAPER_INDICATOR:
-        logger.warning("calibration at %s chose the indicator %s over the paper's %s: CAKE presets keep "
-                       "the paper's unless given score.pooling=%s,score.kernel=%d", spec.describe(),
-                       indicator_name(pick), indicator_name(PAPER_INDICATOR), *pick)  # fmt: skip
+        logger.info("calibration at %s chose the indicator %s over the paper's %s (CAKE presets use it "
+                    "with these temperatures; score.indicator_from=paper keeps the paper's)", spec.describe(),
+                    indicator_name(pick), indicator_name(PAPER_INDICATOR))  # fmt: skip
     budget = ev.mean_budget()
     family = default_tau(model_type, budget)
     measured = [ev.sample_measures(i, *kept.tau) for i in range(len(refs))]
@@ -222,4 +207,4 @@ def _calibrate_point(
     logger.info("calibration at %s (%s): tau1=%g tau2=%g loss %.4g (grid best %g/%g, loss %.4g; %d candidates, "
                 "%d evaluations)", spec.describe(), refs[0].kind, *kept.tau, kept.loss, *result.best, result.loss,
                 len(result.table), meta["evaluations"])  # fmt: skip
-    return TauPoint(budget, *kept.tau), meta
+    return TauPoint(budget, *kept.tau, None if pick == PAPER_INDICATOR else indicator_name(pick)), meta

@@ -21,18 +21,33 @@ class CakeScorer(Scorer):
     steadily attended ones). ``gamma = 200`` and avg pooling with kernel 5 (padding 2) are the
     paper's and the authors' code's values; the variance is unbiased. While decoding, the score
     is the current query's attention, avg-pooled, without a variance term (the authors' code).
+
+    ``indicator_from="auto"``: where the pooling is the paper's (avg, 5) and the model's CAKE
+    calibration chose another indicator with its temperatures (``kvcake calibrate --indicators``,
+    ``TauPoint.indicator``), a CAKE cache uses that one; ``"paper"`` keeps the paper's always. A
+    pooling or kernel given explicitly is used as given.
     """
 
     gamma: float = 200.0
     kernel: int = 5
     pooling: str = "avg"
     reduce: str = "mean"
+    indicator_from: str = "auto"
     name = "cake"
 
     def __post_init__(self) -> None:
         _check_pool(self.kernel, self.pooling, self.reduce)
         if not self.gamma >= 0:
             raise ValueError(f"CAKE gamma must be >= 0, got {self.gamma}")
+        if self.indicator_from not in ("auto", "paper"):
+            raise ValueError(
+                f"CAKE indicator_from must be 'auto' (the calibration's choice) or 'paper', got {self.indicator_from!r}"
+            )
+
+    @property
+    def takes_calibrated_indicator(self) -> bool:
+        """Whether a calibration's indicator replaces this scorer's pooling (see the class doc)."""
+        return self.indicator_from == "auto" and (self.pooling, self.kernel) == ("avg", 5)
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
         probs, row_valid = inp.window_attention()
