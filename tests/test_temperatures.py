@@ -329,9 +329,9 @@ def test_indicators_round_trip_and_are_checked():
     cal = Calibration("f" * 16, (TauPoint(50.0, 2.0, 0.5, "max7"), TauPoint(200.0, 0.5, 3.0)), "m")
     back = Calibration.from_json(cal.to_json())
     assert [p.indicator for p in back.points] == ["max7", None]
-    assert (
-        back.indicator_at(60) == "max7" and back.indicator_at(150) is None
-    )  # the nearest point in log budget
+    assert back.indicator_at(60) == "max7"  # the nearest point in log budget
+    assert back.indicator_at(150) is None
+    assert back.describe_sets() == "one set for both scenarios: 2/0.5 max7 at 50, 0.5/3 at 200"
     for bad in ("max6", "sum5", "avg"):
         with pytest.raises(ValueError, match="indicator"):
             TauPoint(50.0, 2.0, 0.5, bad)

@@ -214,7 +214,8 @@ class Calibration:
         """The points of each set, e.g. ``question 2/3 at 205, ...; context ...``."""
 
         def fmt(pts):
-            return ", ".join(f"{p.tau1:g}/{p.tau2:g} at {p.budget:.0f}" for p in pts)
+            return ", ".join(f"{p.tau1:g}/{p.tau2:g}{f' {p.indicator}' if p.indicator else ''} at {p.budget:.0f}"
+                             for p in pts)  # fmt: skip
 
         if self.shared:
             return f"one set for both scenarios: {fmt(self.points)}"
