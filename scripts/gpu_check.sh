@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One prepared GPU session (a lent GPU machine has ~15 minutes in all; see issue 23's notes):
+#   1. the CUDA suite (tests/cuda) with short tracebacks, its log kept even if the limit cuts it;
+#   2. the GPU page (docs/benchmarks-gpu.md): every preset at LENGTHS, eager steps (--no-compile);
+#   3. the compiled step (CUDA graphs) of a few caches at one length, on a page of its own in $OUT
+#      (compiling an 8B model takes about a minute per cache, too long for every preset).
+# Usage, from the repository root on the GPU machine:
+#   scripts/gpu_check.sh
+#   LENGTHS="8k 32k 128k" ROUNDS=3 TEST_LIMIT=400 COMPILED_METHODS=snapkv,cake scripts/gpu_check.sh
+# PY (default python3: the machine's own CUDA torch). Wheels in .whl/ (e.g. the transformers of
+# requirements/dev.lock, which the GPU image lacks) are installed into /tmp/site first. Logs and
+# the JSON go to $OUT (the device tool's folder) or gpu-out/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PY:-python3}"
+OUT="${OUT:-gpu-out}"
+LENGTHS="${LENGTHS:-8k 32k}"
+ROUNDS="${ROUNDS:-1}"
+TEST_LIMIT="${TEST_LIMIT:-300}"
+BENCH_LIMIT="${BENCH_LIMIT:-240}"  # per length
+COMPILED_LENGTH="${COMPILED_LENGTH:-8k}"
+COMPILED_METHODS="${COMPILED_METHODS:-snapkv,adakv}"
+COMPILED_LIMIT="${COMPILED_LIMIT:-300}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="src:/tmp/site"
+fi
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)" | tee "$OUT/versions.txt"
+timeout "$TEST_LIMIT" "$PY" -m pytest -q -rfEs --tb=short --durations=10 -m cuda -p no:cacheprovider tests/cuda 2>&1 | tee "$OUT/test-cuda.log" | tail -60
+for n in $LENGTHS; do
+    timeout "$BENCH_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$n" --rounds "$ROUNDS" --merge \
+        --no-compile --out bench-gpu --doc docs/benchmarks-gpu.md 2>&1 | tee "$OUT/bench-$n.log" | tail -25
+    cp bench-gpu/gpu.json "$OUT/gpu.json" 2>/dev/null
+done
+cp docs/benchmarks-gpu.md "$OUT/" 2>/dev/null
+if [ -n "$COMPILED_METHODS" ]; then
+    timeout "$COMPILED_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$COMPILED_LENGTH" --rounds 1 \
+        --methods "$COMPILED_METHODS" --out bench-gpu-compiled --doc "$OUT/benchmarks-gpu-compiled.md" 2>&1 \
+        | tee "$OUT/bench-compiled.log" | tail -25
+fi
+exit 0
