@@ -139,6 +139,19 @@ the six on the same 36.
   the NIAH-like majority, and SnapKV's max pooling in CAKE's indicator (`--indicators avg5,max7`;
   with the 2026-11-23 calibration max pooling lowered `cake`'s KL in 5 of 6 cells) are the next
   things to try; neither is in this run.
+- **Tried on 2026-11-26 (question-aware, the same 36 prompts, ratios 0.1 / 0.25; one-core runs of
+  `python -m kvcake.eval --scenario question --samples 6 ...` kept out of the results file).**
+  Uniform layer budgets with CAKE's own score: 0.133 / 0.068 (paper's avg5) and 0.104 / 0.057
+  (SnapKV's max7); SnapKV 0.116 / 0.050 (`layers=uniform,score=snapkv` gave the same cells), the
+  shipped `cake` 0.160 / 0.092, the shipped temperatures with max7 0.160 / 0.104. So on these
+  prompts the shipped question-aware allocation is what costs CAKE the targets, and max pooling
+  helps its score. A recalibration with the question samples in the chat template (as these
+  prompts are) and the indicator searched (`--indicators avg5,max7`: max7 chosen at 205 and 512
+  entries per layer) again chose sharp temperatures (11.3/0.146, 3.56/0.146) and measured 0.386 /
+  0.112 (`cake-adakv` 0.397 / 0.127): worse, so it was not shipped (README, Calibration). Uniform
+  budgets with max7 are not shipped either: that would be choosing on the evaluation's prompts.
+  The calibration's exact-span questions (uniform KL 1.5-1.8 nats per answer token: uniform budgets
+  lose the span) still reward the sharp allocation these prompts punish.
 - **`cake` and `cake-oneshot` give identical numbers everywhere**: the cascade evicts stage by
   stage yet ends at the one-shot cache (the CAKE paper's Theorem 1), while holding less memory
   during prefill (see `docs/benchmarks.md`).
