@@ -67,13 +67,10 @@ def prefill_stage(
     if g == 0:
         _begin(cache, key_valid)  # may set a calibrated indicator: read the method after it
     m = cache.method
-    if g == 0:
-        if cache.progress:
-            from tqdm.auto import tqdm
+    if g == 0 and cache.progress:
+        from tqdm.auto import tqdm
 
-            cache._bar = tqdm(
-                total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer"
-            )
+        cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
     inputs = PrefillInputs(
         query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
         window=m.budget.window, scaling=scaling, column_sums=column_sums,
@@ -126,16 +123,13 @@ def prompt_attention(cache: Cache, layer_idx: int, query, key, value, mask, key_
     kernel, so its output stays bit-identical to the full cache's. Arguments as the attention
     function has them; the first compressed layer fixes the sequences' budgets here
     (:func:`start`), before its attention instead of after it."""
-    scorer = cache.method.scorer
-    if not scorer.scores_in_attention:
+    if not cache.method.scorer.scores_in_attention:
         return None
     if cache._slot[layer_idx] == 0:
-        _begin(cache, key_valid)
+        _begin(cache, key_valid)  # may set a calibrated indicator: read the method after it
     if cache.seq is None or bool((cache.seq.per_layer >= cache.seq.lengths).all()):  # host tensors
         return None
-    return cache.method.scorer.prompt_attention(
-        query, key, value, mask, key_valid, scaling
-    )  # as _begin left it
+    return cache.method.scorer.prompt_attention(query, key, value, mask, key_valid, scaling)
 
 
 def _begin(cache: Cache, key_valid: torch.Tensor) -> None:

@@ -48,12 +48,19 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+@functools.cache
+def _keywords(kernel) -> frozenset[str]:
+    """The parameter names of a kernel function, read once per function (a ragged layer calls the
+    kernel at every decode step)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _torch_varlen_takes(name: str) -> bool:
     """Whether this torch's ``varlen_attn`` takes the keyword ``name``: torch 2.11's takes neither
     ``enable_gqa`` nor ``seqused_k`` (its flash kernel does GQA without being asked), later ones
     take both and refuse differing head counts without ``enable_gqa=True``."""
     kernel = _torch_varlen()
-    return kernel is not None and name in inspect.signature(kernel).parameters
+    return kernel is not None and name in _keywords(kernel)
 
 
 def _torch_varlen_seqused() -> bool:

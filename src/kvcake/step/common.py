@@ -102,6 +102,7 @@ def advance(layer, grow: Callable) -> None:
     if layer.static == "none":
         if layer.room <= 0:
             grow(layer)
+            mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
         layer.room -= 1
         layer.counts = layer.counts + 1
     layer.newest.add_(1)

@@ -32,7 +32,6 @@ from .common import (
     fused_attention,
     in_held_order,
     in_position_order,
-    mark_static,
     prepare,
     rank,
 )
@@ -134,4 +133,3 @@ def grow(layer) -> None:
             out = filled(t, t.shape[dim] + GROWTH, fill, dim)
             out.narrow(dim, 0, t.shape[dim]).copy_(t)
             setattr(layer, name, out)
-    mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)

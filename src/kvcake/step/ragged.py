@@ -42,7 +42,6 @@ from .common import (
     fused_attention,
     in_held_order,
     in_position_order,
-    mark_static,
     prepare,
     rank,
 )
@@ -180,4 +179,3 @@ def grow(layer) -> None:
     more slots per segment (amortised)."""
     layer.static = None
     to_static(layer, None)
-    mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
