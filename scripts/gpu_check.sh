@@ -3,7 +3,8 @@
 #   1. the CUDA suite (tests/cuda) with short tracebacks, its log kept even if the limit cuts it;
 #   2. the GPU page (docs/benchmarks-gpu.md): every preset at LENGTHS, eager steps (--no-compile);
 #   3. the compiled step (CUDA graphs) of a few caches at one length, on a page of its own in $OUT
-#      (compiling an 8B model takes about a minute per cache, too long for every preset).
+#      (compiling an 8B model takes about a minute per cache, too long for every preset);
+#   4. where the slow prefills spend their time (scripts/gpu_profile.py; PROFILE_METHODS="" skips it).
 # Usage, from the repository root on the GPU machine:
 #   scripts/gpu_check.sh
 #   LENGTHS="8k 32k 128k" ROUNDS=3 TEST_LIMIT=400 COMPILED_METHODS=snapkv,cake scripts/gpu_check.sh
@@ -14,13 +15,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3}"
 OUT="${OUT:-gpu-out}"
-LENGTHS="${LENGTHS:-8k 32k}"
+LENGTHS="${LENGTHS-8k 32k}"  # LENGTHS="" skips the eager page
 ROUNDS="${ROUNDS:-1}"
 TEST_LIMIT="${TEST_LIMIT:-300}"
 BENCH_LIMIT="${BENCH_LIMIT:-240}"  # per length
 COMPILED_LENGTH="${COMPILED_LENGTH:-8k}"
-COMPILED_METHODS="${COMPILED_METHODS:-snapkv,adakv}"
+COMPILED_METHODS="${COMPILED_METHODS-snapkv,adakv}"
 COMPILED_LIMIT="${COMPILED_LIMIT:-300}"
+PROFILE_LENGTH="${PROFILE_LENGTH:-32k}"
+PROFILE_METHODS="${PROFILE_METHODS-criticalkv,h2o,cake}"
+PROFILE_LIMIT="${PROFILE_LIMIT:-120}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -39,5 +43,9 @@ if [ -n "$COMPILED_METHODS" ]; then
     timeout "$COMPILED_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$COMPILED_LENGTH" --rounds 1 \
         --methods "$COMPILED_METHODS" --out bench-gpu-compiled --doc "$OUT/benchmarks-gpu-compiled.md" 2>&1 \
         | tee "$OUT/bench-compiled.log" | tail -25
+fi
+if [ -n "$PROFILE_METHODS" ]; then
+    timeout "$PROFILE_LIMIT" "$PY" scripts/gpu_profile.py --length "$PROFILE_LENGTH" --methods "$PROFILE_METHODS" 2>&1 \
+        | grep -v USDT | tee "$OUT/profile.log" | tail -80
 fi
 exit 0

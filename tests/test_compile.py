@@ -77,12 +77,14 @@ def test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside():
 STEPS = 64
 
 
-def _decode_kvcake(model, spec: str, batch: int, compiled: bool):
+def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool | None = None):
     """Prefill eagerly, then 64 single-token steps through ``model.forward`` (compiled with
     ``fullgraph=True`` and a graph-counting backend, or eager); left padding on sequence 1."""
     torch._dynamo.reset()
     counter = _GraphCounter()
-    step = torch.compile(model.forward, backend=counter, fullgraph=True) if compiled else model.forward
+    step = (
+        torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=dynamic) if compiled else model.forward
+    )
     ids = torch.randint(3, 128, (batch, 60), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1:, :10] = 0
@@ -117,6 +119,19 @@ def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch
     _, eager = _decode_kvcake(model, spec, batch, compiled=False)
     assert graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the same ATen ops, run eagerly
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["cake", "cake-adakv", "h2o"])
+def test_a_decode_step_traces_with_symbolic_shapes(spec):
+    """``dynamic=True``: every size symbolic, as after a recompile with automatic dynamic shapes.
+    The step writes its state by copies, not through ops' ``out=`` (fake tensors refuse ``out=``
+    where an input has a symbolic size: transformers' compiled generate failed so on an H200)."""
+    model = _two_layer_llama()
+    graphs, compiled = _decode_kvcake(model, spec, 2, compiled=True, dynamic=True)
+    _, eager = _decode_kvcake(model, spec, 2, compiled=False)
+    assert graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
 @needs_kwargs_handoff

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,3 +176,18 @@ def test_layer_devices_follow_each_layer(make_tiny_llama):
     model.model.layers[2].to(META)  # stands for a layer placed on another device by device_map
     assert layer_devices(model, 4) == [torch.device("cpu")] * 2 + [META, torch.device("cpu")]
     assert input_device(model) == output_device(model) == torch.device("cpu")
+
+
+def test_layer_devices_follow_accelerate_execution_devices(make_tiny_llama):
+    """An offloaded layer (accelerate's ``dispatch_model`` with "cpu" entries and a GPU main device)
+    keeps its weights on the meta device and runs on its hook's execution device: its cache goes
+    there. Hooks stand in for accelerate's (the attribute it sets); a SequentialHook holds several."""
+    model = make_tiny_llama()
+    model.model.layers[1].to(META)
+    model.model.layers[1]._hf_hook = SimpleNamespace(execution_device="cpu")  # offloaded, runs on the CPU
+    model.model.layers[3]._hf_hook = SimpleNamespace(
+        hooks=[SimpleNamespace(), SimpleNamespace(execution_device=META)]
+    )
+    model.model.embed_tokens._hf_hook = SimpleNamespace(execution_device=META)
+    assert layer_devices(model, 4) == [torch.device("cpu")] * 3 + [META]
+    assert input_device(model) == META

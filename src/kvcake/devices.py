@@ -76,7 +76,21 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _hook_device(module: torch.nn.Module) -> torch.device | None:
+    """The device accelerate runs ``module`` on (its hook's ``execution_device``), if it has a hook:
+    an offloaded module's weights sit on the meta device and are brought there for each call."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in [hook, *getattr(hook, "hooks", ())]:  # a SequentialHook holds several
+        dev = getattr(h, "execution_device", None)
+        if dev is not None:
+            return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+    return None
+
+
 def _first_device(module: torch.nn.Module) -> torch.device | None:
+    dev = _hook_device(module)
+    if dev is not None:
+        return dev
     for t in module.parameters(recurse=True):
         return t.device
     for t in module.buffers(recurse=True):
@@ -102,12 +116,20 @@ def output_device(model: torch.nn.Module) -> torch.device:
 
 def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
     """(L,) the device of each attention layer, read off the modules that carry ``layer_idx``
-    (transformers' attention modules). Layers not found fall back to the input device."""
+    (transformers' attention modules): where accelerate runs it (the execution device of its
+    nearest hooked ancestor: offloaded layers hold their weights on the meta device), else its
+    weights' device. Layers not found fall back to the input device."""
     found: dict[int, torch.device] = {}
-    for module in model.modules():
+    hooked: dict[str, torch.device] = {}  # accelerate's execution device of each hooked module
+    for name, module in model.named_modules():
+        dev = _hook_device(module)
+        if dev is not None:
+            hooked[name] = dev
         idx = getattr(module, "layer_idx", None)
         if isinstance(idx, int) and 0 <= idx < num_layers and idx not in found:
-            dev = _first_device(module)
+            # the nearest hooked ancestor decides where the layer runs (its weights may be on meta)
+            owners = [n for n in hooked if name == n or name.startswith(n + ".") or n == ""]
+            dev = hooked[max(owners, key=len)] if owners else _first_device(module)
             if dev is not None:
                 found[idx] = dev
     default = input_device(model)

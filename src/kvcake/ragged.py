@@ -6,8 +6,8 @@ segment-major (segment ``s = b * H_kv + h``), positions increasing inside a segm
 the cumulative layout. The query heads of a GQA group read their KV head's segment.
 
 Two implementations behind ``ragged_attention``: a vectorised PyTorch segment softmax
-(scatter/index reductions, no Python loop over heads or tokens), which is the reference and the
-CPU path, and a variable-length kernel on CUDA (``kvcake.varlen``: torch's ``varlen_attn``, else
+(segments padded to the longest, no Python loop over heads or tokens, no atomic adds: the same
+bits on every run), which is the reference and the CPU path, and a variable-length kernel on CUDA (``kvcake.varlen``: torch's ``varlen_attn``, else
 flash-attention's, each segment its own "sequence" with one KV head and ``G`` query heads).
 """
 
@@ -64,26 +64,25 @@ def ragged_attention_reference(
     hkv = n_seg // b
     g = h // hkv
     qs = query.reshape(b, hkv, g, q, d).reshape(n_seg, g * q, d)  # (S, G*q, d), rows (g, i)
-    seg = meta.seg
+    seg, local, n = meta.seg, meta.local, meta.max_len
     acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
     logits = torch.einsum("td,trd->tr", keys.to(acc), qs[seg].to(acc)) * scaling  # (T, G*q)
     qpos = query_positions.repeat_interleave(hkv, dim=0)  # (S, q)
     visible = (positions[:, None] >= 0) & (positions[:, None] <= qpos[seg])  # (T, q); -1 = empty slot
     visible = visible[:, None, :].expand(-1, g, -1).reshape(-1, g * q)  # (T, G*q)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    seg_max = torch.full((n_seg, g * q), float("-inf"), dtype=acc, device=keys.device)
-    seg_max = seg_max.scatter_reduce(
-        0, seg[:, None].expand_as(logits), logits, reduce="amax", include_self=True
-    )
+    # segments padded to the longest (S, n, ...): each entry written once (index_put without
+    # accumulation), every sum a plain reduction, so the result does not depend on the order
+    # atomic adds land in (index_add_ on CUDA): the same inputs give the same bits on every run
+    padded = torch.full((n_seg, n, g * q), float("-inf"), dtype=acc, device=keys.device)
+    padded = padded.index_put((seg, local), logits.masked_fill(~visible, float("-inf")))
+    seg_max = padded.amax(1, keepdim=True)  # (S, 1, G*q)
     seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
-    weights = torch.exp(logits - seg_max[seg])  # (T, G*q)
-    denom = torch.zeros(n_seg, g * q, dtype=acc, device=keys.device).index_add_(0, seg, weights)
-    probs = weights / denom.clamp(min=1e-30)[seg]
-    out = torch.zeros(n_seg, g * q, d, dtype=acc, device=keys.device).index_add_(
-        0, seg, probs[:, :, None] * values.to(acc)[:, None, :]
-    )  # (S, G*q, d)
+    weights = torch.exp(padded - seg_max)  # 0 on the padding and on hidden entries
+    probs = weights / weights.sum(1, keepdim=True).clamp(min=1e-30)  # (S, n, G*q)
+    vals = torch.zeros(n_seg, n, d, dtype=acc, device=keys.device).index_put((seg, local), values.to(acc))
+    out = torch.einsum("snr,snd->srd", probs, vals)  # (S, G*q, d)
     out = out.reshape(b, hkv, g, q, d).reshape(b, h, q, d).transpose(1, 2).to(query.dtype)
-    return out, (probs.reshape(-1, g, q) if return_probs else None)
+    return out, (probs[seg, local].reshape(-1, g, q) if return_probs else None)  # (T, G, q)
 
 
 def flash_available(device: torch.device) -> bool:

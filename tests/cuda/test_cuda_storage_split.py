@@ -63,7 +63,31 @@ def split_model(make_tiny_llama):
         "model.embed_tokens": dev, "model.rotary_emb": dev, "model.layers.0": dev, "model.layers.1": dev,
         "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "cpu",
     }  # fmt: skip
-    return accelerate.dispatch_model(model, device_map=device_map)
+    # main_device="cpu": the "cpu" layers run on the CPU. With a GPU main device accelerate would
+    # offload them instead (weights on meta, run on the GPU: test_offloaded_layers_cache_where_they_run)
+    return accelerate.dispatch_model(model, device_map=device_map, main_device="cpu")
+
+
+def test_offloaded_layers_cache_where_they_run(make_tiny_llama):
+    """accelerate's CPU offload (a "cpu" entry with a GPU main device): the layer's weights wait on the
+    meta device and it runs on the GPU, so its cache lives on the GPU."""
+    accelerate = pytest.importorskip("accelerate")
+    if DEVICE.type != "cuda":
+        pytest.skip("offloading needs a GPU main device")
+    model = make_tiny_llama()
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                  "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": 0, "lm_head": 0}  # fmt: skip
+    model = accelerate.dispatch_model(model, device_map=device_map)
+    assert model.model.layers[3].self_attn.q_proj.weight.device.type == "meta", "accelerate offloads"
+    assert all(_on(torch.empty(0, device=d), DEVICE) for d in layer_devices(model, 4))
+    prompt = ids(120, seed=7)
+    out, cache = kvcake.generate(
+        model, prompt, "cake", budget=40, window=8, max_new_tokens=6, do_sample=False
+    )
+    assert all(_on(layer.keys, DEVICE) for layer in cache.layers)
+    ref, _ = kvcake.generate(make_tiny_llama(), prompt.cpu(), "cake", budget=40, window=8, max_new_tokens=6,
+                             do_sample=False)  # fmt: skip
+    assert out.shape == ref.shape
 
 
 @pytest.mark.parametrize("name", ["cake", "snapkv", "cake-adakv", "criticalkv", "h2o"])

@@ -48,6 +48,13 @@ def test_torch_varlen_skips_unused_tails(dtype):
         pytest.skip("torch's varlen_attn on CUDA only")
     (query, keys, values), meta = _case(dtype, 2, [256] * 8)
     used = torch.tensor([5, 256, 17, 100, 3, 64, 200, 8], device=DEVICE)
+    if not varlen._torch_varlen_seqused():  # torch 2.11's varlen_attn has no seqused_k
+        assert varlen.choose_route(DEVICE, dtype, seqused=True) == "reference"
+        with pytest.raises(ValueError, match="no seqused_k.*reference route"):
+            varlen_attention(
+                query, keys, values, meta.offsets, 256, 128**-0.5, seqused=used, route="torch-varlen"
+            )
+        return
     out = varlen_attention(
         query, keys, values, meta.offsets, 256, 128**-0.5, seqused=used, route="torch-varlen"
     )

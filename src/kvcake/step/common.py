@@ -132,7 +132,7 @@ def attention_with_probs(
     GQA group on dim 2, as ``Scorer.decode_step`` reads them)."""
     b, h, _, d = query.shape
     hkv, n = keys.shape[0] // b, keys.shape[1]
-    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32  # a dtype rule, not an ATen op
     qs = query.reshape(b * hkv, h // hkv, d).to(acc)  # (B*H_kv, G, d)
     keys_t = keys.to(acc).transpose(1, 2)  # (B*H_kv, d, N)
     if mask is None:
@@ -205,7 +205,10 @@ def choose_victim(
     scores = ranked.scores.masked_fill(protected, float("inf"))
     last = out if layer.full else None  # the last op writes into out
     if ranked.order is not None:  # newest first: the first minimum is the latest of the ties
-        victim = torch.gather(ranked.order, -1, scores.argmin(-1, keepdim=True), out=last)
+        # copied, not gathered with out=: fake tensors refuse gather's out= where an input has a
+        # symbolic size (a recompile with dynamic shapes; seen on an H200 with transformers' compile)
+        victim = ranked.order.gather(-1, scores.argmin(-1, keepdim=True))
+        victim = victim if last is None else last.copy_(victim)
     else:
         low = scores.amin(-1, keepdim=True)
         # the latest of the ties

@@ -156,12 +156,12 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
     if scorer.stateful:  # keep the new sums (the padding's duplicates all land on the dummy slot)
         layer.scores.index_put_((layer.pad_heads,), in_held_order(ranked))
     victim = choose_victim(layer, ranked, pos, window, empty_slots=True)  # (B, H_kv, 1) columns
-    free = torch.gather(layer.pad_heads, -1, victim, out=layer.free)  # (B, H_kv, 1) flat slots, in place
+    free = layer.free.copy_(layer.pad_heads.gather(-1, victim))  # (B, H_kv, 1) flat slots, in place
     layer.positions.index_put_((free,), layer.empty)
     if scorer.stateful:  # the next token's sum starts at 0
         layer.scores.index_put_((free,), layer.zero.to(layer.scores.dtype))
     if layer.varlen_route != "reference":  # an evicting head's victim slot is free again
-        torch.minimum(layer.seq_used, layer.seq_room, out=layer.seq_used)
+        layer.seq_used.copy_(torch.minimum(layer.seq_used, layer.seq_room))
 
 
 def to_dynamic(layer) -> None:
