@@ -22,8 +22,8 @@ from kvcake.adapters import with_cache
 from kvcake.attention import enable
 from kvcake.bench.shapes import random_model
 from kvcake.cache import KVCakeCache
-from kvcake.standalone import comma_ints
 from kvcake.method import make_method
+from kvcake.standalone import comma_ints
 
 
 def main() -> None:
@@ -39,7 +39,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     (n,) = comma_ints(a.length)
     model = random_model(a.shape, n + 16, device=device, dtype=dtype)
-    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for name in ["full", *a.methods.split(",")]:
