@@ -17,7 +17,7 @@ import kvcake
 from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.samples import FORMS, PLAIN_ANSWER, build_texts, reference, span
+from kvcake.calibration.samples import FORMS, PLAIN_ANSWER, ROLES, build_texts, reference, span
 from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
 from kvcake.eval.tasks import TASKS, make_samples
 from kvcake.haystack import NoiseHaystack
@@ -215,18 +215,32 @@ def _shingles(text: str, n: int = 4) -> set[tuple[str, ...]]:
 
 
 def test_question_samples_end_with_the_question_for_a_number_or_a_key():
+    """Every form: the question closes the prompt, the answer is a span of the form's shape stated
+    in the prompt; the look-alike facts hold other spans of that shape; a chain's facts come in order."""
     tok = WordTokenizer()
     seen = set()
-    for seed in range(4):
-        prompt, scored = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
-        form = tuple(FORMS)[seed % 2]
-        seen.add(form)
-        _, ask, prefix = FORMS[form]
-        tail = tok(ask + PLAIN_ANSWER + prefix, add_special_tokens=False)["input_ids"]
-        assert len(prompt) == 120 and prompt[-len(tail) :] == tail  # the question closes the prompt
+    for seed in range(8):
+        prompt, scored = build_texts(tok, NoiseHaystack(), "question", 160, 4, seed)
+        name = tuple(FORMS)[seed % len(FORMS)]
+        seen.add(name)
+        form = FORMS[name]
+        text = tok.decode(prompt).replace(" - ", "-")
         value = tok.decode(scored).split(" .")[0].replace(" - ", "-").strip()
-        assert re.fullmatch(r"\d{7}" if form == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}", value), value
-        assert value in tok.decode(prompt).replace(" - ", "-")  # the fact is in the compressed prompt
+        shape = r"\d{7}" if form.span == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}"
+        assert re.fullmatch(shape, value), value
+        assert len(prompt) == 160 and value in text  # the fact is in the compressed prompt
+        asked = re.search(r"locker of the (\w+ \w+) open", text)
+        ask = form.ask.format(who=asked.group(1) if asked else "")
+        tail = tok(ask + PLAIN_ANSWER + form.prefix, add_special_tokens=False)["input_ids"]
+        assert prompt[-len(tail) :] == tail  # the question closes the prompt
+        spans = re.findall(r"\b\d{7}\b" if form.span == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}", text)
+        assert len(set(spans)) == (4 if name == "keys" else 1) and value in spans
+        if name == "chain":
+            marks = [
+                text.index(w)
+                for w in ("ledger of the lighthouse", "harbour clerk copied", "signal boy painted")
+            ]
+            assert marks == sorted(marks)
     assert seen == set(FORMS)
 
 
@@ -247,9 +261,12 @@ def test_question_samples_are_laid_out_like_a_users_chat_prompt():
     tok = ChatWordTokenizer()
     for seed in range(2):
         prompt, scored = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
-        _, ask, prefix = FORMS[tuple(FORMS)[seed % 2]]
+        form = FORMS[tuple(FORMS)[seed % 2]]  # number, key (one role)
+        text = tok.decode(prompt)
+        asked = re.search(r"locker of the (\w+ \w+) open", text)
+        ask = form.ask.format(who=asked.group(1) if asked else "")
         head = tok("<|system|> be brief <|user|> ", add_special_tokens=False)["input_ids"]
-        tail = tok(ask + " <|end|> <|assistant|> " + prefix, add_special_tokens=False)["input_ids"]
+        tail = tok(ask + " <|end|> <|assistant|> " + form.prefix, add_special_tokens=False)["input_ids"]
         assert len(prompt) == 120 and prompt[: len(head)] == head and prompt[-len(tail) :] == tail
         assert "Answer" not in tok.decode(prompt)  # the assistant turn holds the prefix alone
 
@@ -267,10 +284,19 @@ def test_calibration_prompts_are_never_evaluation_prompts():
                 eval_text.append(s.prompt() + " " + " ".join(s.answers))
     joined = " ".join(eval_text)
     eval_shingles = _shingles(joined)
-    for fact, ask, prefix in FORMS.values():
-        overlap = _shingles(fact.replace("{value}", "") + " " + ask + prefix) & eval_shingles
-        assert not overlap, overlap
-    rng_spans = [span(random.Random(f"kvcake-calibration-question-{i}"), f) for i in range(8) for f in FORMS]
+    for form in FORMS.values():
+        for role in ROLES:
+            words = [f.format(value="", who=role) for f in form.facts] + [
+                form.ask.format(who=role),
+                form.prefix,
+            ]
+            overlap = _shingles(" ".join(words)) & eval_shingles
+            assert not overlap, overlap
+    rng_spans = [
+        span(random.Random(f"kvcake-calibration-question-{i}"), f)
+        for i in range(8)
+        for f in ("number", "key")
+    ]
     assert not [v for v in rng_spans if v in joined]
 
 

@@ -6,9 +6,12 @@ Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENA
   tokens of the same text are teacher-forced after it (context-only compression).
 - ``question``: a fact holding an exact span is hidden at a random depth of a passage and a
   question asking for it closes the prompt, so the compressed prompt ends with the question
-  (question-aware); the answer is teacher-forced. The span alternates between the
-  :data:`FORMS`: a 7-digit number and an alphanumeric key (``QX-4827-LM``), fragile spans that
-  eviction must keep whole, so a loss on continuations alone cannot buy fidelity by dropping them.
+  (question-aware); the answer is teacher-forced. The samples cycle through the :data:`FORMS`
+  (as the evaluation's tasks do: one needle, needles among look-alikes, a value handed along a
+  chain): a 7-digit number, an alphanumeric key (``QX-4827-LM``), a key among four look-alike
+  facts about other roles, and a number stated once and copied twice (the question names the last
+  holder). Exact spans are fragile: eviction must keep them whole, so a loss on continuations
+  alone cannot buy fidelity by dropping them.
   With a tokenizer that has a chat template the prompt is laid out as ``kvcake.build_prompt``
   lays out a user's (and the evaluation's) question: passage and question in the user turn, the
   assistant turn opened and started with the answer's prefix, so the window CAKE and SnapKV
@@ -39,19 +42,47 @@ from kvcake.haystack import Haystack
 from kvcake.prompts import chat_frame
 from kvcake.replay import Captured, attention_outputs, capture_queries
 
-# (fact hidden in the passage, question closing the prompt, answer prefix) per form of span
+
+# A form of question sample: the facts hidden in the passage (in this order, at random depths),
+# the question closing the prompt, the answer's prefix, and the shape of the spans ("number": 7
+# digits, "key": like QX-4827-LM). ``{value}`` is a span; ``{who}`` a role of :data:`ROLES`, one
+# per fact, whose span the question asks for; ``{0}``..: the chain's earlier roles.
+@dataclass(frozen=True)
+class Form:
+    facts: tuple[str, ...]
+    ask: str
+    prefix: str
+    span: str
+
+
+ROLES = ("night courier", "ferry pilot", "museum warden", "choir director", "orchard keeper")
 FORMS = {
-    "number": (
-        " In the ledger of the lighthouse keeper, the tide code was written down as {value}.",
+    # one exact span to retrieve
+    "number": Form(
+        (" In the ledger of the lighthouse keeper, the tide code was written down as {value}.",),
         " Question: which tide code did the lighthouse keeper write down in the ledger?",
-        "The tide code was",
+        "The tide code was", "number",
     ),
-    "key": (
-        " The locker assigned to the night courier opens only with the key {value}.",
-        " Question: with which key does the locker of the night courier open?",
-        "The locker opens with the key",
+    "key": Form(
+        (" The locker assigned to the {who} opens only with the key {value}.",),
+        " Question: with which key does the locker of the {who} open?",
+        "The locker opens with the key", "key",
     ),
-}
+    # the same, among look-alike facts about other roles (distractors the eviction must tell apart)
+    "keys": Form(
+        (" The locker assigned to the {who} opens only with the key {value}.",) * 4,
+        " Question: with which key does the locker of the {who} open?",
+        "The locker opens with the key", "key",
+    ),
+    # a chain: the span is stated once and handed on twice; the question names the last holder
+    "chain": Form(
+        (" In the ledger of the lighthouse keeper, the tide code was written down as {value}.",
+         " Later the harbour clerk copied the lighthouse keeper's tide code into a logbook.",
+         " From that logbook the signal boy painted the same tide code on the pier gate."),
+        " Question: which tide code did the signal boy paint on the pier gate?",
+        "The tide code was", "number",
+    ),
+}  # fmt: skip
 PLAIN_ANSWER = " Answer: "  # between the question and the prefix, without a chat template
 KINDS = ("context", "question")
 
@@ -104,26 +135,40 @@ def _passage(tokenizer, haystack: Haystack, rng: random.Random, n_tokens: int) -
 
 def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuation: int, seed: int):
     """(prompt ids, teacher-forced ids) of one sample; the scored positions are ``len(second)``.
-    Question samples alternate the :data:`FORMS` with ``seed`` (even: number, odd: key)."""
+    Question samples cycle through the :data:`FORMS` with ``seed`` (``seed % 4``: number, key,
+    keys, chain)."""
     if kind not in KINDS:
         raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
     rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
     if kind == "context":
         ids = _passage(tokenizer, haystack, rng, length + continuation)
         return ids[:length], ids[length:]
-    form = tuple(FORMS)[seed % len(FORMS)]
-    fact, ask, prefix = FORMS[form]
-    value = span(rng, form)
+    form = FORMS[tuple(FORMS)[seed % len(FORMS)]]
+    values = []
+    while len(values) < len(form.facts):  # distinct spans, one per fact
+        v = span(rng, form.span)
+        values += [v] if v not in values else []
+    roles = rng.sample(ROLES, len(form.facts))
+    asked = rng.randrange(len(form.facts)) if "{who}" in form.ask else 0
     frame = chat_frame(tokenizer)
+    ask = form.ask.format(who=roles[asked])
     if frame is None:
-        head, question = [], _encode(tokenizer, ask + PLAIN_ANSWER + prefix)
+        head, question = [], _encode(tokenizer, ask + PLAIN_ANSWER + form.prefix)
     else:  # as build_prompt: the turn's head, the passage, then question, turn change and prefix
-        head, question = _encode(tokenizer, frame[0]), _encode(tokenizer, ask + frame[1] + prefix)
-    needle = _encode(tokenizer, fact.format(value=value))
-    filler = _passage(tokenizer, haystack, rng, max(length - len(head) - len(question) - len(needle), 1))
-    cut = int(rng.uniform(0.1, 0.9) * len(filler))
-    prompt = head + filler[:cut] + needle + filler[cut:] + question
-    return prompt, _encode(tokenizer, " " + value + ".")
+        head, question = _encode(tokenizer, frame[0]), _encode(tokenizer, ask + frame[1] + form.prefix)
+    facts = [
+        _encode(tokenizer, f.format(value=v, who=r))
+        for f, v, r in zip(form.facts, values, roles, strict=True)
+    ]
+    room = length - len(head) - len(question) - sum(len(f) for f in facts)
+    filler = _passage(tokenizer, haystack, rng, max(room, 1))
+    cuts = sorted(int(rng.uniform(0.1, 0.9) * len(filler)) for _ in facts)
+    body, last = [], 0
+    for cut, fact in zip(cuts, facts, strict=True):  # the facts in order, at increasing depths
+        body += filler[last:cut] + fact
+        last = cut
+    prompt = head + body + filler[last:] + question
+    return prompt, _encode(tokenizer, " " + values[asked] + ".")
 
 
 @torch.no_grad()
