@@ -82,7 +82,8 @@ def calibrate(
         package), ``"noise"``, a path to a text file, or a :class:`~kvcake.haystack.Haystack`.
     samples:
         Samples per scenario: ``samples`` context-only continuations and ``samples`` questions
-        (alternately a number and a key to retrieve, :mod:`kvcake.calibration.samples`).
+        (cycling through a number, a key, a key among look-alike facts and a number handed along a
+        chain, :mod:`kvcake.calibration.samples`).
     length:
         Prompt length in tokens; ``continuation`` tokens are scored after context-only prompts.
     grid:
