@@ -312,3 +312,19 @@ def test_the_near_uniform_candidate_joins_every_grid():
     better = with_flat(grid, lambda a, b: 1.5)
     assert better.best == (0.2, 0.4) and better.table[FLAT_TAU] == 1.5
     assert with_flat(better, lambda a, b: pytest.fail("measured twice")).table == better.table
+
+
+def test_question_samples_score_the_full_caches_greedy_continuation(tiny_llama):
+    """``greedy=n``: the scored tokens are the full cache's own greedy continuation (what the
+    results page's KL scores), each the argmax of the full cache's prediction before it; the cache
+    is cropped back to the prompt for the replay."""
+    prompt = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = reference(tiny_llama, prompt, None, "question", greedy=5)
+    with torch.no_grad():
+        out = tiny_llama.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    expected = out[0, len(prompt) :]
+    assert torch.equal(ref.appended[0], expected[:-1])
+    assert torch.equal(ref.full_logprobs.argmax(-1), expected)
+    assert ref.cache.get_seq_length() == len(prompt)
+    with pytest.raises(ValueError, match="greedy"):
+        reference(tiny_llama, prompt, None, "question")

@@ -29,7 +29,8 @@ PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel
 OBJECTIVE = (
     "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
     "KL with the paper's indicator (1.0), one scenario at a time (question: the compressed prompt ends with "
-    "a question for an exact span; context: a passage compressed alone, its continuation scored); kept: the "
+    "a question for an exact span, the full cache's greedy continuation scored; context: a passage compressed "
+    "alone, its continuation scored); kept: the "
     "least uneven allocation within one standard error of the grid's best; attention-output perturbation "
     "reported beside it ('perturbation', relative to uniform budgets), not optimised"
 )
@@ -85,7 +86,8 @@ def calibrate(
         (cycling through a number, a key, a key among look-alike facts and a number handed along a
         chain, :mod:`kvcake.calibration.samples`).
     length:
-        Prompt length in tokens; ``continuation`` tokens are scored after context-only prompts.
+        Prompt length in tokens; ``continuation`` tokens are scored after every prompt: the text's
+        own after a context-only prompt, the full cache's greedy continuation after a question.
     grid:
         Points per temperature axis, log-spaced over tau1 in 0.2-2 and tau2 in 0.4-3 (the CAKE
         paper's ranges), extended past an edge that holds the best point.
@@ -125,7 +127,10 @@ def calibrate(
         refs[scenario] = []
         for i in range(samples):
             prompt, scored = build_texts(tokenizer, haystack, scenario, length, continuation, seed + i)
-            refs[scenario].append(reference(model, prompt, scored, scenario))
+            # questions score the model's own greedy continuation (the answer and what follows),
+            # as the results page's KL does; context-only samples the text's true continuation
+            greedy = continuation if scenario == "question" else 0
+            refs[scenario].append(reference(model, prompt, scored, scenario, greedy=greedy))
     forward_s = time.perf_counter() - start
     logger.info("calibration: %d full forwards in %.1f s", samples * len(SCENARIOS), forward_s)
     points: dict[str, list[TauPoint]] = {s: [] for s in SCENARIOS}

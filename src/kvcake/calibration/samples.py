@@ -6,7 +6,9 @@ Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENA
   tokens of the same text are teacher-forced after it (context-only compression).
 - ``question``: a fact holding an exact span is hidden at a random depth of a passage and a
   question asking for it closes the prompt, so the compressed prompt ends with the question
-  (question-aware); the answer is teacher-forced. The samples cycle through the :data:`FORMS`
+  (question-aware); the full cache's own greedy continuation after it (the answer, then whatever
+  the model says next) is teacher-forced and scored, as the results page scores it. The samples
+  cycle through the :data:`FORMS`
   (as the evaluation's tasks do: one needle, needles among look-alikes, a value handed along a
   chain): a 7-digit number, an alphanumeric key (``QX-4827-LM``), a key among four look-alike
   facts about other roles, and a number stated once and copied twice (the question names the last
@@ -172,16 +174,32 @@ def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuat
 
 
 @torch.no_grad()
-def reference(model, prompt: list[int], scored: list[int], kind: str) -> Sample:
+def reference(model, prompt: list[int], scored: list[int] | None, kind: str, greedy: int = 0) -> Sample:
     """Run the full cache once over ``prompt`` (recording each layer's queries), then teacher-force
     ``scored[:-1]`` to get the full cache's predictions of ``scored``; the cache is cropped back to
-    the prompt so :func:`~kvcake.replay.replay_compress` can replay it."""
+    the prompt so :func:`~kvcake.replay.replay_compress` can replay it.
+
+    ``greedy`` > 0: ``scored`` is instead the full cache's own greedy continuation of ``greedy``
+    tokens (what the results page's fidelity measures score, :mod:`kvcake.eval.reference`): after
+    a question that is the answer and whatever the model says next, so a compression is judged on
+    what the model would have said, not only on the span."""
     dev = model.device
     ids = torch.tensor([prompt], device=dev)
     captured, cache = Captured(), DynamicCache()
     with capture_queries(model, captured):
         out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)  # (1, 1, vocab)
     logits = out.logits[:, -1]
+    if greedy > 0:
+        scored = [int(logits.argmax(-1))]
+        for _ in range(greedy - 1):  # each step's token from the full cache's own prediction
+            step = model(torch.tensor([[scored[-1]]], device=dev), **with_cache(model, cache), use_cache=True)
+            scored.append(int(step.logits[0, -1].argmax()))
+        if greedy > 1:
+            cache.crop(-(greedy - 1))
+    elif scored is None:
+        raise ValueError(
+            "reference needs the scored tokens, or greedy > 0 to score the model's own continuation"
+        )
     appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
     preds, attn = [logits.float()], []
     if appended.shape[1]:
