@@ -17,9 +17,10 @@ import kvcake
 from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.samples import FORMS, PLAIN_ANSWER, ROLES, build_texts, reference, span
+from kvcake.calibration.samples import FORMS, PLAIN_ANSWER, ROLES, WORDS, build_texts, reference, span
 from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
 from kvcake.eval.tasks import TASKS, make_samples
+from kvcake.eval.tasks.vocab import KEY_NOUNS, VALUE_WORDS
 from kvcake.haystack import NoiseHaystack
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
@@ -219,22 +220,22 @@ def test_question_samples_end_with_the_question_for_a_number_or_a_key():
     in the prompt; the look-alike facts hold other spans of that shape; a chain's facts come in order."""
     tok = WordTokenizer()
     seen = set()
-    for seed in range(8):
+    for seed in range(12):
         prompt, scored = build_texts(tok, NoiseHaystack(), "question", 160, 4, seed)
         name = tuple(FORMS)[seed % len(FORMS)]
         seen.add(name)
         form = FORMS[name]
         text = tok.decode(prompt).replace(" - ", "-")
         value = tok.decode(scored).split(" .")[0].replace(" - ", "-").strip()
-        shape = r"\d{7}" if form.span == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}"
+        shape = {"number": r"\d{7}", "key": r"[A-Z]{2}-\d{4}-[A-Z]{2}", "word": "|".join(WORDS)}[form.span]
         assert re.fullmatch(shape, value), value
         assert len(prompt) == 160 and value in text  # the fact is in the compressed prompt
-        asked = re.search(r"locker of the (\w+ \w+) open", text)
+        asked = re.search(r"(?:locker of|spare key of) the (\w+ \w+)", text)
         ask = form.ask.format(who=asked.group(1) if asked else "")
         tail = tok(ask + PLAIN_ANSWER + form.prefix, add_special_tokens=False)["input_ids"]
         assert prompt[-len(tail) :] == tail  # the question closes the prompt
-        spans = re.findall(r"\b\d{7}\b" if form.span == "number" else r"[A-Z]{2}-\d{4}-[A-Z]{2}", text)
-        assert len(set(spans)) == (4 if name == "keys" else 1) and value in spans
+        spans = re.findall(rf"\b(?:{shape})\b", text)
+        assert len(set(spans)) == (4 if name in ("keys", "words") else 1) and value in spans
         if name == "chain":
             marks = [
                 text.index(w)
@@ -263,7 +264,7 @@ def test_question_samples_are_laid_out_like_a_users_chat_prompt():
         prompt, scored = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
         form = FORMS[tuple(FORMS)[seed % 2]]  # number, key (one role)
         text = tok.decode(prompt)
-        asked = re.search(r"locker of the (\w+ \w+) open", text)
+        asked = re.search(r"(?:locker of|spare key of) the (\w+ \w+)", text)
         ask = form.ask.format(who=asked.group(1) if asked else "")
         head = tok("<|system|> be brief <|user|> ", add_special_tokens=False)["input_ids"]
         tail = tok(ask + " <|end|> <|assistant|> " + form.prefix, add_special_tokens=False)["input_ids"]
@@ -298,6 +299,8 @@ def test_calibration_prompts_are_never_evaluation_prompts():
         for f in ("number", "key")
     ]
     assert not [v for v in rng_spans if v in joined]
+    assert not [w for w in WORDS if re.search(rf"\b{w}\b", joined, re.IGNORECASE)]
+    assert not [w for w in WORDS for v in (*VALUE_WORDS, *KEY_NOUNS) if w in v.lower() or v.lower() in w]
 
 
 def test_the_near_uniform_candidate_joins_every_grid():

@@ -11,9 +11,11 @@ Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENA
   cycle through the :data:`FORMS`
   (as the evaluation's tasks do: one needle, needles among look-alikes, a value handed along a
   chain): a 7-digit number, an alphanumeric key (``QX-4827-LM``), a key among four look-alike
-  facts about other roles, and a number stated once and copied twice (the question names the last
-  holder). Exact spans are fragile: eviction must keep them whole, so a loss on continuations
-  alone cannot buy fidelity by dropping them.
+  facts about other roles, a number stated once and copied twice (the question names the last
+  holder), and a one-word answer alone and among look-alikes (the evaluation's needles are single
+  words: multi-token spans alone made the samples much harder than its prompts, and rewarded
+  allocations its prompts punish). Exact spans are fragile: eviction must keep them whole, so a
+  loss on continuations alone cannot buy fidelity by dropping them.
   With a tokenizer that has a chat template the prompt is laid out as ``kvcake.build_prompt``
   lays out a user's (and the evaluation's) question: passage and question in the user turn, the
   assistant turn opened and started with the answer's prefix, so the window CAKE and SnapKV
@@ -47,7 +49,7 @@ from kvcake.replay import Captured, attention_outputs, capture_queries
 
 # A form of question sample: the facts hidden in the passage (in this order, at random depths),
 # the question closing the prompt, the answer's prefix, and the shape of the spans ("number": 7
-# digits, "key": like QX-4827-LM). ``{value}`` is a span; ``{who}`` a role of :data:`ROLES`, one
+# digits, "key": like QX-4827-LM, "word": one of WORDS). ``{value}`` is a span; ``{who}`` a role of :data:`ROLES`, one
 # per fact, whose span the question asks for; ``{0}``..: the chain's earlier roles.
 @dataclass(frozen=True)
 class Form:
@@ -58,6 +60,9 @@ class Form:
 
 
 ROLES = ("night courier", "ferry pilot", "museum warden", "choir director", "orchard keeper")
+# one-word spans, none of them a value of the evaluation's tasks (kvcake.eval.tasks.vocab)
+WORDS = ("harp", "saucer", "thimble", "walnut", "acorn", "compass", "easel", "quill", "barrel", "basket",
+         "chisel", "hammock", "teapot", "ladle", "anvil", "paddle", "cactus", "beetle", "hornet", "trellis")  # fmt: skip
 FORMS = {
     # one exact span to retrieve
     "number": Form(
@@ -76,6 +81,17 @@ FORMS = {
         " Question: with which key does the locker of the {who} open?",
         "The locker opens with the key", "key",
     ),
+    # a one-word answer (as the evaluation's needles are), alone and among look-alikes
+    "word": Form(
+        (" The spare key of the {who} hangs on a hook shaped like a {value}.",),
+        " Question: what shape is the hook that holds the spare key of the {who}?",
+        "The hook is shaped like a", "word",
+    ),
+    "words": Form(
+        (" The spare key of the {who} hangs on a hook shaped like a {value}.",) * 4,
+        " Question: what shape is the hook that holds the spare key of the {who}?",
+        "The hook is shaped like a", "word",
+    ),
     # a chain: the span is stated once and handed on twice; the question names the last holder
     "chain": Form(
         (" In the ledger of the lighthouse keeper, the tide code was written down as {value}.",
@@ -90,7 +106,10 @@ KINDS = ("context", "question")
 
 
 def span(rng: random.Random, form: str) -> str:
-    """A random exact span of ``form``: ``"number"`` 7 digits, ``"key"`` like ``QX-4827-LM``."""
+    """A random exact span of ``form``: ``"number"`` 7 digits, ``"key"`` like ``QX-4827-LM``,
+    ``"word"`` one of :data:`WORDS`."""
+    if form == "word":
+        return rng.choice(WORDS)
     if form == "number":
         return str(rng.randrange(1_000_000, 10_000_000))
     letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
@@ -137,8 +156,8 @@ def _passage(tokenizer, haystack: Haystack, rng: random.Random, n_tokens: int) -
 
 def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuation: int, seed: int):
     """(prompt ids, teacher-forced ids) of one sample; the scored positions are ``len(second)``.
-    Question samples cycle through the :data:`FORMS` with ``seed`` (``seed % 4``: number, key,
-    keys, chain)."""
+    Question samples cycle through the :data:`FORMS` with ``seed`` (``seed % 6``: number, key,
+    keys, word, words, chain)."""
     if kind not in KINDS:
         raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
     rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
