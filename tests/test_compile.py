@@ -83,7 +83,9 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool |
     torch._dynamo.reset()
     counter = _GraphCounter()
     step = (
-        torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=dynamic) if compiled else model.forward
+        torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=dynamic)
+        if compiled
+        else model.forward
     )
     ids = torch.randint(3, 128, (batch, 60), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
