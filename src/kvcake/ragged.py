@@ -7,8 +7,9 @@ the cumulative layout. The query heads of a GQA group read their KV head's segme
 
 Two implementations behind ``ragged_attention``: a vectorised PyTorch segment softmax
 (segments padded to the longest, no Python loop over heads or tokens, no atomic adds: the same
-bits on every run), which is the reference and the CPU path, and a variable-length kernel on CUDA (``kvcake.varlen``: torch's ``varlen_attn``, else
-flash-attention's, each segment its own "sequence" with one KV head and ``G`` query heads).
+bits on every run), which is the reference and the CPU path, and a variable-length kernel on
+CUDA (``kvcake.varlen``: torch's ``varlen_attn``, else flash-attention's, each segment its own
+"sequence" with one KV head and ``G`` query heads).
 """
 
 from __future__ import annotations

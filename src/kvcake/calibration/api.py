@@ -83,8 +83,8 @@ def calibrate(
         package), ``"noise"``, a path to a text file, or a :class:`~kvcake.haystack.Haystack`.
     samples:
         Samples per scenario: ``samples`` context-only continuations and ``samples`` questions
-        (cycling through a number, a key, a key among look-alike facts and a number handed along a
-        chain, :mod:`kvcake.calibration.samples`).
+        (cycling through the six forms of :data:`kvcake.calibration.samples.FORMS`: a number, a key,
+        a key among look-alikes, a word, a word among look-alikes, a number handed along a chain).
     length:
         Prompt length in tokens; ``continuation`` tokens are scored after every prompt: the text's
         own after a context-only prompt, the full cache's greedy continuation after a question.

@@ -52,7 +52,7 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
     p.add_argument("--samples", type=int, default=4,
-                   help="samples per scenario (context-only continuations, questions cycling through a number, a key, a key among look-alikes and a number handed along a chain)")  # fmt: skip
+                   help="samples per scenario (context-only continuations, questions cycling through six forms, kvcake.calibration.samples; 6 covers them all)")  # fmt: skip
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,

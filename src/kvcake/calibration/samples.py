@@ -8,11 +8,11 @@ Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENA
   question asking for it closes the prompt, so the compressed prompt ends with the question
   (question-aware); the full cache's own greedy continuation after it (the answer, then whatever
   the model says next) is teacher-forced and scored, as the results page scores it. The samples
-  cycle through the :data:`FORMS`
-  (as the evaluation's tasks do: one needle, needles among look-alikes, a value handed along a
-  chain): a 7-digit number, an alphanumeric key (``QX-4827-LM``), a key among four look-alike
-  facts about other roles, a number stated once and copied twice (the question names the last
-  holder), and a one-word answer alone and among look-alikes (the evaluation's needles are single
+  cycle through the :data:`FORMS` (as the evaluation's tasks do: one needle, needles among
+  look-alikes, a value handed along a chain): a 7-digit number, an alphanumeric key
+  (``QX-4827-LM``), a key among four look-alike facts about other roles, a number stated once and
+  copied twice (the question names the last holder), and a one-word answer alone and among
+  look-alikes (the evaluation's needles are single
   words: multi-token spans alone made the samples much harder than its prompts, and rewarded
   allocations its prompts punish). Exact spans are fragile: eviction must keep them whole, so a
   loss on continuations alone cannot buy fidelity by dropping them.
@@ -44,13 +44,13 @@ from transformers import DynamicCache
 from kvcake.adapters import with_cache
 from kvcake.haystack import Haystack
 from kvcake.prompts import chat_frame
-from kvcake.replay import Captured, attention_outputs, capture_queries
+from kvcake.replay import Captured, attention_outputs, capture_queries, greedy_tokens
 
 
 # A form of question sample: the facts hidden in the passage (in this order, at random depths),
 # the question closing the prompt, the answer's prefix, and the shape of the spans ("number": 7
-# digits, "key": like QX-4827-LM, "word": one of WORDS). ``{value}`` is a span; ``{who}`` a role of :data:`ROLES`, one
-# per fact, whose span the question asks for; ``{0}``..: the chain's earlier roles.
+# digits, "key": like QX-4827-LM, "word": one of WORDS). ``{value}`` is a span, ``{who}`` a role
+# of ROLES (one per fact; the question asks for one of them).
 @dataclass(frozen=True)
 class Form:
     facts: tuple[str, ...]
@@ -209,12 +209,9 @@ def reference(model, prompt: list[int], scored: list[int] | None, kind: str, gre
         out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)  # (1, 1, vocab)
     logits = out.logits[:, -1]
     if greedy > 0:
-        scored = [int(logits.argmax(-1))]
-        for _ in range(greedy - 1):  # each step's token from the full cache's own prediction
-            step = model(torch.tensor([[scored[-1]]], device=dev), **with_cache(model, cache), use_cache=True)
-            scored.append(int(step.logits[0, -1].argmax()))
+        scored = greedy_tokens(model, cache, len(prompt), logits, greedy).tolist()
         if greedy > 1:
-            cache.crop(-(greedy - 1))
+            cache.crop(-(greedy - 1))  # back to the prompt for the teacher-forced pass and the replay
     elif scored is None:
         raise ValueError(
             "reference needs the scored tokens, or greedy > 0 to score the model's own continuation"

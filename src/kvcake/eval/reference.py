@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from kvcake.adapters import with_cache
 from kvcake.attention import enable
 from kvcake.eval.questions import ContextGroup, Question
-from kvcake.replay import Captured, TeacherForced, capture_queries, teacher_force
+from kvcake.replay import Captured, TeacherForced, capture_queries, greedy_tokens, teacher_force
 
 
 @dataclass
@@ -71,20 +71,6 @@ def continue_greedy(
     return out[0, prefix.shape[1] :]
 
 
-def _greedy_tokens(model, cache, prefix_len: int, logits: torch.Tensor, n: int) -> torch.Tensor:
-    """Exactly ``n`` greedy tokens (n,) after a full cache holding ``prefix_len`` tokens, not
-    stopping at EOS (the fidelity continuation); ``cache`` is consumed."""
-    tokens = [logits.argmax(-1)]  # (1,) each
-    with torch.no_grad():
-        for i in range(1, n):
-            mask = _ones(prefix_len + i, logits.device)
-            out = model(
-                tokens[-1][:, None], attention_mask=mask, **with_cache(model, cache), logits_to_keep=1
-            )
-            tokens.append(out.logits[:, -1].argmax(-1))
-    return torch.cat(tokens)
-
-
 def answer_tokens(model, tokens: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """The answer part of a greedy continuation: up to the first EOS (kept), at most ``max_new_tokens``."""
     eos = _eos_ids(model)
@@ -123,7 +109,7 @@ def full_reference(model, group: ContextGroup, shared: bool, fidelity: bool, fid
         prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         n_gen = max(q.max_new_tokens, fidelity_tokens if fidelity else 0)
-        tokens = _greedy_tokens(model, copy.deepcopy(q_cache), full_ids.shape[1], q_logits, n_gen)
+        tokens = greedy_tokens(model, copy.deepcopy(q_cache), full_ids.shape[1], q_logits, n_gen)
         qref = QuestionRef(q, q_cache, q_captured, q_logits, tokens, prefill_s, time.perf_counter() - t0)
         if fidelity:
             cont = tokens[:fidelity_tokens][None]  # (1, n)

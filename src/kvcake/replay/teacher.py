@@ -11,7 +11,7 @@ from kvcake.attention import enable
 
 from .capture import attention_outputs
 
-__all__ = ["TeacherForced", "kl_per_token", "perturbation", "rel_l1", "teacher_force"]
+__all__ = ["TeacherForced", "greedy_tokens", "kl_per_token", "perturbation", "rel_l1", "teacher_force"]
 
 
 @dataclass
@@ -76,3 +76,20 @@ def teacher_force(
         hidden = out.hidden_states[-1][0]
     logits = torch.cat([p.reshape(-1, p.shape[-1]) for p in preds])[-n_predictions:]
     return TeacherForced(torch.log_softmax(logits.double(), dim=-1), attn, hidden)
+
+
+def greedy_tokens(
+    model: torch.nn.Module, cache, prefix_len: int, logits: torch.Tensor, n: int
+) -> torch.Tensor:
+    """Exactly ``n`` greedy tokens (n,) after a full cache holding ``prefix_len`` tokens whose last
+    logits are ``logits`` (1, vocab), not stopping at EOS: the continuation the fidelity measures
+    score (evaluation and calibration alike). ``cache`` is extended by ``n - 1`` tokens."""
+    tokens = [logits.argmax(-1)]  # (1,) each
+    with torch.no_grad():
+        for i in range(1, n):
+            mask = torch.ones(1, prefix_len + i, dtype=torch.long, device=logits.device)
+            out = model(
+                tokens[-1][:, None], attention_mask=mask, **with_cache(model, cache), logits_to_keep=1
+            )
+            tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.cat(tokens)
