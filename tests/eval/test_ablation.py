@@ -153,3 +153,23 @@ def test_the_suite_measures_the_target_methods_on_more_samples(monkeypatch):
     keys = [(r["method"], r["seed"]) for r in merged.records]
     assert len(keys) == len(set(keys)) == 3 * 2 + len(TARGET_METHODS) * 6 - 2 * 2  # full, snapkv 0-1 once
     assert merged.table == f"{len(keys)} cells" and merged.missing == 2 and merged.new == 6 + 6 * 6
+
+
+def test_targets_report_their_margin_and_whether_one_prompt_decides_them():
+    from kvcake.eval.ablation import targets_markdown
+
+    cake, snap = [0.1, 0.1, 1.0], [0.2, 0.2, 0.3]
+    records = [_record("cake", 2048, "context", 0.25, v, seed=s) for s, v in enumerate(cake)]
+    records += [_record("snapkv", 2048, "context", 0.25, v, seed=s) for s, v in enumerate(snap)]
+    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line)
+    margins = [b - a for a, b in zip(cake, snap, strict=True)]  # 0.1, 0.1, -0.7
+    mean = sum(margins) / 3
+    se = (sum((m - mean) ** 2 for m in margins) / 2 / 3) ** 0.5
+    # missed on the mean, by one prompt: without it both others hold
+    assert row.endswith(f"| **no** | 2/3 | {mean:+.3g} ({se:.2g}) | yes |"), row
+    records[2]["kl"] = 0.35  # now the mean holds (margin -0.05 on that prompt only)
+    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line)
+    assert "| yes | 2/3 | +0.05 (" in row and row.endswith("| yes |")
+    # scores: the margin is in points, above the reference less the slack
+    score = [line for line in targets_markdown(records).splitlines() if "score >=" in line and "context" in line]
+    assert score and all("| 3/3 | +10 (0) | yes |" in line for line in score)

@@ -157,7 +157,10 @@ def targets_section(records: Sequence[dict[str, Any]]) -> str:
         "## Targets of issue 24 (CAKE with its calibrated temperatures: output KL and task score)\n\nMeans "
         "over the prompts of the tables above that both sides of a row have (every task, length and sample "
         "when the run is complete), computed from the results file. *Prompts where it holds* makes the same "
-        "comparison prompt by prompt: a mean can be decided by one prompt with a large KL. Context-only at "
+        "comparison prompt by prompt: a mean can be decided by one prompt with a large KL. *Margin* is the mean "
+        "by which the target holds per prompt (reference x factor less the value for KL, value less the "
+        "reference's score less the slack for scores; negative: missed), with its standard error over the "
+        "prompts; *holds without its worst prompt* leaves out the prompt it misses most by. Context-only at "
         "ratio 0.5 has no target (no fixed temperatures reached SnapKV there in the oracle sweep): its rows "
         "show the gap. Attention-output perturbation is a diagnostic (tables above), not a target.\n\n"
         + targets_markdown(records)
@@ -218,49 +221,61 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
         metric: str,
         factor: float = 1.0,
         slack: float = 0.0,
-    ) -> tuple[float | None, float | None, str]:
+    ) -> tuple[float | None, float | None, str, str, str]:
         """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like
-        with like), and on how many of those prompts the target holds, e.g. ``"11/12"``: for KL the
-        method at or below ``factor`` x the reference, for scores at least the reference less ``slack``."""
+        with like); on how many of those prompts the target holds, e.g. ``"11/12"`` (for KL the
+        method at or below ``factor`` x the reference, for scores at least the reference less
+        ``slack``); the mean margin by which it holds (negative: missed) with its standard error
+        over the prompts; and whether the mean still holds without the prompt it misses most by."""
         a, b = cells(method, scenario, ratio, metric), cells(ref, scenario, ratio, metric)
         common = sorted(set(a) & set(b))
         if not common:
-            return None, None, "-"
-        won = sum(a[k] >= b[k] - slack if metric == "score" else a[k] <= factor * b[k] for k in common)
+            return None, None, "-", "-", "-"
+        margins = [a[k] - (b[k] - slack) if metric == "score" else factor * b[k] - a[k] for k in common]
+        n = len(margins)
+        mean = sum(margins) / n
+        se = (sum((m - mean) ** 2 for m in margins) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+        scale = 100 if metric == "score" else 1
+        rest = sorted(margins)[1:]
+        without = "one prompt" if not rest else "yes" if sum(rest) >= 0 else "no"
         return (
             sum(a[k] for k in common) / len(common),
             sum(b[k] for k in common) / len(common),
-            f"{won}/{len(common)}",
+            f"{sum(m >= 0 for m in margins)}/{n}",
+            f"{mean * scale:+.3g} ({se * scale:.2g})",
+            without,
         )
 
     def verdict(value: float | None, ref: float | None, holds: bool) -> str:
         return "-" if value is None or ref is None else "yes" if holds else "**no**"
 
     ratios = sorted({r["ratio"] for r in records if r.get("ratio") is not None})
-    lines = ["| target | scenario | ratio | value | reference | holds | prompts where it holds |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| target | scenario | ratio | value | reference | holds | prompts where it holds | margin (se) | "
+             "holds without its worst prompt |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method, ref, sc, only, factor in KL_TARGETS:
         for ratio in ratios if only is None else [r for r in ratios if r in only]:
-            value, reference, prompts = pair(method, ref, sc, ratio, "kl", factor)
+            value, reference, prompts, margin, without = pair(method, ref, sc, ratio, "kl", factor)
             times = "" if factor == 1.0 else f"{factor:g} x "
             ok = verdict(
                 value, reference, value is not None and reference is not None and value <= factor * reference
             )
             lines.append(f"| `{method}` kl <= {times}`{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
-                         f"{_num(reference)} | {ok} | {prompts} |")  # fmt: skip
+                         f"{_num(reference)} | {ok} | {prompts} | {margin} | {without} |")  # fmt: skip
     for method, ref, sc, ratio in SHOWN_ONLY:
         if ratio in ratios:
-            value, reference, prompts = pair(method, ref, sc, ratio, "kl")
+            value, reference, prompts, margin, without = pair(method, ref, sc, ratio, "kl")
             gap = "-" if value is None or reference is None else f"no target: {value / reference:.2f} x"
             lines.append(f"| `{method}` kl vs `{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
-                         f"{_num(reference)} | {gap} | {prompts} |")  # fmt: skip
+                         f"{_num(reference)} | {gap} | {prompts} | {margin} | {without} |")  # fmt: skip
     for sc in ("question", "context"):
         for ratio in ratios:
-            value, reference, prompts = pair("cake", "snapkv", sc, ratio, "score", slack=SCORE_SLACK)
+            value, reference, prompts, margin, without = pair(
+                "cake", "snapkv", sc, ratio, "score", slack=SCORE_SLACK
+            )
             holds = value is not None and reference is not None and value >= reference - SCORE_SLACK
             lines.append(f"| `cake` score >= `snapkv` - {SCORE_SLACK * 100:g} | {SCENARIO_TITLES[sc]} | {ratio:g} | "
                          f"{_num(value, 100)} | {_num(reference, 100)} | {verdict(value, reference, holds)} | "
-                         f"{prompts} |")  # fmt: skip
+                         f"{prompts} | {margin} | {without} |")  # fmt: skip
     return "\n".join(lines)
 
 
