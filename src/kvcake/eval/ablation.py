@@ -235,6 +235,7 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
         n = len(margins)
         mean = sum(margins) / n
         se = (sum((m - mean) ** 2 for m in margins) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+        se = round(se, 12)  # equal margins (equal scores) give 0, not rounding noise of 1e-16
         scale = 100 if metric == "score" else 1
         rest = sorted(margins)[1:]
         without = "one prompt" if not rest else "yes" if sum(rest) >= 0 else "no"
