@@ -171,7 +171,8 @@ def test_decode_bench(models, tmp_path, capsys):
                                 steps=2, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,
                                 ragged_length=64, out=tmp_path)  # fmt: skip
     data = _check_outputs(tmp_path, "decode")
-    assert len(data["rows"]) == 2 * (2 + 2 * 2)  # per length: full (dynamic, static) + 2 methods x 2 policies
+    # per length: full (dynamic, static), the floor + 2 methods x 2 policies
+    assert len(data["rows"]) == 2 * (3 + 2 * 2)
     assert "Ragged (Ada-KV) vs uniform" in capsys.readouterr().out
     for r in result["rows"]:
         assert r["s"] > 0 and r["bound_s"] > 0 and r["kv_bytes"] > 0 and len(r["times"]) == 2
@@ -180,6 +181,15 @@ def test_decode_bench(models, tmp_path, capsys):
     assert all(r["allowed"] == pytest.approx(1.0) and r["speedup"] == pytest.approx(1.0) for r in full)
     static = [r for r in result["rows"] if r["method"] == "full-static"]  # the same prompt, its capacity reserved
     assert len(static) == 2 and all(s["kv_bytes"] > f["kv_bytes"] for s, f in zip(static, full, strict=True))
+    # the floor: the model's own step with only the prompt's first tokens cached
+    floor = [r for r in result["rows"] if r["method"] == "floor"]
+    assert [r["length"] for r in floor] == [48, 64]
+    # bytes measured after each timed step: 1 warm-up step, then 1 and 2 more tokens (2.5 on average)
+    n = bench_decode_module.FLOOR_TOKENS
+    for r, f in zip(floor, full, strict=True):
+        assert r["kv_bytes"] / f["kv_bytes"] == pytest.approx((n + 2.5) / (r["length"] + 2.5))
+    assert all(r["bound_s"] < f["bound_s"] for r, f in zip(floor, full, strict=True))
+    assert all(t["method"] != "floor" for t in result["targets"])
     fixed = [r for r in result["rows"] if r["policy"] == "fixed"]
     assert all(r["hook_s"] > 0 for r in fixed)
     assert all(r["compiled_s"] is None for r in result["rows"])  # compile off by default
@@ -206,6 +216,8 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     targets = {(t["target"].split(" x ")[-1], t["method"]) for t in result["targets"]}
     assert {("the full cache at its best", m) for m in ("snapkv", "cake")} <= targets
     assert {("its read bound", m) for m in ("snapkv", "cake")} <= targets
+    bound = [t for t in result["targets"] if t["target"].endswith("its read bound")]
+    assert all("the model's own step with 16 tokens cached" in t["detail"] for t in bound)
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
     assert "| the counts |" in bench_decode_module.decode_tables(result)
     with pytest.raises(ValueError, match="unknown decoding policies"):
