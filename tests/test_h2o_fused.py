@@ -124,3 +124,30 @@ def test_other_kernels_score_after_the_stock_kernel(tiny_llama, monkeypatch):
 def test_fused_must_be_a_bool():
     with pytest.raises(ValueError, match="H2O fused must be true or false"):
         make_method("h2o,score.fused=1", budget=64)
+
+
+def test_the_half_precision_route_on_emulated_kernels(monkeypatch):
+    """The CUDA route for bf16/fp16 inputs (``h2o.half_matmuls``: matmuls of the inputs with float32
+    results) run here with its kernel emulated (float32 products of the half inputs, as the CUDA
+    kernel accumulates them): the logits, so the column sums, equal the float32 route's up to
+    rounding; the output up to the probabilities' rounding to bf16 before the product with the
+    values, as flash attention rounds them. tests/cuda/test_cuda_h2o_fused.py runs the kernel."""
+    assert not h2o.half_matmuls(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))  # the CPU: float32 copies
+    calls = []
+
+    def emulated(a, b, out, alpha=1.0):
+        assert a.dtype == b.dtype == torch.bfloat16 and out.dtype == torch.float32
+        calls.append(a.shape)
+        return torch.mul(torch.bmm(a.float(), b.float()), alpha, out=out)
+
+    q, k, v, valid, mask = _inputs(kv_heads=2)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    ref_out, ref_sums = h2o.attention_with_column_sums(q, k, v, mask, valid, 0.3, 16)
+    monkeypatch.setattr(h2o, "half_matmuls", lambda query: True)
+    monkeypatch.setattr(h2o, "_matmul_f32", emulated)
+    out, sums = h2o.attention_with_column_sums(q, k, v, mask, valid, 0.3, 16)
+    assert len(calls) == 2 * 5  # logits and values, per block of 16 rows of 70
+    assert out.dtype == torch.bfloat16 and sums.dtype == torch.float32
+    torch.testing.assert_close(sums, ref_sums, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+    assert bool((out[-1, :20] == 0).all())  # a padding row still sees nothing

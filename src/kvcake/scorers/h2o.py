@@ -96,6 +96,43 @@ def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int
     return max(MIN_ROWS, 1 << (rows.bit_length() - 1))
 
 
+HALF = (torch.bfloat16, torch.float16)
+_half_matmuls_work: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def half_matmuls(query: torch.Tensor) -> bool:
+    """Whether :func:`attention_with_column_sums` multiplies the half-precision inputs themselves
+    with float32 results (tensor cores) instead of float32 copies: on CUDA, for bf16/fp16 inputs,
+    where torch has the matmuls with an ``out_dtype`` and they run (probed once per device and
+    dtype). Products of two bf16/fp16 numbers are exact in float32 and accumulate in float32, so
+    the logits are the float32 route's up to summation order; the probabilities are rounded to the
+    inputs' dtype for the product with the values, as flash attention rounds them."""
+    if query.device.type != "cuda" or query.dtype not in HALF:
+        return False
+    key = (str(query.device), query.dtype)
+    if key not in _half_matmuls_work:
+        _half_matmuls_work[key] = _probe_half_matmuls(query.device, query.dtype)
+    return _half_matmuls_work[key]
+
+
+def _probe_half_matmuls(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch.ops.aten.baddbmm, "dtype_out") or not hasattr(torch.ops.aten.bmm, "dtype_out"):
+        return False
+    a = torch.randn(2, 8, 16, device=device).to(dtype)
+    b = torch.randn(2, 16, 8, device=device).to(dtype)
+    try:
+        got = _matmul_f32(a, b, torch.empty(2, 8, 8, device=device), 0.5)
+    except (RuntimeError, NotImplementedError):  # an op this build has not for this device/dtype
+        return False
+    return bool(torch.allclose(got, 0.5 * (a.float() @ b.float()), rtol=1e-5, atol=1e-5))
+
+
+def _matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``out`` (float32) = ``alpha * a @ b`` for half-precision batched ``a`` (N, m, k), ``b`` (N, k, n),
+    accumulated and written in float32 (``alpha`` applied to the float32 products)."""
+    return torch.ops.aten.baddbmm.dtype_out(out, a, b, torch.float32, beta=0, alpha=alpha, out=out)
+
+
 def fusable_mask(mask: torch.Tensor | None, length: int) -> bool:
     """Whether :func:`attention_with_column_sums` reads ``mask`` as SDPA does: None (causal) or a
     boolean ``(B, 1, S, S)`` mask (True: the query may attend)."""
@@ -120,15 +157,23 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
 
     ``rows`` query rows at a time (default :func:`block_rows`), each block's logits written into
     one reused buffer and exponentiated in place: on a CPU fresh buffers of this size cost more in
-    page faults than the arithmetic. A GQA group's heads share one matmul with their KV head."""
+    page faults than the arithmetic. A GQA group's heads share one matmul with their KV head.
+    Where :func:`half_matmuls` holds (CUDA, bf16/fp16) the matmuls take the inputs as they are and
+    write float32; elsewhere they run on float32 copies."""
     b, h, s, d = query.shape
     hkv = key.shape[1]
     g = h // hkv
     dev = query.device
     rows = min(s, rows or block_rows(b, h, s, dev))
-    q = (query.float() * scaling).reshape(b, hkv, g, s, d)
-    kt = key.float().transpose(-1, -2)  # (B, H_kv, d, S)
-    v = value.float()
+    half = half_matmuls(query)
+    if half:  # unscaled: the scale is applied to the float32 products
+        q, kt, v = query.reshape(b, hkv, g, s, d), key.contiguous().transpose(-1, -2), value.contiguous()
+        probs_half = torch.empty(b * h * rows * s, dtype=value.dtype, device=dev)
+        pv = torch.empty(b * hkv * g * rows * d, dtype=torch.float32, device=dev)
+    else:
+        q = (query.float() * scaling).reshape(b, hkv, g, s, d)
+        kt = key.float().transpose(-1, -2)  # (B, H_kv, d, S)
+        v = value.float()
     out = torch.empty(b, hkv, g, s, d, dtype=torch.float32, device=dev)
     sums = torch.zeros(b, hkv, g, 1, s, dtype=torch.float32, device=dev)
     buffer = torch.empty(b * h * rows * s, dtype=torch.float32, device=dev)
@@ -139,7 +184,12 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
         stop = min(s, start + rows)
         n = stop - start
         logits = buffer[: b * h * n * stop].view(b, hkv, g * n, stop)
-        torch.matmul(q[:, :, :, start:stop].reshape(b, hkv, g * n, d), kt[..., :stop], out=logits)
+        rows_q = q[:, :, :, start:stop].reshape(b, hkv, g * n, d)
+        if half:
+            _matmul_f32(rows_q.reshape(b * hkv, g * n, d), kt[..., :stop].reshape(b * hkv, d, stop),
+                        logits.view(b * hkv, g * n, stop), scaling)  # fmt: skip
+        else:
+            torch.matmul(rows_q, kt[..., :stop], out=logits)
         block = logits.view(b, hkv, g, n, stop)
         if mask is None:
             block[..., start:stop].add_(upper[:n, :n])
@@ -148,7 +198,19 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
         top = logits.amax(-1, keepdim=True)  # (B, H_kv, G*n, 1)
         total = logits.sub_(top).exp_().sum(-1, keepdim=True)
         scale = (top > hidden).float().div_(total)  # 1/total; 0 on a row that sees nothing
-        out[:, :, :, start:stop] = torch.matmul(logits, v[:, :, :stop]).mul_(scale).view(b, hkv, g, n, d)
+        if half:  # the probabilities in the inputs' dtype times the values, in float32 (as flash attention)
+            p = (
+                probs_half[: b * h * n * stop]
+                .view(b * hkv, g * n, stop)
+                .copy_(logits.view(b * hkv, g * n, stop))
+            )
+            pv_block = _matmul_f32(
+                p, v[:, :, :stop].reshape(b * hkv, stop, d), pv[: b * h * n * d].view(b * hkv, g * n, d)
+            )
+            pv_block = pv_block.view(b, hkv, g * n, d)
+        else:
+            pv_block = torch.matmul(logits, v[:, :, :stop])
+        out[:, :, :, start:stop] = pv_block.mul_(scale).view(b, hkv, g, n, d)
         row_weight = scale.view(b, hkv, g, 1, n) * weight[..., start:stop].unsqueeze(2)
         sums[..., :stop] += torch.matmul(row_weight, block)  # (B, H_kv, G, 1, stop)
     return out.view(b, h, s, d).transpose(1, 2).contiguous().to(query.dtype), sums.view(b, h, s)
