@@ -40,6 +40,7 @@ LAYERS = {
         "devices",
         "sdpa",
         "varlen",
+        "matmul",
         "prompts",
         "haystack",
         "version",

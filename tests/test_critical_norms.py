@@ -120,3 +120,27 @@ def test_cache_keeps_the_same_entries(tiny_llama, monkeypatch, spec):
     for a, b in zip(got.layers, ref.layers, strict=True):
         assert torch.equal(a.padded_positions(), b.padded_positions())
         assert torch.equal(a.keys, b.keys)
+
+
+def test_half_inputs_on_the_float32_product_route(monkeypatch):
+    """The CUDA route for bf16/fp16 values and weight (``kvcake.matmul``: the inputs multiplied as
+    they are, float32 products) run here with its kernel emulated: the norms equal the float32
+    route's on the same half-precision inputs up to summation order, in every chunk and with GQA
+    groups and a batch of 2. tests/cuda runs the kernel."""
+    from kvcake.selectors import critical
+
+    values, o_weight, h, _, _ = _case(3, s=2 * critical._NORM_CHUNK + 50)
+    values, o_weight = values.to(torch.bfloat16), o_weight.to(torch.bfloat16)
+    ref = projected_value_norms(values, o_weight, h)  # the CPU: float32 copies
+    calls = []
+
+    def emulated(a, b, out, alpha=1.0):
+        assert a.dtype == b.dtype == torch.bfloat16 and out.dtype == torch.float32
+        calls.append(a.shape[1])
+        return torch.mul(torch.bmm(a.float(), b.float()), alpha, out=out)
+
+    monkeypatch.setattr(critical, "half_matmuls", lambda x: True)
+    monkeypatch.setattr(critical, "matmul_f32", emulated)
+    got = projected_value_norms(values, o_weight, h)
+    assert calls == [critical._NORM_CHUNK, critical._NORM_CHUNK, 50]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -144,7 +144,7 @@ def test_the_half_precision_route_on_emulated_kernels(monkeypatch):
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     ref_out, ref_sums = h2o.attention_with_column_sums(q, k, v, mask, valid, 0.3, 16)
     monkeypatch.setattr(h2o, "half_matmuls", lambda query: True)
-    monkeypatch.setattr(h2o, "_matmul_f32", emulated)
+    monkeypatch.setattr(h2o, "matmul_f32", emulated)
     out, sums = h2o.attention_with_column_sums(q, k, v, mask, valid, 0.3, 16)
     assert len(calls) == 2 * 5  # logits and values, per block of 16 rows of 70
     assert out.dtype == torch.bfloat16 and sums.dtype == torch.float32

@@ -1,6 +1,6 @@
 """H2O's fused prompt attention (``kvcake.scorers.h2o.attention_with_column_sums``) on the GPU:
 against SDPA and the reference column sums, float32 and bf16/fp16 inputs (bf16/fp16 through the
-matmuls with float32 results, ``h2o.half_matmuls``; the output in the input's dtype), a
+matmuls with float32 results, ``kvcake.matmul``; the output in the input's dtype), a
 left-padded batch with GQA groups of 4."""
 
 from __future__ import annotations
@@ -37,12 +37,3 @@ def test_fused_matches_sdpa_and_the_reference(dtype):
     ref_sums = h2o.accumulated_attention(PrefillInputs(qf, kf, vf, valid, 8, 0.125), chunk=512)
     torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
 
-
-def test_half_inputs_take_the_matmuls_with_float32_results():
-    """bf16/fp16 on CUDA multiply the inputs themselves (tensor cores) with float32 results; False
-    here means this torch lacks the ``out_dtype`` matmuls (or they failed the probe) and H2O's
-    prompt attention runs its matmuls on float32 copies, several times slower."""
-    if DEVICE.type != "cuda":
-        pytest.skip("a CUDA test")
-    for dtype in HALF:
-        assert h2o.half_matmuls(torch.zeros(1, 1, 1, 1, device=DEVICE, dtype=dtype)), dtype

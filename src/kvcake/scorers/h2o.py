@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..matmul import half_matmuls, matmul_f32
 from .base import PrefillInputs, Scorer, _expand_kv
 
 
@@ -96,43 +97,6 @@ def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int
     return max(MIN_ROWS, 1 << (rows.bit_length() - 1))
 
 
-HALF = (torch.bfloat16, torch.float16)
-_half_matmuls_work: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def half_matmuls(query: torch.Tensor) -> bool:
-    """Whether :func:`attention_with_column_sums` multiplies the half-precision inputs themselves
-    with float32 results (tensor cores) instead of float32 copies: on CUDA, for bf16/fp16 inputs,
-    where torch has the matmuls with an ``out_dtype`` and they run (probed once per device and
-    dtype). Products of two bf16/fp16 numbers are exact in float32 and accumulate in float32, so
-    the logits are the float32 route's up to summation order; the probabilities are rounded to the
-    inputs' dtype for the product with the values, as flash attention rounds them."""
-    if query.device.type != "cuda" or query.dtype not in HALF:
-        return False
-    key = (str(query.device), query.dtype)
-    if key not in _half_matmuls_work:
-        _half_matmuls_work[key] = _probe_half_matmuls(query.device, query.dtype)
-    return _half_matmuls_work[key]
-
-
-def _probe_half_matmuls(device: torch.device, dtype: torch.dtype) -> bool:
-    if not hasattr(torch.ops.aten.baddbmm, "dtype_out") or not hasattr(torch.ops.aten.bmm, "dtype_out"):
-        return False
-    a = torch.randn(2, 8, 16, device=device).to(dtype)
-    b = torch.randn(2, 16, 8, device=device).to(dtype)
-    try:
-        got = _matmul_f32(a, b, torch.empty(2, 8, 8, device=device), 0.5)
-    except (RuntimeError, NotImplementedError):  # an op this build has not for this device/dtype
-        return False
-    return bool(torch.allclose(got, 0.5 * (a.float() @ b.float()), rtol=1e-5, atol=1e-5))
-
-
-def _matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """``out`` (float32) = ``alpha * a @ b`` for half-precision batched ``a`` (N, m, k), ``b`` (N, k, n),
-    accumulated and written in float32 (``alpha`` applied to the float32 products)."""
-    return torch.ops.aten.baddbmm.dtype_out(out, a, b, torch.float32, beta=0, alpha=alpha, out=out)
-
-
 def fusable_mask(mask: torch.Tensor | None, length: int) -> bool:
     """Whether :func:`attention_with_column_sums` reads ``mask`` as SDPA does: None (causal) or a
     boolean ``(B, 1, S, S)`` mask (True: the query may attend)."""
@@ -186,7 +150,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
         logits = buffer[: b * h * n * stop].view(b, hkv, g * n, stop)
         rows_q = q[:, :, :, start:stop].reshape(b, hkv, g * n, d)
         if half:
-            _matmul_f32(rows_q.reshape(b * hkv, g * n, d), kt[..., :stop].reshape(b * hkv, d, stop),
+            matmul_f32(rows_q.reshape(b * hkv, g * n, d), kt[..., :stop].reshape(b * hkv, d, stop),
                         logits.view(b * hkv, g * n, stop), scaling)  # fmt: skip
         else:
             torch.matmul(rows_q, kt[..., :stop], out=logits)
@@ -204,7 +168,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
                 .view(b * hkv, g * n, stop)
                 .copy_(logits.view(b * hkv, g * n, stop))
             )
-            pv_block = _matmul_f32(
+            pv_block = matmul_f32(
                 p, v[:, :, :stop].reshape(b * hkv, stop, d), pv[: b * h * n * d].view(b * hkv, g * n, d)
             )
             pv_block = pv_block.view(b, hkv, g * n, d)

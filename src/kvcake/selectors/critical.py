@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocators.adakv import ranks_desc
+from ..matmul import half_matmuls, matmul_f32
 from ..scorers.defensive import MARK
 from .topk import SelectionInputs, Selector
 
@@ -25,14 +26,32 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
 
     values: (B, H_kv, S, d); o_weight: (hidden, H * d), the output projection's weight, whose
     columns ``h*d:(h+1)*d`` are query head ``h``'s slice. Vectorised over heads, chunked over
-    positions (see ``_NORM_CHUNK``).
+    positions (see ``_NORM_CHUNK``). bf16/fp16 values and weight on CUDA are multiplied as they are
+    with float32 products (:mod:`kvcake.matmul`: the same norms up to summation order); elsewhere
+    float32 copies are.
     """
     b, hkv, s, d = values.shape
     groups = num_heads // hkv
-    w = o_weight.to(values.device).float()  # the values' device (one layer of a split model)
-    w = w.reshape(o_weight.shape[0], num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
-    w = w.reshape(hkv, groups, d, -1)  # (H_kv, G, d, hidden)
+    hidden = o_weight.shape[0]
+    w = o_weight.to(values.device)  # the values' device (one layer of a split model)
     out = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
+    if half_matmuls(values) and w.dtype == values.dtype:
+        # (B * H_kv, d, G * hidden): a KV head's values times its group's slices, one matmul per chunk
+        wg = w.reshape(hidden, hkv, groups, d).permute(1, 3, 2, 0).reshape(1, hkv, d, groups * hidden)
+        wg = wg.expand(b, -1, -1, -1).reshape(b * hkv, d, groups * hidden)
+        buf = torch.empty(
+            b * hkv * min(s, _NORM_CHUNK) * groups * hidden, dtype=torch.float32, device=w.device
+        )
+        for start in range(0, s, _NORM_CHUNK):
+            v = values[:, :, start : start + _NORM_CHUNK]  # (B, H_kv, c, d)
+            c = v.shape[2]
+            proj = matmul_f32(
+                v.reshape(b * hkv, c, d), wg, buf[: b * hkv * c * groups * hidden].view(b * hkv, c, -1)
+            )
+            out[:, :, start : start + c] = proj.abs_().view(b, hkv, c, groups, hidden).sum(-1).mean(-1)
+        return out
+    w = w.float().reshape(hidden, num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
+    w = w.reshape(hkv, groups, d, -1)  # (H_kv, G, d, hidden)
     for start in range(0, s, _NORM_CHUNK):
         v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
         proj = torch.einsum("bkcd,kgdo->bkgco", v, w)  # (B, H_kv, G, c, hidden)
