@@ -218,6 +218,11 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     assert {("its read bound", m) for m in ("snapkv", "cake")} <= targets
     bound = [t for t in result["targets"] if t["target"].endswith("its read bound")]
     assert all("the model's own step with 16 tokens cached" in t["detail"] for t in bound)
+    from kvcake.bench import report
+
+    page = report._decode(result, tmp_path, tmp_path / "page.md")
+    floor = next(r for r in result["rows"] if r["method"] == "floor")
+    assert f"cached (`floor`) takes {floor['s'] * 1e3:.1f} ms, {floor['s'] / floor['bound_s']:.2f} x its bound" in page
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
     assert "| the counts |" in bench_decode_module.decode_tables(result)
     with pytest.raises(ValueError, match="unknown decoding policies"):
