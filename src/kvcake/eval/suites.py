@@ -12,7 +12,7 @@ import argparse
 SYNTHETIC_SUITE_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 
 WHICH_METHOD = """\
-**Which method** (read off the tables on this page on 2026-11-25, the `cake` entry on 2026-11-26; hand-written, so check it after a
+**Which method** (read off the tables on this page on 2026-11-25, the `cake` entries and Gemma's question-aware row on 2026-11-26; hand-written, so check it after a
 rerun). The SmolLM2 rows are means over the 12 prompts that every preset has (samples 0 and 1 of
 each task and length), so they compare like with like; the summary tables below average 36
 prompts for the six methods of issue 24's targets. *Prefill work*: time the method adds inside the cache during prefill, as a share of the
@@ -25,7 +25,7 @@ full cache's prefill (2k tokens, one round on a shared 2-core CPU: `kvcake bench
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | SmolLM2-135M | question-aware | `layer-defensivekv` | 0.25 | 70 (72) | 0.0053 | 23% | `defensivekv` 72, KL 0.0135 at 26%; `snapkv` 67, KL 0.089 at 3%; `h2o` KL 0.036 at 24% (its time at 4k: the scoring runs in the attention); `cake` 67, KL 0.087 at 8% (the 2026-11-26 calibration; on all 36 prompts 0.041 against `snapkv`'s 0.050) |
 | SmolLM2-135M | context-only | `layer-defensivekv` | 0.5 | 53 (72) | 0.026 | 23% | `h2o` 42, KL 0.055 at 24% (time at 4k); `criticalkv` 42, KL 0.085 at 6%; `cake` 25, KL 0.248 |
-| Gemma-3-270M | question-aware | `cake` (its own calibration) | 0.25 | 100 (100), 2 prompts | 0.0021 | - | `criticalkv` KL 0.0024; `snapkv` 0.0027; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
+| Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100), 2 prompts | 0.0024 | - | `cake` (its own calibration of 2026-11-26, near-uniform budgets) KL 0.0026; `snapkv` 0.0027; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
 | Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 50, KL 0.193; `defensivekv` 0, KL 0.561; `layer-defensivekv` 0, KL 0.655 |
 
 No method reaches the full cache's score context-only on the default model, even keeping half:
