@@ -153,3 +153,52 @@ def test_top_ranked_equals_ranks_below_k(seed):
 def test_adakv_bad_alpha():
     with pytest.raises(ValueError, match="alpha"):
         AdaKV(alpha=1.5)
+
+
+KINDS = ["spread", "zeros", "equal", "all-zero row", "over-full", "orders of magnitude"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closed_form_waterfill_equals_the_bisection(kind):
+    """The closed-form water-filling the cascade runs at every stage equals the bisection
+    (``waterfill_reference``) to float64 rounding, and rounds to the same integer budgets, on
+    random batches: spread-out weights, some zero weights, equal weights, a sequence whose weights
+    are all zero, totals past what the layers can hold, and weights 48 orders of magnitude apart
+    (CAKE's preferences are, and a weight of 1e-16 beside 1 must still count); and it dispatches a
+    tenth of the ops."""
+    from kvcake.allocators.base import round_exact, round_up, waterfill, waterfill_reference
+    from kvcake.bench.step_counts import CountOps
+
+    g = torch.Generator().manual_seed(KINDS.index(kind))
+    for _ in range(300):
+        b, n = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        w = torch.exp(4 * torch.randn(b, n, generator=g, dtype=torch.float64))
+        if kind == "zeros":
+            w[torch.rand(b, n, generator=g) < 0.3] = 0
+        elif kind == "equal":
+            w = torch.ones(b, n, dtype=torch.float64)
+        elif kind == "all-zero row":
+            w[0] = 0
+        elif kind == "orders of magnitude":
+            w = 10.0 ** torch.randint(-40, 9, (b, n), generator=g).double()
+            w[torch.rand(b, n, generator=g) < 0.4] = 0
+        cap = torch.randint(10, 3000, (b,), generator=g)
+        base = torch.minimum(torch.randint(0, 40, (b,), generator=g), cap)
+        total = (torch.rand(b, generator=g, dtype=torch.float64) * 1.3 * n * cap).round().long()
+        if kind == "over-full":
+            total = torch.maximum(total, n * cap)
+        fast, ref = waterfill(w, base, cap, total), waterfill_reference(w, base, cap, total)
+        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-9 * float(total.max().clamp(min=1)))
+        assert torch.equal(round_exact(fast, cap, total), round_exact(ref, cap, total))
+        assert torch.equal(round_up(fast, cap), round_up(ref, cap))
+    counts = []
+    for fn in (waterfill, waterfill_reference):
+        with CountOps() as c:
+            fn(
+                torch.rand(1, 32, dtype=torch.float64),
+                torch.tensor([8]),
+                torch.tensor([600]),
+                torch.tensor([2048]),
+            )
+        counts.append(sum(c.ops.values()))
+    assert counts[0] * 5 < counts[1], counts
