@@ -16,6 +16,7 @@ target at 128k). ``--diff B`` prints the ops the first method dispatches beyond 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections import Counter
 
 import torch
@@ -34,7 +35,7 @@ DEFAULT_METHODS = "snapkv,pyramidkv,cake,cake-oneshot,criticalkv,adakv,cake-adak
 def prefill_ops(model, ids: torch.Tensor, method: str | None, budget: int, window: int) -> Counter[str]:
     """ATen ops by name over one prefill of ``ids`` (``method`` None: a DynamicCache)."""
     if method is None:
-        cache, ctx = DynamicCache(config=model.config), torch.no_grad()
+        cache, ctx = DynamicCache(config=model.config), contextlib.nullcontext()
     else:
         cache, ctx = (
             KVCakeCache(model, make_method(method, budget=budget, window=window)),
@@ -67,15 +68,13 @@ def main() -> None:
           "host-synchronising ops / ATen ops")  # fmt: skip
     for n in args.layers:
         model = tiny_llama(n)
-        cells = []
-        for m in [None, *methods]:
-            ops = prefill_ops(model, ids, m, args.budget, args.window)
-            syncs = sum(v for k, v in ops.items() if k in SYNCING)
-            cells.append(f"{m or 'DynamicCache'} {syncs}/{sum(ops.values())}")
+        counted = {m: prefill_ops(model, ids, m, args.budget, args.window) for m in [None, *methods]}
+        cells = [f"{m or 'DynamicCache'} {sum(v for k, v in ops.items() if k in SYNCING)}/{sum(ops.values())}"
+                 for m, ops in counted.items()]  # fmt: skip
         print(f"{n} layers: " + ", ".join(cells))
         if args.diff:
-            mine = prefill_ops(model, ids, methods[0], args.budget, args.window)
-            base = prefill_ops(model, ids, args.diff, args.budget, args.window)
+            mine = counted[methods[0]]
+            base = counted.get(args.diff) or prefill_ops(model, ids, args.diff, args.budget, args.window)
             extra = sorted(((v - base.get(k, 0), k) for k, v in mine.items()), reverse=True)
             print(
                 f"  {methods[0]} beyond {args.diff}: " + ", ".join(f"{k} {v}" for v, k in extra[:12] if v > 0)

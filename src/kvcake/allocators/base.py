@@ -121,14 +121,15 @@ def waterfill(
     # of 1e-16 beside 1 must survive)
     later = torch.cat([ws[:, 1:].flip(1).cumsum(1).flip(1), torch.zeros_like(ws[:, :1])], 1)
     k = torch.arange(1, n + 1, device=w.device, dtype=torch.float64)
+    finite = torch.isfinite(knees)
+    reached = torch.where(finite, knees, 0.0)  # the knees of layers that can reach their cap
     # the fill at each knee: the first k layers capped, the others at start + knee * w
-    fill = k * cap_ + (n - k) * start + torch.where(torch.isfinite(knees), knees, 0.0) * later
-    fill = torch.where(torch.isfinite(knees), fill, torch.full_like(fill, float("inf")))
+    fill = torch.where(finite, k * cap_ + (n - k) * start + reached * later, float("inf"))
     seg = (fill < total[:, None]).sum(1, keepdim=True)  # (B, 1): knees passed before the fill crosses
     capped = seg.double()  # layers capped on the crossing segment
     slope = torch.cat([ws.sum(1, keepdim=True), later], 1).gather(1, seg)  # weight still growing there
     lam = (total[:, None] - capped * cap_ - (n - capped) * start) / slope.clamp(min=1e-300)
-    last = torch.where(torch.isfinite(knees), knees, torch.zeros_like(knees)).amax(1, keepdim=True)
+    last = reached.amax(1, keepdim=True)
     lam = torch.where(total[:, None] >= reach[:, None], last, lam)  # all it can reach is filled
     x = torch.minimum(cap_, start + lam.clamp(min=0) * w)
     return _finish(x, w, base, cap_, total)

@@ -250,13 +250,18 @@ def best_s(r: dict) -> float:
     return min(r["s"], compiled) if isinstance(compiled, float) else r["s"]
 
 
+def floor_row(rows: list[dict], length: int) -> dict | None:
+    """The :data:`FLOOR` row at ``length``, if the run measured one."""
+    return next((r for r in rows if r["length"] == length and r["method"] == FLOOR), None)
+
+
 def decode_targets(rows: list[dict]) -> list[dict]:
     if not rows:
         return []
     longest = max(r["length"] for r in rows)
     fulls = [r for r in rows if r["length"] == longest and r["method"] in ("full", FULL_STATIC)]
     full_best = min(fulls, key=best_s) if fulls else None
-    floor = next((r for r in rows if r["length"] == longest and r["method"] == FLOOR), None)
+    floor = floor_row(rows, longest)
     below = ""  # what the model's own step costs here, against its own bound
     if floor is not None:
         f = best_s(floor)

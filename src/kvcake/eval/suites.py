@@ -246,8 +246,8 @@ show those.
   2026-11-26 with the question samples of the default model's calibration: six forms, the full
   cache's own continuation scored; the older cells stay in the results file under their `tau`
   label). Its allocation has only the 3 global layers to share, and question-aware the
-  recalibration keeps them uniform at every budget (tau 50/50: no allocation beat uniform budgets
-  by more than the noise of six samples). Question-aware its KL is the lowest of the SnapKV family
+  recalibration keeps them near uniform at every budget (tau 50/50: no allocation beat that by
+  more than the noise of six samples). Question-aware its KL is the lowest of the SnapKV family
   at 0.1 (0.0166 against SnapKV's 0.0242, `criticalkv` 0.0189), below SnapKV at 0.25 (0.00256
   against 0.00269, `criticalkv` 0.00237) and equal to it at 0.5 (0.00045); with the first
   calibration it was 0.0169 / 0.0021 / 0.0006, with the fallback 2/3 0.024 / 0.0054 / 0.0007.
