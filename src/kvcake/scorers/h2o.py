@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..flex import flex_attention_with_column_sums, uses_flex
 from ..matmul import half_matmuls, matmul_f32
 from .base import PrefillInputs, Scorer, _expand_kv
 
@@ -123,7 +124,13 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
     one reused buffer and exponentiated in place: on a CPU fresh buffers of this size cost more in
     page faults than the arithmetic. A GQA group's heads share one matmul with their KV head.
     Where :func:`half_matmuls` holds (CUDA, bf16/fp16) the matmuls take the inputs as they are and
-    write float32; elsewhere they run on float32 copies."""
+    write float32; elsewhere they run on float32 copies. On CUDA the two FlexAttention passes of
+    :mod:`kvcake.flex` replace the blocks (no ``S x S`` block reaches memory); this loop is their
+    reference and the CPU's route."""
+    if uses_flex(query):
+        fused = flex_attention_with_column_sums(query, key, value, mask, key_valid, scaling)
+        if fused is not None:
+            return fused
     b, h, s, d = query.shape
     hkv = key.shape[1]
     g = h // hkv
