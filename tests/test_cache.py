@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 import kvcake
 from kvcake import KVCakeCache, make_method
@@ -191,3 +192,27 @@ def test_ragged_bytes_are_the_sum_of_head_budgets(tiny_mha):
     reserve = 1 if method.decode == "fixed" else GROWTH
     empty = len(static.layers)  # the one always-empty slot per static ragged layer (its padded view)
     assert static.kv_bytes() == (int(counts.sum()) + reserve * counts.size + empty) * entry
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "cake", "criticalkv", "adakv"])
+def test_plain_layers_decode_through_the_model_kernel(make_tiny_llama, name):
+    """While nothing is evicted, every decoding step's logits equal a DynamicCache's bit for bit,
+    in bfloat16 too, also for the presets whose scorer reads each step's attention (h2o, tova,
+    cake): the output comes from the model's own kernel and the probabilities are computed beside
+    it. (A float32 attention in their place rounded otherwise and flipped a near-tied greedy token
+    of h2o on an H100, 2026-11-26.)"""
+    model = make_tiny_llama(num_key_value_heads=2).to(torch.bfloat16)
+    ids, follow = prompt(60, seed=5), prompt(6, seed=6)
+    cache, logits = prefill(model, ids, make_method(name, budget=80, window=8))
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = model(ids, **with_cache(model, full)).logits
+        ref_steps = torch.stack(
+            [
+                model(follow[:, i : i + 1], **with_cache(model, full)).logits[0, -1]
+                for i in range(follow.shape[1])
+            ]
+        )
+    assert torch.equal(logits, ref)
+    assert torch.equal(single_step_logits(model, cache, follow), ref_steps)
+    assert all(layer.plain for layer in cache.layers)

@@ -127,10 +127,13 @@ def _make_attention(inner_name: str):
             cache.after_prefill_attention(layer_idx, module, query, valid, scaling, column_sums=sums)
             return out
         want = cache.wants_probs(layer_idx, q)
-        if layer.plain and not want:
-            return inner(
+        if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
+            out = inner(  # so the output rounds exactly as a full cache's (bf16 on CUDA: a float32
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-            )
+            )  # attention here flipped a near-tied greedy token of h2o's, H100, 2026-11-26)
+            if want:  # the scorer's probabilities beside it (H2O's sums accumulate from the first step)
+                cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True)[1])
+            return out
         out, probs = layer.attend(query, scaling, want)
         cache.after_extend_attention(layer_idx, probs)
         return out.to(query.dtype), None

@@ -144,6 +144,27 @@ def attention_with_probs(
     return out.reshape(b, 1, h, d), probs.reshape(b, hkv, h // hkv, n)
 
 
+def attention_probs(
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """The new token's attention probabilities alone, for a scorer beside an output computed by
+    the fused kernel (:func:`fused_attention`, the call a full cache of the same layout makes, so
+    half-precision outputs round exactly as its do).
+
+    query: (B, H, 1, d); keys: (B * H_kv, N, d); mask: (B * H_kv, 1, N) additive, or None.
+    Returns (B, H_kv, G, N) in float32 (float64 for float64 inputs)."""
+    b, h, _, d = query.shape
+    hkv, n = keys.shape[0] // b, keys.shape[1]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32  # a dtype rule, not an ATen op
+    qs = query.reshape(b * hkv, h // hkv, d).to(acc)  # (B*H_kv, G, d)
+    keys_t = keys.to(acc).transpose(1, 2)  # (B*H_kv, d, N)
+    if mask is None:
+        logits = torch.bmm(qs, keys_t).mul_(scaling)
+    else:
+        logits = torch.baddbmm(mask.to(acc), qs, keys_t, alpha=scaling)
+    return torch.softmax(logits, dim=-1).reshape(b, hkv, h // hkv, n)
+
+
 # -- evict ---------------------------------------------------------------------------------------
 class Ranked(NamedTuple):
     """One step's scores (B, H_kv, N) and the positions they belong to: sorted newest first for

@@ -24,7 +24,7 @@ from .common import (
     FILLS,
     GROWTH,
     advance,
-    attention_with_probs,
+    attention_probs,
     bias,
     choose_victim,
     filled,
@@ -89,13 +89,17 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
 
     Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, C) in float32.
-    The reference is ``layer.dense_attention``."""
-    if not return_probs:  # as stored: (B, H_kv, C, d), mask (B, H_kv, 1, C)
-        return fused_attention(query, layer.keys, layer.values, layer.bias, scaling)
+    The reference is ``layer.dense_attention``. The output always comes from the fused kernel
+    over the storage as held (mask (B, H_kv, 1, C)), the call the layer makes without a scorer,
+    so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
+    CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
+    (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32."""
+    out, _ = fused_attention(query, layer.keys, layer.values, layer.bias, scaling)
+    if not return_probs:
+        return out, None
     b, hkv, c, d = layer.keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
-    keys, values = layer.keys.reshape(b * hkv, c, d), layer.values.reshape(b * hkv, c, d)
     mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
-    return attention_with_probs(query, keys, values, mask, scaling)
+    return out, attention_probs(query, layer.keys.reshape(b * hkv, c, d), mask, scaling)
 
 
 def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
