@@ -41,6 +41,7 @@ LAYERS = {
         "sdpa",
         "varlen",
         "matmul",
+        "flex",
         "prompts",
         "haystack",
         "version",
