@@ -4,10 +4,14 @@ with transformers' DynamicCache.
 
     PYTHONPATH=src python3 scripts/prefill_counts.py --layers 4,16,32 --length 600 --budget 64
     PYTHONPATH=src python3 scripts/prefill_counts.py --layers 16 --methods cake --diff cake-oneshot
+    PYTHONPATH=src python3 scripts/prefill_counts.py --layers 32 --methods cake,criticalkv --reads
 
 On a GPU every ATen op is a launch (or host work between launches) and every synchronising op
 (``_local_scalar_dense``, ``nonzero``, ``masked_select``; a device-to-host copy shows as
-``_to_copy``) drains the queue: a prefill whose count grows with the square of the layer count
+``_to_copy``) drains the queue; so does a read of a value into Python (``.cpu()``, ``int(t)``,
+``bool(t)``, ``.tolist()``, ``.numpy()``), which on the CPU dispatches nothing: ``--reads`` lists
+those by call site in kvcake (every tensor's: the host tensors', budgets and lengths, cost nothing
+on a GPU, the others one drain each). A prefill whose count grows with the square of the layer count
 (a cascade re-evicting the layers seen so far at every stage) pays for it where the full prefill
 is short (issue 23: ``cake`` 1.22 x and ``cake-adakv`` 1.43 x the full cache at 32k on an H200, within
 target at 128k). ``--diff B`` prints the ops the first method dispatches beyond ``B``'s, by name.
@@ -24,12 +28,20 @@ from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import with_cache
-from kvcake.bench.step_counts import SYNCING, CountOps, tiny_llama
+from kvcake.bench.step_counts import SYNCING, CountOps, host_reads, tiny_llama
 from kvcake.cache import KVCakeCache
 from kvcake.method import PRESETS, make_method
 from kvcake.standalone import comma_ints
 
 DEFAULT_METHODS = "snapkv,pyramidkv,cake,cake-oneshot,criticalkv,adakv,cake-adakv,h2o,defensivekv"
+
+
+def prefill_reads(model, ids: torch.Tensor, method: str, budget: int, window: int) -> Counter[str]:
+    """Reads of tensor values by kvcake call site over one prefill (``.cpu().numpy()`` counts twice)."""
+    cache = KVCakeCache(model, make_method(method, budget=budget, window=window))
+    with kvcake.enable(model), torch.no_grad(), host_reads() as reads:
+        model(ids, **with_cache(model, cache), logits_to_keep=1)
+    return Counter(f"{site} {name}" for name, site in reads)
 
 
 def prefill_ops(model, ids: torch.Tensor, method: str | None, budget: int, window: int) -> Counter[str]:
@@ -55,6 +67,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=8, help="observation window")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="presets, comma-separated")
     p.add_argument("--diff", default=None, help="a preset: print the first method's ops beyond its, by name")
+    p.add_argument("--reads", action="store_true", help="also list reads of tensor values by call site")
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     if bad := [m for m in [*methods, *([args.diff] if args.diff else [])] if m not in PRESETS]:
@@ -72,6 +85,11 @@ def main() -> None:
         cells = [f"{m or 'DynamicCache'} {sum(v for k, v in ops.items() if k in SYNCING)}/{sum(ops.values())}"
                  for m, ops in counted.items()]  # fmt: skip
         print(f"{n} layers: " + ", ".join(cells))
+        if args.reads:
+            for m in methods:
+                sites = prefill_reads(model, ids, m, args.budget, args.window)
+                top = ", ".join(f"{site} x{v}" for site, v in sites.most_common(6))
+                print(f"  {m}: {sum(sites.values())} reads; {top}")
         if args.diff:
             mine = counted[methods[0]]
             base = counted.get(args.diff) or prefill_ops(model, ids, args.diff, args.budget, args.window)

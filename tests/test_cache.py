@@ -216,3 +216,26 @@ def test_plain_layers_decode_through_the_model_kernel(make_tiny_llama, name):
     assert torch.equal(logits, ref)
     assert torch.equal(single_step_logits(model, cache, follow), ref_steps)
     assert all(layer.plain for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", [p for p in kvcake.PRESETS if not make_method(p, budget=64).heads.ragged])
+def test_host_counts_equal_the_scores_counts(tiny_llama, name, monkeypatch):
+    """Uniform heads' counts come from the host (``cascade.dense_counts``: no read of the device
+    per cascade stage); at every eviction of a left-padded batch's cascade they equal the count
+    of entries scored above -inf, capped by the budget (``dense_counts_reference``)."""
+    from kvcake import cascade
+
+    checked, host_counts = [], cascade.dense_counts
+
+    def both(layer, budget, lengths):
+        host = host_counts(layer, budget, lengths)
+        ref = cascade.dense_counts_reference(layer.padded(layer.scores, float("-inf")), budget)
+        assert np.array_equal(host, ref.numpy()), (host, ref)
+        checked.append(host)
+        return host
+
+    monkeypatch.setattr(cascade, "dense_counts", both)
+    a, b = prompt(200, seed=7)[0], prompt(150, seed=8)[0]
+    assert_batch_matches_each_alone(tiny_llama, name, a, b, 50, budget=40, window=8, max_new_tokens=3,
+                                    do_sample=False)  # fmt: skip
+    assert len(checked) >= 3 * 4, "every layer of both runs and the batch counted on the host"

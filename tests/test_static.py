@@ -7,14 +7,13 @@ must agree at every step. A second test counts host reads during static decode s
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method, varlen
 from kvcake.adapters import with_cache
+from kvcake.bench.step_counts import host_reads
 from kvcake.layer import dense_attention
 from kvcake.step import ragged as ragged_step
 from test_varlen import fake_kernel
@@ -202,50 +201,21 @@ def test_a_static_append_and_attention_equal_dense_attention(tiny_llama, spec, p
             torch.testing.assert_close(p.reshape(ref_p.shape), ref_p)
 
 
-class _HostReads:
-    """Counts calls of the tensor methods that read a value back to the host."""
-
-    NAMES = ("item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__")
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    @contextlib.contextmanager
-    def watching(self):
-        saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
-
-        def wrap(name, fn):
-            def counted(t, *a, **k):
-                self.calls.append(name)
-                return fn(t, *a, **k)
-
-            return counted
-
-        try:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, wrap(name, fn))
-            yield self
-        finally:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, fn)
-
-
 @pytest.mark.parametrize("spec", list(PRESETS))
 def test_static_decode_steps_read_nothing_back(tiny_llama, spec):
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
     cache = KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True)
-    reads = _HostReads()
     with kvcake.enable(tiny_llama), torch.no_grad():
         tok = tiny_llama(ids, **with_cache(tiny_llama, cache)).logits[:, -1:].argmax(-1)
         tiny_llama(tok, **with_cache(tiny_llama, cache))  # the first step moves the layers into their buffers
         assert all(cache.layers[lid].static is not None for lid in cache.compressed)
-        with reads.watching():
+        with host_reads() as reads:
             for _ in range(5):
                 tiny_llama(tok, **with_cache(tiny_llama, cache))
-    assert reads.calls == [], f"host reads during static decode steps: {sorted(set(reads.calls))}"
-    with reads.watching():  # the counter itself sees a read
+    assert reads == [], f"host reads during static decode steps: {sorted(set(reads))}"
+    with host_reads() as reads:  # the counter itself sees a read
         bool(torch.ones(()) > 0)
-    assert reads.calls == ["__bool__"]
+    assert [name for name, _ in reads] == ["__bool__"]
 
 
 def test_static_refuses_to_preallocate_a_huge_budget(tiny_llama):

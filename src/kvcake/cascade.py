@@ -150,8 +150,8 @@ def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
     if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
         entropy, variance = cache.split.sum(torch.stack([entropy.double(), variance.double()]))
     tau1, tau2 = temperatures(cache)
-    # host: (B,) per layer, stacked across layers that may sit on different devices
-    entropy, variance = entropy.double().cpu(), variance.double().cpu()
+    # host: (B,) per layer, stacked across layers that may sit on different devices; one read
+    entropy, variance = torch.stack([entropy.double(), variance.double()]).cpu().unbind()
     cache.entropy.append(entropy)
     cache.variance.append(variance)
     return preference(entropy, variance, tau1, tau2)
@@ -223,31 +223,57 @@ def allocate(
 
 
 def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
-    """Evict layer ``layer_idx`` to ``budget`` (B,) entries per KV head (window included)."""
+    """Evict layer ``layer_idx`` to ``budget`` (B,) host entries per KV head (window included).
+
+    Uniform heads count on the host (:func:`dense_counts`): a cascade stage that changes nothing
+    in a layer, most of them, touches no device tensor, and one that evicts sends its counts
+    without waiting (on a GPU a read back or a blocking copy drains the queue, and the host's
+    work after it runs with the device idle). Head-wise counts rank the scores on the device and
+    are read back once."""
     layer = cache.layers[layer_idx]
     m = cache.method
     dev = layer.keys.device
-    scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
-    window = cache.seq.window.to(dev)
-    budget = budget.to(dev)
     if m.heads.ragged:
-        counts = head_counts(cache, layer_idx, scores, budget, window)
+        scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
+        window = cache.seq.window.to(dev, non_blocking=True)
+        counts = head_counts(cache, layer_idx, scores, budget.to(dev, non_blocking=True), window)
+        counts_host = counts.cpu().numpy()
+        if bool((counts_host == layer.counts).all()):
+            return  # nothing to evict in this layer at this stage
     else:
-        n_valid = (scores > float("-inf")).sum(-1)
-        counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
-    counts_host = counts.cpu().numpy()
-    if bool((counts_host == layer.counts).all()):
-        return  # nothing to evict in this layer at this stage
+        counts_host = dense_counts(layer, budget, cache.seq.lengths)
+        if bool((counts_host == layer.counts).all()):
+            return
+        scores = layer.padded(layer.scores, float("-inf"))
+        counts = torch.from_numpy(counts_host).to(dev, non_blocking=True)
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
         o_weight = cache.o_weights.pop(layer_idx)
-        norms = value_norms(m.selector, layer.values, o_weight, heads, scores, counts, cache.split)
+        norms = value_norms(
+            m.selector, layer.values, o_weight, heads, scores, counts, cache.split, int(counts_host.max())
+        )
         layer.norms = m.selector.prepare_norms(norms, cache.split)
     keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
     layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+
+def dense_counts(layer, budget: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
+    """(B, H_kv) int64 entries each head keeps with uniform heads: ``budget`` (B,) capped by the
+    entries it can hold, on the host. A layer holds its prompt (left padding included) until its
+    first eviction and only real tokens after it, so the real entries of a head are the fewer of
+    ``layer.counts`` and the sequence's length ``lengths`` (B,); they are the entries whose score
+    is above -inf (padding's is -inf), which :func:`dense_counts_reference` counts on the device."""
+    held = np.minimum(layer.counts, lengths.numpy()[:, None])
+    return np.minimum(budget.numpy()[:, None], held).astype(np.int64)
+
+
+def dense_counts_reference(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_counts` from the padded scores (B, H_kv, N) on their device (the tests' oracle)."""
+    n_valid = (scores > float("-inf")).sum(-1)
+    return torch.minimum(budget.to(scores.device)[:, None].expand_as(n_valid), n_valid)
 
 
 def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
@@ -266,12 +292,14 @@ def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, wind
 RANKED_COUNTS = True
 
 
-def value_norms(selector, values, o_weight, num_heads, scores, counts, split=None) -> torch.Tensor:
+def value_norms(
+    selector, values, o_weight, num_heads, scores, counts, split=None, count_bound=None
+) -> torch.Tensor:
     """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction:
     only on the entries the selector can keep with ``counts`` when it says which
     (``Critical.value_norms``), else on all (``projected_value_norms``, the reference)."""
     if PRUNED_NORMS and hasattr(selector, "value_norms"):
-        return selector.value_norms(values, o_weight, num_heads, scores, counts, split)
+        return selector.value_norms(values, o_weight, num_heads, scores, counts, split, count_bound)
     return projected_value_norms(values, o_weight, num_heads)
 
 

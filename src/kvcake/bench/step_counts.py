@@ -14,8 +14,11 @@ Prints a Markdown table, or writes it as a page with the command that made it (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import traceback
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +42,36 @@ SYNCING = frozenset(
     {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
 )
 PROMPT, BUDGET, WINDOW = 160, 24, 4
+
+
+READS = ("item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[list[tuple[str, str]]]:
+    """Reads of tensor values into Python inside the block (``READS``: ``.cpu()``, ``int(t)``, ...),
+    as (method, call site) pairs, the site being the innermost kvcake frame (``file:line``, or ""
+    outside kvcake). On the CPU such a read dispatches no ATen op, so ``CountOps`` misses it; on a
+    GPU each read of a device tensor drains the queue (reads of host tensors cost nothing there)."""
+    calls: list[tuple[str, str]] = []
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, fn):
+        def counted(t, *args, **kwargs):
+            site = next((f"{f.filename.split('/kvcake/')[-1]}:{f.lineno}"
+                         for f in reversed(traceback.extract_stack()[:-1]) if "/kvcake/" in f.filename), "")  # fmt: skip
+            calls.append((name, site))
+            return fn(t, *args, **kwargs)
+
+        return counted
+
+    try:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, wrap(name, fn))
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
 
 
 class CountOps(TorchDispatchMode):

@@ -100,11 +100,15 @@ def projected_value_norm_bounds(
     return low, high
 
 
-def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn):
+def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn, m: int | None = None):
     """``fn`` (a function of (B, H_kv, m, d) values returning (B, H_kv, m) tensors, or a tuple of
     them) where ``mask`` (B, H_kv, S) is True, 0 elsewhere, computed on the masked entries only
-    (gathered to the widest head's count)."""
-    m = int(mask.sum(-1).max())  # host: prefill only
+    (gathered to ``m`` entries a head). ``m``: at least the widest head's count, known without
+    reading the device (a bound: the extra entries gathered are unmasked and give 0), or None to
+    read the exact count (one host read)."""
+    if m is None:
+        m = int(mask.sum(-1).max())  # host: prefill only
+    m = min(m, mask.shape[-1])
     if 2 * m >= mask.shape[-1]:
         out = fn(values)
         return tuple(t * mask for t in out) if isinstance(out, tuple) else out * mask
@@ -121,10 +125,24 @@ def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn):
 
 
 def _norms_where(
-    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, mask: torch.Tensor
+    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, mask: torch.Tensor, m: int | None = None
 ) -> torch.Tensor:
-    """:func:`projected_value_norms` where ``mask`` (B, H_kv, S) is True, 0 elsewhere."""
-    return _on_masked(values, mask, lambda v: projected_value_norms(v, o_weight, num_heads))
+    """:func:`projected_value_norms` where ``mask`` (B, H_kv, S) is True, 0 elsewhere (``m``: as
+    :func:`_on_masked`'s)."""
+    return _on_masked(values, mask, lambda v: projected_value_norms(v, o_weight, num_heads), m)
+
+
+def _prefix_bound(b_pref: torch.Tensor, count_bound: int | None) -> int:
+    """At least the largest of ``b_pref`` (B, H_kv): ``count_bound`` where the caller knows one on
+    the host (``b_pref`` never exceeds the counts), else read (one host read)."""
+    if not b_pref.numel():
+        return 0
+    return int(b_pref.max()) if count_bound is None else max(int(count_bound), 0)
+
+
+def _widest(mask: torch.Tensor) -> int:
+    """The most entries ``mask`` (B, H_kv, S) holds in one head: one host read (0: none at all)."""
+    return int(mask.sum(-1).max()) if mask.numel() else 0
 
 
 @dataclass(frozen=True)
@@ -190,7 +208,7 @@ class Critical(Selector):
 
     def value_norms(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor, split=None,
+        counts: torch.Tensor, split=None, count_bound: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """:func:`projected_value_norms` (B, H_kv, S) on every entry ``select`` with at most ``counts``
         (B, H_kv) per head can keep, and 0 on the others, which it then never keeps: the same kept
@@ -206,14 +224,19 @@ class Critical(Selector):
         their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
         norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norms`; under tensor
         parallelism (``split``) a position's total spans every rank's heads, whose candidates
-        differ, so every norm is computed there."""
+        differ, so every norm is computed there.
+
+        ``count_bound``: at least the largest of ``counts``, known on the host (the cascade's
+        counts are), so the candidates' sizes need no read of the device; None reads it. On a GPU
+        each read drains the queue: with the bound, one read a layer is left (the second set's
+        size)."""
         if self.value_norm == "heads":
             if split is not None:
                 return projected_value_norms(values, o_weight, num_heads)
-            return self._shared_value_norms(values, o_weight, num_heads, scores, counts)
+            return self._shared_value_norms(values, o_weight, num_heads, scores, counts, count_bound)
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
-        kmax = int(b_pref.max()) if b_pref.numel() else 0  # host: once per layer, in prefill
+        kmax = _prefix_bound(b_pref, count_bound)
         n = scores.shape[-1]
         if kmax == 0:
             return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
@@ -225,7 +248,7 @@ class Critical(Selector):
         by_score = ranks_desc(torch.where(prefix_ok, scores, ninf))
         by_estimate = ranks_desc(torch.where(prefix_ok, weight * low, ninf))
         first = prefix_ok & ((by_score < b_pref[..., None]) | (by_estimate < 2 * b_pref[..., None]))
-        norms = _norms_where(values, o_weight, num_heads, first)
+        norms = _norms_where(values, o_weight, num_heads, first, m=3 * kmax)  # b + 2b at most a head
         exact = torch.where(first, weight * norms, ninf)
         top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
         threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
@@ -233,13 +256,13 @@ class Critical(Selector):
             b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
         )
         second = prefix_ok & ~first & (weight * high * (1 + 1e-4) >= threshold)
-        if bool(second.any()):
-            norms = norms + _norms_where(values, o_weight, num_heads, second)
+        if m := _widest(second):
+            norms = norms + _norms_where(values, o_weight, num_heads, second, m)
         return norms
 
     def _shared_value_norms(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor,
+        counts: torch.Tensor, count_bound: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """``value_norms`` for ``value_norm="heads"``: the stage-2 weight is ``(score + eps) * n_h /
         sum_h' n_h'``, the sum over the layer's KV heads at the same position, so every norm at a
@@ -255,7 +278,7 @@ class Critical(Selector):
         others in stage 2 (``b1 <= b`` in stage 1), as in ``value_norms``."""
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
-        kmax = int(b_pref.max()) if b_pref.numel() else 0  # host: once per layer, in prefill
+        kmax = _prefix_bound(b_pref, count_bound)
         n = scores.shape[-1]
         if kmax == 0:
             return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
@@ -266,7 +289,9 @@ class Critical(Selector):
         weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
         near_top = (ranks_desc(prefix) < 2 * b_pref[..., None]).any(1, keepdim=True)  # (B, 1, S)
         first = prefix_ok & near_top
-        norms = _norms_where(values, o_weight, num_heads, first)
+        norms = _norms_where(
+            values, o_weight, num_heads, first, m=2 * kmax * scores.shape[1]
+        )  # each head's 2b
         exact = torch.where(first, weight * self.prepare_norms(norms), ninf)
         top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
         threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
@@ -275,21 +300,21 @@ class Critical(Selector):
         )
         maybe = prefix_ok & ~first & (weight * (1 + 1e-4) >= threshold)  # a share is at most 1
         maybe = prefix_ok & ~first & maybe.any(1, keepdim=True)  # every head at those positions
-        if not bool(maybe.any()):
+        if not (m_maybe := _widest(maybe)):
             return norms
         best = prefix.topk(min(_SIGN_SOURCES, n), dim=-1).indices  # (B, H_kv, K): each head's top entries
         sign_values = values.gather(
             2, best[..., None].expand(*best.shape, values.shape[-1])
         )  # (B, H_kv, K, d)
         low, high = _on_masked(
-            values, maybe, lambda v: projected_value_norm_bounds(v, o_weight, num_heads, sign_values)
+            values, maybe, lambda v: projected_value_norm_bounds(v, o_weight, num_heads, sign_values), m_maybe
         )
         others = (low.sum(1, keepdim=True) - low).clamp(min=0) * (1 - 1e-3)  # float slack: 0.1% off
         share = (high / (high + others).clamp(min=1e-30)).clamp(max=1.0)  # (B, H_kv, S) upper bound
         second = maybe & (weight * share * (1 + 1e-4) >= threshold)
         second = maybe & second.any(1, keepdim=True)
-        if bool(second.any()):
-            norms = norms + _norms_where(values, o_weight, num_heads, second)
+        if m := _widest(second):
+            norms = norms + _norms_where(values, o_weight, num_heads, second, m)
         return norms
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:
