@@ -44,3 +44,20 @@ def test_fused_matches_sdpa_and_the_reference(dtype, masked):
     torch.testing.assert_close(out.float(), ref.transpose(1, 2), rtol=tol, atol=tol)
     ref_sums = h2o.accumulated_attention(PrefillInputs(qf, kf, vf, valid, 8, 0.125), chunk=512)
     torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_route_across_prompt_lengths():
+    """New prompt lengths recompile the FlexAttention passes (the second makes the length dynamic):
+    the route stays open and each length's sums equal the reference's."""
+    if DEVICE.type != "cuda":
+        pytest.skip("a CUDA test")
+    for s in (700, 1500, 2300, 129):
+        q, k, v, valid, _ = _case(torch.bfloat16, b=1, s=s, pad=0)
+        out, sums = h2o.attention_with_column_sums(q, k, v, None, valid, 0.125)
+        assert flex.route_open() or not flex.flex_available(), (
+            f"the FlexAttention route failed: {flex._broken}"
+        )
+        qf, kf, vf = (x.float() for x in (q, k, v))
+        ref_sums = h2o.accumulated_attention(PrefillInputs(qf, kf, vf, valid, 4, 0.125), chunk=512)
+        torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
+        assert out.shape == (1, s, 8, 64)

@@ -125,23 +125,18 @@ def fused_attention(
 def attention_with_probs(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new token's attention and its probabilities: two batched matmuls around a softmax.
+    """The new token's attention and its probabilities: :func:`attention_probs`'s, then one
+    batched matmul with the values in their dtype.
 
     query: (B, H, 1, d); keys, values: (B * H_kv, N, d); mask: (B * H_kv, 1, N) additive, or
     None. Returns the output (B, 1, H, d) and the probabilities (B, H_kv, G, N) in float32 (the
     GQA group on dim 2, as ``Scorer.decode_step`` reads them)."""
     b, h, _, d = query.shape
-    hkv, n = keys.shape[0] // b, keys.shape[1]
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32  # a dtype rule, not an ATen op
-    qs = query.reshape(b * hkv, h // hkv, d).to(acc)  # (B*H_kv, G, d)
-    keys_t = keys.to(acc).transpose(1, 2)  # (B*H_kv, d, N)
-    if mask is None:
-        logits = torch.bmm(qs, keys_t).mul_(scaling)
-    else:  # scaling * (q k^T) + mask, in one op
-        logits = torch.baddbmm(mask.to(acc), qs, keys_t, alpha=scaling)
-    probs = torch.softmax(logits, dim=-1)  # (B*H_kv, G, N)
-    out = torch.bmm(probs, values.to(acc)).to(query.dtype)
-    return out.reshape(b, 1, h, d), probs.reshape(b, hkv, h // hkv, n)
+    probs = _probs(query, keys, mask, scaling)  # (B*H_kv, G, N)
+    out = torch.bmm(probs, values.to(probs.dtype)).to(query.dtype)
+    return out.reshape(b, 1, h, d), probs.reshape(
+        b, keys.shape[0] // b, h * b // keys.shape[0], keys.shape[1]
+    )
 
 
 def attention_probs(
@@ -153,16 +148,24 @@ def attention_probs(
 
     query: (B, H, 1, d); keys: (B * H_kv, N, d); mask: (B * H_kv, 1, N) additive, or None.
     Returns (B, H_kv, G, N) in float32 (float64 for float64 inputs)."""
+    b, h = query.shape[:2]
+    hkv = keys.shape[0] // b
+    return _probs(query, keys, mask, scaling).reshape(b, hkv, h // hkv, keys.shape[1])
+
+
+def _probs(query, keys, mask, scaling) -> torch.Tensor:
+    """(B*H_kv, G, N) probabilities of :func:`attention_probs`: a batched matmul (with the
+    additive mask, in one op) and a softmax."""
     b, h, _, d = query.shape
-    hkv, n = keys.shape[0] // b, keys.shape[1]
+    hkv = keys.shape[0] // b
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32  # a dtype rule, not an ATen op
     qs = query.reshape(b * hkv, h // hkv, d).to(acc)  # (B*H_kv, G, d)
     keys_t = keys.to(acc).transpose(1, 2)  # (B*H_kv, d, N)
     if mask is None:
         logits = torch.bmm(qs, keys_t).mul_(scaling)
-    else:
+    else:  # scaling * (q k^T) + mask, in one op
         logits = torch.baddbmm(mask.to(acc), qs, keys_t, alpha=scaling)
-    return torch.softmax(logits, dim=-1).reshape(b, hkv, h // hkv, n)
+    return torch.softmax(logits, dim=-1)
 
 
 # -- evict ---------------------------------------------------------------------------------------
