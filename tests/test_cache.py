@@ -239,3 +239,23 @@ def test_host_counts_equal_the_scores_counts(tiny_llama, name, monkeypatch):
     assert_batch_matches_each_alone(tiny_llama, name, a, b, 50, budget=40, window=8, max_new_tokens=3,
                                     do_sample=False)  # fmt: skip
     assert len(checked) >= 3 * 4, "every layer of both runs and the batch counted on the host"
+
+
+@pytest.mark.parametrize("name", ["cake", "criticalkv", "pyramidkv", "snapkv"])
+def test_prefill_reads_the_device_about_once_per_layer(name):
+    """On a GPU each read of a device value into Python drains the queue. The CAKE cascade
+    re-evicts every layer seen so far at each stage (136 evictions at 16 layers); their counts are
+    host arithmetic (``dense_counts``, on host tensors), so the reads left are about one a layer
+    (CAKE's preference, CriticalKV's second candidate set) plus a few per prompt. Counted with
+    ``host_reads`` (which sees every tensor's reads: ``dense_counts`` reads host tensors only).
+    Head-wise cascades (cake-adakv, layer-defensivekv) still read each stage's head counts back."""
+    from kvcake.bench.step_counts import host_reads, tiny_llama
+
+    layers = 16
+    model = tiny_llama(layers)
+    cache = KVCakeCache(model, make_method(name, budget=32, window=8))
+    with kvcake.enable(model), torch.no_grad(), host_reads() as reads:
+        model(prompt(300, seed=3), **with_cache(model, cache))
+    device = [site for _, site in reads if "(dense_counts)" not in site]
+    assert len(device) <= layers + 8, sorted(set(device))
+    assert any("(dense_counts)" in site for _, site in reads), "the cascade's counts came from the host"

@@ -50,15 +50,15 @@ READS = ("item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "
 @contextlib.contextmanager
 def host_reads() -> Iterator[list[tuple[str, str]]]:
     """Reads of tensor values into Python inside the block (``READS``: ``.cpu()``, ``int(t)``, ...),
-    as (method, call site) pairs, the site being the innermost kvcake frame (``file:line``, or ""
-    outside kvcake). On the CPU such a read dispatches no ATen op, so ``CountOps`` misses it; on a
+    as (method, call site) pairs, the site being the innermost kvcake frame (``file:line (function)``,
+    or "" outside kvcake). On the CPU such a read dispatches no ATen op, so ``CountOps`` misses it; on a
     GPU each read of a device tensor drains the queue (reads of host tensors cost nothing there)."""
     calls: list[tuple[str, str]] = []
     saved = {name: getattr(torch.Tensor, name) for name in READS}
 
     def wrap(name, fn):
         def counted(t, *args, **kwargs):
-            site = next((f"{f.filename.split('/kvcake/')[-1]}:{f.lineno}"
+            site = next((f"{f.filename.split('/kvcake/')[-1]}:{f.lineno} ({f.name})"
                          for f in reversed(traceback.extract_stack()[:-1]) if "/kvcake/" in f.filename), "")  # fmt: skip
             calls.append((name, site))
             return fn(t, *args, **kwargs)
