@@ -241,14 +241,26 @@ def test_host_counts_equal_the_scores_counts(tiny_llama, name, monkeypatch):
     assert len(checked) >= 3 * 4, "every layer of both runs and the batch counted on the host"
 
 
-@pytest.mark.parametrize("name", ["cake", "criticalkv", "pyramidkv", "snapkv"])
-def test_prefill_reads_the_device_about_once_per_layer(name):
-    """On a GPU each read of a device value into Python drains the queue. The CAKE cascade
-    re-evicts every layer seen so far at each stage (136 evictions at 16 layers); their counts are
-    host arithmetic (``dense_counts``, on host tensors), so the reads left are about one a layer
-    (CAKE's preference, CriticalKV's second candidate set) plus a few per prompt. Counted with
-    ``host_reads`` (which sees every tensor's reads: ``dense_counts`` reads host tensors only).
-    Head-wise cascades (cake-adakv, layer-defensivekv) still read each stage's head counts back."""
+@pytest.mark.parametrize(
+    ("name", "per_layer"),
+    [
+        ("cake", 1),
+        ("criticalkv", 1),
+        ("pyramidkv", 1),
+        ("snapkv", 1),
+        ("cake-adakv", 3),
+        ("layer-defensivekv", 5),
+    ],
+)
+def test_prefill_reads_the_device_a_few_times_per_layer(name, per_layer):
+    """On a GPU each read of a device value into Python drains the queue. A cascade re-evicts
+    every layer seen so far at each stage (136 evictions at 16 layers): uniform heads' counts are
+    host arithmetic there (``dense_counts``, on host tensors), head-wise ones are read back once a
+    stage for all layers (``stage_head_counts``), so the reads are a few per layer (CAKE's
+    preference, a ragged layout's lengths, CriticalKV's second candidate set, the global
+    allocator's per-stage counts) plus a few per prompt. Counted with ``host_reads``, which sees
+    every tensor's reads (``dense_counts`` reads host tensors only, so it is left out); the code
+    before these changes read 3-10 times as often."""
     from kvcake.bench.step_counts import host_reads, tiny_llama
 
     layers = 16
@@ -256,6 +268,7 @@ def test_prefill_reads_the_device_about_once_per_layer(name):
     cache = KVCakeCache(model, make_method(name, budget=32, window=8))
     with kvcake.enable(model), torch.no_grad(), host_reads() as reads:
         model(prompt(300, seed=3), **with_cache(model, cache))
-    device = [site for _, site in reads if "(dense_counts)" not in site]
-    assert len(device) <= layers + 8, sorted(set(device))
-    assert any("(dense_counts)" in site for _, site in reads), "the cascade's counts came from the host"
+    device = [(read, site) for read, site in reads if "(dense_counts)" not in site and read != "numpy"]
+    assert len(device) <= per_layer * layers + 8, sorted(set(device))
+    if not make_method(name, budget=32).heads.ragged:
+        assert any("(dense_counts)" in site for _, site in reads), "the cascade's counts came from the host"

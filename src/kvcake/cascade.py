@@ -100,8 +100,11 @@ def prefill_stage(
             )
             budgets = allocate(cache, prefs, final=last, layer_scores=seen)
             cache.stage_budgets.append(budgets)
+            if m.heads.ragged:
+                stage_head_counts(cache, cache.compressed[: g + 1], budgets)
             for j in range(g + 1):
                 cache._evict_layer(cache.compressed[j], budgets[:, j])
+            cache.stage_counts.clear()
     else:
         if cache.budgets is None:
             cache.budgets = allocate(cache, None, final=True)
@@ -234,10 +237,13 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     m = cache.method
     dev = layer.keys.device
     if m.heads.ragged:
-        scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
-        window = cache.seq.window.to(dev, non_blocking=True)
-        counts = head_counts(cache, layer_idx, scores, budget.to(dev, non_blocking=True), window)
-        counts_host = counts.cpu().numpy()
+        if layer_idx in cache.stage_counts:  # this stage's, read with the other layers' (stage_head_counts)
+            scores, counts, counts_host = cache.stage_counts.pop(layer_idx)
+        else:
+            scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
+            window = cache.seq.window.to(dev, non_blocking=True)
+            counts = head_counts(cache, layer_idx, scores, budget.to(dev, non_blocking=True), window)
+            counts_host = counts.cpu().numpy()
         if bool((counts_host == layer.counts).all()):
             return  # nothing to evict in this layer at this stage
     else:
@@ -274,6 +280,27 @@ def dense_counts_reference(scores: torch.Tensor, budget: torch.Tensor) -> torch.
     """:func:`dense_counts` from the padded scores (B, H_kv, N) on their device (the tests' oracle)."""
     n_valid = (scores > float("-inf")).sum(-1)
     return torch.minimum(budget.to(scores.device)[:, None].expand_as(n_valid), n_valid)
+
+
+def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
+    """A cascade stage's head-wise counts of every layer in ``layer_ids`` (budgets (B, m) host,
+    column j for ``layer_ids[j]``), computed on each layer's device and read back in one copy per
+    device instead of one per layer (on a GPU each read drains the queue; a stage re-evicts every
+    layer seen so far). Each layer's counts depend on its own scores and budget only, so they are
+    those :func:`evict_layer` would compute; it takes them (and the padded scores) from
+    ``cache.stage_counts``."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for j, lid in enumerate(layer_ids):
+        layer = cache.layers[lid]
+        dev = layer.keys.device
+        scores = layer.padded(layer.scores, float("-inf"))
+        window = cache.seq.window.to(dev, non_blocking=True)
+        counts = head_counts(cache, lid, scores, budgets[:, j].to(dev, non_blocking=True), window)
+        by_device.setdefault(dev, []).append((lid, scores, counts))
+    for group in by_device.values():
+        host = torch.stack([c for _, _, c in group]).cpu().numpy()  # (m, B, H_kv): one read
+        for (lid, scores, counts), counts_host in zip(group, host, strict=True):
+            cache.stage_counts[lid] = (scores, counts, counts_host)
 
 
 def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
