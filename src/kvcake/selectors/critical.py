@@ -48,14 +48,15 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
             proj = matmul_f32(
                 v.reshape(b * hkv, c, d), wg, buf[: b * hkv * c * groups * hidden].view(b * hkv, c, -1)
             )
-            out[:, :, start : start + c] = proj.abs_().view(b, hkv, c, groups, hidden).sum(-1).mean(-1)
+            l1 = torch.linalg.vector_norm(proj.view(b, hkv, c, groups, hidden), ord=1, dim=-1)  # abs and sum in one pass
+            out[:, :, start : start + c] = l1.mean(-1)
         return out
     w = w.float().reshape(hidden, num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
     w = w.reshape(hkv, groups, d, -1)  # (H_kv, G, d, hidden)
     for start in range(0, s, _NORM_CHUNK):
         v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
         proj = torch.einsum("bkcd,kgdo->bkgco", v, w)  # (B, H_kv, G, c, hidden)
-        out[:, :, start : start + v.shape[2]] = proj.abs_().sum(-1).mean(2)  # in place: no second buffer
+        out[:, :, start : start + v.shape[2]] = torch.linalg.vector_norm(proj, ord=1, dim=-1).mean(2)
     return out
 
 
@@ -94,7 +95,7 @@ def projected_value_norm_bounds(
         l2 = (vg * v[:, :, None]).sum(-1).clamp(min=0).sqrt()  # (B, H_kv, G, c)
         high[:, :, start : start + v.shape[2]] = l2.mean(2) * math.sqrt(hidden)
         if sign_values is not None:
-            dots = torch.einsum("bkcd,bkgdj->bkgcj", v, u).abs().amax(-1)  # (B, H_kv, G, c)
+            dots = torch.linalg.vector_norm(torch.einsum("bkcd,bkgdj->bkgcj", v, u), ord=float("inf"), dim=-1)
             l2 = torch.maximum(l2, dots - 1e-5 * v.norm(dim=-1)[:, :, None] * u_norm)
         low[:, :, start : start + v.shape[2]] = l2.mean(2)
     return low, high
