@@ -256,8 +256,10 @@ class KVCakeLayer(CacheLayerMixin):
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
-        lengths = torch.as_tensor(counts.reshape(-1), device=keep.device)
-        self.meta = RaggedMeta.from_lengths(lengths, int(counts.max()) if counts.size else 0)
+        lengths = torch.as_tensor(counts.reshape(-1)).to(keep.device, non_blocking=True)  # no wait on a GPU
+        self.meta = RaggedMeta.from_lengths(
+            lengths, int(counts.max()) if counts.size else 0, int(counts.sum())
+        )
         self.layout = "ragged"
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -266,7 +268,7 @@ class KVCakeLayer(CacheLayerMixin):
         m = self.meta
         n_seg = b * hkv
         new_len = m.lengths + q
-        new_meta = RaggedMeta.from_lengths(new_len, m.max_len + q)
+        new_meta = RaggedMeta.from_lengths(new_len, m.max_len + q, m.seg.numel() + n_seg * q)
         old_dest = new_meta.offsets[m.seg] + m.local  # (T,)
         seg_new = torch.arange(n_seg, device=k.device).repeat_interleave(q)
         new_dest = (

@@ -39,10 +39,17 @@ class RaggedMeta:
     max_len: int
 
     @classmethod
-    def from_lengths(cls, lengths: torch.Tensor, max_len: int | None = None) -> RaggedMeta:
+    def from_lengths(
+        cls, lengths: torch.Tensor, max_len: int | None = None, total: int | None = None
+    ) -> RaggedMeta:
+        """The segments of ``lengths`` (T,) entries. ``max_len`` (the longest) and ``total`` (their
+        sum), where the caller knows them on the host, spare two reads of the device (on a GPU
+        each drains the queue); None reads them."""
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
         offsets[1:] = lengths.cumsum(0)
-        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        seg = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total
+        )
         local = torch.arange(seg.numel(), device=lengths.device) - offsets[seg]
         if max_len is None:
             max_len = int(lengths.max()) if lengths.numel() else 0

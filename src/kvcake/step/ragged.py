@@ -58,8 +58,8 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     counts = layer.counts
     cap = counts + room if budget is None else np.maximum(counts, budget) + 1  # (B, H_kv) host
     dev = layer.keys.device
-    lengths = torch.as_tensor(cap.reshape(-1), device=dev)
-    meta = RaggedMeta.from_lengths(lengths)
+    lengths = torch.as_tensor(cap.reshape(-1)).to(dev, non_blocking=True)
+    meta = RaggedMeta.from_lengths(lengths, int(cap.max()), int(cap.sum()))
     src_valid = padded["positions"] >= 0  # (B, H_kv, N): entries are first in each segment
     nth = src_valid.long().cumsum(-1) - 1  # each entry's index in its segment
     b, h, _ = src_valid.shape
@@ -170,7 +170,10 @@ def to_dynamic(layer) -> None:
     keep = entries["positions"] >= 0  # (B, H_kv, N)
     for name, t in entries.items():
         setattr(layer, name, t[keep])
-    layer.meta = RaggedMeta.from_lengths(torch.as_tensor(layer.counts.reshape(-1), device=keep.device))
+    counts = layer.counts.reshape(-1)
+    layer.meta = RaggedMeta.from_lengths(
+        torch.as_tensor(counts).to(keep.device, non_blocking=True), int(counts.max()), int(counts.sum())
+    )
     layer.static = None
 
 
