@@ -48,7 +48,9 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
             proj = matmul_f32(
                 v.reshape(b * hkv, c, d), wg, buf[: b * hkv * c * groups * hidden].view(b * hkv, c, -1)
             )
-            l1 = torch.linalg.vector_norm(proj.view(b, hkv, c, groups, hidden), ord=1, dim=-1)  # abs and sum in one pass
+            l1 = torch.linalg.vector_norm(
+                proj.view(b, hkv, c, groups, hidden), ord=1, dim=-1
+            )  # abs and sum in one pass
             out[:, :, start : start + c] = l1.mean(-1)
         return out
     w = w.float().reshape(hidden, num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
@@ -56,7 +58,7 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
     for start in range(0, s, _NORM_CHUNK):
         v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
         proj = torch.einsum("bkcd,kgdo->bkgco", v, w)  # (B, H_kv, G, c, hidden)
-        out[:, :, start : start + v.shape[2]] = torch.linalg.vector_norm(proj, ord=1, dim=-1).mean(2)
+        out[:, :, start : start + v.shape[2]] = proj.abs_().sum(-1).mean(2)  # in place: no second buffer
     return out
 
 
@@ -95,7 +97,7 @@ def projected_value_norm_bounds(
         l2 = (vg * v[:, :, None]).sum(-1).clamp(min=0).sqrt()  # (B, H_kv, G, c)
         high[:, :, start : start + v.shape[2]] = l2.mean(2) * math.sqrt(hidden)
         if sign_values is not None:
-            dots = torch.linalg.vector_norm(torch.einsum("bkcd,bkgdj->bkgcj", v, u), ord=float("inf"), dim=-1)
+            dots = torch.einsum("bkcd,bkgdj->bkgcj", v, u).abs().amax(-1)  # (B, H_kv, G, c)
             l2 = torch.maximum(l2, dots - 1e-5 * v.norm(dim=-1)[:, :, None] * u_norm)
         low[:, :, start : start + v.shape[2]] = l2.mean(2)
     return low, high
@@ -291,8 +293,8 @@ class Critical(Selector):
         near_top = (ranks_desc(prefix) < 2 * b_pref[..., None]).any(1, keepdim=True)  # (B, 1, S)
         first = prefix_ok & near_top
         norms = _norms_where(
-            values, o_weight, num_heads, first, m=2 * kmax * scores.shape[1]
-        )  # each head's 2b
+            values, o_weight, num_heads, first
+        )  # its size read: the heads' union is far below 2b x heads
         exact = torch.where(first, weight * self.prepare_norms(norms), ninf)
         top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
         threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
