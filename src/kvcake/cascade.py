@@ -237,20 +237,15 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     m = cache.method
     dev = layer.keys.device
     if m.heads.ragged:
-        if layer_idx in cache.stage_counts:  # this stage's, read with the other layers' (stage_head_counts)
-            scores, counts, counts_host = cache.stage_counts.pop(layer_idx)
-        else:
-            scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
-            window = cache.seq.window.to(dev, non_blocking=True)
-            counts = head_counts(cache, layer_idx, scores, budget.to(dev, non_blocking=True), window)
-            counts_host = counts.cpu().numpy()
-        if bool((counts_host == layer.counts).all()):
-            return  # nothing to evict in this layer at this stage
+        if layer_idx not in cache.stage_counts:  # outside a cascade stage: this layer's alone
+            stage_head_counts(cache, [layer_idx], budget[:, None])
+        scores, counts, counts_host = cache.stage_counts.pop(layer_idx)  # (B, H_kv, N), (B, H_kv) twice
     else:
-        counts_host = dense_counts(layer, budget, cache.seq.lengths)
-        if bool((counts_host == layer.counts).all()):
-            return
-        scores = layer.padded(layer.scores, float("-inf"))
+        counts_host, scores = dense_counts(layer, budget, cache.seq.lengths), None
+    if bool((counts_host == layer.counts).all()):
+        return  # nothing to evict in this layer at this stage
+    if scores is None:  # uniform heads: the scores and counts on the device only when evicting
+        scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
         counts = torch.from_numpy(counts_host).to(dev, non_blocking=True)
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism

@@ -256,10 +256,7 @@ class KVCakeLayer(CacheLayerMixin):
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
-        lengths = torch.as_tensor(counts.reshape(-1)).to(keep.device, non_blocking=True)  # no wait on a GPU
-        self.meta = RaggedMeta.from_lengths(
-            lengths, int(counts.max()) if counts.size else 0, int(counts.sum())
-        )
+        self.meta = RaggedMeta.from_counts(counts, keep.device)
         self.layout = "ragged"
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .varlen import choose_route, varlen_attention
@@ -54,6 +55,15 @@ class RaggedMeta:
         if max_len is None:
             max_len = int(lengths.max()) if lengths.numel() else 0
         return cls(seg=seg, local=local, lengths=lengths, offsets=offsets, max_len=max_len)
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray, device: torch.device) -> RaggedMeta:
+        """:meth:`from_lengths` of host counts (any shape, flattened into segments): sent to
+        ``device`` without waiting, their longest and their sum known here, so no read of the
+        device."""
+        counts = counts.reshape(-1)
+        lengths = torch.as_tensor(counts).to(device, non_blocking=True)
+        return cls.from_lengths(lengths, int(counts.max()) if counts.size else 0, int(counts.sum()))
 
 
 def ragged_attention_reference(

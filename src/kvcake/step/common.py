@@ -132,11 +132,10 @@ def attention_with_probs(
     None. Returns the output (B, 1, H, d) and the probabilities (B, H_kv, G, N) in float32 (the
     GQA group on dim 2, as ``Scorer.decode_step`` reads them)."""
     b, h, _, d = query.shape
+    hkv = keys.shape[0] // b
     probs = _probs(query, keys, mask, scaling)  # (B*H_kv, G, N)
     out = torch.bmm(probs, values.to(probs.dtype)).to(query.dtype)
-    return out.reshape(b, 1, h, d), probs.reshape(
-        b, keys.shape[0] // b, h * b // keys.shape[0], keys.shape[1]
-    )
+    return out.reshape(b, 1, h, d), probs.reshape(b, hkv, h // hkv, keys.shape[1])
 
 
 def attention_probs(

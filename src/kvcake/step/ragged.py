@@ -58,8 +58,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     counts = layer.counts
     cap = counts + room if budget is None else np.maximum(counts, budget) + 1  # (B, H_kv) host
     dev = layer.keys.device
-    lengths = torch.as_tensor(cap.reshape(-1)).to(dev, non_blocking=True)
-    meta = RaggedMeta.from_lengths(lengths, int(cap.max()), int(cap.sum()))
+    meta = RaggedMeta.from_counts(cap, dev)
     src_valid = padded["positions"] >= 0  # (B, H_kv, N): entries are first in each segment
     nth = src_valid.long().cumsum(-1) - 1  # each entry's index in its segment
     b, h, _ = src_valid.shape
@@ -72,7 +71,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
             setattr(layer, name, out)
     m = int(cap.max())
     local = torch.arange(m, device=dev)
-    inside = local < lengths[:, None]  # (B*H_kv, M)
+    inside = local < meta.lengths[:, None]  # (B*H_kv, M)
     pad_index = torch.where(inside, meta.offsets[:-1, None] + local, total)  # (B*H_kv, M)
     # the same indices shaped for each gather (views of one constant tensor, never written)
     layer.pad_index, layer.pad_rows = pad_index, pad_index[:, None]  # (B*H_kv, M), (B*H_kv, 1, M)
@@ -95,7 +94,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     if layer.varlen_route != "reference":
         layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
         layer.seq_used = torch.as_tensor(counts.reshape(-1), dtype=torch.int32, device=dev)  # (S,)
-        layer.seq_room = (lengths - 1).to(torch.int32)  # (S,) what a segment holds after an eviction
+        layer.seq_room = (meta.lengths - 1).to(torch.int32)  # (S,) what a segment holds after an eviction
     if budget is None:  # each segment's first slot after its entries
         layer.next = meta.offsets[:-1].reshape(b, h, 1) + torch.as_tensor(counts, device=dev)[..., None]
         layer.room = int((cap - counts).min())
@@ -170,10 +169,7 @@ def to_dynamic(layer) -> None:
     keep = entries["positions"] >= 0  # (B, H_kv, N)
     for name, t in entries.items():
         setattr(layer, name, t[keep])
-    counts = layer.counts.reshape(-1)
-    layer.meta = RaggedMeta.from_lengths(
-        torch.as_tensor(counts).to(keep.device, non_blocking=True), int(counts.max()), int(counts.sum())
-    )
+    layer.meta = RaggedMeta.from_counts(layer.counts, keep.device)
     layer.static = None
 
 
