@@ -165,3 +165,55 @@ def test_compile_is_refused_where_the_models_do_not_hand_off_kwargs():
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="upgrade transformers or use compile=False"):
         kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, compile=True)
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["cake", "cake-adakv", "h2o"])
+def test_a_compressed_contexts_question_then_a_compiled_decode(spec):
+    """A compressed context keeps its kept entries in the dynamic layout; a fork appends the
+    question (several tokens) and goes back into static storage right after that append's
+    attention, so the compiled decoding forward is captured whole (fullgraph) and converts no
+    layer: the code before converted at the first compiled step, a graph break (fullgraph raised
+    on it here; on an H100 the CUDA-graph compile of that step crashed, 2026-11-26)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _two_layer_llama()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    question = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    ctx = kvcake.compress(model, ids, spec, budget=24, window=4)
+    assert all(layer.static is None for layer in ctx.cache.layers)  # the context holds exactly its entries
+    eager = ctx.generate(question, max_new_tokens=12, do_sample=False, disable_compile=True)
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only by default
+    compiled = ctx.generate(question, max_new_tokens=12, do_sample=False, compile_config=config)
+    assert 1 <= len(graphs) <= 2
+    assert torch.equal(compiled, eager)
+
+
+def test_a_forks_layers_are_in_static_storage_after_a_multi_token_append(tiny_llama):
+    """The step that follows a question's append (several tokens at once) finds every compressed
+    layer laid out already, holding the entries a fork kept in the dynamic layout holds."""
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(0))
+    question = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    ctx = kvcake.compress(tiny_llama, ids, "cake", budget=24, window=4)
+    laid_out, dynamic = ctx.fork(), ctx.fork()
+    for cache in (laid_out, dynamic):
+        cache.reserve(85 + 4)
+    for layer in dynamic.layers:
+        layer.static_plan = None  # stays in the dynamic layout
+    mask = torch.ones(1, 85, dtype=torch.long)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        for cache in (laid_out, dynamic):
+            tiny_llama(question, attention_mask=mask, **with_cache(tiny_llama, cache))
+    compressed = [lid for lid in laid_out.compressed if not laid_out.layers[lid].plain]
+    assert compressed and all(laid_out.layers[lid].static is not None for lid in compressed)
+    assert all(dynamic.layers[lid].static is None for lid in compressed)
+    laid_out.compact()  # back to exactly the kept entries, to compare
+    for lid in compressed:
+        a, b = laid_out.layers[lid].padded_positions(), dynamic.layers[lid].padded_positions()
+        assert torch.equal(a.sort(-1).values, b.sort(-1).values), lid

@@ -136,6 +136,8 @@ def _make_attention(inner_name: str):
             return out
         out, probs = layer.attend(query, scaling, want)
         cache.after_extend_attention(layer_idx, probs)
+        if q > 1:  # a multi-token append (a context's question): back into static storage now
+            cache.lay_out_after_append(layer_idx)
         return out.to(query.dtype), None
 
     kvcake_attention.__name__ = f"{PREFIX}{inner_name}"

@@ -240,7 +240,8 @@ class KVCakeCache(Cache):
 
     def serve(self, static: bool) -> None:
         """Choose how a prefilled cache kept in the dynamic layout (a compressed context) decodes:
-        ``static`` sets the plans its layers move into static storage by at their first
+        ``static`` sets the plans its layers move into static storage by right after their next
+        multi-token append (a fork's question; ``lay_out_after_append``) or else at their first
         single-token step (nothing is laid out now, so it still holds exactly its kept entries)."""
         self.static = bool(static)
         self.plan_static(lay_out=False)
@@ -323,6 +324,17 @@ class KVCakeCache(Cache):
     def after_extend_attention(self, layer_idx: int, probs: torch.Tensor | None) -> None:
         """Decoding-time eviction (policy ``fixed``, ``decoding.evict_step``)."""
         decoding.evict_step(self, layer_idx, probs)
+
+    def lay_out_after_append(self, layer_idx: int) -> None:
+        """After a multi-token append's attention and its eviction back to the decoding budget, a
+        compressed layer with a static plan moves into its buffers at once, so that the next
+        single-token step (the first of a compiled decode after a compressed context's question)
+        finds it laid out: converting inside a compiled step breaks its graph, and a CUDA-graph
+        capture of it crashed (H100, 2026-11-26). The entries kept are the same either way."""
+        layer = self.layers[layer_idx]
+        if layer.static is None and layer.static_plan is not None and not layer.plain:
+            layer.to_static()
+            self._track_bytes(layer_idx)
 
     # -- CAKE's temperatures -------------------------------------------------------------------
     @property

@@ -67,7 +67,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.static is not None and not one_step:
             self.step.to_dynamic(self)  # multi-token appends take the reference path
         elif self.static is None and one_step and self.static_plan is not None and not self.plain:
-            self.to_static()  # after its first eviction, or back from a multi-token append
+            self.to_static()  # after its first eviction (after a multi-token append, the attention laid it out)
         if self.static is not None:  # in place, positions on the device: no host int
             self.step.append(self, key_states, value_states)
             self.length += 1
