@@ -7,8 +7,8 @@ with transformers' DynamicCache.
     PYTHONPATH=src python3 scripts/prefill_counts.py --layers 32 --methods cake,criticalkv --reads
 
 On a GPU every ATen op is a launch (or host work between launches) and every synchronising op
-(``_local_scalar_dense``, ``nonzero``, ``masked_select``; a device-to-host copy shows as
-``_to_copy``) drains the queue; so does a read of a value into Python (``.cpu()``, ``int(t)``,
+(``_local_scalar_dense``, ``nonzero``, ``masked_select``, indexing with a boolean mask, which
+runs ``nonzero`` inside; a device-to-host copy shows as ``_to_copy``) drains the queue; so does a read of a value into Python (``.cpu()``, ``int(t)``,
 ``bool(t)``, ``.tolist()``, ``.numpy()``), which on the CPU dispatches nothing: ``--reads`` lists
 those by call site in kvcake (every tensor's: the host tensors', budgets and lengths, cost nothing
 on a GPU, the others one drain each). A prefill whose count grows with the square of the layer count

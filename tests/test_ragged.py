@@ -1,10 +1,12 @@
 """Ragged attention against a dense masked float64 reference."""
 
+import math
+
 import pytest
 import torch
 
 from kvcake.layer import dense_attention
-from kvcake.ragged import RaggedMeta, ragged_attention, ragged_attention_reference
+from kvcake.ragged import RaggedMeta, kept_indices, ragged_attention, ragged_attention_reference
 
 
 def dense_reference(query, keys_list, values_list, pos_list, qpos, scaling):
@@ -89,3 +91,16 @@ def test_dense_layer_attention_with_empty_slots(h, hkv):
     assert_rel(out_p, out.double())
     assert bool((probs[..., :7][(pos[:, :, None, :7] < 0).expand(b, hkv, 1, 7).repeat_interleave(h // hkv, 1)
                  .expand(b, h, q, 7)] == 0).all())  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 40), (1, 1, 7), (300,)])
+@pytest.mark.parametrize("size", [0, 1, 5, "all"])
+def test_kept_indices_are_nonzeros_without_the_read_back(shape, size):
+    """Rows with exactly ``size`` True entries: the indices ``nonzero`` finds, in order."""
+    n, rows = shape[-1], math.prod(shape[:-1])
+    size = n if size == "all" else size
+    g = torch.Generator().manual_seed(n + size)
+    chosen = torch.stack([torch.randperm(n, generator=g)[:size] for _ in range(rows)])  # (rows, size)
+    keep = torch.zeros(rows, n, dtype=torch.bool).scatter_(1, chosen, True).reshape(shape)
+    expected = keep.reshape(rows, n).nonzero()[:, 1].reshape(*shape[:-1], size)
+    assert torch.equal(kept_indices(keep, size), expected)

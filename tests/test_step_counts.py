@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcake import PRESETS, KVCakeCache, make_method
-from kvcake.bench.step_counts import SYNCING, CountOps, step_ops
+from kvcake.bench.step_counts import BOOLEAN_INDEX, SYNCING, CountOps, step_ops
 from kvcake.cache import KWARGS_HANDOFF
 
 MAX_EXTRA_OPS_PER_LAYER = 30
@@ -41,3 +41,15 @@ def test_the_sync_counter_sees_a_sync():
     with CountOps() as counter:
         bool(torch.ones(2).sum() > 0)
     assert "aten._local_scalar_dense.default" in counter.ops
+
+
+def test_the_sync_counter_sees_indexing_with_a_boolean_mask():
+    """``t[mask]`` and ``t[mask] = v`` dispatch one indexing op, which on a GPU runs ``nonzero``
+    inside: counted as synchronising (the prefill's evictions hid 1600 of them from the count)."""
+    t, mask = torch.arange(6.0), torch.arange(6) % 2 == 0
+    with CountOps() as counter:
+        t[mask]
+        t[mask] = 0.0
+        t[torch.tensor([0, 2])]  # integer indices: no read back
+    assert counter.ops[BOOLEAN_INDEX] == 2
+    assert sum(v for k, v in counter.ops.items() if k in SYNCING) == 2

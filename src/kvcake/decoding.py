@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from .ragged import to_device
 from .selectors import SelectionInputs, TopK
 
 
@@ -47,7 +48,7 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     protected = positions > newest - window
     scores = scores.masked_fill(protected, float("inf")).masked_fill(positions < 0, float("-inf"))
     counts = np.minimum(layer.counts, budget)
-    keep = TopK().select(SelectionInputs(scores, torch.as_tensor(counts, device=scores.device)))
+    keep = TopK().select(SelectionInputs(scores, to_device(counts, scores.device)))
     layer.evict(keep, counts, ragged=layer.layout == "ragged")
     cache._track_bytes(layer_idx)
 

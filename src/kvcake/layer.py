@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .ragged import RaggedMeta, ragged_attention
+from .ragged import RaggedMeta, kept_indices, ragged_attention, to_device
 from .step import GROWTH, LAYOUTS
 from .step.common import mark_static
 
@@ -216,13 +216,16 @@ class KVCakeLayer(CacheLayerMixin):
         b, hkv, n = keep.shape
         new_n = int(counts.max()) if counts.size else 0
         if bool((counts == new_n).all()):
-            # every head keeps the same number: a masked select keeps position order
+            # every head keeps the same number: the kept rows of the flattened heads, in order
+            rows = kept_indices(keep.reshape(-1), b * hkv * new_n)
+
             def take(t, fill=None):
                 if t is None:
                     return None
-                return t[keep].reshape(b, hkv, new_n, *t.shape[3:])
+                kept = t.reshape(b * hkv * n, *t.shape[3:]).index_select(0, rows)
+                return kept.reshape(b, hkv, new_n, *t.shape[3:])
         else:
-            cnt = torch.as_tensor(counts, device=keep.device)
+            cnt = to_device(counts, keep.device)
             rank = keep.long().cumsum(-1) - 1  # rank among kept entries
             dest = (new_n - cnt)[..., None] + rank  # left-aligned empty slots, like left padding
             dest = torch.where(keep, dest, torch.full_like(dest, new_n))  # dropped -> overflow slot
@@ -243,16 +246,14 @@ class KVCakeLayer(CacheLayerMixin):
 
     def _evict_to_ragged(self, keep: torch.Tensor, counts: np.ndarray) -> None:
         b, hkv, n = keep.shape
-        if self.layout == "dense":
-            flat_keep = keep.reshape(-1)
+        flat = self.layout == "dense"  # (B, H_kv, N) tensors, else already (T, ...) rows
+        flat_keep = keep.reshape(-1) if flat else keep.reshape(b * hkv, n)[self.meta.seg, self.meta.local]
+        idx = kept_indices(flat_keep, int(counts.sum()))  # the kept rows in order, their number from the host
 
-            def take(t):
-                return None if t is None else t.reshape(b * hkv * n, *t.shape[3:])[flat_keep]
-        else:
-            flat_keep = keep.reshape(b * hkv, n)[self.meta.seg, self.meta.local]
-
-            def take(t):
-                return None if t is None else t[flat_keep]
+        def take(t):
+            if t is None:
+                return None
+            return (t.reshape(b * hkv * n, *t.shape[3:]) if flat else t).index_select(0, idx)
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)

@@ -62,7 +62,7 @@ class RaggedMeta:
         ``device`` without waiting, their longest and their sum known here, so no read of the
         device."""
         counts = counts.reshape(-1)
-        lengths = torch.as_tensor(counts).to(device, non_blocking=True)
+        lengths = to_device(counts, device)
         return cls.from_lengths(lengths, int(counts.max()) if counts.size else 0, int(counts.sum()))
 
 
@@ -122,3 +122,22 @@ def ragged_attention(
     return ragged_attention_reference(
         query, keys, values, positions, meta, query_positions, scaling, return_probs
     )
+
+
+def to_device(host: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a numpy array) as a tensor on ``device``, sent without waiting: a blocking copy
+    to a GPU waits for everything queued before it. Safe for a temporary array: the copy takes
+    the values before it returns."""
+    return torch.from_numpy(np.ascontiguousarray(host)).to(device, dtype, non_blocking=True)
+
+
+def kept_indices(keep: torch.Tensor, size: int) -> torch.Tensor:
+    """The indices along the last dim of ``keep``'s True entries, in order, where every row holds
+    exactly ``size`` of them (a count the host knows): what ``nonzero`` or ``t[keep]`` find, without
+    their read back (on a GPU those wait for the device to learn how many there are). Each kept
+    entry's rank is its slot; the dropped ones all go to a spare slot past the end."""
+    rank = keep.cumsum(-1) - 1
+    slot = torch.where(keep, rank, torch.full_like(rank, size))
+    ramp = torch.arange(keep.shape[-1], device=keep.device).expand_as(slot)
+    out = torch.empty(*keep.shape[:-1], size + 1, dtype=torch.long, device=keep.device)
+    return out.scatter_(-1, slot, ramp)[..., :size]

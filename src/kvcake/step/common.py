@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..ragged import to_device
+
 GROWTH = 64  # columns (dense) or slots per segment (ragged) added when decode=none runs out
 # decode=fixed preallocates up to its budget: refuse more than this beyond what a head holds
 MAX_PREALLOCATED = 1 << 20
@@ -62,7 +64,7 @@ def finish(layer, budget: np.ndarray | None) -> None:
     if budget is None:
         return
     layer.static_budget_host = budget
-    layer.under = torch.tensor(budget - layer.counts, device=layer.keys.device).reshape(*budget.shape, 1)
+    layer.under = to_device(budget - layer.counts, layer.keys.device).reshape(*budget.shape, 1)
 
 
 def mark_static(layer) -> None:

@@ -57,7 +57,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     layer.bias = None if layer.full else bias(layer.positions, layer.keys.dtype)  # (B, H_kv, 1, C)
     finish(layer, budget)
     if budget is None:
-        layer.used_dev = torch.tensor([n], device=layer.keys.device)  # (1,) next free column
+        layer.used_dev = torch.full((1,), n, device=layer.keys.device)  # (1,) next free column
         layer.room = width - n
     else:  # each head's first empty column
         layer.free = layer.positions.argmin(-1, keepdim=True)  # (B, H_kv, 1)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ragged import RaggedMeta
+from ..ragged import RaggedMeta, kept_indices, to_device
 from ..varlen import choose_route, varlen_attention
 from .common import (
     FILLS,
@@ -64,10 +64,12 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     b, h, _ = src_valid.shape
     dest = meta.offsets[:-1].reshape(b, h, 1) + nth  # (B, H_kv, N)
     total = int(cap.sum())  # host; the dummy slot is ``total``
+    held = kept_indices(src_valid.reshape(-1), int(counts.sum()))  # the entries, without a read back
+    dest = dest.reshape(-1).index_select(0, held)
     for name, t in padded.items():
         if t is not None:
             out = torch.full((total + 1, *t.shape[3:]), FILLS[name], dtype=t.dtype, device=dev)
-            out[dest[src_valid]] = t[src_valid]
+            out.index_copy_(0, dest, t.reshape(-1, *t.shape[3:]).index_select(0, held))
             setattr(layer, name, out)
     m = int(cap.max())
     local = torch.arange(m, device=dev)
@@ -93,10 +95,10 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     layer.varlen_route = choose_route(dev, layer.keys.dtype, seqused=True)
     if layer.varlen_route != "reference":
         layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
-        layer.seq_used = torch.as_tensor(counts.reshape(-1), dtype=torch.int32, device=dev)  # (S,)
+        layer.seq_used = to_device(counts.reshape(-1), dev, torch.int32)  # (S,)
         layer.seq_room = (meta.lengths - 1).to(torch.int32)  # (S,) what a segment holds after an eviction
     if budget is None:  # each segment's first slot after its entries
-        layer.next = meta.offsets[:-1].reshape(b, h, 1) + torch.as_tensor(counts, device=dev)[..., None]
+        layer.next = meta.offsets[:-1].reshape(b, h, 1) + to_device(counts, dev)[..., None]
         layer.room = int((cap - counts).min())
     finish(layer, budget)
     if budget is not None:  # each segment's first empty slot
@@ -166,9 +168,10 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
 def to_dynamic(layer) -> None:
     """Back to the reference layout: compact segments, entries in position order."""
     entries = in_position_order(layer)
-    keep = entries["positions"] >= 0  # (B, H_kv, N)
+    keep = (entries["positions"] >= 0).reshape(-1)  # (B * H_kv * N,)
+    idx = kept_indices(keep, int(layer.counts.sum()))  # no read back: the count is the host's
     for name, t in entries.items():
-        setattr(layer, name, t[keep])
+        setattr(layer, name, t.reshape(keep.shape[0], *t.shape[3:]).index_select(0, idx))
     layer.meta = RaggedMeta.from_counts(layer.counts, keep.device)
     layer.static = None
 
