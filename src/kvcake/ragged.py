@@ -135,9 +135,11 @@ def kept_indices(keep: torch.Tensor, size: int) -> torch.Tensor:
     """The indices along the last dim of ``keep``'s True entries, in order, where every row holds
     exactly ``size`` of them (a count the host knows): what ``nonzero`` or ``t[keep]`` find, without
     their read back (on a GPU those wait for the device to learn how many there are). Each kept
-    entry's rank is its slot; the dropped ones all go to a spare slot past the end."""
+    entry's rank is its slot; the dropped ones all go to a spare slot past the end. The count is
+    the caller's to get right (the selectors keep exactly their counts): a row with fewer leaves
+    -1 (an index error where it is used), one with more loses the entries past ``size``."""
     rank = keep.cumsum(-1) - 1
     slot = torch.where(keep, rank, torch.full_like(rank, size))
     ramp = torch.arange(keep.shape[-1], device=keep.device).expand_as(slot)
-    out = torch.empty(*keep.shape[:-1], size + 1, dtype=torch.long, device=keep.device)
+    out = torch.full((*keep.shape[:-1], size + 1), -1, dtype=torch.long, device=keep.device)
     return out.scatter_(-1, slot, ramp)[..., :size]
