@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
+from .ragged import to_device
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
@@ -246,7 +247,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         return  # nothing to evict in this layer at this stage
     if scores is None:  # uniform heads: the scores and counts on the device only when evicting
         scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
-        counts = torch.from_numpy(counts_host).to(dev, non_blocking=True)
+        counts = to_device(counts_host, dev)
     if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
         o_weight = cache.o_weights.pop(layer_idx)
@@ -285,12 +286,15 @@ def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
     those :func:`evict_layer` would compute; it takes them (and the padded scores) from
     ``cache.stage_counts``."""
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    sent: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # budgets and windows, once a device
     for j, lid in enumerate(layer_ids):
         layer = cache.layers[lid]
         dev = layer.keys.device
+        if dev not in sent:
+            sent[dev] = (budgets.to(dev, non_blocking=True), cache.seq.window.to(dev, non_blocking=True))
+        on_dev, window = sent[dev]
         scores = layer.padded(layer.scores, float("-inf"))
-        window = cache.seq.window.to(dev, non_blocking=True)
-        counts = head_counts(cache, lid, scores, budgets[:, j].to(dev, non_blocking=True), window)
+        counts = head_counts(cache, lid, scores, on_dev[:, j], window)
         by_device.setdefault(dev, []).append((lid, scores, counts))
     for group in by_device.values():
         host = torch.stack([c for _, _, c in group]).cpu().numpy()  # (m, B, H_kv): one read

@@ -110,7 +110,7 @@ def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn, m: int | None = Non
     reading the device (a bound: the extra entries gathered are unmasked and give 0), or None to
     read the exact count (one host read)."""
     if m is None:
-        m = int(mask.sum(-1).max())  # host: prefill only
+        m = _widest(mask)  # host: prefill only
     m = min(m, mask.shape[-1])
     if 2 * m >= mask.shape[-1]:
         out = fn(values)
