@@ -287,6 +287,26 @@ def test_selectors(case, data):
                     assert bool(k[order[:first]].all())
 
 
+@SETTINGS
+@given(case=score_cases(), data=st.data())
+def test_selected_indices_are_the_selected_mask(case, data):
+    """Every head keeping one count: ``select_indices`` (TopK's from one stable sort, without
+    the mask) are the positions of ``select``'s mask, in order, ties included."""
+    scores, valid, window, _ = case
+    b, h, s = scores.shape
+    low, high = int(window.max()), int(valid.sum(-1).min())  # every head holds its window and size
+    assume(low <= high)
+    size = data.draw(st.integers(low, high))
+    norms = (
+        torch.rand(b, h, s, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999)))) + 0.01
+    )
+    counts = torch.full((b, h), size)
+    for selector in (TopK(), Critical(alpha=data.draw(st.sampled_from([0.0, 0.5, 1.0])))):
+        keep = selector.select(SelectionInputs(scores, counts, norms))
+        expected = keep.reshape(b * h, s).nonzero()[:, 1].reshape(b, h, size)
+        assert torch.equal(selector.select_indices(scores, size, norms), expected), selector.name
+
+
 # -- scorers ----------------------------------------------------------------------------------
 SCORERS = [
     StreamingScorer(n_sink=4),

@@ -245,18 +245,28 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         counts_host, scores = dense_counts(layer, budget, cache.seq.lengths), None
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
-    if scores is None:  # uniform heads: the scores and counts on the device only when evicting
+    # every head of a dense layer keeping as many: the kept positions straight from the selector
+    gather = (
+        not m.heads.ragged and layer.layout == "dense" and bool((counts_host == counts_host.flat[0]).all())
+    )
+    first_norms = m.selector.needs_value_norms and layer.norms is None  # the whole prompt is here
+    if scores is None:  # uniform heads: the scores (and counts, if read) on the device only when evicting
         scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
-        counts = to_device(counts_host, dev)
-    if m.selector.needs_value_norms and layer.norms is None:  # the first eviction: the whole prompt is here
+        counts = None if gather and not first_norms else to_device(counts_host, dev)
+    if first_norms:
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
         o_weight = cache.o_weights.pop(layer_idx)
         norms = value_norms(
             m.selector, layer.values, o_weight, heads, scores, counts, cache.split, int(counts_host.max())
         )
         layer.norms = m.selector.prepare_norms(norms, cache.split)
-    keep = m.selector.select(SelectionInputs(scores, counts, layer.padded(layer.norms, 0.0)))
-    layer.evict(keep, counts_host, ragged=m.heads.ragged)
+    norms = layer.padded(layer.norms, 0.0)
+    if gather:
+        layer.keep_positions(m.selector.select_indices(scores, int(counts_host.flat[0]), norms), counts_host)
+    else:
+        layer.evict(
+            m.selector.select(SelectionInputs(scores, counts, norms)), counts_host, ragged=m.heads.ragged
+        )
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))

@@ -48,8 +48,11 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     protected = positions > newest - window
     scores = scores.masked_fill(protected, float("inf")).masked_fill(positions < 0, float("-inf"))
     counts = np.minimum(layer.counts, budget)
-    keep = TopK().select(SelectionInputs(scores, to_device(counts, scores.device)))
-    layer.evict(keep, counts, ragged=layer.layout == "ragged")
+    if layer.layout == "dense" and bool((counts == counts.flat[0]).all()):
+        layer.keep_positions(TopK().select_indices(scores, int(counts.flat[0])), counts)
+    else:
+        keep = TopK().select(SelectionInputs(scores, to_device(counts, scores.device)))
+        layer.evict(keep, counts, ragged=layer.layout == "ragged")
     cache._track_bytes(layer_idx)
 
 

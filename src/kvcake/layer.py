@@ -215,34 +215,45 @@ class KVCakeLayer(CacheLayerMixin):
     def _evict_dense(self, keep: torch.Tensor, counts: np.ndarray) -> None:
         b, hkv, n = keep.shape
         new_n = int(counts.max()) if counts.size else 0
-        if bool((counts == new_n).all()):
-            # every head keeps the same number: the kept rows of the flattened heads, in order
-            rows = kept_indices(keep.reshape(-1), b * hkv * new_n)
+        if bool((counts == new_n).all()):  # every head keeps the same number
+            self.keep_positions(kept_indices(keep, new_n), counts)
+            return
+        cnt = to_device(counts, keep.device)
+        rank = keep.long().cumsum(-1) - 1  # rank among kept entries
+        dest = (new_n - cnt)[..., None] + rank  # left-aligned empty slots, like left padding
+        dest = torch.where(keep, dest, torch.full_like(dest, new_n))  # dropped -> overflow slot
 
-            def take(t, fill=None):
-                if t is None:
-                    return None
-                kept = t.reshape(b * hkv * n, *t.shape[3:]).index_select(0, rows)
-                return kept.reshape(b, hkv, new_n, *t.shape[3:])
-        else:
-            cnt = to_device(counts, keep.device)
-            rank = keep.long().cumsum(-1) - 1  # rank among kept entries
-            dest = (new_n - cnt)[..., None] + rank  # left-aligned empty slots, like left padding
-            dest = torch.where(keep, dest, torch.full_like(dest, new_n))  # dropped -> overflow slot
-
-            def take(t, fill=0):
-                if t is None:
-                    return None
-                shape = (b, hkv, new_n + 1, *t.shape[3:])
-                out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
-                idx = dest.reshape(b, hkv, n, *([1] * (t.dim() - 3))).expand_as(t)
-                out.scatter_(2, idx, t)
-                return out[:, :, :new_n]
+        def take(t, fill=0):
+            if t is None:
+                return None
+            shape = (b, hkv, new_n + 1, *t.shape[3:])
+            out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+            idx = dest.reshape(b, hkv, n, *([1] * (t.dim() - 3))).expand_as(t)
+            out.scatter_(2, idx, t)
+            return out[:, :, :new_n]
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions = take(self.positions, -1)
         self.scores = take(self.scores, float("-inf"))
         self.norms = take(self.norms, 0.0)
+
+    def keep_positions(self, idx: torch.Tensor, counts: np.ndarray) -> None:
+        """Evict a dense layer to the entries at ``idx`` (B, H_kv, n) along each head, in order:
+        every head keeps ``n`` (``counts``, (B, H_kv) host, all equal to it)."""
+        if self.layout != "dense":
+            raise ValueError(f"keep_positions gathers a dense layer's entries; this layer is {self.layout}")
+        if self.plain and idx.shape[2] == self.keys.shape[2]:
+            return  # nothing to evict: the layer stays identical to a full-cache layer
+
+        def take(t):
+            if t is None or t.dim() == 3:  # positions, scores, norms: by the indices themselves
+                return None if t is None else t.gather(2, idx)
+            return t.gather(2, idx[..., None].expand(*idx.shape, *t.shape[3:]))  # keys, values
+
+        self.keys, self.values = take(self.keys), take(self.values)
+        self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
+        self.plain = False
+        self.counts = counts.astype(np.int64)
 
     def _evict_to_ragged(self, keep: torch.Tensor, counts: np.ndarray) -> None:
         b, hkv, n = keep.shape

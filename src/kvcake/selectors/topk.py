@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocators.adakv import ranks_desc
+from ..ragged import kept_indices
 
 
 @dataclass
@@ -38,6 +39,15 @@ class Selector:
         has fewer valid entries)."""
         raise NotImplementedError
 
+    def select_indices(
+        self, scores: torch.Tensor, size: int, value_norms: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, H_kv, size) int64: the positions of the kept entries in order when every head
+        keeps ``size`` (each holding at least that many valid entries): the indices a dense layer
+        gathers by. What :meth:`select`'s mask holds; a selector may find them without it."""
+        counts = torch.full(scores.shape[:2], size, dtype=torch.long, device=scores.device)
+        return kept_indices(self.select(SelectionInputs(scores, counts, value_norms)), size)
+
     def describe(self) -> str:
         return self.name
 
@@ -50,3 +60,13 @@ class TopK(Selector):
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:
         return (ranks_desc(inp.scores) < inp.counts[..., None]) & (inp.scores > float("-inf"))
+
+    def select_indices(
+        self, scores: torch.Tensor, size: int, value_norms: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The first ``size`` of each head's descending order (stable: ties to the earlier
+        position, as :func:`ranks_desc`), in position order: three ops where the mask and its
+        indices take about twenty (a cascade re-evicts every layer seen at every stage, and on
+        a GPU each op is a launch)."""
+        order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+        return order[..., :size].sort(dim=-1).values
