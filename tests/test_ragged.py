@@ -2,10 +2,11 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from kvcake.layer import dense_attention
+from kvcake.layer import KVCakeLayer, dense_attention
 from kvcake.ragged import RaggedMeta, kept_indices, ragged_attention, ragged_attention_reference
 
 
@@ -104,3 +105,25 @@ def test_kept_indices_are_nonzeros_without_the_read_back(shape, size):
     keep = torch.zeros(rows, n, dtype=torch.bool).scatter_(1, chosen, True).reshape(shape)
     expected = keep.reshape(rows, n).nonzero()[:, 1].reshape(*shape[:-1], size)
     assert torch.equal(kept_indices(keep, size), expected)
+
+
+def test_keep_positions_takes_each_heads_entries_in_order():
+    """A dense layer evicted by per-head positions holds, per head, what boolean indexing of its
+    entries with the same kept set gives: keys, values, positions and scores, in order."""
+    g = torch.Generator().manual_seed(3)
+    b, hkv, n, d, size = 2, 3, 20, 4, 7
+    layer = KVCakeLayer()
+    layer.update(torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g))
+    layer.scores = torch.rand(b, hkv, n, generator=g)
+    keep = torch.zeros(b, hkv, n, dtype=torch.bool)
+    for bi in range(b):
+        for h in range(hkv):
+            keep[bi, h, torch.randperm(n, generator=g)[:size]] = True
+    before = {name: getattr(layer, name).clone() for name in ("keys", "values", "positions", "scores")}
+    layer.keep_positions(kept_indices(keep, size), np.full((b, hkv), size))
+    for name, full in before.items():
+        expected = torch.stack(
+            [torch.stack([full[bi, h][keep[bi, h]] for h in range(hkv)]) for bi in range(b)]
+        )
+        assert torch.equal(getattr(layer, name), expected), name
+    assert not layer.plain and layer.counts.tolist() == [[size] * hkv] * b

@@ -245,10 +245,16 @@ class KVCakeLayer(CacheLayerMixin):
         if self.plain and idx.shape[2] == self.keys.shape[2]:
             return  # nothing to evict: the layer stays identical to a full-cache layer
 
+        b, hkv, n = self.positions.shape
+        # keys and values by whole rows of the flattened heads (a gather with the index expanded
+        # over d reads an index per element: ten times slower on a CPU at 4096 x 64)
+        rows = (idx + torch.arange(0, b * hkv * n, n, device=idx.device).view(b, hkv, 1)).reshape(-1)
+
         def take(t):
             if t is None or t.dim() == 3:  # positions, scores, norms: by the indices themselves
                 return None if t is None else t.gather(2, idx)
-            return t.gather(2, idx[..., None].expand(*idx.shape, *t.shape[3:]))  # keys, values
+            kept = t.reshape(b * hkv * n, *t.shape[3:]).index_select(0, rows)
+            return kept.reshape(*idx.shape, *t.shape[3:])
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
