@@ -302,3 +302,59 @@ def test_prefill_reads_the_device_a_few_times_per_layer(name, per_layer):
     assert len(device) <= per_layer * layers + 8, sorted(set(device))
     if not make_method(name, budget=32).heads.ragged:
         assert any("(dense_counts)" in site for _, site in reads), "the cascade's counts came from the host"
+
+
+@pytest.mark.parametrize("name", ["cake-adakv", "adakv"])
+def test_head_wise_cascade_selects_a_stage_together(monkeypatch, name):
+    """A stage of a head-wise cascade re-evicts every layer seen so far. With a top-k selector
+    the Ada-KV kept set is the selection, and the layers of a stage are selected in one call
+    (``head_counts._kept_together``, by layout: the stage's new layer is still dense): on a GPU
+    its ~40 launches twice a stage, not once a layer; 31 calls for 16 layers where it was 136
+    (and then a second ranking by the selector in each eviction). One-shot Ada-KV selects each
+    layer once either way."""
+    from kvcake.allocators import AdaKV
+    from kvcake.bench.step_counts import tiny_llama
+
+    calls = []
+    select = AdaKV.select
+
+    def counted(self, scores, *args, **kwargs):
+        calls.append(scores.shape[0])
+        return select(self, scores, *args, **kwargs)
+
+    monkeypatch.setattr(AdaKV, "select", counted)
+    layers = 16
+    model = tiny_llama(layers)
+    cache = KVCakeCache(model, make_method(name, budget=32, window=8))
+    with kvcake.enable(model), torch.no_grad():
+        model(prompt(300, seed=3), **with_cache(model, cache))
+    if name == "cake-adakv":  # stage g: its g evicted (ragged) layers together, its new one alone
+        assert sum(calls) == layers * (layers + 1) // 2 and len(calls) <= 2 * layers, calls
+    else:
+        assert calls == [1] * layers
+
+
+@pytest.mark.parametrize("name", ["cake", "snapkv"])
+def test_uniform_eviction_takes_the_kept_positions(name):
+    """A dense layer whose heads keep one count is evicted by the positions the selector ranks
+    first (``Selector.select_indices``, one sort and its first n sorted back) and gathered
+    (``KVCakeLayer.keep_positions``): about 20 ATen ops, where building the kept mask and then its
+    indices took 35 (a cascade does it for every layer seen at every stage: 136 at 16 layers)."""
+    from kvcake import cascade
+    from kvcake.bench.step_counts import CountOps, tiny_llama
+
+    model = tiny_llama(16)
+    cache = KVCakeCache(model, make_method(name, budget=32, window=8))
+    per_eviction = []
+    evict = cascade.evict_layer
+
+    def counted(layer_idx, budget):
+        with CountOps() as counter:
+            evict(cache, layer_idx, budget)
+        per_eviction.append(sum(counter.ops.values()))
+
+    cache._evict_layer = counted
+    with kvcake.enable(model), torch.no_grad():
+        model(prompt(300, seed=3), **with_cache(model, cache))
+    assert len(per_eviction) == (136 if name == "cake" else 16)
+    assert max(per_eviction) <= 24, per_eviction

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcake import cascade, make_method
+from kvcake import head_counts, make_method
 from kvcake.allocators import AdaKV, AllocationRequest, GlobalAllocator
 from kvcake.scorers import DefensiveScorer, PrefillInputs, SnapKVScorer
 from kvcake.scorers.defensive import MARK
@@ -241,13 +241,13 @@ def test_layer_defensivekv_cascade_equals_one_shot(tiny_llama, spec):
 
 @pytest.mark.parametrize("spec", ["layer-defensivekv", "layers=cake,heads=adakv,score=cake,select=critical"])
 def test_cascade_ranks_head_counts_once(tiny_llama, monkeypatch, spec):
-    """A cascade's Ada-KV counts from one ranking per layer (``cascade.head_counts``) keep the
+    """A cascade's Ada-KV counts from one ranking per layer (``head_counts.head_counts``) keep the
     very entries of sorting the scores at every stage."""
     ids = prompt(300, seed=2)
     method = make_method(spec, budget=48, window=8)
-    monkeypatch.setattr(cascade, "RANKED_COUNTS", False)
+    monkeypatch.setattr(head_counts, "RANKED_COUNTS", False)
     ref, ref_logits = prefill(tiny_llama, ids, method, record=True)
-    monkeypatch.setattr(cascade, "RANKED_COUNTS", True)
+    monkeypatch.setattr(head_counts, "RANKED_COUNTS", True)
     ranked = []
     rank = AdaKV.rank
     monkeypatch.setattr(AdaKV, "rank", lambda self, scores: ranked.append(1) or rank(self, scores))

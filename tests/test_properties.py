@@ -235,6 +235,8 @@ def test_head_allocators(case, alpha):
     keep = ada.select(scores, budget, window)
     counts = ada.counts(scores, budget, window)
     _check_kept(keep, counts, scores, window)
+    # each head's top counts by score, ties to the earlier position: the selection a cascade takes
+    assert torch.equal(keep, TopK().select(SelectionInputs(scores, counts)))
     # the layer's total is exact: H_kv * budget per sequence (capped by what exists)
     assert torch.equal(counts.sum(-1), h * torch.minimum(budget, n_valid))
     prefix_budget = budget - window

@@ -134,10 +134,10 @@ class KVCakeCache(Cache):
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
-        self.count_rankings: dict[int, object] = {}  # prefill only: count_scores sorted (cascade.head_counts)
+        self.count_rankings: dict[int, object] = {}  # prefill only: count_scores sorted (head_counts.py)
         self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
-        # prefill only: a cascade stage's head counts, read back at once (cascade.stage_head_counts)
-        self.stage_counts: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        # prefill only: a cascade stage's head counts and kept sets, read back at once (head_counts.py)
+        self.stage_counts: dict[int, tuple] = {}
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0

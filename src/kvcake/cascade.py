@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
+from .head_counts import stage_head_counts
 from .ragged import to_device
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
@@ -240,9 +241,10 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     if m.heads.ragged:
         if layer_idx not in cache.stage_counts:  # outside a cascade stage: this layer's alone
             stage_head_counts(cache, [layer_idx], budget[:, None])
-        scores, counts, counts_host = cache.stage_counts.pop(layer_idx)  # (B, H_kv, N), (B, H_kv) twice
+        # (B, H_kv, N), (B, H_kv) twice, and the allocator's kept set if it is the selection
+        scores, counts, counts_host, keep = cache.stage_counts.pop(layer_idx)
     else:
-        counts_host, scores = dense_counts(layer, budget, cache.seq.lengths), None
+        counts_host, scores, keep = dense_counts(layer, budget, cache.seq.lengths), None, None
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
     # every head of a dense layer keeping as many: the kept positions straight from the selector
@@ -264,9 +266,9 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     if gather:
         layer.keep_positions(m.selector.select_indices(scores, int(counts_host.flat[0]), norms), counts_host)
     else:
-        layer.evict(
-            m.selector.select(SelectionInputs(scores, counts, norms)), counts_host, ragged=m.heads.ragged
-        )
+        if keep is None:
+            keep = m.selector.select(SelectionInputs(scores, counts, norms))
+        layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
@@ -286,46 +288,6 @@ def dense_counts_reference(scores: torch.Tensor, budget: torch.Tensor) -> torch.
     """:func:`dense_counts` from the padded scores (B, H_kv, N) on their device (the tests' oracle)."""
     n_valid = (scores > float("-inf")).sum(-1)
     return torch.minimum(budget.to(scores.device)[:, None].expand_as(n_valid), n_valid)
-
-
-def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
-    """A cascade stage's head-wise counts of every layer in ``layer_ids`` (budgets (B, m) host,
-    column j for ``layer_ids[j]``), computed on each layer's device and read back in one copy per
-    device instead of one per layer (on a GPU each read drains the queue; a stage re-evicts every
-    layer seen so far). Each layer's counts depend on its own scores and budget only, so they are
-    those :func:`evict_layer` would compute; it takes them (and the padded scores) from
-    ``cache.stage_counts``."""
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    sent: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # budgets and windows, once a device
-    for j, lid in enumerate(layer_ids):
-        layer = cache.layers[lid]
-        dev = layer.keys.device
-        if dev not in sent:
-            sent[dev] = (budgets.to(dev, non_blocking=True), cache.seq.window.to(dev, non_blocking=True))
-        on_dev, window = sent[dev]
-        scores = layer.padded(layer.scores, float("-inf"))
-        counts = head_counts(cache, lid, scores, on_dev[:, j], window)
-        by_device.setdefault(dev, []).append((lid, scores, counts))
-    for group in by_device.values():
-        host = torch.stack([c for _, _, c in group]).cpu().numpy()  # (m, B, H_kv): one read
-        for (lid, scores, counts), counts_host in zip(group, host, strict=True):
-            cache.stage_counts[lid] = (scores, counts, counts_host)
-
-
-def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
-    """(B, H_kv) per-head counts of a head-wise method; a cascade counts on the prompt's scores
-    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept."""
-    heads = cache.method.heads
-    if layer_idx not in cache.count_scores:
-        return heads.counts(scores, budget, window, cache.split)
-    full = cache.count_scores[layer_idx]
-    if RANKED_COUNTS and cache.split is None and layer_idx not in cache.count_rankings:
-        cache.count_rankings[layer_idx] = heads.rank(full)
-    return heads.counts(full, budget, window, cache.split, cache.count_rankings.get(layer_idx))
-
-
-# False sorts a layer's scores at every stage's head counts (the reference; tests compare the two).
-RANKED_COUNTS = True
 
 
 def value_norms(

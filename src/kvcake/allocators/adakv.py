@@ -78,6 +78,14 @@ class HeadAllocator:
     ) -> torch.Tensor:  # fmt: skip
         raise NotImplementedError  # pragma: no cover - interface
 
+    def select(
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:  # pragma: no cover - interface
+        """(B, H_kv, S) bool: the entries the allocator's counts are made of, each head's
+        ``counts`` highest scores (ties to the earlier position; window included, padding
+        never), so that ``select(...).sum(-1)`` equals ``counts(...)``. Ragged allocators only."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class UniformHeads(HeadAllocator):

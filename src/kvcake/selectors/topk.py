@@ -28,6 +28,10 @@ class Selector:
     # of all entries, so a cascade must count on the prompt's full scores (cascade.py).
     keeps_top_scores = True
     needs_marks = False  # whether the scorer must mark a first stage (DefensiveScorer)
+    # Whether the kept set is each head's ``counts`` highest scores, ties to the earlier position:
+    # then a head allocator's own kept set (Ada-KV's) is the selection, and a cascade takes it
+    # instead of selecting again (head_counts.head_counts).
+    top_counts = False
 
     def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
         """The value weights to keep with a layer, from its full prompt's norms (B, H_kv, S);
@@ -57,6 +61,7 @@ class TopK(Selector):
     """The ``count`` highest scores of each head; ties go to the earlier position."""
 
     name = "topk"
+    top_counts = True
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:
         return (ranks_desc(inp.scores) < inp.counts[..., None]) & (inp.scores > float("-inf"))

@@ -1,0 +1,102 @@
+"""A cascade stage's per-head counts for head-wise methods (Ada-KV and its combinations).
+
+At every stage a cascade re-evicts every layer seen so far; a head-wise method first decides
+how many entries each head of each layer keeps. These are computed on each layer's device and
+read back once a stage per device (on a GPU each read drains the queue), and where the head
+allocator's kept set is the selection itself (a top-k selector) the layers of a stage are
+selected in one call. ``cache`` is always a ``KVCakeCache`` (typed by its base: this module
+sits below ``cache.py``)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .ragged import to_device
+
+
+def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
+    """A cascade stage's head-wise counts of every layer in ``layer_ids`` (budgets (B, m) host,
+    column j for ``layer_ids[j]``), computed on each layer's device and read back in one copy per
+    device instead of one per layer (on a GPU each read drains the queue; a stage re-evicts every
+    layer seen so far). Each layer's counts depend on its own scores and budget only, so they are
+    those :func:`evict_layer` would compute; it takes them (and the padded scores) from
+    ``cache.stage_counts``. Where the allocator's kept set is the selection, the layers of one
+    device and layout are selected together (:func:`_kept_together`)."""
+    m = cache.method
+    by_device: dict[torch.device, list[tuple]] = {}
+    together: dict[tuple[torch.device, str, int | None], list[tuple[int, int]]] = {}
+    sent: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # budgets and windows, once a device
+    for j, lid in enumerate(layer_ids):
+        layer = cache.layers[lid]
+        dev = layer.keys.device
+        if dev not in sent:
+            sent[dev] = (budgets.to(dev, non_blocking=True), cache.seq.window.to(dev, non_blocking=True))
+        on_dev, window = sent[dev]
+        if m.selector.top_counts and lid not in cache.count_scores:
+            # dense layers (before their first eviction) go by length: they are evicted flat
+            length = layer.keys.shape[2] if layer.layout == "dense" else None
+            together.setdefault((dev, layer.layout, length), []).append((j, lid))
+            continue
+        scores = layer.padded(layer.scores, float("-inf"))
+        counts = head_counts(cache, lid, scores, on_dev[:, j], window)
+        by_device.setdefault(dev, []).append((lid, scores, counts, None))
+    for (dev, _, _), group in together.items():
+        by_device.setdefault(dev, []).extend(_kept_together(cache, group, budgets, *sent[dev]))
+    for group in by_device.values():
+        host = torch.stack([c for _, _, c, _ in group]).cpu().numpy()  # (m, B, H_kv): one read
+        for (lid, scores, counts, keep), counts_host in zip(group, host, strict=True):
+            cache.stage_counts[lid] = (scores, counts, counts_host, keep)
+
+
+def _kept_together(cache: Cache, group: list[tuple[int, int]], budgets, on_dev, window) -> list[tuple]:
+    """The allocator's kept sets of the layers ``group`` ((column of ``budgets``, layer) pairs, one
+    device and layout, dense ones of one length) in one selection instead of one per layer: their padded scores side by side
+    as ``m * B`` sequences of ``N`` entries (the longest layer's; -inf beyond a layer's own, which
+    no selection keeps), each with its own layer's budget. A layer's kept set depends on its own
+    scores and budget only, so it is the one a selection of that layer alone makes; on a GPU this
+    is about forty launches a stage instead of forty a layer. Returns :func:`stage_head_counts`'s
+    ``(layer, scores, counts, keep)`` per layer; ``budgets`` (B, m) on the host, ``on_dev`` and
+    ``window`` (B,) on the device."""
+    layers = [cache.layers[lid] for _, lid in group]
+    b, h, dev = layers[0].batch, layers[0].kv_heads, layers[0].keys.device
+    if len(layers) == 1:
+        scores = layers[0].padded(layers[0].scores, float("-inf"))[None]  # (1, B, H_kv, N)
+    else:
+        n = max(
+            layer.meta.max_len if layer.layout == "ragged" else layer.scores.shape[-1] for layer in layers
+        )
+        scores = torch.full((len(layers), b * h, n), float("-inf"), dtype=layers[0].scores.dtype, device=dev)
+        for k, layer in enumerate(layers):
+            if layer.layout == "ragged":  # static storage: all but its dummy slot
+                scores[k][layer.meta.seg, layer.meta.local] = layer.scores[: layer.meta.seg.numel()]
+            else:
+                scores[k, :, : layer.scores.shape[-1]] = layer.scores.reshape(b * h, -1)
+        scores = scores.view(len(layers), b, h, n)
+    m, n = len(layers), scores.shape[-1]
+    if m == 1:
+        budget = on_dev[:, group[0][0]]
+    else:  # (m * B,) layer-major, as the scores
+        budget = to_device(budgets[:, [j for j, _ in group]].T.reshape(-1).numpy(), dev)
+        window = window.repeat(m)
+    keep = cache.method.heads.select(scores.reshape(m * b, h, n), budget, window, cache.split).view(
+        m, b, h, n
+    )
+    counts = keep.sum(-1)
+    return [(lid, scores[k], counts[k], keep[k]) for k, (_, lid) in enumerate(group)]
+
+
+def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
+    """(B, H_kv) per-head counts of a head-wise method; a cascade counts on the prompt's scores
+    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept."""
+    heads = cache.method.heads
+    if layer_idx not in cache.count_scores:
+        return heads.counts(scores, budget, window, cache.split)
+    full = cache.count_scores[layer_idx]
+    if RANKED_COUNTS and cache.split is None and layer_idx not in cache.count_rankings:
+        cache.count_rankings[layer_idx] = heads.rank(full)
+    return heads.counts(full, budget, window, cache.split, cache.count_rankings.get(layer_idx))
+
+
+# False sorts a layer's scores at every stage's head counts (the reference; tests compare the two).
+RANKED_COUNTS = True
