@@ -51,33 +51,25 @@ def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
 
 def _kept_together(cache: Cache, group: list[tuple[int, int]], budgets, on_dev, window) -> list[tuple]:
     """The allocator's kept sets of the layers ``group`` ((column of ``budgets``, layer) pairs, one
-    device and layout, dense ones of one length) in one selection instead of one per layer: their padded scores side by side
-    as ``m * B`` sequences of ``N`` entries (the longest layer's; -inf beyond a layer's own, which
-    no selection keeps), each with its own layer's budget. A layer's kept set depends on its own
-    scores and budget only, so it is the one a selection of that layer alone makes; on a GPU this
-    is about forty launches a stage instead of forty a layer. Returns :func:`stage_head_counts`'s
-    ``(layer, scores, counts, keep)`` per layer; ``budgets`` (B, m) on the host, ``on_dev`` and
-    ``window`` (B,) on the device."""
+    device and layout, dense ones of one length) in one selection instead of one per layer: their
+    padded scores side by side as ``m * B`` sequences of ``N`` entries (the longest layer's; -inf
+    beyond a layer's own, which no selection keeps), each with its own layer's budget. A layer's
+    kept set depends on its own scores and budget only, so it is the one a selection of that
+    layer alone makes; on a GPU this is about forty launches a stage instead of forty a layer.
+    Returns :func:`stage_head_counts`'s ``(layer, scores, counts, keep)`` per layer; ``budgets``
+    (B, m) on the host, ``on_dev`` and ``window`` (B,) on the device."""
     layers = [cache.layers[lid] for _, lid in group]
-    b, h, dev = layers[0].batch, layers[0].kv_heads, layers[0].keys.device
-    if len(layers) == 1:
-        scores = layers[0].padded(layers[0].scores, float("-inf"))[None]  # (1, B, H_kv, N)
-    else:
-        n = max(
-            layer.meta.max_len if layer.layout == "ragged" else layer.scores.shape[-1] for layer in layers
-        )
-        scores = torch.full((len(layers), b * h, n), float("-inf"), dtype=layers[0].scores.dtype, device=dev)
-        for k, layer in enumerate(layers):
-            if layer.layout == "ragged":  # static storage: all but its dummy slot
-                scores[k][layer.meta.seg, layer.meta.local] = layer.scores[: layer.meta.seg.numel()]
-            else:
-                scores[k, :, : layer.scores.shape[-1]] = layer.scores.reshape(b * h, -1)
-        scores = scores.view(len(layers), b, h, n)
+    b, h = layers[0].batch, layers[0].kv_heads
+    width = max(
+        layer.meta.max_len if layer.layout == "ragged" else layer.scores.shape[-1] for layer in layers
+    )
+    padded = [layer.padded(layer.scores, float("-inf"), width) for layer in layers]
+    scores = torch.stack(padded) if len(padded) > 1 else padded[0][None]  # (m, B, H_kv, N)
     m, n = len(layers), scores.shape[-1]
     if m == 1:
         budget = on_dev[:, group[0][0]]
     else:  # (m * B,) layer-major, as the scores
-        budget = to_device(budgets[:, [j for j, _ in group]].T.reshape(-1).numpy(), dev)
+        budget = to_device(budgets[:, [j for j, _ in group]].T.reshape(-1).numpy(), scores.device)
         window = window.repeat(m)
     keep = cache.method.heads.select(scores.reshape(m * b, h, n), budget, window, cache.split).view(
         m, b, h, n

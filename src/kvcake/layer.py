@@ -179,12 +179,13 @@ class KVCakeLayer(CacheLayerMixin):
         return LAYOUTS[self.layout]
 
     # -- views and eviction ----------------------------------------------------------------
-    def padded(self, tensor: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-        """A per-entry tensor as (B, H_kv, N, ...); ragged layers scatter into the longest segment."""
+    def padded(self, tensor: torch.Tensor | None, fill: float, width: int = 0) -> torch.Tensor | None:
+        """A per-entry tensor as (B, H_kv, N, ...); ragged layers scatter into the longest segment,
+        or into ``width`` entries per head where that is more (to stand beside other layers)."""
         if tensor is None or self.layout == "dense":
             return tensor
         m = self.meta
-        shape = (self.batch * self.kv_heads, m.max_len, *tensor.shape[1:])  # keys/values keep d
+        shape = (self.batch * self.kv_heads, max(m.max_len, width), *tensor.shape[1:])  # keys/values keep d
         out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
         out[m.seg, m.local] = tensor[: m.seg.numel()]  # static storage: all but its dummy slot
         return out.reshape(self.batch, self.kv_heads, *shape[1:])
