@@ -50,6 +50,47 @@ def test_equals_sdpa_and_the_reference_sums(kv_heads, rows, masked):
         assert bool((sums[-1, :, :20] == 0).all())
 
 
+def _far_logits(kind: str, s=70, d=16):
+    """Inputs whose logits overflow float32's exponential ("large": up to ~±100) or sit near -96
+    in every row ("small": every exponential a subnormal), where the CPU's unshifted exponentials
+    must fall back to subtracting the maxima; "near": ordinary logits, where they must not."""
+    q, k, v, valid, mask = _inputs(kv_heads=2, s=s, d=d)
+    if kind == "large":
+        q = q * 25
+    elif kind == "small":  # every key near one direction, every query opposite it
+        k = torch.ones_like(k) + 0.01 * k
+        q = -20 * torch.ones_like(q) + 0.01 * q
+    return q, k, v, valid, mask
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("kind", ["near", "large", "small"])
+def test_unshifted_exponentials_fall_back_where_inexact(kind, masked):
+    from kvcake.bench.step_counts import CountOps
+
+    q, k, v, valid, mask = _far_logits(kind)
+    if not masked:
+        valid, mask = torch.ones_like(valid), None
+    with CountOps() as counted:
+        out, sums = h2o.attention_with_column_sums(q, k, v, mask, valid, 0.3, 16)
+    ref = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=0.3, enable_gqa=True
+    )
+    # logits near ±100 carry their float32 rounding (~1e-5) into the probabilities: SDPA's own
+    # flash and math kernels differ by 1.5e-5 on the "large" inputs
+    tol = 1e-5 if kind == "near" else 1e-4
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=tol, atol=tol)
+    ref_sums = h2o.accumulated_attention(PrefillInputs(q, k, v, valid, 3, 0.3), chunk=512)
+    torch.testing.assert_close(sums, ref_sums, rtol=tol, atol=tol)
+    shifted = counted.ops["aten.amax.default"]  # one per block computed with its maxima subtracted
+    if kind == "near":
+        assert shifted == 0
+    elif kind == "small":
+        assert shifted == 5  # every block of 16 of the 70 rows
+    else:  # the blocks whose largest logit overflows the bound
+        assert 0 < shifted <= 5
+
+
 def test_block_rows_fit_the_block():
     for length in (1, 100, 4096, 8192, 1 << 20):
         rows = h2o.block_rows(1, 9, length, torch.device("cpu"))

@@ -80,14 +80,23 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
     return total
 
 
-# Bytes of one block of logits (B, H, rows, S) in attention_with_column_sums: on a CPU a block near
-# the last-level cache's size, on a GPU one large enough to keep the matmuls wide. On the CPU, 8 MiB
-# is 32 rows at 4096 tokens and 16 at 8192 for 9 heads; one layer of that shape on one core took
-# 0.60 s and 2.32 s so, against 0.53 s and 2.25 s with 64 rows, the fastest of 16-128 (all within
-# 25%; measured ad hoc on 2026-11-25, the page's h2o rows use these 8 MiB).
-BLOCK_BYTES = {"cpu": 8 << 20}
+# Bytes of one block of logits (B, H, rows, S) in attention_with_column_sums. On the CPU, 32 MiB is
+# 128 rows at 4096 tokens and 64 at 8192 for 9 heads: one layer of that shape on one core took
+# 0.177 s and 0.726 s so, 1.05 x and 1.15 x SDPA's causal attention (`python
+# scripts/h2o_block_rows.py`, 2026-11-26); with the 32 and 16 rows of an 8 MiB block and the
+# maxima subtracted (the loop before then) 0.223 s and 0.929 s, 1.29 x and 1.44 x. On a GPU a
+# block large enough to keep the matmuls wide.
+BLOCK_BYTES = {"cpu": 32 << 20}
 DEVICE_BLOCK_BYTES = 256 << 20
 MIN_ROWS = 16
+# Where a block's rows may be exponentiated without subtracting each row's maximum (the CPU, whose
+# check costs no device synchronisation): when every row that sees a key sums to within these
+# bounds. Then no exponential overflowed (every one is at most the sum), the probabilities
+# normalise to SDPA's up to float32 rounding (e^x / sum e^x is e^(x-m) / sum e^(x-m)), the
+# exponentials that underflow (below float32's 1.2e-38) are below 1e-18 of their row's sum (float32
+# keeps 1.2e-7 of it), and the products with the values stay below 1e30 x |v|. Otherwise the block
+# is computed again with the maxima subtracted, as SDPA does.
+UNSHIFTED_SUMS = (1e-20, 1e30)
 
 
 def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int:
@@ -122,7 +131,10 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
 
     ``rows`` query rows at a time (default :func:`block_rows`), each block's logits written into
     one reused buffer and exponentiated in place: on a CPU fresh buffers of this size cost more in
-    page faults than the arithmetic. A GQA group's heads share one matmul with their KV head.
+    page faults than the arithmetic. On the CPU a block is exponentiated without subtracting its
+    rows' maxima where that is exact (``UNSHIFTED_SUMS``; else it is computed again, shifted):
+    the maxima and the subtraction were two of the block's five passes over memory. A GQA group's
+    heads share one matmul with their KV head.
     Where :func:`half_matmuls` holds (CUDA, bf16/fp16) the matmuls take the inputs as they are and
     write float32; elsewhere they run on float32 copies. On CUDA the two FlexAttention passes of
     :mod:`kvcake.flex` replace the blocks (no ``S x S`` block reaches memory); this loop is their
@@ -151,8 +163,9 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
     upper = torch.full((rows, rows), float("-inf"), device=dev).triu_(1)  # later columns of a block
     hidden = torch.finfo(torch.float32).min  # masked logits: exp(hidden - max) is 0 in a row that sees a key
     weight = key_valid.float()[:, None, None, :]  # (B, 1, 1, S): padding query rows add nothing
-    for start in range(0, s, rows):
-        stop = min(s, start + rows)
+    unshifted = dev.type == "cpu"
+
+    def block_logits(start: int, stop: int) -> torch.Tensor:  # (B, H_kv, G*n, stop), masked
         n = stop - start
         logits = buffer[: b * h * n * stop].view(b, hkv, g * n, stop)
         rows_q = q[:, :, :, start:stop].reshape(b, hkv, g * n, d)
@@ -166,9 +179,23 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
             block[..., start:stop].add_(upper[:n, :n])
         else:
             block.masked_fill_(~mask[:, :, None, start:stop, :stop], hidden)
-        top = logits.amax(-1, keepdim=True)  # (B, H_kv, G*n, 1)
-        total = logits.sub_(top).exp_().sum(-1, keepdim=True)
-        scale = (top > hidden).float().div_(total)  # 1/total; 0 on a row that sees nothing
+        return logits
+
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        n = stop - start
+        logits = block_logits(start, stop)
+        scale = None
+        if unshifted:  # (B, H_kv, G*n, 1): 1/sum, or None where a row's sum is out of bounds
+            sees = None if mask is None else mask[:, :, None, start:stop, :stop].any(-1)  # (B, 1, 1, n)
+            scale = _unshifted_exp(logits, sees, (b, hkv, g, n))
+            if scale is None:  # the exponentials are in the buffer: the logits again, shifted
+                logits = block_logits(start, stop)
+        if scale is None:
+            top = logits.amax(-1, keepdim=True)  # (B, H_kv, G*n, 1)
+            total = logits.sub_(top).exp_().sum(-1, keepdim=True)
+            scale = (top > hidden).float().div_(total)  # 1/total; 0 on a row that sees nothing
+        block = logits.view(b, hkv, g, n, stop)
         if half:  # the probabilities in the inputs' dtype times the values, in float32 (as flash attention)
             p = (
                 probs_half[: b * h * n * stop]
@@ -185,3 +212,16 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
         row_weight = scale.view(b, hkv, g, 1, n) * weight[..., start:stop].unsqueeze(2)
         sums[..., :stop] += torch.matmul(row_weight, block)  # (B, H_kv, G, 1, stop)
     return out.view(b, h, s, d).transpose(1, 2).contiguous().to(query.dtype), sums.view(b, h, s)
+
+
+def _unshifted_exp(logits: torch.Tensor, sees: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """Exponentiate a block's logits in place as they are and return each row's ``1 / sum`` (0 on a
+    row that sees no key), or None where a row that sees a key sums outside ``UNSHIFTED_SUMS``
+    (the caller then subtracts the maxima). ``sees`` (B, 1, 1, n) bool, None: every row sees one."""
+    total = logits.exp_().sum(-1, keepdim=True)  # (B, H_kv, G*n, 1)
+    low, high = UNSHIFTED_SUMS
+    rows = total.view(shape)  # (B, H_kv, G, n)
+    small = rows < low if sees is None else (rows < low) & sees
+    if bool((small | (rows > high)).any()):
+        return None
+    return torch.where(total > 0, total.reciprocal(), 0.0)
