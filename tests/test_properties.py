@@ -309,6 +309,28 @@ def test_selected_indices_are_the_selected_mask(case, data):
         assert torch.equal(selector.select_indices(scores, size, norms), expected), selector.name
 
 
+@SETTINGS
+@given(case=score_cases(), data=st.data())
+def test_a_ranked_layer_keeps_its_top_entries_first(case, data):
+    """What a cascade's later stages rely on (``KVCakeLayer.ranked``): a head's ``m`` top entries
+    kept in TopK's descending order (``ranked_indices``) hold its top ``n <= m`` as their first
+    ``n``, ties included: the first ``n`` are what ``select`` keeps of the ``m`` kept so far, and
+    what it keeps of the whole head."""
+    scores, valid, window, _ = case
+    b, h, s = scores.shape
+    low, high = int(window.max()), int(valid.sum(-1).min())
+    assume(low <= high)
+    m = data.draw(st.integers(low, high))
+    n = data.draw(st.integers(low, m))
+    ranked = TopK().ranked_indices(scores, m)  # (B, H, m): indices into the head, best first
+    first = ranked[..., :n].sort(-1).values
+    assert torch.equal(first, TopK().select_indices(scores, n))  # of the whole head
+    held = scores.gather(2, ranked.sort(-1).values)  # the m kept, in position order
+    again = torch.full((b, h), n)
+    kept = TopK().select(SelectionInputs(held, again))  # stage two selects among them
+    assert torch.equal(ranked.sort(-1).values[kept].reshape(b, h, n), first)
+
+
 # -- scorers ----------------------------------------------------------------------------------
 SCORERS = [
     StreamingScorer(n_sink=4),

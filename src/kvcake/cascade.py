@@ -264,14 +264,37 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         layer.norms = m.selector.prepare_norms(norms, cache.split)
     norms = layer.padded(layer.norms, 0.0)
     if gather:
-        layer.keep_positions(m.selector.select_indices(scores, int(counts_host.flat[0]), norms), counts_host)
+        n = int(counts_host.flat[0])
+        if layer.ranked:  # in descending order since an earlier stage: its top n are its first n
+            layer.keep_positions(n, counts_host)
+        elif (
+            m.selector.top_counts
+            and m.layers.cascading
+            and cache._slot[cache._stage] < len(cache.compressed) - 1
+        ):
+            # later stages evict this layer again: kept in descending order, each of them a copy of
+            # its first entries (no sort, no gather), back in position order at the end of prefill
+            layer.keep_positions(m.selector.ranked_indices(scores, n), counts_host)
+            layer.ranked = True
+        else:
+            layer.keep_positions(m.selector.select_indices(scores, n, norms), counts_host)
     else:
+        if layer.ranked:  # heads keeping different counts: the mask path, in position order
+            in_position_order(layer)
+            scores = layer.padded(layer.scores, float("-inf"))
         if keep is None:
             keep = m.selector.select(SelectionInputs(scores, counts, norms))
         layer.evict(keep, counts_host, ragged=m.heads.ragged)
     cache._track_bytes(layer_idx)
     if cache.record:
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
+
+
+def in_position_order(layer) -> None:
+    """A dense layer kept in descending score order between cascade stages (``layer.ranked``) back
+    in position order, as one-shot eviction leaves it (bit for bit: the same entries, copied)."""
+    layer.keep_positions(layer.positions.argsort(dim=-1), layer.counts)
+    layer.ranked = False
 
 
 def dense_counts(layer, budget: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
@@ -322,6 +345,8 @@ def finish_prefill(cache: Cache) -> None:
     keep_scores = m.scorer.stateful and m.decode == "fixed"
     for lid in cache.compressed:
         layer = cache.layers[lid]
+        if layer.ranked:
+            in_position_order(layer)
         layer.norms = None
         if not keep_scores:
             layer.scores = None

@@ -37,6 +37,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.length = 0  # logical columns seen
         self.layout = "dense"
         self.plain = True
+        self.ranked = False  # dense entries in the selector's descending order, not position order
         self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
         self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
         self.norms: torch.Tensor | None = None  # CriticalKV value norms, same layout
@@ -44,9 +45,9 @@ class KVCakeLayer(CacheLayerMixin):
         self.meta: RaggedMeta | None = None
         self.batch = 0
         self.kv_heads = 0
-        # static decode storage (``kvcake.step``): None = the dynamic reference layout, else the
-        # decoding policy it serves; ``static_plan`` (``KVCakeCache.plan_static``): ((B, H_kv) decode
-        # budgets for decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
+        # static decode storage (``kvcake.step``): None = the dynamic reference layout, else the decoding
+        # policy it serves; ``static_plan`` (``KVCakeCache.plan_static``): ((B, H_kv) decode budgets for
+        # decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
         self.static: str | None = None
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
 
@@ -238,24 +239,28 @@ class KVCakeLayer(CacheLayerMixin):
         self.scores = take(self.scores, float("-inf"))
         self.norms = take(self.norms, 0.0)
 
-    def keep_positions(self, idx: torch.Tensor, counts: np.ndarray) -> None:
-        """Evict a dense layer to the entries at ``idx`` (B, H_kv, n) along each head, in order:
-        every head keeps ``n`` (``counts``, (B, H_kv) host, all equal to it)."""
+    def keep_positions(self, idx: torch.Tensor | int, counts: np.ndarray) -> None:
+        """Evict a dense layer to the entries at ``idx`` (B, H_kv, n) along each head, in order, or
+        to each head's first ``idx`` entries (an int): every head keeps ``n`` (``counts``, (B, H_kv)
+        host, all equal to it)."""
         if self.layout != "dense":
             raise ValueError(f"keep_positions gathers a dense layer's entries; this layer is {self.layout}")
-        if self.plain and idx.shape[2] == self.keys.shape[2]:
+        if self.plain and (idx if isinstance(idx, int) else idx.shape[2]) == self.keys.shape[2]:
             return  # nothing to evict: the layer stays identical to a full-cache layer
-
         b, hkv, n = self.positions.shape
-        # keys and values by whole rows of the flattened heads (a gather with the index expanded
-        # over d reads an index per element: ten times slower on a CPU at 4096 x 64)
-        rows = (idx + torch.arange(0, b * hkv * n, n, device=idx.device).view(b, hkv, 1)).reshape(-1)
+        if isinstance(idx, int):  # a copy of the first idx, so that the rest is freed
 
-        def take(t):
-            if t is None or t.dim() == 3:  # positions, scores, norms: by the indices themselves
-                return None if t is None else t.gather(2, idx)
-            kept = t.reshape(b * hkv * n, *t.shape[3:]).index_select(0, rows)
-            return kept.reshape(*idx.shape, *t.shape[3:])
+            def take(t):
+                return None if t is None else t[:, :, :idx].clone()
+        else:  # keys and values by whole rows of the flattened heads (a gather with the index
+            # expanded over d reads an index per element: ten times slower on a CPU at 4096 x 64)
+            rows = (idx + torch.arange(0, b * hkv * n, n, device=idx.device).view(b, hkv, 1)).reshape(-1)
+
+            def take(t):
+                if t is None or t.dim() == 3:  # positions, scores, norms: by the indices themselves
+                    return None if t is None else t.gather(2, idx)
+                kept = t.reshape(b * hkv * n, *t.shape[3:]).index_select(0, rows)
+                return kept.reshape(*idx.shape, *t.shape[3:])
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)

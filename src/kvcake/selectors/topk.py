@@ -73,5 +73,9 @@ class TopK(Selector):
         position, as :func:`ranks_desc`), in position order: three ops where the mask and its
         indices take about twenty (a cascade re-evicts every layer seen at every stage, and on
         a GPU each op is a launch)."""
-        order = torch.argsort(scores, dim=-1, descending=True, stable=True)
-        return order[..., :size].sort(dim=-1).values
+        return self.ranked_indices(scores, size).sort(dim=-1).values
+
+    def ranked_indices(self, scores: torch.Tensor, size: int) -> torch.Tensor:
+        """The first ``size`` of each head's descending order, in that order: a layer stored so
+        keeps its top ``n <= size`` as its first ``n`` (a cascade's later stages, ``KVCakeLayer.ranked``)."""
+        return torch.argsort(scores, dim=-1, descending=True, stable=True)[..., :size]
