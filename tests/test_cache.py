@@ -343,7 +343,8 @@ def test_uniform_eviction_takes_the_kept_positions(name):
     """A dense layer whose heads keep one count is evicted by the positions the selector ranks
     first (``Selector.select_indices``, one sort and its first n sorted back) and gathered
     (``KVCakeLayer.keep_positions``): about 20 ATen ops, where building the kept mask and then its
-    indices took 35 (a cascade does it for every layer seen at every stage: 136 at 16 layers)."""
+    indices took 35 (a cascade evicts every layer seen at every stage: 136 times at 16 layers, all
+    but a layer's first by a copy of its ranked entries, next test)."""
     from kvcake import cascade
     from kvcake.bench.step_counts import CountOps, tiny_llama
 

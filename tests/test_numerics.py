@@ -17,7 +17,7 @@ from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
 from kvcake.allocators import AllocationRequest, CakeAllocator, preference
 from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer, StreamingScorer, TOVAScorer
-from kvcake.scorers.base import window_rows_mean_var
+from kvcake.scorers.base import window_attention_reference, window_rows_mean_var
 
 INF = float("inf")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -175,6 +175,26 @@ def test_scorers_on_degenerate_attention(dtype):
                                 torch.zeros(b, n, dtype=torch.float64))  # fmt: skip
         budgets = CakeAllocator().allocate(req)
         assert torch.equal(budgets.sum(1), torch.full((b,), 12 * n)) and bool((budgets >= w).all())
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (9, 3)])
+@pytest.mark.parametrize(("s", "window"), [(40, 8), (6, 8), (1, 8)])
+def test_window_attention_equals_its_reference(heads, kv_heads, s, window):
+    """The grouped, in-place window attention against the reference (keys expanded per query
+    head, masks built whole): a left-padded row whose window holds padding queries (zero rows),
+    prompts shorter than the window, one token."""
+    g = torch.Generator().manual_seed(s + heads)
+    q = torch.randn(2, heads, s, 16, generator=g)
+    k, v = torch.randn(2, kv_heads, s, 16, generator=g), torch.randn(2, kv_heads, s, 16, generator=g)
+    valid = torch.ones(2, s, dtype=torch.bool)
+    valid[1, : s // 2] = False  # left padding
+    inp = PrefillInputs(q, k, v, valid, window, 0.25)
+    probs, row_valid = inp.window_attention()
+    ref, ref_valid = window_attention_reference(PrefillInputs(q, k, v, valid, window, 0.25))
+    assert torch.equal(row_valid, ref_valid)
+    torch.testing.assert_close(probs, ref, rtol=1e-6, atol=1e-7)
+    assert bool(torch.isfinite(probs).all())
+    assert bool((probs[1, :, ~row_valid[1]] == 0).all())  # padding query rows
 
 
 def _tolerant_same(kept_ref: set, kept_low: set, scores: torch.Tensor, rtol: float) -> None:
