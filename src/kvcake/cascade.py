@@ -251,6 +251,8 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     gather = (
         not m.heads.ragged and layer.layout == "dense" and bool((counts_host == counts_host.flat[0]).all())
     )
+    if layer.ranked and not gather:  # heads keeping different counts: the mask path, in position order
+        in_position_order(layer)
     first_norms = m.selector.needs_value_norms and layer.norms is None  # the whole prompt is here
     if scores is None:  # uniform heads: the scores (and counts, if read) on the device only when evicting
         scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
@@ -279,9 +281,6 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         else:
             layer.keep_positions(m.selector.select_indices(scores, n, norms), counts_host)
     else:
-        if layer.ranked:  # heads keeping different counts: the mask path, in position order
-            in_position_order(layer)
-            scores = layer.padded(layer.scores, float("-inf"))
         if keep is None:
             keep = m.selector.select(SelectionInputs(scores, counts, norms))
         layer.evict(keep, counts_host, ragged=m.heads.ragged)
