@@ -74,10 +74,14 @@ def _attention_like(scores: torch.Tensor, seed: int, marks: bool, floor: bool) -
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_head_normalised_norms_keep_the_same_set(seed):
+def test_head_normalised_norms_keep_the_same_set(seed, monkeypatch):
     """``value_norm="heads"`` (DefensiveKV): norms only where a head can keep the entry, each
     computed position exact for every head (so the shares are), the same kept sets, also for a
-    cascade's later, smaller counts."""
+    cascade's later, smaller counts. The pruning runs whatever the first set's width (these
+    prompts are short: their first sets are wide)."""
+    from kvcake.selectors import critical
+
+    monkeypatch.setattr(critical, "_ALL_NORMS_SHARE", 1.0)
     values, o_weight, h, scores, counts = _case(seed, s=600)
     scores = _attention_like(scores, seed, marks=seed % 2 == 1, floor=seed >= 4)
     sel = Critical(first="marked", value_norm="heads")
@@ -94,6 +98,33 @@ def test_head_normalised_norms_keep_the_same_set(seed):
     )
     if seed < 4:  # a flat tail of random values is decided by nearly every norm
         assert float((pruned > 0).float().mean()) < 0.4, "most norms skipped"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_wide_first_set_computes_every_norm_at_once(seed, monkeypatch):
+    """``value_norm="heads"``: where the positions of every head's top ``2b`` cover a quarter of the
+    prompt or more, the norms are computed once for every position (no bounds, no second set) and
+    are the reference's; where they cover less, only the pruned sets are computed."""
+    from kvcake.selectors import critical
+
+    calls = []
+    every = critical.projected_value_norms
+
+    def counted(values, o_weight, num_heads):
+        calls.append(values.shape[2])
+        return every(values, o_weight, num_heads)
+
+    monkeypatch.setattr(critical, "projected_value_norms", counted)
+    sel = Critical(first="marked", value_norm="heads")
+    values, o_weight, h, scores, counts = _case(seed, s=600)
+    scores = _attention_like(scores, seed, marks=True, floor=False)
+    got = sel.value_norms(values, o_weight, h, scores, counts)
+    assert calls == [600] and torch.equal(got, every(values, o_weight, h))
+    calls.clear()
+    values, o_weight, h, scores, counts = _case(seed, s=3000)  # counts < 80: first sets of < 480
+    scores = _attention_like(scores, seed, marks=True, floor=False)
+    got = sel.value_norms(values, o_weight, h, scores, counts)
+    assert calls and max(calls) < 750 and float((got > 0).float().mean()) < 0.25
 
 
 def test_most_norms_are_skipped_on_heavy_tails():

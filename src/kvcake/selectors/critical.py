@@ -13,52 +13,60 @@ from ..matmul import half_matmuls, matmul_f32
 from ..scorers.defensive import MARK
 from .topk import SelectionInputs, Selector
 
-# Positions per chunk when projecting values through o_proj: bounds the (B, H, chunk, hidden)
-# intermediate to a few MB instead of materialising it for the whole prompt.
+# Positions per chunk when projecting values through o_proj: bounds the (B, H_kv, chunk, G * hidden)
+# intermediate instead of materialising it for the whole prompt. On the CPU a smaller one stays in
+# cache between the matmul's write and the absolute values' passes (128: 28 ms against 53 for
+# SmolLM2's 4096 positions, one core; 64-128 the fastest of 64-1024).
 _NORM_CHUNK = 1024
+_NORM_CHUNK_CPU = 128
 # Sign vectors per KV head for the L1 lower bound of ``projected_value_norm_bounds`` (DefensiveKV's
 # head-normalised norms): 16 and 64 prune about as well on SmolLM2 at 4k tokens.
 _SIGN_SOURCES = 32
+# ``value_norm="heads"``: where the positions of every head's top ``2b`` (the first set) cover this
+# share of the prompt, every norm is computed at once instead. The bounds cost about a third of the
+# norms, and with a first set that wide the second has mostly covered half the prompt or more
+# (SmolLM2, 4096 tokens, Layer-DefensiveKV's large early budgets: first sets of 25-31% were
+# followed by second sets of >= 50%, one of 14% by none).
+_ALL_NORMS_SHARE = 0.25
 
 
 def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``|| v_n W_O^(h) ||_1`` averaged over each GQA group: (B, H_kv, S) float32.
 
     values: (B, H_kv, S, d); o_weight: (hidden, H * d), the output projection's weight, whose
-    columns ``h*d:(h+1)*d`` are query head ``h``'s slice. Vectorised over heads, chunked over
-    positions (see ``_NORM_CHUNK``). bf16/fp16 values and weight on CUDA are multiplied as they are
-    with float32 products (:mod:`kvcake.matmul`: the same norms up to summation order); elsewhere
-    float32 copies are.
+    columns ``h*d:(h+1)*d`` are query head ``h``'s slice. A KV head's values times its group's
+    slices side by side, one batched matmul per chunk of positions (see ``_NORM_CHUNK``). bf16/fp16
+    values and weight on CUDA are multiplied as they are with float32 products
+    (:mod:`kvcake.matmul`: the same norms up to summation order); elsewhere float32 copies are.
     """
     b, hkv, s, d = values.shape
     groups = num_heads // hkv
     hidden = o_weight.shape[0]
     w = o_weight.to(values.device)  # the values' device (one layer of a split model)
+    half = half_matmuls(values) and w.dtype == values.dtype
+    if not half:
+        w = w.float()
+    # (B * H_kv, d, G * hidden): column block g of KV head k is query head k * G + g's slice
+    wg = w.reshape(hidden, hkv, groups, d).permute(1, 3, 2, 0).reshape(1, hkv, d, groups * hidden)
+    wg = wg.expand(b, -1, -1, -1).reshape(b * hkv, d, groups * hidden)
+    cpu = values.device.type == "cpu" and not half  # (half: CUDA, or its emulation in the tests)
+    chunk = _NORM_CHUNK_CPU if cpu else _NORM_CHUNK
     out = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
-    if half_matmuls(values) and w.dtype == values.dtype:
-        # (B * H_kv, d, G * hidden): a KV head's values times its group's slices, one matmul per chunk
-        wg = w.reshape(hidden, hkv, groups, d).permute(1, 3, 2, 0).reshape(1, hkv, d, groups * hidden)
-        wg = wg.expand(b, -1, -1, -1).reshape(b * hkv, d, groups * hidden)
-        buf = torch.empty(
-            b * hkv * min(s, _NORM_CHUNK) * groups * hidden, dtype=torch.float32, device=w.device
-        )
-        for start in range(0, s, _NORM_CHUNK):
-            v = values[:, :, start : start + _NORM_CHUNK]  # (B, H_kv, c, d)
-            c = v.shape[2]
-            proj = matmul_f32(
-                v.reshape(b * hkv, c, d), wg, buf[: b * hkv * c * groups * hidden].view(b * hkv, c, -1)
-            )
-            l1 = torch.linalg.vector_norm(
-                proj.view(b, hkv, c, groups, hidden), ord=1, dim=-1
-            )  # abs and sum in one pass
-            out[:, :, start : start + c] = l1.mean(-1)
-        return out
-    w = w.float().reshape(hidden, num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
-    w = w.reshape(hkv, groups, d, -1)  # (H_kv, G, d, hidden)
-    for start in range(0, s, _NORM_CHUNK):
-        v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
-        proj = torch.einsum("bkcd,kgdo->bkgco", v, w)  # (B, H_kv, G, c, hidden)
-        out[:, :, start : start + v.shape[2]] = proj.abs_().sum(-1).mean(2)  # in place: no second buffer
+    buf = torch.empty(b * hkv * min(s, chunk) * groups * hidden, dtype=torch.float32, device=w.device)
+    for start in range(0, s, chunk):
+        v = values[:, :, start : start + chunk]  # (B, H_kv, c, d)
+        c = v.shape[2]
+        into = buf[: b * hkv * c * groups * hidden].view(b * hkv, c, groups * hidden)
+        if half:
+            proj = matmul_f32(v.reshape(b * hkv, c, d), wg, into)
+        else:
+            proj = torch.bmm(v.float().reshape(b * hkv, c, d), wg, out=into)
+        proj = proj.view(b, hkv, c, groups, hidden)
+        if cpu:  # two passes over a cached chunk beat vector_norm's one there
+            l1 = proj.abs_().sum(-1)
+        else:
+            l1 = torch.linalg.vector_norm(proj, ord=1, dim=-1)  # abs and sum in one pass
+        out[:, :, start : start + c] = l1.mean(-1)
     return out
 
 
@@ -272,7 +280,8 @@ class Critical(Selector):
         position is computed at once (its sum is then exact) and the share is at most 1.
 
         With ``b`` prefix entries to keep in a head: exact norms at the positions of every head's
-        top ``2b`` by score; ``T``, the ``b``-th largest exact weight of each head among them, is
+        top ``2b`` by score (every norm at once where they cover ``_ALL_NORMS_SHARE`` of the prompt
+        or more); ``T``, the ``b``-th largest exact weight of each head among them, is
         at most the ``b``-th largest of all. An entry with ``score + eps < T`` is never kept (its
         share is at most 1); at the positions of the others, bounds of the share,
         ``n_h / sum <= high_h / (high_h + sum_{h' != h} low_h')``
@@ -292,9 +301,10 @@ class Critical(Selector):
         weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
         near_top = (ranks_desc(prefix) < 2 * b_pref[..., None]).any(1, keepdim=True)  # (B, 1, S)
         first = prefix_ok & near_top
-        norms = _norms_where(
-            values, o_weight, num_heads, first
-        )  # its size read: the heads' union is far below 2b x heads
+        m_first = _widest(first)  # host: the heads' union is often far below 2b x heads
+        if m_first >= _ALL_NORMS_SHARE * n:
+            return projected_value_norms(values, o_weight, num_heads)
+        norms = _norms_where(values, o_weight, num_heads, first, m_first)
         exact = torch.where(first, weight * self.prepare_norms(norms), ninf)
         top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
         threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
