@@ -31,7 +31,7 @@ LAYERS = {
     "context": ["context"],
     "cache": ["cache", "cascade", "head_counts", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "step", "sliding"],
-    "parts": ["allocators", "scorers", "selectors", "budget", "ragged", "storage.format", "tensor_parallel"],
+    "parts": ["allocators", "scorers", "selectors", "budget", "dense", "ragged", "storage.format", "tensor_parallel"],
     "base": [
         "models",
         "conversion",

@@ -427,3 +427,50 @@ def test_ranked_layer_takes_the_mask_path_in_position_order(tiny_llama, monkeypa
         assert not a.ranked
         assert torch.equal(a.padded_positions(), b.padded_positions())
         assert torch.equal(a.keys, b.keys)
+
+
+@pytest.mark.parametrize(
+    ("spec", "ranked"),
+    [("layer-defensivekv", True), ("cake-adakv", True), ("layers=cake,heads=adakv,score=snapkv,select=topk", True),
+     ("layers=cake,heads=adakv,score=cake,select=critical", False)],
+)  # fmt: skip
+@pytest.mark.parametrize("padded", [False, True])
+def test_ranked_ragged_layers_keep_what_selecting_again_keeps(tiny_llama, monkeypatch, spec, ranked, padded):
+    """A cascade keeps a ragged layer in its selector's order after the first eviction
+    (``Selector.rank_order``) and evicts it at later stages by keeping each head's first entries
+    (``KVCakeLayer.keep_first``): the same kept sets at every stage as selecting again
+    (``RANKED_RAGGED = False``), the same layers and logits at the end, back in position order.
+    CriticalKV's ratio first stage has no such order (its kept sets are not nested): it selects."""
+    from kvcake import cascade
+    from kvcake.layer import KVCakeLayer
+
+    ids = prompt(300, seed=5, batch=2 if padded else 1)
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :70] = 0
+    method = make_method(spec, budget=40, window=8)
+    monkeypatch.setattr(cascade, "RANKED_RAGGED", False)
+    ref, ref_logits = prefill(tiny_llama, ids, method, mask=mask, record=True)
+    monkeypatch.setattr(cascade, "RANKED_RAGGED", True)
+    firsts = []
+    keep_first = KVCakeLayer.keep_first
+    monkeypatch.setattr(KVCakeLayer, "keep_first", lambda self, c: firsts.append(1) or keep_first(self, c))
+    got, logits = prefill(tiny_llama, ids, method, mask=mask, record=True)
+    assert (len(firsts) > 0) == ranked
+    assert torch.equal(logits, ref_logits)
+    assert len(got.history) == len(ref.history) > len(got.compressed), "the cascade re-evicted layers"
+    for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
+        assert (sa, la) == (sb, lb)
+        assert torch.equal(pa.sort(-1).values, pb.sort(-1).values), "the same kept set at every stage"
+    for a, b in zip(got.layers, ref.layers, strict=True):
+        assert not a.ranked and a.layout == b.layout
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+
+
+def test_keep_first_refuses_what_a_head_does_not_hold(tiny_llama):
+    cache, _ = prefill(tiny_llama, prompt(200, seed=1), make_method("cake-adakv", budget=40, window=8))
+    layer = cache.layers[0]
+    with pytest.raises(ValueError, match="ranked ragged layer"):
+        layer.keep_first(layer.counts)  # back in position order after prefill: not ranked

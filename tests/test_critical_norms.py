@@ -10,7 +10,7 @@ import torch
 
 from kvcake import cascade, make_method
 from kvcake.scorers.defensive import MARK
-from kvcake.selectors import SelectionInputs, projected_value_norms
+from kvcake.selectors import SelectionInputs, TopK, projected_value_norms
 from kvcake.selectors.critical import Critical, projected_value_norm_bounds
 from shared_checks import prefill, prompt
 
@@ -175,3 +175,34 @@ def test_half_inputs_on_the_float32_product_route(monkeypatch):
     got = projected_value_norms(values, o_weight, h)
     assert calls == [critical._NORM_CHUNK, critical._NORM_CHUNK, 50]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "selector", [Critical(first="marked", value_norm="heads"), TopK()], ids=["marked", "topk"]
+)
+def test_rank_order_heads_every_smaller_selection(seed, selector):
+    """``Selector.rank_order``: with ``keep`` what ``select`` keeps at ``counts``, the first ``c`` of
+    each head's order are what ``select`` keeps of those entries with ``c <= counts`` per head (a
+    cascade's later stage), ties, marks, a floored tail and left padding included."""
+    values, o_weight, h, scores, counts = _case(seed, s=400)
+    scores = _attention_like(scores, seed, marks=True, floor=seed % 2 == 0)
+    norms = selector.prepare_norms(projected_value_norms(values, o_weight, h))
+    keep = selector.select(SelectionInputs(scores, counts, norms))
+    order = selector.rank_order(SelectionInputs(scores, counts, norms), keep)
+    held = torch.where(keep, scores, torch.full_like(scores, float("-inf")))
+    g = torch.Generator().manual_seed(seed)
+    window = (scores == float("inf")).sum(-1)
+    for _ in range(4):
+        c = window + (torch.rand(counts.shape, generator=g) * (counts - window + 1)).long()
+        again = selector.select(SelectionInputs(held, c, norms))
+        first = torch.zeros_like(keep).scatter_(
+            -1, order, torch.arange(keep.shape[-1]).expand_as(order) < c[..., None]
+        )
+        assert torch.equal(first, again)
+
+
+def test_ratio_first_stage_has_no_rank_order():
+    values, o_weight, h, scores, counts = _case(0)
+    inp = SelectionInputs(scores, counts, projected_value_norms(values, o_weight, h))
+    assert Critical().rank_order(inp, Critical().select(inp)) is None

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .head_counts import stage_head_counts
-from .ragged import to_device
+from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
@@ -244,9 +244,16 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         # (B, H_kv, N), (B, H_kv) twice, and the allocator's kept set if it is the selection
         scores, counts, counts_host, keep = cache.stage_counts.pop(layer_idx)
     else:
-        counts_host, scores, keep = dense_counts(layer, budget, cache.seq.lengths), None, None
+        counts_host, scores, counts, keep = dense_counts(layer, budget, cache.seq.lengths), None, None, None
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
+    later = m.layers.cascading and cache._slot[cache._stage] < len(cache.compressed) - 1  # stages follow
+    if layer.ranked and layer.layout == "ragged":
+        if bool((counts_host <= layer.counts).all()):  # each head's top counts are its first ones
+            layer.keep_first(counts_host)
+            _evicted(cache, layer_idx, layer)
+            return
+        in_position_order(layer)
     # every head of a dense layer keeping as many: the kept positions straight from the selector
     gather = (
         not m.heads.ragged and layer.layout == "dense" and bool((counts_host == counts_host.flat[0]).all())
@@ -254,9 +261,10 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     if layer.ranked and not gather:  # heads keeping different counts: the mask path, in position order
         in_position_order(layer)
     first_norms = m.selector.needs_value_norms and layer.norms is None  # the whole prompt is here
-    if scores is None:  # uniform heads: the scores (and counts, if read) on the device only when evicting
+    if scores is None:  # the scores (and counts, if read) on the device only when evicting
         scores = layer.padded(layer.scores, float("-inf"))  # (B, H_kv, N)
-        counts = None if gather and not first_norms else to_device(counts_host, dev)
+    if counts is None and not (gather and not first_norms):
+        counts = to_device(counts_host, dev)
     if first_norms:
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
         o_weight = cache.o_weights.pop(layer_idx)
@@ -269,11 +277,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         n = int(counts_host.flat[0])
         if layer.ranked:  # in descending order since an earlier stage: its top n are its first n
             layer.keep_positions(n, counts_host)
-        elif (
-            m.selector.top_counts
-            and m.layers.cascading
-            and cache._slot[cache._stage] < len(cache.compressed) - 1
-        ):
+        elif m.selector.top_counts and later:
             # later stages evict this layer again: kept in descending order, each of them a copy of
             # its first entries (no sort, no gather), back in position order at the end of prefill
             layer.keep_positions(m.selector.ranked_indices(scores, n), counts_host)
@@ -281,18 +285,30 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         else:
             layer.keep_positions(m.selector.select_indices(scores, n, norms), counts_host)
     else:
+        inp = SelectionInputs(scores, counts, norms)
         if keep is None:
-            keep = m.selector.select(SelectionInputs(scores, counts, norms))
-        layer.evict(keep, counts_host, ragged=m.heads.ragged)
+            keep = m.selector.select(inp)
+        # later stages evict a ragged layer again: kept in the selector's order, each of them keeps
+        # every head's first entries (no selection, no mask), back in position order at the end
+        ranks = m.heads.ragged and later and layer.layout == "dense" and RANKED_RAGGED
+        order = m.selector.rank_order(inp, keep) if ranks else None
+        layer.evict(keep, counts_host, ragged=m.heads.ragged, order=order)
+    _evicted(cache, layer_idx, layer)
+
+
+def _evicted(cache: Cache, layer_idx: int, layer) -> None:
     cache._track_bytes(layer_idx)
-    if cache.record:
+    if cache.record:  # the kept positions, in the layer's order (descending while it is ranked)
         cache.history.append((cache._stage, layer_idx, layer.padded_positions().cpu().clone()))
 
 
 def in_position_order(layer) -> None:
-    """A dense layer kept in descending score order between cascade stages (``layer.ranked``) back
-    in position order, as one-shot eviction leaves it (bit for bit: the same entries, copied)."""
-    layer.keep_positions(layer.positions.argsort(dim=-1), layer.counts)
+    """A layer kept in the selector's order between cascade stages (``layer.ranked``) back in
+    position order, as one-shot eviction leaves it (bit for bit: the same entries, copied)."""
+    if layer.layout == "ragged":
+        layer.keep_rows(position_rows(layer.meta, layer.positions, layer.length), layer.meta)
+    else:
+        layer.keep_positions(layer.positions.argsort(dim=-1), layer.counts)
     layer.ranked = False
 
 
@@ -325,6 +341,8 @@ def value_norms(
 
 # False computes every entry's value norm (the reference path; tests compare the two).
 PRUNED_NORMS = True
+# False selects a cascade's ragged layers again at every stage (the reference path; tests compare).
+RANKED_RAGGED = True
 
 
 def finish_prefill(cache: Cache) -> None:

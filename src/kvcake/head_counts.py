@@ -38,7 +38,9 @@ def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
             length = layer.keys.shape[2] if layer.layout == "dense" else None
             together.setdefault((dev, layer.layout, length), []).append((j, lid))
             continue
-        scores = layer.padded(layer.scores, float("-inf"))
+        # a cascade counts on the prompt's scores (``count_scores``): the layer's own are padded
+        # only where its eviction selects (evict_layer), not where it keeps a ranked layer's first
+        scores = None if lid in cache.count_scores else layer.padded(layer.scores, float("-inf"))
         counts = head_counts(cache, lid, scores, on_dev[:, j], window)
         by_device.setdefault(dev, []).append((lid, scores, counts, None))
     for (dev, _, _), group in together.items():
@@ -78,9 +80,10 @@ def _kept_together(cache: Cache, group: list[tuple[int, int]], budgets, on_dev, 
     return [(lid, scores[k], counts[k], keep[k]) for k, (_, lid) in enumerate(group)]
 
 
-def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor, budget, window) -> torch.Tensor:
+def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor | None, budget, window) -> torch.Tensor:
     """(B, H_kv) per-head counts of a head-wise method; a cascade counts on the prompt's scores
-    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept."""
+    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept,
+    and ``scores`` (the layer's own, padded) may then be None."""
     heads = cache.method.heads
     if layer_idx not in cache.count_scores:
         return heads.counts(scores, budget, window, cache.split)

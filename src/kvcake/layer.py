@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .ragged import RaggedMeta, kept_indices, ragged_attention, to_device
+from .dense import dense_attention
+from .ragged import RaggedMeta, first_rows, kept_indices, ragged_attention, ranked_rows, to_device
 from .step import GROWTH, LAYOUTS
 from .step.common import mark_static
 
@@ -37,7 +38,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.length = 0  # logical columns seen
         self.layout = "dense"
         self.plain = True
-        self.ranked = False  # dense entries in the selector's descending order, not position order
+        self.ranked = False  # entries in the selector's order (each head's best first), not position order
         self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
         self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
         self.norms: torch.Tensor | None = None  # CriticalKV value norms, same layout
@@ -200,14 +201,22 @@ class KVCakeLayer(CacheLayerMixin):
     def padded_positions(self) -> torch.Tensor:
         return self.padded(self.positions, -1)
 
-    def evict(self, keep: torch.Tensor, counts: np.ndarray, ragged: bool) -> None:
+    def evict(
+        self, keep: torch.Tensor, counts: np.ndarray, ragged: bool, order: torch.Tensor | None = None
+    ) -> None:
         """Keep the entries where ``keep`` (B, H_kv, N) is True, ``counts`` (B, H_kv) per head.
 
         ``ragged`` turns the layer into the flattened layout (the first eviction of a head-wise
-        method); otherwise a dense layer stays dense."""
+        method); otherwise a dense layer stays dense. ``order`` (B, H_kv, N), a dense layer's
+        first eviction to ragged: each head's entries in the selector's order, the kept ones
+        first (``Selector.rank_order``); the layer keeps them in that order (``ranked``)."""
         if self.layout == "dense" and self.plain and bool((counts == self.keys.shape[2]).all()):
             return  # nothing to evict: the layer stays identical to a full-cache layer
-        if self.layout == "ragged" or ragged:
+        if order is not None and self.layout == "dense":
+            meta = RaggedMeta.from_counts(counts, keep.device)
+            self.keep_rows(ranked_rows(order, meta), meta)
+            self.ranked = True
+        elif self.layout == "ragged" or ragged:
             self._evict_to_ragged(keep, counts)
         else:
             self._evict_dense(keep, counts)
@@ -269,19 +278,32 @@ class KVCakeLayer(CacheLayerMixin):
 
     def _evict_to_ragged(self, keep: torch.Tensor, counts: np.ndarray) -> None:
         b, hkv, n = keep.shape
-        flat = self.layout == "dense"  # (B, H_kv, N) tensors, else already (T, ...) rows
-        flat_keep = keep.reshape(-1) if flat else keep.reshape(b * hkv, n)[self.meta.seg, self.meta.local]
+        flat_keep = keep.reshape(-1) if self.layout == "dense" else self.unpad(keep)
         idx = kept_indices(flat_keep, int(counts.sum()))  # the kept rows in order, their number from the host
+        self.keep_rows(idx, RaggedMeta.from_counts(counts, keep.device))
+
+    def keep_rows(self, rows: torch.Tensor, meta: RaggedMeta) -> None:
+        """Keep the entries at ``rows`` (T,) of the flattened heads (a dense layer's B * H_kv * N,
+        a ragged one's T), laid out as ``meta``: the layer is ragged after it."""
+        flat = self.layout == "dense"  # (B, H_kv, N) tensors, else already (T, ...) rows
 
         def take(t):
             if t is None:
                 return None
-            return (t.reshape(b * hkv * n, *t.shape[3:]) if flat else t).index_select(0, idx)
+            return (t.reshape(-1, *t.shape[3:]) if flat else t).index_select(0, rows)
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)
-        self.meta = RaggedMeta.from_counts(counts, keep.device)
-        self.layout = "ragged"
+        self.meta, self.layout = meta, "ragged"
+
+    def keep_first(self, counts: np.ndarray) -> None:
+        """A ragged layer kept in the selector's order (``ranked``) keeps each head's first
+        ``counts`` (B, H_kv) host entries: its top ``counts`` (a cascade's later stage)."""
+        if self.layout != "ragged" or not self.ranked or bool((counts > self.counts).any()):
+            raise ValueError("keep_first keeps at most what each head of a ranked ragged layer holds")
+        meta = RaggedMeta.from_counts(counts, self.keys.device)
+        self.keep_rows(first_rows(self.meta, meta), meta)
+        self.counts = counts.astype(np.int64)
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Every segment gets the ``q`` new entries at its end: one scatter into a new buffer."""
@@ -359,41 +381,3 @@ class KVCakeLayer(CacheLayerMixin):
 
 def _cat_or_none(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor | None:
     return None if a is None else torch.cat([a, b], dim=-1)
-
-
-def dense_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    query_positions: torch.Tensor,
-    scaling: float,
-    return_probs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention over a dense layer with per-head empty slots and logical positions.
-
-    query: (B, H, q, d); keys/values: (B, H_kv, N, d); positions: (B, H_kv, N) (-1 = empty);
-    query_positions: (B, q). The GQA group is folded into the query rows, so keys are never
-    repeated. Returns (B, q, H, d) and optionally the probabilities (B, H, q, N) in float32.
-    """
-    b, h, q, d = query.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    g = h // hkv
-    qs = query.reshape(b, hkv, g * q, d)  # rows ordered (g, i)
-    allowed = (positions[:, :, None, :] >= 0) & (
-        positions[:, :, None, :] <= query_positions[:, None, :, None]
-    )
-    allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
-    allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
-    if return_probs:
-        acc = torch.promote_types(query.dtype, torch.float32)
-        logits = torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, H_kv, G*q, N)
-        out = torch.matmul(probs, values.to(acc)).to(query.dtype)
-        probs = probs.reshape(b, h, q, n)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=allowed, scale=scaling
-        )
-        probs = None
-    return out.reshape(b, h, q, d).transpose(1, 2), probs

@@ -143,3 +143,21 @@ def kept_indices(keep: torch.Tensor, size: int) -> torch.Tensor:
     ramp = torch.arange(keep.shape[-1], device=keep.device).expand_as(slot)
     out = torch.full((*keep.shape[:-1], size + 1), -1, dtype=torch.long, device=keep.device)
     return out.scatter_(-1, slot, ramp)[..., :size]
+
+
+def ranked_rows(order: torch.Tensor, meta: RaggedMeta) -> torch.Tensor:
+    """(T,) rows of the flattened (B * H_kv * N) entries: each head's first ``meta.lengths`` in
+    ``order`` (B, H_kv, N), a permutation of each head's entries (its kept ones first)."""
+    n = order.shape[-1]
+    return order.reshape(-1)[meta.seg * n + meta.local] + meta.seg * n
+
+
+def first_rows(held: RaggedMeta, meta: RaggedMeta) -> torch.Tensor:
+    """(T,) rows of a ragged layout ``held``: each segment's first ``meta.lengths`` entries."""
+    return held.offsets[meta.seg] + meta.local
+
+
+def position_rows(meta: RaggedMeta, positions: torch.Tensor, length: int) -> torch.Tensor:
+    """(T,) rows of a ragged layout that put each segment's entries in position order (positions
+    (T,), each at most ``length``, distinct within a segment): one sort of segment-major keys."""
+    return torch.argsort(meta.seg * (length + 1) + positions)

@@ -11,7 +11,7 @@ import torch
 from ..allocators.adakv import ranks_desc
 from ..matmul import half_matmuls, matmul_f32
 from ..scorers.defensive import MARK
-from .topk import SelectionInputs, Selector
+from .topk import SelectionInputs, Selector, order_by
 
 # Positions per chunk when projecting values through o_proj: bounds the (B, H_kv, chunk, G * hidden)
 # intermediate instead of materialising it for the whole prompt. On the CPU a smaller one stays in
@@ -329,6 +329,23 @@ class Critical(Selector):
         if m := _widest(second):
             norms = norms + _norms_where(values, o_weight, num_heads, second, m)
         return norms
+
+    def rank_order(self, inp: SelectionInputs, keep: torch.Tensor) -> torch.Tensor | None:
+        """``first="marked"``: the window, then the marked entries by score, then the others by
+        ``(score + eps) * norm``, each descending with ties to the earlier position. With ``c``
+        per head ``select`` keeps the window, the top ``c - window`` marked ones by score if there
+        are more, else all marked ones and the best others by weight: the first ``c`` of this
+        order. ``first="ratio"`` (None): stage 1's ``floor(alpha * b)`` changes with ``c``, so
+        the kept sets at smaller counts are not nested."""
+        if self.first != "marked" or inp.value_norms is None:
+            return None
+        scores = inp.scores
+        window, prefix_ok = scores == float("inf"), torch.isfinite(scores)
+        marked = prefix_ok & (scores >= MARK)
+        weighted = (scores.clamp(min=0) + self.eps) * inp.value_norms
+        order = order_by(torch.where(window | marked, scores, weighted), keep)
+        rank = (keep.long() * 4 + window.long() * 2 + marked.long()).gather(-1, order)  # kept, window, marked
+        return order.gather(-1, torch.argsort(rank, dim=-1, descending=True, stable=True))
 
     def select(self, inp: SelectionInputs) -> torch.Tensor:
         if inp.value_norms is None:

@@ -52,8 +52,22 @@ class Selector:
         counts = torch.full(scores.shape[:2], size, dtype=torch.long, device=scores.device)
         return kept_indices(self.select(SelectionInputs(scores, counts, value_norms)), size)
 
+    def rank_order(self, inp: SelectionInputs, keep: torch.Tensor) -> torch.Tensor | None:
+        """(B, H_kv, N) int64: each head's entries in an order whose first ``c`` are what
+        :meth:`select` keeps of the ``keep`` (B, H_kv, N) entries with ``c`` per head, for every
+        ``c`` up to ``keep``'s count (the kept ones first, the rest after them); None where no
+        order does (the kept sets at smaller counts are not nested). A cascade keeps a ragged
+        layer so between its stages and evicts it by keeping each head's first entries."""
+        return None
+
     def describe(self) -> str:
         return self.name
+
+
+def order_by(key: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, N) each head's kept entries by ``key`` descending, ties to the earlier position,
+    then the others: a stable sort (``ranks_desc``'s rule) with the dropped entries last."""
+    return torch.argsort(torch.where(keep, key, float("-inf")), dim=-1, descending=True, stable=True)
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,11 @@ class TopK(Selector):
         indices take about twenty (a cascade re-evicts every layer seen at every stage, and on
         a GPU each op is a launch)."""
         return self.ranked_indices(scores, size).sort(dim=-1).values
+
+    def rank_order(self, inp: SelectionInputs, keep: torch.Tensor) -> torch.Tensor:
+        """Descending scores: the top ``c`` of the top ``n`` are their first ``c``. ``keep`` holds
+        each head's highest scores, ties to the earlier position (this selector's or Ada-KV's)."""
+        return order_by(inp.scores, keep)
 
     def ranked_indices(self, scores: torch.Tensor, size: int) -> torch.Tensor:
         """The first ``size`` of each head's descending order, in that order: a layer stored so
