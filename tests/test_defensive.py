@@ -10,6 +10,8 @@ layer; what prefill alone needed is freed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -185,10 +187,15 @@ def test_global_budgets_exact_capped_windows_and_only_shrink(case):
     n, hkv = len(layers), layers[0].shape[1]
     alloc = GlobalAllocator()
     previous = None
+    carry: dict = {}  # a cascade's: each stage ranks the last one's winners and its new layer only
     for m in range(n):
         final = m == n - 1
         req = AllocationRequest(total, lengths, window, n, final=final, layer_scores=tuple(layers[: m + 1]))
         got = alloc.allocate(req)
+        assert torch.equal(alloc.allocate(dataclasses.replace(req, carry=carry)), got), (
+            "carried = ranked anew"
+        )
+        assert carry["layers"] == m + 1
         assert got.shape == (len(lengths), m + 1) and got.dtype == torch.int64
         assert bool((got <= lengths[:, None]).all()) and bool((got >= window[:, None]).all())
         if previous is not None:

@@ -135,6 +135,7 @@ class KVCakeCache(Cache):
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
         self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
         self.count_rankings: dict[int, object] = {}  # prefill only: count_scores sorted (head_counts.py)
+        self.allocation_carry: dict = {}  # prefill only: the layer allocator's state between stages
         self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         # prefill only: a cascade stage's head counts and kept sets, read back at once (head_counts.py)
         self.stage_counts: dict[int, tuple] = {}
@@ -172,7 +173,11 @@ class KVCakeCache(Cache):
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self._track_bytes(layer_idx)
             return keys, values
-        if not layer.is_initialized and (cap := self._max_cache_len) is not None and key_states.shape[-2] > cap:
+        if (
+            not layer.is_initialized
+            and (cap := self._max_cache_len) is not None
+            and key_states.shape[-2] > cap
+        ):
             raise ValueError(
                 f"the prompt has {key_states.shape[-2]} tokens but KVCakeCache(max_cache_len={cap}) holds at "
                 "most that many: pass max_cache_len=prompt tokens + max_new_tokens (or None when unknown)"

@@ -223,6 +223,7 @@ def allocate(
     req = AllocationRequest(
         total=s.total, cap=s.lengths, window=s.window, num_layers=len(cache.compressed),
         preferences=preferences, final=final, layer_scores=layer_scores, split=cache.split,
+        carry=cache.allocation_carry if cache.method.layers.cascading else None,
     )  # fmt: skip
     return cache.method.layers.allocate(req)
 
@@ -357,6 +358,7 @@ def finish_prefill(cache: Cache) -> None:
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
     cache.count_scores.clear()
     cache.count_rankings.clear()
+    cache.allocation_carry.clear()
     cache.o_weights.clear()
     m = cache.method
     keep_scores = m.scorer.stateful and m.decode == "fixed"

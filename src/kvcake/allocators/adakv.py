@@ -26,15 +26,18 @@ def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def top_ranked(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def top_ranked(scores: torch.Tensor, k: torch.Tensor, kmax: int | None = None) -> torch.Tensor:
     """``ranks_desc(scores) < k[..., None]`` without sorting: scores (..., N), k (...) int64.
 
     The ``k``-th largest value ``t`` (one ``topk``) splits the row: every entry above ``t`` ranks
     below ``k``, every entry below ``t`` at or past it, and of the entries equal to ``t`` the first
-    ``k - #above`` by position do (ties break by position, as in ``ranks_desc``)."""
+    ``k - #above`` by position do (ties break by position, as in ``ranks_desc``). ``kmax``: the
+    largest of ``k``, where the caller knows it on the host (else read: one number per call)."""
     n = scores.shape[-1]
     k = k.clamp(min=0, max=n)
-    kmax = int(k.max()) if k.numel() else 0  # host: one number per call
+    if kmax is None:
+        kmax = int(k.max()) if k.numel() else 0  # host: one number per call
+    kmax = min(kmax, n)
     if kmax == 0:
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     top = scores.topk(kmax, dim=-1).values  # (..., kmax) descending

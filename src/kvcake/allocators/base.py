@@ -32,6 +32,8 @@ class AllocationRequest:
     device and the allocator reduces them to host counts.
     split: the tensor-parallel head split (:class:`kvcake.tensor_parallel.HeadSplit`) when
     ``layer_scores`` hold this rank's heads only, else None.
+    carry: what the allocator keeps from one cascade stage to the next, held by the cache for
+    one prefill (an empty dict at its first stage), or None: nothing kept.
     """
 
     total: torch.Tensor
@@ -42,6 +44,7 @@ class AllocationRequest:
     final: bool = True
     layer_scores: tuple[torch.Tensor, ...] | None = None
     split: object | None = None
+    carry: dict | None = None
 
     def __post_init__(self) -> None:
         named = {"total": self.total, "cap": self.cap, "window": self.window, "preferences": self.preferences}

@@ -55,22 +55,44 @@ class GlobalAllocator(LayerAllocator):
         n = len(req.layer_scores)
         world = 1 if req.split is None else req.split.world
         hkv = h * world  # every rank's KV heads
-        flat = torch.cat([t.to(dev).reshape(b, -1) for t in req.layer_scores], dim=1)  # (B, n*h*S)
+        pool_host = (hkv * (req.total - n * req.window)).clamp(min=0)  # (B,) prefix entries to keep
+        pool, kmax = pool_host.to(dev), int(pool_host.numpy().max())  # the host's: no read of the device
+        carry = req.carry if req.split is None else None
+        if carry and carry["layers"] == n - 1:  # the last stage's winners and this layer's entries
+            new = req.layer_scores[-1].to(dev).reshape(b, h * s)
+            flat = torch.cat([carry["scores"], new], dim=1)  # (B, K + h*S), in the order of all
+            layer = torch.cat([carry["layer"], torch.full_like(new, n - 1, dtype=torch.long)], dim=1)
+        else:
+            flat = torch.cat([t.to(dev).reshape(b, -1) for t in req.layer_scores], dim=1)  # (B, n*h*S)
+            layer = torch.arange(n, device=dev).repeat_interleave(h * s).expand(b, -1)
         finite = torch.isfinite(flat)
-        pool = (hkv * (req.total - n * req.window)).clamp(min=0).to(dev)  # (B,) prefix entries to keep
         prefix = torch.where(finite, flat, torch.full_like(flat, float("-inf")))
-        if req.split is None:
-            won = top_ranked(prefix, pool) & finite  # ranks_desc(prefix) < pool, without the sort
+        if req.split is None:  # ranks_desc(prefix) < pool, without the sort
+            won = top_ranked(prefix, pool, kmax) & finite
         else:
             won = _won_over_ranks(prefix, pool, req.split, h, s) & finite
-        counts = won.reshape(b, n, -1).sum(-1)
+        counts = torch.zeros(b, n, dtype=torch.long, device=dev).scatter_add_(1, layer, won.long())
         if req.split is not None:
             counts = req.split.sum(counts)  # every rank's winners per layer
+        if carry is not None:
+            _keep_winners(carry, n, prefix, layer, won, kmax)
         # host: (B, n) counts per layer, the allocation's bookkeeping
         counts = counts.cpu().double()
         x = req.window.double()[:, None] + counts / hkv
         x = torch.minimum(x, req.cap.double()[:, None])
         return round_exact(x, req.cap, req.total) if req.final else round_up(x, req.cap)
+
+
+def _keep_winners(carry: dict, n: int, prefix, layer, won, k: int) -> None:
+    """A cascade's next stage ranks this stage's winners and its new layer's entries only: the
+    pool shrinks as layers arrive, so an entry that loses now never wins again (ties break by
+    the order of all entries, which the winners keep). Stored as (B, k) scores (-inf past a
+    sequence's winners) and layer indices, ``k`` the largest pool."""
+    slot = torch.where(won, won.long().cumsum(1) - 1, torch.full_like(layer, k))  # losers: a spare slot
+    b = prefix.shape[0]
+    scores = torch.full((b, k + 1), float("-inf"), device=prefix.device).scatter_(1, slot, prefix)
+    owner = torch.zeros((b, k + 1), dtype=torch.long, device=prefix.device).scatter_(1, slot, layer)
+    carry.update(layers=n, scores=scores[:, :k], layer=owner[:, :k])
 
 
 def _won_over_ranks(prefix: torch.Tensor, pool: torch.Tensor, split, h: int, s: int) -> torch.Tensor:
