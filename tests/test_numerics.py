@@ -16,7 +16,16 @@ import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
 from kvcake.allocators import AllocationRequest, CakeAllocator, preference
-from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer, StreamingScorer, TOVAScorer
+from kvcake.scorers import (
+    CakeScorer,
+    DefensiveScorer,
+    H2OScorer,
+    PrefillInputs,
+    SnapKVScorer,
+    StreamingScorer,
+    TOVAScorer,
+    defensive,
+)
 from kvcake.scorers.base import window_attention_reference, window_rows_mean_var
 
 INF = float("inf")
@@ -195,6 +204,38 @@ def test_window_attention_equals_its_reference(heads, kv_heads, s, window):
     torch.testing.assert_close(probs, ref, rtol=1e-6, atol=1e-7)
     assert bool(torch.isfinite(probs).all())
     assert bool((probs[1, :, ~row_valid[1]] == 0).all())  # padding query rows
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3)])
+@pytest.mark.parametrize(
+    ("s", "window", "pad"), [(300, 8, 40), (40, 8, 35), (20, 8, 3), (6, 8, 3), (1, 8, 0)]
+)
+@pytest.mark.parametrize("block", [900, 6000, 1 << 19])
+def test_defensive_cpu_blocks_equal_the_reference(heads, kv_heads, s, window, pad, block, monkeypatch):
+    """DefensiveKV's prefill on the CPU (a block of rows at a time, ``_aggregate_cpu``) has the bits
+    of the whole-tensor reference (``aggregate_reference``, the CUDA route): a left-padded row (its
+    window partly padding queries at ``pad=35``), pooled prefixes shorter than two kernels,
+    prompts shorter than the window, one token; blocks of one row, of uneven sizes (5 rows of
+    24 at 300 tokens, ``block=6000``) and whole."""
+    g = torch.Generator().manual_seed(s + heads + pad)
+    q = torch.randn(2, heads, s, 16, generator=g) * 2
+    k, v = torch.randn(2, kv_heads, s, 16, generator=g), torch.randn(2, kv_heads, s, 16, generator=g)
+    valid = torch.ones(2, s, dtype=torch.bool)
+    valid[1, :pad] = False  # left padding
+    monkeypatch.setattr(defensive, "_BLOCK", block)
+    for kernel, aggregate, mass in [(5, "max", 0.9), (3, "mean", 0.9), (7, "max", 0.0), (1, "max", 0.5)]:
+        scorer = DefensiveScorer(kernel=kernel, aggregate=aggregate, critical_mass=mass)
+        got = scorer.prefill(PrefillInputs(q, k, v, valid, window, 0.25))
+        with monkeypatch.context() as m:
+            m.setattr(defensive, "_aggregate_cpu", defensive.aggregate_reference)
+            ref = scorer.prefill(PrefillInputs(q, k, v, valid, window, 0.25))
+        assert torch.equal(got, ref), (kernel, aggregate)
+        probs, _ = PrefillInputs(q, k, v, valid, window, 0.25).window_attention()
+        p = s - probs.shape[2]
+        if p > 0:
+            fast = defensive._aggregate_cpu(probs, valid[:, :p], kv_heads, kernel, aggregate, True)
+            slow = defensive.aggregate_reference(probs, valid[:, :p], kv_heads, kernel, aggregate, True)
+            assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), (kernel, aggregate)
 
 
 def _tolerant_same(kept_ref: set, kept_low: set, scores: torch.Tensor, rtol: float) -> None:

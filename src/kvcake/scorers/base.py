@@ -104,13 +104,19 @@ def pool1d(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     if kernel <= 1 or x.shape[-1] == 0:
         return x
     if kind == "avg" and x.dtype in (torch.float32, torch.float64):  # torch's accumulator type
-        s, r = x.shape[-1], kernel // 2
-        padded = F.pad(x, (r, r))  # (B, H, S + 2r)
-        out = padded[..., 0:s] + padded[..., 1 : s + 1]
-        for j in range(2, kernel):  # the window, left to right
-            out += padded[..., j : j + s]
-        return out / kernel
+        r = kernel // 2
+        return avg_pool_padded(F.pad(x, (r, r)), kernel)  # padded (B, H, S + 2r)
     return pool1d_reference(x, kernel, kind)
+
+
+def avg_pool_padded(padded: torch.Tensor, kernel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``pool1d``'s average from rows already padded with ``r = kernel // 2`` zeros a side: padded
+    (..., S + 2r) -> (..., S), written into ``out`` (a reused buffer) if given."""
+    s = padded.shape[-1] - 2 * (kernel // 2)
+    out = torch.add(padded[..., 0:s], padded[..., 1 : s + 1], out=out)
+    for j in range(2, kernel):  # the window, left to right
+        out += padded[..., j : j + s]
+    return out.div_(kernel)
 
 
 def pool1d_reference(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
