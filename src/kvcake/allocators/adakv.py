@@ -50,13 +50,14 @@ def top_ranked(scores: torch.Tensor, k: torch.Tensor, kmax: int | None = None) -
 
 @dataclass(frozen=True)
 class AdaRanking:
-    """One layer's prompt scores sorted for Ada-KV (``AdaKV.rank``): head_ranks (B, H_kv, S) each
-    entry's rank in its head (``ranks_desc``, non-prefix at -inf), int32; order (B, H_kv*S) the
-    flat prefix scores' stable descending order, int32; finite (B, H_kv, S) the prefix; windows
-    (B, H_kv) window entries per head. 9 bytes an entry, held with the scores during prefill."""
+    """One layer's prompt scores sorted for Ada-KV (``AdaKV.rank``), every tensor (B, H_kv*S) in
+    the stable descending order of the flat prefix scores: ``head_rank`` each entry's rank in its
+    head (``ranks_desc``) and ``head`` its KV head, int32; ``finite`` whether it is a prefix
+    entry; and ``windows`` (B, H_kv) window entries per head. 9 bytes an entry, held with the
+    scores during prefill."""
 
-    head_ranks: torch.Tensor
-    order: torch.Tensor
+    head_rank: torch.Tensor
+    head: torch.Tensor
     finite: torch.Tensor
     windows: torch.Tensor
 
@@ -134,7 +135,9 @@ class AdaKV(HeadAllocator):
         prefix = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
         order = torch.argsort(prefix.reshape(b, h * s), dim=-1, descending=True, stable=True)  # (B, H_kv*S)
         windows = (scores == float("inf")).sum(-1)
-        return AdaRanking(ranks_desc(prefix).int(), order.int(), finite, windows)  # int32: 9 bytes an entry
+        head_rank = ranks_desc(prefix).reshape(b, h * s).gather(1, order).int()  # int32: 9 bytes an entry
+        head = torch.div(order, s, rounding_mode="floor").int()
+        return AdaRanking(head_rank, head, finite.reshape(b, h * s).gather(1, order), windows)
 
     def counts(
         self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
@@ -148,17 +151,15 @@ class AdaKV(HeadAllocator):
         """``select(...).sum(-1)`` from a ranking: the winners of the fill are the first ``fill``
         unpinned prefix entries in the order of all prefix scores (a stable order restricted to
         a subset is that subset's stable order), a cumulative count instead of a sort."""
-        b, h, s = r.finite.shape
+        b, h = r.windows.shape
         prefix_budget = (budget - window).clamp(min=0)  # (B,) B'
         pin = torch.floor(prefix_budget.double() * self.alpha).long()  # (B,)
-        pinned = (r.head_ranks < pin[:, None, None]) & r.finite  # (B, H_kv, S)
-        fill = h * prefix_budget - pinned.sum((1, 2))  # (B,)
-        order = r.order.long()
-        free = (r.finite & ~pinned).reshape(b, h * s).gather(1, order)  # (B, H_kv*S) in score order
-        won = free & (free.long().cumsum(1) <= fill[:, None])
-        won_per_head = torch.zeros(b, h, dtype=torch.long, device=won.device)
-        won_per_head.scatter_add_(1, torch.div(order, s, rounding_mode="floor"), won.long())
-        return r.windows + pinned.sum(-1) + won_per_head
+        pinned = (r.head_rank < pin[:, None]) & r.finite  # (B, H_kv*S) in score order
+        free = r.finite & ~pinned
+        fill = h * prefix_budget - pinned.sum(1)  # (B,)
+        kept = pinned | (free & (free.long().cumsum(1) <= fill[:, None]))
+        per_head = torch.zeros(b, h, dtype=torch.long, device=kept.device)
+        return r.windows + per_head.scatter_add_(1, r.head.long(), kept.long())
 
     def select(
         self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
