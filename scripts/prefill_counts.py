@@ -15,6 +15,8 @@ on a GPU, the others one drain each). A prefill whose count grows with the squar
 (a cascade re-evicting the layers seen so far at every stage) pays for it where the full prefill
 is short (issue 23: ``cake`` 1.22 x and ``cake-adakv`` 1.43 x the full cache at 32k on an H200, within
 target at 128k). ``--diff B`` prints the ops the first method dispatches beyond ``B``'s, by name.
+The CPU-only fast paths (``kvcake.devices.CPU_ROUTES``: blocked loops and host checks) are off
+unless ``--cpu-routes``: the counts are the route a GPU takes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
+from kvcake import devices
 from kvcake.adapters import with_cache
 from kvcake.bench.step_counts import SYNCING, CountOps, host_reads, tiny_llama
 from kvcake.cache import KVCakeCache
@@ -68,7 +71,10 @@ def main() -> None:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="presets, comma-separated")
     p.add_argument("--diff", default=None, help="a preset: print the first method's ops beyond its, by name")
     p.add_argument("--reads", action="store_true", help="also list reads of tensor values by call site")
+    p.add_argument("--cpu-routes", action="store_true",
+                   help="count the CPU-only fast paths (kvcake.devices.CPU_ROUTES) instead of a GPU's route")  # fmt: skip
     args = p.parse_args()
+    devices.CPU_ROUTES = args.cpu_routes  # by default the ops a GPU would launch, not the CPU's loops
     methods = [m for m in args.methods.split(",") if m]
     if bad := [m for m in [*methods, *([args.diff] if args.diff else [])] if m not in PRESETS]:
         raise SystemExit(f"unknown presets {bad}: choose from {', '.join(PRESETS)}")

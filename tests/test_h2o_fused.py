@@ -95,7 +95,7 @@ def test_block_rows_fit_the_block():
     for length in (1, 100, 4096, 8192, 1 << 20):
         rows = h2o.block_rows(1, 9, length, torch.device("cpu"))
         assert rows >= h2o.MIN_ROWS and rows & (rows - 1) == 0
-        assert rows == h2o.MIN_ROWS or 4 * 9 * rows * length <= h2o.BLOCK_BYTES["cpu"]
+        assert rows == h2o.MIN_ROWS or 4 * 9 * rows * length <= h2o.BLOCK_BYTES
     assert h2o.block_rows(1, 9, 4096, torch.device("cuda")) > h2o.block_rows(1, 9, 4096, torch.device("cpu"))
 
 

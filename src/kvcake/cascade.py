@@ -249,12 +249,10 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     if bool((counts_host == layer.counts).all()):
         return  # nothing to evict in this layer at this stage
     later = m.layers.cascading and cache._slot[cache._stage] < len(cache.compressed) - 1  # stages follow
-    if layer.ranked and layer.layout == "ragged":
-        if bool((counts_host <= layer.counts).all()):  # each head's top counts are its first ones
-            layer.keep_first(counts_host)
-            _evicted(cache, layer_idx, layer)
-            return
-        in_position_order(layer)
+    if layer.ranked and layer.layout == "ragged":  # each head's top counts are its first ones
+        layer.keep_first(counts_host)  # (a head's count never grows in a cascade: it refuses that)
+        _evicted(cache, layer_idx, layer)
+        return
     # every head of a dense layer keeping as many: the kept positions straight from the selector
     gather = (
         not m.heads.ragged and layer.layout == "dense" and bool((counts_host == counts_host.flat[0]).all())

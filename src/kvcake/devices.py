@@ -14,6 +14,18 @@ from __future__ import annotations
 
 import torch
 
+# Whether CPU tensors take the CPU-only fast paths (H2O's unshifted blocks, DefensiveKV's blocked
+# aggregation, CriticalKV's small norm chunks: loops and host checks that a GPU would pay for in
+# launches and waits). False sends them down the route a GPU takes, so that ATen ops and syncs
+# counted on the CPU stand for a GPU's (scripts/prefill_counts.py, the sync-count tests).
+CPU_ROUTES = True
+
+
+def cpu_route(device: torch.device) -> bool:
+    """Whether a tensor on ``device`` takes a CPU-only fast path (see ``CPU_ROUTES``)."""
+    return device.type == "cpu" and CPU_ROUTES
+
+
 _GET_TORCH = "https://pytorch.org/get-started/locally/"
 _ON_CPU = "or run on the CPU (--device cpu, device='cpu')"
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..devices import cpu_route
 from .base import PrefillInputs, Scorer, avg_pool_padded, pool1d, protect
 
 MARK = 2.0
@@ -87,7 +88,7 @@ class DefensiveScorer(Scorer):
             return protect(torch.zeros(b, hkv, s, device=probs.device), inp.key_valid, inp.window)
         key_ok = inp.key_valid[:, :p]  # (B, P)
         n_rows = (row_valid.sum(-1).clamp(min=1) * g).float()[:, None, None]  # (B, 1, 1)
-        fn = _aggregate_cpu if probs.device.type == "cpu" else aggregate_reference
+        fn = _aggregate_cpu if cpu_route(probs.device) else aggregate_reference
         agg, row_sums = fn(probs, key_ok, hkv, self.kernel, self.aggregate, self.marks_critical)
         if self.aggregate == "mean":
             agg = agg / n_rows  # (B, H_kv, P)

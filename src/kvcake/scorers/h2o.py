@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import cpu_route
 from ..flex import flex_attention_with_column_sums, uses_flex
 from ..matmul import half_matmuls, matmul_f32
 from .base import PrefillInputs, Scorer, _expand_kv
@@ -86,7 +87,7 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
 # scripts/h2o_block_rows.py`, 2026-11-26); with the 32 and 16 rows of an 8 MiB block and the
 # maxima subtracted (the loop before then) 0.223 s and 0.929 s, 1.29 x and 1.44 x. On a GPU a
 # block large enough to keep the matmuls wide.
-BLOCK_BYTES = {"cpu": 32 << 20}
+BLOCK_BYTES = 32 << 20  # the CPU (kvcake.devices.cpu_route)
 DEVICE_BLOCK_BYTES = 256 << 20
 MIN_ROWS = 16
 # Where a block's rows may be exponentiated without subtracting each row's maximum (the CPU, whose
@@ -102,7 +103,7 @@ UNSHIFTED_SUMS = (1e-20, 1e30)
 def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int:
     """Query rows per block of :func:`attention_with_column_sums`: a power of two, at least
     ``MIN_ROWS``, whose float32 logits fit the device's block size."""
-    budget = BLOCK_BYTES.get(device.type, DEVICE_BLOCK_BYTES)
+    budget = BLOCK_BYTES if cpu_route(device) else DEVICE_BLOCK_BYTES
     rows = max(1, budget // (4 * batch * heads * max(length, 1)))
     return max(MIN_ROWS, 1 << (rows.bit_length() - 1))
 
@@ -163,7 +164,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
     upper = torch.full((rows, rows), float("-inf"), device=dev).triu_(1)  # later columns of a block
     hidden = torch.finfo(torch.float32).min  # masked logits: exp(hidden - max) is 0 in a row that sees a key
     weight = key_valid.float()[:, None, None, :]  # (B, 1, 1, S): padding query rows add nothing
-    unshifted = dev.type == "cpu"
+    unshifted = cpu_route(dev)
 
     def block_logits(start: int, stop: int) -> torch.Tensor:  # (B, H_kv, G*n, stop), masked
         n = stop - start

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocators.adakv import ranks_desc
+from ..devices import cpu_route
 from ..matmul import half_matmuls, matmul_f32
 from ..scorers.defensive import MARK
 from .topk import SelectionInputs, Selector, order_by
@@ -49,7 +50,7 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
     # (B * H_kv, d, G * hidden): column block g of KV head k is query head k * G + g's slice
     wg = w.reshape(hidden, hkv, groups, d).permute(1, 3, 2, 0).reshape(1, hkv, d, groups * hidden)
     wg = wg.expand(b, -1, -1, -1).reshape(b * hkv, d, groups * hidden)
-    cpu = values.device.type == "cpu" and not half  # (half: CUDA, or its emulation in the tests)
+    cpu = cpu_route(values.device) and not half  # (half: CUDA, or its emulation in the tests)
     chunk = _NORM_CHUNK_CPU if cpu else _NORM_CHUNK
     out = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
     buf = torch.empty(b * hkv * min(s, chunk) * groups * hidden, dtype=torch.float32, device=w.device)
