@@ -146,7 +146,8 @@ class KVCakeCache(Cache):
         self._layer_bytes: list[int] | None = None
         self._held_bytes = 0
         # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N)
-        # on the CPU, -1 = empty): used by tests of the cascade's guarantees.
+        # on the CPU, -1 = empty, in the layer's order: best first while it is ranked): used by
+        # tests of the cascade's guarantees.
         self.record = record
         self.history: list[tuple[int, int, torch.Tensor]] = []
         self._stage = -1
