@@ -172,11 +172,7 @@ def _aggregate_cpu(
             for j in range(0, n, step):
                 x = group[j : j + step]  # (rows, P)
                 rows = pooled[j : j + x.shape[0]] if aggregate == "mean" else pooled[: x.shape[0]]
-                mid = rows[:, r : r + inner]  # pool1d's adds, in window order
-                torch.add(x[:, :inner], x[:, 1 : 1 + inner], out=mid)
-                for t in range(2, kernel):
-                    mid += x[:, t : t + inner]
-                mid.div_(kernel)
+                avg_pool_padded(x, kernel, out=rows[:, r : r + inner])  # the outputs reading no padding
                 rows[:, :r] = left[i, k, j : j + step]
                 rows[:, r + inner :] = right[i, k, j : j + step]
                 if masked:

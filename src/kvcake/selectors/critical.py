@@ -331,6 +331,11 @@ class Critical(Selector):
             norms = norms + _norms_where(values, o_weight, num_heads, second, m)
         return norms
 
+    def _weight(self, scores: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """Stage 2's weight of each prefix entry, ``(score + eps) * norm`` (what ``select`` and
+        ``rank_order`` both rank by)."""
+        return (scores.clamp(min=0) + self.eps) * norms
+
     def rank_order(self, inp: SelectionInputs, keep: torch.Tensor) -> torch.Tensor | None:
         """``first="marked"``: the window, then the marked entries by score, then the others by
         ``(score + eps) * norm``, each descending with ties to the earlier position. With ``c``
@@ -343,8 +348,7 @@ class Critical(Selector):
         scores = inp.scores
         window, prefix_ok = scores == float("inf"), torch.isfinite(scores)
         marked = prefix_ok & (scores >= MARK)
-        weighted = (scores.clamp(min=0) + self.eps) * inp.value_norms
-        order = order_by(torch.where(window | marked, scores, weighted), keep)
+        order = order_by(torch.where(window | marked, scores, self._weight(scores, inp.value_norms)), keep)
         rank = (keep.long() * 4 + window.long() * 2 + marked.long()).gather(-1, order)  # kept, window, marked
         return order.gather(-1, torch.argsort(rank, dim=-1, descending=True, stable=True))
 
@@ -361,7 +365,7 @@ class Critical(Selector):
         else:
             first = torch.floor(prefix_counts.double() * self.alpha).long()
         stage1 = (ranks_desc(prefix) < first[..., None]) & prefix_ok
-        weighted = (prefix.clamp(min=0) + self.eps) * inp.value_norms
+        weighted = self._weight(prefix, inp.value_norms)
         weighted = torch.where(prefix_ok & ~stage1, weighted, torch.full_like(weighted, float("-inf")))
         stage2 = (ranks_desc(weighted) < (prefix_counts - first)[..., None]) & prefix_ok & ~stage1
         return window | stage1 | stage2
