@@ -166,6 +166,31 @@ def test_prefill_bench(models, tmp_path):
     assert {t["method"] for t in result["targets"]} == {"snapkv", "cake"}
 
 
+def test_prefill_target_is_checked_on_the_ratio_of_minima():
+    """A disturbed run moves the paired median, not the fastest runs: the target reads the ratio of
+    minima (fastest method run over the fastest of its paired full runs); a row written before
+    that statistic was recorded keeps its paired median and says so."""
+    from kvcake.bench import speed
+
+    pairs = [dict(full_s=10.0, s=13.0, hook_s=0.5, evict_s=0.2),  # the method's run disturbed
+             dict(full_s=10.4, s=10.6, hook_s=0.5, evict_s=0.2),
+             dict(full_s=13.0, s=11.0, hook_s=0.6, evict_s=0.3)]  # fmt: skip
+    row = speed.prefill_row(pairs, [p["full_s"] for p in pairs], length=4096, method="snapkv")
+    assert row["ratio_min"] == pytest.approx(10.6 / 10.0)
+    assert row["ratio"] == pytest.approx(10.6 / 10.4) and row["n"] == 3  # median of 1.3, 1.019, 0.846
+    assert row["full_spread"] == pytest.approx(3.0 / 10.4)
+    old = {k: v for k, v in row.items() if k != "ratio_min"} | dict(method="cake")
+    slow = dict(row, method="h2o", ratio_min=1.2)
+    checks = {c["method"]: c for c in speed.prefill_targets([row, old, slow])}
+    assert (checks["snapkv"]["value"], checks["snapkv"]["statistic"]) == (row["ratio_min"], "ratio of minima")
+    assert (checks["cake"]["value"], checks["cake"]["statistic"]) == (row["ratio"], "paired median")
+    assert checks["snapkv"]["ok"] and checks["cake"]["ok"] and not checks["h2o"]["ok"]
+    table = speed.prefill_tables(dict(budget=128, repeats=3, rows=[row, old],
+                                      targets=speed.prefill_targets([row, old])))  # fmt: skip
+    assert "| 4096 | snapkv | 10.40 | 11.00 | 1.060 | 1.019 |" in table
+    assert "| 4096 | cake | 10.40 | 11.00 | - | 1.019 |" in table  # no minimum recorded: shown as absent
+
+
 def test_decode_bench(models, tmp_path, capsys):
     result = bench.bench_decode(models, lengths=(48, 64), methods=("snapkv", "adakv"), budgets=(BUDGET,),
                                 steps=2, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,
@@ -179,7 +204,9 @@ def test_decode_bench(models, tmp_path, capsys):
         assert r["allowed"] >= 1.0 or r["method"] != "full"
     full = [r for r in result["rows"] if r["method"] == "full"]
     assert all(r["allowed"] == pytest.approx(1.0) and r["speedup"] == pytest.approx(1.0) for r in full)
-    static = [r for r in result["rows"] if r["method"] == "full-static"]  # the same prompt, its capacity reserved
+    static = [
+        r for r in result["rows"] if r["method"] == "full-static"
+    ]  # the same prompt, its capacity reserved
     assert len(static) == 2 and all(s["kv_bytes"] > f["kv_bytes"] for s, f in zip(static, full, strict=True))
     # the floor: the model's own step with only the prompt's first tokens cached
     floor = [r for r in result["rows"] if r["method"] == "floor"]
@@ -222,7 +249,10 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
 
     page = report._decode(result, tmp_path, tmp_path / "page.md")
     floor = next(r for r in result["rows"] if r["method"] == "floor")
-    assert f"cached (`floor`) takes {floor['s'] * 1e3:.1f} ms, {floor['s'] / floor['bound_s']:.2f} x its bound" in page
+    assert (
+        f"cached (`floor`) takes {floor['s'] * 1e3:.1f} ms, {floor['s'] / floor['bound_s']:.2f} x its bound"
+        in page
+    )
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
     assert "| the counts |" in bench_decode_module.decode_tables(result)
     with pytest.raises(ValueError, match="unknown decoding policies"):

@@ -2,9 +2,14 @@
 
 Each method's prompt forward is timed against the full cache's, alternately in one run
 (``full, m1, full, m2, ...``, repeated), so slow drifts of a shared machine hit both sides of a
-pair alike; a method's ratio is the median of its ``method / preceding full`` pairs. The time
-spent inside the cache (scoring, budget allocation, eviction: ``BenchCache.prefill_hook_s``) is
-broken out from the model's own forward.
+pair alike. Two ratios per method: the median of its ``method / preceding full`` pairs, and the
+ratio of minima, its fastest run over the fastest of its paired full runs (as many of each).
+The target is checked on the ratio of minima: on a shared CPU the noise is other work, which only
+ever adds time (the full prefill alone spread by 22-31% between rounds on the machine of
+``docs/benchmarks.md``), so each side's fastest run is its least disturbed one (``timeit``'s
+advice), where a median of three pairs keeps a third of the disturbance. The time spent inside
+the cache (scoring, budget allocation, eviction: ``BenchCache.prefill_hook_s``) is broken out
+from the model's own forward; it is timed within one run, so it is steadier than either ratio.
 """
 
 from __future__ import annotations
@@ -88,18 +93,33 @@ def run_prefill(
         fulls = [x["full_s"] for x in runs if x["length"] == length]
         for spec in methods:
             mine = [x for x in runs if x["length"] == length and x["method"] == spec]
-            t = median([x["s"] for x in mine])
-            rows.append(dict(
-                length=length, model=label, prompt=source, method=spec, full_s=median(fulls), s=t,
-                ratio=median([x["s"] / x["full_s"] for x in mine]),
-                ratio_of_medians=t / median(fulls),
-                hook_s=median([x["hook_s"] for x in mine]), evict_s=median([x["evict_s"] for x in mine]),
-                full_spread=(max(fulls) - min(fulls)) / median(fulls), n=len(mine),
-            ))  # fmt: skip
+            rows.append(prefill_row(mine, fulls, length=length, model=label, prompt=source, method=spec))
     result = dict(bench="prefill", machine=machine, budget=budget, window=window, repeats=repeats,
                   lengths=list(lengths), methods=list(methods), rows=rows, runs=runs)  # fmt: skip
     result["targets"] = prefill_targets(rows)
     return emit(result, "prefill", prefill_tables(result) if echo else "", plot_prefill, out, echo)
+
+
+def prefill_row(mine: list[dict], fulls: list[float], **labels) -> dict:
+    """One method's row from its runs at one length (``mine``: its pairs, each with the preceding
+    full run's ``full_s``) and every full run at that length (``fulls``, for the median and spread)."""
+    t = median([x["s"] for x in mine])
+    return dict(
+        **labels, full_s=median(fulls), s=t,
+        ratio=median([x["s"] / x["full_s"] for x in mine]),
+        ratio_of_medians=t / median(fulls),
+        ratio_min=min(x["s"] for x in mine) / min(x["full_s"] for x in mine),
+        hook_s=median([x["hook_s"] for x in mine]), evict_s=median([x["evict_s"] for x in mine]),
+        full_spread=(max(fulls) - min(fulls)) / median(fulls), n=len(mine),
+    )  # fmt: skip
+
+
+def target_ratio(row: dict) -> tuple[float, str]:
+    """The ratio the target is checked on and its name: the ratio of minima (module doc); rows
+    written before it was recorded (no ``ratio_min``) keep their paired median, named as such."""
+    if "ratio_min" in row:
+        return row["ratio_min"], "ratio of minima"
+    return row["ratio"], "paired median"
 
 
 def target_lengths(lengths) -> list[int]:
@@ -112,31 +132,36 @@ def target_lengths(lengths) -> list[int]:
 def prefill_targets(rows: list[dict]) -> list[dict]:
     """The prefill target, one entry per method and target length measured."""
     ats = target_lengths(r["length"] for r in rows)
-    return [
-        dict(target=f"prefill time within {PREFILL_TARGET - 1:.0%} of the full cache's", length=r["length"],
-             method=r["method"], value=r["ratio"], in_cache=r["hook_s"] / r["full_s"],
-             ok=r["ratio"] <= PREFILL_TARGET)
-        for r in rows if r["length"] in ats
-    ]  # fmt: skip
+    checks = []
+    for r in rows:
+        if r["length"] in ats:
+            value, statistic = target_ratio(r)
+            checks.append(dict(target=f"prefill time within {PREFILL_TARGET - 1:.0%} of the full cache's",
+                               length=r["length"], method=r["method"], value=value, statistic=statistic,
+                               in_cache=r["hook_s"] / r["full_s"], ok=value <= PREFILL_TARGET))  # fmt: skip
+    return checks
 
 
 def prefill_tables(result: dict) -> str:
     rows = [
-        (r["length"], r["method"], fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3),
-         fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0), fmt(100 * r["hook_s"] / r["full_s"], 1),
-         fmt(100 * r["full_spread"], 0), r["n"])
+        (r["length"], r["method"], fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r.get("ratio_min", float("nan")), 3),
+         fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3), fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0),
+         fmt(100 * r["hook_s"] / r["full_s"], 1), fmt(100 * r["full_spread"], 0), r["n"])
         for r in result["rows"]
     ]  # fmt: skip
     head = (f"Prefill time, budget {result['budget']} per layer, alternating full/method runs "
-            f"({result['repeats']} rounds; times are medians):")  # fmt: skip
-    table = markdown_table(("S", "method", "full s", "method s", "ratio (paired median)", "ratio of medians",
-                            "in-cache ms", "of which eviction ms", "in-cache % of full", "full-run spread %",
-                            "pairs"), rows)  # fmt: skip
-    checks = [(c["method"], c["length"], fmt(c["value"], 3), fmt(100 * c["in_cache"], 1), verdict(c["ok"]))
+            f"({result['repeats']} rounds; times are medians; the ratio of minima is a method's fastest run over "
+            "the fastest of its paired full runs):")  # fmt: skip
+    table = markdown_table(("S", "method", "full s", "method s", "ratio of minima", "ratio (paired median)",
+                            "ratio of medians", "in-cache ms", "of which eviction ms", "in-cache % of full",
+                            "full-run spread %", "pairs"), rows)  # fmt: skip
+    checks = [(c["method"], c["length"], fmt(c["value"], 3), c.get("statistic", "paired median"),
+               fmt(100 * c["in_cache"], 1), verdict(c["ok"]))
               for c in result["targets"]]  # fmt: skip
     ats = " and ".join(str(n) for n in target_lengths(r["length"] for r in result["rows"]))
     return "\n".join([head, "", table, "", f"Target: prefill <= {PREFILL_TARGET:.2f} x full at {ats} tokens:",
-                      "", markdown_table(("method", "S", "ratio", "in-cache % of full", "verdict"), checks)])  # fmt: skip
+                      "", markdown_table(("method", "S", "ratio", "statistic", "in-cache % of full", "verdict"),
+                                         checks)])  # fmt: skip
 
 
 def plot_prefill(result: dict, path: Path) -> Path:
@@ -144,15 +169,13 @@ def plot_prefill(result: dict, path: Path) -> Path:
     rows = result["rows"]
     labels = [f"{r['method']}\n{r['length']}" for r in rows]
     xs = range(len(rows))
-    ax.bar(xs, [r["ratio"] for r in rows], color="C0")
+    ratios = [target_ratio(r)[0] for r in rows]
+    ax.bar(xs, ratios, color="C0")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(PREFILL_TARGET, color="C3", ls="--", label=f"target {PREFILL_TARGET:.2f}")
     ax.set_xticks(list(xs), labels, fontsize=7, rotation=45)
-    ax.set(ylabel="method / full prefill time (paired median)", title="Prefill time over the full cache")
-    ax.set_ylim(
-        min(0.8, min((r["ratio"] for r in rows), default=1) - 0.05),
-        max(1.2, max((r["ratio"] for r in rows), default=1) + 0.05),
-    )
+    ax.set(ylabel="method / full prefill time (ratio of minima)", title="Prefill time over the full cache")
+    ax.set_ylim(min(0.8, min(ratios, default=1) - 0.05), max(1.2, max(ratios, default=1) + 0.05))
     ax.legend(fontsize=8)
     model_s = [r["s"] - r["hook_s"] for r in rows]
     ax2.bar(xs, model_s, label="model forward", color="C2")
