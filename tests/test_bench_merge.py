@@ -83,3 +83,32 @@ def test_add_on_the_command_line(tiny_llama, tmp_path, monkeypatch):
     assert "| 64 | snapkv |" in text and "| 64 | layer-defensivekv |" in text
     assert "Rows added since (`--add`" in text and "--methods layer-defensivekv --add" in text
     assert cli.main(["bandwidth", "--add", "--out", str(tmp_path)]) == 2
+
+
+def _pair(method, length, s, full_s=10.0):
+    return dict(method=method, length=length, round=0, full_s=full_s, s=s, hook_s=0.1, evict_s=0.05)
+
+
+def test_a_prefill_run_replaces_its_rows_and_runs_at_its_lengths_only():
+    """Merging a 4096-token run keeps the 8192-token rows of the same methods and the runs behind
+    them; the targets are rechecked on the merged rows."""
+    from kvcake.bench import speed
+
+    def result(pairs):
+        rows = [speed.prefill_row([p], [p["full_s"]], length=p["length"], method=p["method"]) for p in pairs]
+        return dict(bench="prefill", budget=128, window=32, lengths=sorted({p["length"] for p in pairs}),
+                    methods=list(dict.fromkeys(p["method"] for p in pairs)), rows=rows, runs=pairs,
+                    targets=speed.prefill_targets(rows))  # fmt: skip
+
+    old = result([_pair("snapkv", 4096, 12.0), _pair("cake", 4096, 10.5), _pair("snapkv", 8192, 10.2)])
+    new = result([_pair("snapkv", 4096, 10.3)])
+    got = merge("prefill", old, new)
+    assert [(r["method"], r["length"], r["s"]) for r in got["rows"]] == [
+        ("snapkv", 4096, 10.3), ("cake", 4096, 10.5), ("snapkv", 8192, 10.2)
+    ]  # fmt: skip
+    assert sorted((r["method"], r["length"], r["s"]) for r in got["runs"]) == [
+        ("cake", 4096, 10.5), ("snapkv", 4096, 10.3), ("snapkv", 8192, 10.2)
+    ]  # fmt: skip
+    assert [(t["method"], t["length"], t["ok"]) for t in got["targets"]] == [
+        ("snapkv", 4096, True), ("cake", 4096, True), ("snapkv", 8192, True)
+    ]  # fmt: skip

@@ -50,8 +50,8 @@ def merge(bench: str, old: dict, new: dict) -> dict:
         out["targets"] = memory.targets(out["kv"])
     else:
         out["rows"] = _rows(old["rows"], new["rows"])
-        fresh = {r["method"] for r in new["runs"]}
-        out["runs"] = [r for r in old["runs"] if r["method"] not in fresh] + new["runs"]
+        fresh = {(r["method"], r["length"]) for r in new["runs"]}  # the runs behind the replaced rows
+        out["runs"] = [r for r in old["runs"] if (r["method"], r["length"]) not in fresh] + new["runs"]
         out.pop("target_length", None)  # (pages before issue 23: one target length)
         out["targets"] = speed.prefill_targets(out["rows"])
     return out
@@ -62,7 +62,9 @@ def _merge_decode(old: dict, new: dict) -> dict:
     its own bound (from its run's bandwidth); the counts table is the newest run's."""
     out = dict(old)
     fresh = set(new["lengths"])
-    out["rows"] = sorted([r for r in old["rows"] if r["length"] not in fresh] + new["rows"], key=lambda r: r["length"])
+    out["rows"] = sorted(
+        [r for r in old["rows"] if r["length"] not in fresh] + new["rows"], key=lambda r: r["length"]
+    )
     for key in ("lengths", "budgets"):
         out[key] = sorted({*old[key], *new[key]})
     for key in ("methods", "policies"):
