@@ -191,6 +191,26 @@ def test_prefill_target_is_checked_on_the_ratio_of_minima():
     assert "| 4096 | cake | 10.40 | 11.00 | - | 1.019 |" in table  # no minimum recorded: shown as absent
 
 
+def test_prefill_page_tells_noise_from_cost(tmp_path):
+    """A miss whose in-cache work is far below the 10% is called noise, one near it likely cost,
+    one over it cost, and H2O's (scoring inside the attention) its kernel's cost."""
+    from kvcake.bench import report, speed
+
+    def row(method, full, s, hook):
+        pairs = [dict(full_s=full, s=s, hook_s=hook, evict_s=hook / 2)]
+        return speed.prefill_row(pairs, [full], length=4096, method=method)
+
+    rows = [row("snapkv", 10.0, 10.5, 0.3), row("cake", 10.0, 11.2, 0.2), row("criticalkv", 10.0, 11.2, 0.9),
+            row("defensivekv", 10.0, 11.3, 1.1), row("h2o", 10.0, 11.2, 0.1)]  # fmt: skip
+    result = dict(budget=128, repeats=1, rows=rows, targets=speed.prefill_targets(rows))
+    text = report._prefill(result, tmp_path, tmp_path / "page.md")
+    assert "met by 1 of 5" in text
+    assert "For cake at 4096 the in-cache work is below 10%, so the miss is run-to-run noise" in text
+    assert "For criticalkv at 4096 (9.0%) the in-cache work alone is 8% of the full prefill or more" in text
+    assert "For defensivekv at 4096 the cache's own work exceeds 10%: that is real cost" in text
+    assert "For h2o at 4096 the scoring runs inside the prompt's attention" in text
+
+
 def test_decode_bench(models, tmp_path, capsys):
     result = bench.bench_decode(models, lengths=(48, 64), methods=("snapkv", "adakv"), budgets=(BUDGET,),
                                 steps=2, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,

@@ -150,7 +150,7 @@ def prefill_tables(result: dict) -> str:
         for r in result["rows"]
     ]  # fmt: skip
     head = (f"Prefill time, budget {result['budget']} per layer, alternating full/method runs "
-            f"({result['repeats']} rounds; times are medians; the ratio of minima is a method's fastest run over "
+            f"({_rounds(result)}; times are medians; the ratio of minima is a method's fastest run over "
             "the fastest of its paired full runs):")  # fmt: skip
     table = markdown_table(("S", "method", "full s", "method s", "ratio of minima", "ratio (paired median)",
                             "ratio of medians", "in-cache ms", "of which eviction ms", "in-cache % of full",
@@ -162,6 +162,14 @@ def prefill_tables(result: dict) -> str:
     return "\n".join([head, "", table, "", f"Target: prefill <= {PREFILL_TARGET:.2f} x full at {ats} tokens:",
                       "", markdown_table(("method", "S", "ratio", "statistic", "in-cache % of full", "verdict"),
                                          checks)])  # fmt: skip
+
+
+def _rounds(result: dict) -> str:
+    """The rounds behind the rows: one number, or the pairs column where merged runs differ."""
+    counts = {r["n"] for r in result["rows"]}
+    if len(counts) == 1:
+        return f"{counts.pop()} rounds"
+    return f"{min(counts)}-{max(counts)} rounds: the pairs column"
 
 
 def plot_prefill(result: dict, path: Path) -> Path:
