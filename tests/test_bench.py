@@ -202,8 +202,10 @@ def test_prefill_page_tells_noise_from_cost(tmp_path):
 
     rows = [row("snapkv", 10.0, 10.5, 0.3), row("cake", 10.0, 11.2, 0.2), row("criticalkv", 10.0, 11.2, 0.9),
             row("defensivekv", 10.0, 11.3, 1.1), row("h2o", 10.0, 11.2, 0.1)]  # fmt: skip
-    result = dict(budget=128, repeats=1, rows=rows, targets=speed.prefill_targets(rows))
+    machine = dict(cpu="Some CPU", cpu_cores=2, torch_threads=1, torch="2.13.0+cpu", transformers="5.24.0")
+    result = dict(budget=128, repeats=1, rows=rows, targets=speed.prefill_targets(rows), machine=machine)
     text = report._prefill(result, tmp_path, tmp_path / "page.md")
+    assert "Machine of the latest prefill run: Some CPU, 2 cores, 1 torch thread(s), torch 2.13.0+cpu" in text
     assert "met by 1 of 5" in text
     assert "For cake at 4096 the in-cache work is below 10%, so the miss is run-to-run noise" in text
     assert "For criticalkv at 4096 (9.0%) the in-cache work alone is 8% of the full prefill or more" in text

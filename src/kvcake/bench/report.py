@@ -199,6 +199,10 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
     parts = _section(
         "Prefill time", speed.prefill_tables(result), _fig(figures, doc, "prefill.png", "prefill")
     )
+    if m := result.get("machine"):  # merged runs: the latest run's machine (bench.merge)
+        parts += [f"Machine of the latest prefill run: {m.get('cpu', m.get('device_name'))}, {m.get('cpu_cores')} "
+                  f"cores, {m.get('torch_threads')} torch thread(s), torch {m.get('torch')}, transformers "
+                  f"{m.get('transformers')}.", ""]  # fmt: skip
     t = result["targets"]
     if not t:
         return "\n".join(parts)
