@@ -226,9 +226,8 @@ def test_decode_bench(models, tmp_path, capsys):
         assert r["allowed"] >= 1.0 or r["method"] != "full"
     full = [r for r in result["rows"] if r["method"] == "full"]
     assert all(r["allowed"] == pytest.approx(1.0) and r["speedup"] == pytest.approx(1.0) for r in full)
-    static = [
-        r for r in result["rows"] if r["method"] == "full-static"
-    ]  # the same prompt, its capacity reserved
+    # the same prompt, its capacity reserved
+    static = [r for r in result["rows"] if r["method"] == "full-static"]
     assert len(static) == 2 and all(s["kv_bytes"] > f["kv_bytes"] for s, f in zip(static, full, strict=True))
     # the floor: the model's own step with only the prompt's first tokens cached
     floor = [r for r in result["rows"] if r["method"] == "floor"]

@@ -238,10 +238,10 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
                  "rounds, an idle machine or pinned cores would close it. ")  # fmt: skip
     if near:
         shares = ", ".join(f"{name(c)} ({c['in_cache']:.1%})" for c in near)
-        text += (f"For {shares} the in-cache work alone is {NEAR_LINE * limit:.0%} of the full prefill or more, close "
-                 f"to the {limit:.0%} allowed, so what the forward adds around it (kvcake's attention call and the cache's layout changes per "
-                 "layer) is enough to miss: more likely cost than noise; cutting that work is what would close "
-                 "it. ")  # fmt: skip
+        text += (f"For {shares} the in-cache work alone is {NEAR_LINE * limit:.0%} of the full prefill or more, "
+                 f"close to the {limit:.0%} allowed, so what the forward adds around it (kvcake's attention call "
+                 "and the cache's layout changes per layer) is enough to miss: more likely cost than noise; "
+                 "cutting that work is what would close it. ")  # fmt: skip
     if costly:
         text += (f"For {', '.join(map(name, costly))} the cache's own work exceeds {limit:.0%}: that is real cost, "
                  "and the table splits it into scoring/allocation and eviction. ")  # fmt: skip

@@ -144,7 +144,7 @@ def prefill_targets(rows: list[dict]) -> list[dict]:
 
 def prefill_tables(result: dict) -> str:
     rows = [
-        (r["length"], r["method"], fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r.get("ratio_min", float("nan")), 3),
+        (r["length"], r["method"], fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r.get("ratio_min"), 3),
          fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3), fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0),
          fmt(100 * r["hook_s"] / r["full_s"], 1), fmt(100 * r["full_spread"], 0), r["n"])
         for r in result["rows"]
