@@ -164,3 +164,19 @@ def test_a_cache_out_of_memory_is_a_row_entry(monkeypatch):
     assert "| 64 | h2o | OOM | OOM |" in gpu.gpu_table(result)
     monkeypatch.setattr(gpu, "PREFILL_LENGTHS", (64,))  # the tiny run's length as a target length
     assert {c["cache"] for c in targets(result)} == {"snapkv"}
+
+
+def test_machine_description_names_the_library_version_without_installed_metadata(monkeypatch):
+    # a GPU run from a copied tree (PYTHONPATH=src) has no kvcake metadata: its page said None
+    import importlib.metadata
+
+    from kvcake import __version__
+    from kvcake.bench.common import describe_machine
+
+    def missing(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    info = describe_machine(torch.device("cpu"), torch.float32, "sdpa")
+    assert info["kvcake"] == __version__
+    assert info["transformers"] is None  # the others still read metadata

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from ..devices import check_device
 from ..varlen import describe_route
+from ..version import __version__
 from .caches import BenchCache, FullCache, build_cache, dynamic_cache_bytes, shared_prefill
 from .output import fmt, log_axes, markdown_table, median, new_figure, save_figure, verdict, write_json
 from .probes import Clock, PeakMemory
@@ -71,7 +72,9 @@ def describe_machine(device: torch.device, dtype: torch.dtype, attn_implementati
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
-        "kvcake": _version("kvcake"),
+        # the package's own version, not its installed metadata: a GPU run from a copied tree
+        # (PYTHONPATH=src, nothing installed) recorded None there
+        "kvcake": __version__,
         "attention": attn_implementation,
         "ragged_attention": ragged_kernel(device, dtype),
         "platform": platform.platform(),
