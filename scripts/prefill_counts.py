@@ -11,7 +11,8 @@ On a GPU every ATen op is a launch (or host work between launches) and every syn
 runs ``nonzero`` inside; a device-to-host copy shows as ``_to_copy``) drains the queue; so does a read of a value into Python (``.cpu()``, ``int(t)``,
 ``bool(t)``, ``.tolist()``, ``.numpy()``), which on the CPU dispatches nothing: ``--reads`` lists
 those by call site in kvcake (every tensor's: the host tensors', budgets and lengths, cost nothing
-on a GPU, the others one drain each). A prefill whose count grows with the square of the layer count
+on a GPU, the others one drain each; CAKE's per-layer statistics go through ``devices.HostRead``,
+a copy started behind the layer's work and waited for at the next layer's update, not a drain). A prefill whose count grows with the square of the layer count
 (a cascade re-evicting the layers seen so far at every stage) pays for it where the full prefill
 is short (issue 23: ``cake`` 1.22 x and ``cake-adakv`` 1.43 x the full cache at 32k on an H200, within
 target at 128k). ``--diff B`` prints the ops the first method dispatches beyond ``B``'s, by name.

@@ -479,3 +479,34 @@ def test_keep_first_refuses_what_a_head_does_not_hold(tiny_llama):
     layer = cache.layers[0]
     with pytest.raises(ValueError, match="ranked ragged layer"):
         layer.keep_first(layer.counts)  # back in position order after prefill: not ranked
+
+
+@pytest.mark.parametrize("name", ["cake", "cake-oneshot", "cake-adakv"])
+def test_cake_stage_runs_at_the_next_layers_update_before_its_keys(tiny_llama, name, monkeypatch):
+    # the statistics' read is waited for one layer later, so that on a GPU the host's stage
+    # overlaps work it has queued (cascade.prefill_stage); the stage still evicts its layer before
+    # the next one's keys arrive (the peak bound above), and the last layer's runs at once
+    from kvcake import devices
+    from kvcake.cache import KVCakeCache
+
+    events = []
+    update, wait = KVCakeCache.update, devices.HostRead.wait
+
+    def recording_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        events.append(("update", layer_idx, self.layers[layer_idx].is_initialized))
+        return update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    def recording_wait(self):
+        events.append(("read",))
+        return wait(self)
+
+    monkeypatch.setattr(KVCakeCache, "update", recording_update)
+    monkeypatch.setattr(devices.HostRead, "wait", recording_wait)
+    casc, _ = prefill(tiny_llama, prompt(300, seed=3), make_method(name, budget=48, window=8))
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    updates = [e for e in events if e[0] == "update"]
+    assert len(reads) == len(updates) == 4 and not any(e[2] for e in updates)  # one prompt, 4 layers
+    # layer l's read (l < 3) right after layer l+1's update began, before it appended; layer 3's
+    # in its own stage, after its update
+    assert [events[i - 1][:2] for i in reads] == [("update", 1), ("update", 2), ("update", 3), ("read",)]
+    assert casc.pending_stage is None and casc.prefilled and len(casc.preferences) == 4

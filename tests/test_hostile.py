@@ -374,8 +374,9 @@ def test_reused_cache_with_another_batch_size_raises(tiny_llama):
 
 def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
     """An error in the middle of the prompt's forward (here a hook on layer 2) leaves layers 0-1
-    compressed and the rest empty: reusing that cache would treat the prompt as a continuation of
-    itself. The cache refuses instead."""
+    filled (layer 1's CAKE stage pending: it runs at the next layer's update) and the rest empty:
+    reusing that cache would treat the prompt as a continuation of itself. The cache refuses
+    instead, before running anything left pending."""
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
 
     class Boom(Exception):
@@ -391,10 +392,13 @@ def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
                 tiny_llama(ids(60), **with_cache(tiny_llama, cache))
         finally:
             handle.remove()
-        assert not cache.prefilled and cache.layers[0].keys.shape[-2] < 60
+        assert not cache.prefilled and cache.pending_stage is not None
+        assert cache.layers[1].is_initialized and not cache.layers[2].is_initialized
+        pending = cache.pending_stage
         with pytest.raises(RuntimeError, match="prefill did not finish.*make a new KVCakeCache"), \
                 kvcake.enable(tiny_llama), torch.no_grad():  # fmt: skip
             tiny_llama(ids(60), **with_cache(tiny_llama, cache))
+        assert cache.pending_stage is pending
 
 
 def test_reused_cache_is_a_continuation(tiny_llama):

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcake.allocators import AdaKV
+from kvcake.allocators import AdaKV, preference
 from kvcake.allocators.adakv import ranks_desc
-from kvcake.cascade import layer_preference
+from kvcake.cascade import layer_statistics
 from kvcake.scorers import PrefillInputs
 from kvcake.scorers.tova import TOVAScorer
 from kvcake.tensor_parallel import HeadSplit, find_split, top_over_ranks
@@ -135,22 +135,27 @@ def prefill_inputs(heads: slice, kv_heads: slice, seed: int = 0) -> PrefillInput
 
 
 def fake_cache(split):
-    return SimpleNamespace(split=split, tau=SimpleNamespace(tau1=1.0, tau2=2.0), entropy=[], variance=[])
+    return SimpleNamespace(split=split)
+
+
+def layer_preference(cache, inputs):
+    """(preference, entropy, variance) of one layer, as the cascade's stage takes them"""
+    entropy, variance = layer_statistics(cache, inputs).unbind()
+    return preference(entropy, variance, 1.0, 2.0), entropy, variance
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cake_preference_over_ranks_equals_one_process(world):
-    whole = fake_cache(None)
-    ref = layer_preference(whole, prefill_inputs(slice(None), slice(None)))
+    ref, ref_entropy, ref_variance = layer_preference(
+        fake_cache(None), prefill_inputs(slice(None), slice(None))
+    )
     qb, kb = 8 // world, 4 // world
 
     def rank(sp):
-        cache = fake_cache(sp)
         r = sp.rank
-        pref = layer_preference(
-            cache, prefill_inputs(slice(r * qb, (r + 1) * qb), slice(r * kb, (r + 1) * kb))
+        return layer_preference(
+            fake_cache(sp), prefill_inputs(slice(r * qb, (r + 1) * qb), slice(r * kb, (r + 1) * kb))
         )
-        return pref, cache.entropy[0], cache.variance[0]
 
     out = on_ranks(world, rank)
     for pref, entropy, variance in out:  # bit-identical on every rank
@@ -159,11 +164,11 @@ def test_cake_preference_over_ranks_equals_one_process(world):
             and torch.equal(entropy, out[0][1])
             and torch.equal(variance, out[0][2])
         )
-    torch.testing.assert_close(out[0][1], whole.entropy[0], rtol=1e-6, atol=0)
-    torch.testing.assert_close(out[0][2], whole.variance[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[0][1], ref_entropy, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[0][2], ref_variance, rtol=1e-6, atol=0)
     torch.testing.assert_close(out[0][0], ref, rtol=1e-5, atol=0)
     # a rank alone sees other statistics: the exchange is what makes them equal
-    alone = layer_preference(fake_cache(None), prefill_inputs(slice(0, qb), slice(0, kb)))
+    alone, _, _ = layer_preference(fake_cache(None), prefill_inputs(slice(0, qb), slice(0, kb)))
     assert not torch.allclose(alone, ref, rtol=1e-3)
 
 

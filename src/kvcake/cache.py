@@ -139,6 +139,8 @@ class KVCakeCache(Cache):
         self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         # prefill only: a cascade stage's head counts and kept sets, read back at once (head_counts.py)
         self.stage_counts: dict[int, tuple] = {}
+        # prefill only: a layer's stage left for the next layer's update (cascade.prefill_stage)
+        self.pending_stage: cascade.PendingStage | None = None
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0
@@ -171,6 +173,8 @@ class KVCakeCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, SlidingLayer):  # transformers' own sliding layer, never compressed
+            if self.pending_stage is not None:  # the previous layer's stage: cascade.PendingStage
+                self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self._track_bytes(layer_idx)
             return keys, values
@@ -202,6 +206,8 @@ class KVCakeCache(Cache):
                 f"this KVCakeCache holds a batch of {layer.batch} sequences but got {key_states.shape[0]}: "
                 "a cache serves one batch of prompts, so make a new KVCakeCache per prompt (or batch)"
             )
+        if self.pending_stage is not None:  # the previous layer's stage: cascade.PendingStage
+            self._run_stage()
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx
         model_kwargs = kwargs.get("kwargs")
@@ -321,6 +327,7 @@ class KVCakeCache(Cache):
     # that a subclass can time them (bench/caches.py); ``self`` is their ``cache`` argument.
     after_prefill_attention = cascade.prefill_stage
     prompt_attention = cascade.prompt_attention
+    _run_stage = cascade.run_stage
     _evict_layer = cascade.evict_layer
 
     def wants_probs(self, layer_idx: int, q: int) -> bool:

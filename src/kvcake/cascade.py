@@ -8,7 +8,8 @@ cache calls :func:`prefill_stage`, which
 2. for allocators that need them (CAKE), measures the layer's dispersion and shift and turns
    them into a preference with the temperatures in force;
 3. re-allocates the budgets of the layers seen so far (cascade) or, for fixed allocators, takes
-   this layer's column of budgets fixed once, and evicts each touched layer to its budget;
+   this layer's column of budgets fixed once, and evicts each touched layer to its budget
+   (:func:`run_stage`: at once, or CAKE's at the next layer's update, see ``PendingStage``);
 4. after the last compressed layer, fixes the decoding budgets (:func:`finish_prefill`).
 
 The functions read and write the cache's own state (``seq``, ``budgets``, ``preferences``, ...);
@@ -28,6 +29,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
+from .devices import HostRead
 from .head_counts import stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
@@ -63,6 +65,7 @@ def prefill_stage(
 
     query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding); column_sums:
     what :func:`prompt_attention` returned beside the attention's output, else None."""
+    cache._run_stage()  # the previous layer's, if no update ran it (a caller that skips update)
     layer = cache.layers[layer_idx]
     cache._stage = layer_idx
     g = cache._slot[layer_idx]  # budget column of this layer
@@ -89,8 +92,38 @@ def prefill_stage(
     if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
         # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
         cache.o_weights[layer_idx] = local_weight(output_projection(module))
-    if m.layers.needs_preferences:
-        cache.preferences.append(layer_preference(cache, inputs))
+    stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
+    cache.pending_stage = PendingStage(layer_idx, stats)
+    if stats is None or g == len(cache.compressed) - 1:
+        cache._run_stage()  # else the next layer's update runs it (see PendingStage)
+
+
+@dataclass
+class PendingStage:
+    """Layer ``layer_idx``'s stage, scored, waiting for its statistics to allocate and evict.
+
+    CAKE's runs at the start of the next layer's update, before that layer appends: on a GPU this
+    layer's MLP and the next one's projections are queued by then, so the host allocates while the
+    device works (not idle as after a read here). Same stages in the same order, same inputs."""
+
+    layer_idx: int
+    stats: HostRead | None  # CAKE's (2, B) entropy and variance on their way to the host
+
+
+def run_stage(cache: Cache) -> None:
+    """The pending stage (``cache.pending_stage``), if any: steps 2-4 of the module's list
+    (CAKE's preference from the statistics, the budgets, the evictions)."""
+    pending, cache.pending_stage = cache.pending_stage, None
+    if pending is None:
+        return
+    layer_idx = cache._stage = pending.layer_idx
+    g = cache._slot[layer_idx]
+    m = cache.method
+    if pending.stats is not None:
+        entropy, variance = pending.stats.wait().unbind()
+        cache.entropy.append(entropy)
+        cache.variance.append(variance)
+        cache.preferences.append(preference(entropy, variance, *temperatures(cache)))
     last = g == len(cache.compressed) - 1
     if m.layers.needs_preferences or m.layers.needs_scores:
         if m.layers.cascading or last:
@@ -143,23 +176,19 @@ def _begin(cache: Cache, key_valid: torch.Tensor) -> None:
         start(cache, key_valid)
 
 
-def layer_preference(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
-    """CAKE's preference of one layer, (B,) float64 on the host: dispersion (entropy of the
-    window's attention over the prefix) and shift (its variance over the window's rows)."""
+def layer_statistics(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
+    """CAKE's dispersion (entropy of the window's attention over the prefix) and shift (its
+    variance over the window's rows) of one layer: (2, B) float64 on the layer's device."""
     probs, row_valid = inputs.window_attention()
     w = probs.shape[2]
     sub = probs[..., : probs.shape[-1] - w]  # window rows, prefix columns
     entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
     _, var = window_rows_mean_var(sub, row_valid)
     variance = var.sum((1, 2))  # (B,)
+    stats = torch.stack([entropy.double(), variance.double()])
     if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
-        entropy, variance = cache.split.sum(torch.stack([entropy.double(), variance.double()]))
-    tau1, tau2 = temperatures(cache)
-    # host: (B,) per layer, stacked across layers that may sit on different devices; one read
-    entropy, variance = torch.stack([entropy.double(), variance.double()]).cpu().unbind()
-    cache.entropy.append(entropy)
-    cache.variance.append(variance)
-    return preference(entropy, variance, tau1, tau2)
+        stats = cache.split.sum(stats)
+    return stats
 
 
 def start(cache: Cache, key_valid: torch.Tensor) -> None:

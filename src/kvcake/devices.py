@@ -26,6 +26,34 @@ def cpu_route(device: torch.device) -> bool:
     return device.type == "cpu" and CPU_ROUTES
 
 
+class HostRead:
+    """A small device tensor's copy to the host, started now and waited for at :meth:`wait`.
+
+    On CUDA the copy goes into pinned memory behind the work queued so far and ``wait`` blocks
+    only until the device gets there, not until the whole queue drains (as ``.cpu()`` does): the
+    host can queue more work in between, and its work after ``wait`` overlaps what it queued.
+    CAKE's per-layer statistics are read so, one layer later (``cascade.prefill_stage``).
+    Elsewhere the copy is made at once (a CPU tensor is its own host copy)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = None
+        if tensor.device.type != "cuda":  # the CPU's own tensor as is; another device's copied now
+            self.host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+            return
+        with torch.cuda.device(tensor.device):
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)  # host
+            self.host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        """The host copy, once the device has written it."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.host
+
+
 _GET_TORCH = "https://pytorch.org/get-started/locally/"
 _ON_CPU = "or run on the CPU (--device cpu, device='cpu')"
 

@@ -46,3 +46,19 @@ def test_static_decode_steps_do_not_synchronise(on_device, name):
             for _ in range(4):
                 tok = model(tok, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
     assert cache.get_seq_length() == 205  # the 200-token prompt and 5 single-token steps
+
+
+def test_a_host_read_waits_for_its_copy_only(on_device):
+    # CAKE's statistics are read one layer later (cascade.prefill_stage): starting the read must
+    # not synchronise, and the host copy holds the values once waited for
+    from kvcake.devices import HostRead
+
+    x = torch.randn(64, 1024, device=DEVICE)
+    stats = torch.stack([x.sum(), x.square().sum()]).double()
+    with _sync_errors():
+        read = HostRead(stats)
+        for _ in range(8):  # more work queued behind the copy
+            x = x @ x.T / 32
+    host = read.wait()
+    assert host.device.type == "cpu"
+    assert torch.equal(host, stats.cpu())
