@@ -9,6 +9,7 @@
 # Usage, from the repository root on the GPU machine:
 #   scripts/gpu_check.sh
 #   LENGTHS="8k 32k 128k" ROUNDS=3 TEST_LIMIT=400 COMPILED_METHODS=snapkv,cake scripts/gpu_check.sh
+#   TEST_LIMIT=0 LENGTHS=32k ROUNDS=3 BENCH_LIMIT=420 scripts/gpu_check.sh   (no suite: a second call)
 # PY (default python3: the machine's own CUDA torch). Wheels in .whl/ (e.g. the transformers of
 # requirements/dev.lock, which the GPU image lacks) are installed into /tmp/site first. Logs and
 # the JSON go to $OUT (the device tool's folder) or gpu-out/.
@@ -36,10 +37,12 @@ fi
 # the saved-context file in a process of its own: its compiled generate crashed the process
 # (a segfault in inductor's autotuning, H100, 2026-11-26), which would lose the other files' results
 SPLIT=tests/cuda/test_cuda_storage_split.py
-timeout "$TEST_LIMIT" "$PY" -m pytest -q -rfEs --tb=short --durations=10 -m cuda -p no:cacheprovider tests/cuda \
-    --ignore="$SPLIT" 2>&1 | tee "$OUT/test-cuda.log" | tail -60
-timeout "${SPLIT_LIMIT:-180}" "$PY" -m pytest -q -rfEs --tb=short -m cuda -p no:cacheprovider "$SPLIT" 2>&1 \
-    | tee "$OUT/test-cuda-split.log" | tail -30
+if [ "$TEST_LIMIT" != "0" ]; then  # TEST_LIMIT=0 skips the suite (a second call of one session)
+    timeout "$TEST_LIMIT" "$PY" -m pytest -q -rfEs --tb=short --durations=10 -m cuda -p no:cacheprovider tests/cuda \
+        --ignore="$SPLIT" 2>&1 | tee "$OUT/test-cuda.log" | tail -60
+    timeout "${SPLIT_LIMIT:-180}" "$PY" -m pytest -q -rfEs --tb=short -m cuda -p no:cacheprovider "$SPLIT" 2>&1 \
+        | tee "$OUT/test-cuda-split.log" | tail -30
+fi
 for n in $LENGTHS; do
     timeout "$BENCH_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$n" --rounds "$ROUNDS" --merge \
         --no-compile --out bench-gpu --doc docs/benchmarks-gpu.md 2>&1 | tee "$OUT/bench-$n.log" | tail -25
