@@ -42,6 +42,7 @@ LAYERS = {
         "varlen",
         "matmul",
         "flex",
+        "fused_norms",
         "prompts",
         "haystack",
         "version",

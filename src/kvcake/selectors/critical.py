@@ -3,6 +3,7 @@ Perturbation Perspective", 2025, https://arxiv.org/abs/2502.03805 (Algorithm 1).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,10 @@ _SIGN_SOURCES = 32
 # (SmolLM2, 4096 tokens, Layer-DefensiveKV's large early budgets: first sets of 25-31% were
 # followed by second sets of >= 50%, one of 14% by none).
 _ALL_NORMS_SHARE = 0.25
+# CUDA inputs of a power-of-two head size take ``kvcake.fused_norms``' one Triton kernel where
+# triton is installed (the products never written out); False keeps the matmuls (tests compare).
+FUSED_NORMS = True
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -39,7 +44,12 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
     slices side by side, one batched matmul per chunk of positions (see ``_NORM_CHUNK``). bf16/fp16
     values and weight on CUDA are multiplied as they are with float32 products
     (:mod:`kvcake.matmul`: the same norms up to summation order); elsewhere float32 copies are.
+    Where :func:`fused_norms_apply` (CUDA, triton), one kernel instead (:mod:`kvcake.fused_norms`).
     """
+    if fused_norms_apply(values, o_weight):
+        from ..fused_norms import value_norms
+
+        return value_norms(values, o_weight, num_heads)
     b, hkv, s, d = values.shape
     groups = num_heads // hkv
     hidden = o_weight.shape[0]
@@ -69,6 +79,15 @@ def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_head
             l1 = torch.linalg.vector_norm(proj, ord=1, dim=-1)  # abs and sum in one pass
         out[:, :, start : start + c] = l1.mean(-1)
     return out
+
+
+def fused_norms_apply(values: torch.Tensor, o_weight: torch.Tensor) -> bool:
+    """Whether :func:`projected_value_norms` runs ``kvcake.fused_norms``' kernel for these inputs."""
+    d = values.shape[-1]
+    return (
+        FUSED_NORMS and _HAS_TRITON and values.is_cuda and o_weight.dtype == values.dtype
+        and values.dtype in (torch.bfloat16, torch.float16, torch.float32) and d >= 16 and d & (d - 1) == 0
+    )  # fmt: skip
 
 
 def projected_value_norm_bounds(
