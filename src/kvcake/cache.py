@@ -7,7 +7,8 @@ Flow for one layer ``l`` of the prompt's forward (prefill):
 2. the kvcake attention function (``attention.py``) runs the model's own attention kernel on
    the full keys and values, then hands the queries to ``cache.after_prefill_attention``,
    which scores the tokens, and (cascade) re-allocates the budgets of layers ``0..l`` and
-   evicts them (``cascade.py``); so the cache never holds more than the total budget plus one
+   evicts them (``cascade.py``; CAKE's stage waits for the start of layer ``l + 1``'s update,
+   before it stores anything); so the cache never holds more than the total budget plus one
    full layer.
 
 Later forwards (decoding, or a question appended to a compressed context) append to each
