@@ -49,7 +49,9 @@ def value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_heads: int) ->
     return out
 
 
-@triton.jit
+# the positions and the strides that follow them change from call to call (CriticalKV packs its
+# candidates): not specialised on, so one compiled kernel per model shape and dtype serves them
+@triton.jit(do_not_specialize=["S", "sv_b", "sv_k", "so_b", "so_k"])
 def _l1_norms(
     v_ptr, w_ptr, out_ptr, S, HIDDEN, sv_b, sv_k, sv_s, sv_d, so_b, so_k, so_s,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,

@@ -1,7 +1,8 @@
 """CriticalKV's value norms in one Triton kernel (``kvcake.fused_norms``) on the GPU: taken for
 CUDA inputs where triton is installed, equal to the matmul route's (``FUSED_NORMS = False``) up to
 summation order, over head sizes, GQA groups, ragged tile edges and strided values, and the same
-bits whichever other positions share a tile (the pruned norms and the cascade rely on that)."""
+bits whichever other positions share a tile (CriticalKV's pruned norms pack the candidates, so a
+position's tile changes with them; one-shot and cascade evictions then see the same norms)."""
 
 from __future__ import annotations
 
