@@ -12,9 +12,9 @@ goes: the products never leave the chip, and each position's sum is one program'
 order (deterministic, as the cascade's bit-equality needs). The same norms up to summation order.
 
 Used where ``selectors.critical.fused_norms_apply`` says so (CUDA, triton installed, a
-power-of-two head size of at least 16, values and weight of one dtype of ``DTYPES``), which alone
-imports this module: triton is optional (torch's CUDA builds ship it). ``FUSED_NORMS = False``
-there turns it off (the tests compare the two routes). Triton's interpreter runs the kernel on
+power-of-two head size of at least 16, values and weight of one dtype: bf16, fp16 or fp32),
+which alone imports this module: triton is optional (torch's CUDA builds ship it).
+``FUSED_NORMS = False`` there turns it off (the tests compare the two routes). Triton's interpreter runs the kernel on
 CPU tensors where ``TRITON_INTERPRET=1`` is set before this module is imported (the CPU test,
 where triton is installed).
 """

@@ -3,8 +3,9 @@ that times its own work and shares one prefill with other caches."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -85,7 +86,7 @@ class BenchCache(KVCakeCache):
         self.prefill_evict_s = 0.0
         self.decode_hook_s = 0.0
         self.decode_hook_calls = 0
-        self._in_hook = False  # inside after_prefill_attention (its timer counts what runs there)
+        self._timing_now: set[str] = set()  # the timers running (_timed)
         self.timing = True  # False: decode steps untimed (the compiled ones)
         self.followers: list[BenchCache] = []
         self.full: FullCache | None = None
@@ -107,48 +108,47 @@ class BenchCache(KVCakeCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def after_prefill_attention(self, layer_idx, module, query, key_valid, scaling, column_sums=None) -> None:
-        self.clock.sync()
-        t0 = time.perf_counter()
-        self._in_hook = True
-        try:
+        with self._timed("prefill_hook_s"):
             super().after_prefill_attention(
                 layer_idx, module, query, key_valid, scaling, column_sums=column_sums
             )
-        finally:
-            self._in_hook = False
-        self.clock.sync()
-        self.prefill_hook_s += time.perf_counter() - t0
         for other in self.followers:
             other.after_prefill_attention(layer_idx, module, query, key_valid, scaling)
 
     def _run_stage(self) -> None:
         # a stage the next layer's update runs (CAKE's, cascade.prefill_stage) is in-cache work too
-        if self._in_hook:
+        with self._timed("prefill_hook_s"):
             super()._run_stage()
-            return
-        self.clock.sync()
-        t0 = time.perf_counter()
-        super()._run_stage()
-        self.clock.sync()
-        self.prefill_hook_s += time.perf_counter() - t0
 
     def _evict_layer(self, layer_idx, budget) -> None:
-        self.clock.sync()
-        t0 = time.perf_counter()
-        super()._evict_layer(layer_idx, budget)
-        self.clock.sync()
-        self.prefill_evict_s += time.perf_counter() - t0
+        with self._timed("prefill_evict_s"):
+            super()._evict_layer(layer_idx, budget)
 
     def after_extend_attention(self, layer_idx, probs) -> None:
         if not self.timing:  # compiled steps: nothing host-side in the traced step
             super().after_extend_attention(layer_idx, probs)
             return
+        with self._timed("decode_hook_s"):
+            super().after_extend_attention(layer_idx, probs)
+        self.decode_hook_calls += 1
+
+    @contextlib.contextmanager
+    def _timed(self, timer: str) -> Iterator[None]:
+        """Add the block's wall time (device synchronised before and after) to the attribute
+        ``timer``; a block inside one that already times ``timer`` adds nothing (the outer counts
+        it once: a stage run inside ``after_prefill_attention``)."""
+        if timer in self._timing_now:
+            yield
+            return
+        self._timing_now.add(timer)
         self.clock.sync()
         t0 = time.perf_counter()
-        super().after_extend_attention(layer_idx, probs)
+        try:
+            yield
+        finally:
+            self._timing_now.discard(timer)
         self.clock.sync()
-        self.decode_hook_s += time.perf_counter() - t0
-        self.decode_hook_calls += 1
+        setattr(self, timer, getattr(self, timer) + time.perf_counter() - t0)
 
 
 def build_cache(
