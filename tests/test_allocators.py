@@ -1,5 +1,6 @@
 """Layer and head allocators: exact integer totals, caps, the published formulas."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,23 +115,25 @@ def test_adakv_equals_reference_and_keeps_safeguard(alpha):
         assert len(set(counts[1].tolist())) > 1, "a dominant head wins more entries"
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
-@pytest.mark.parametrize("seed", range(4))
-def test_adakv_ranked_counts_equal_sorting_each_time(alpha, seed):
-    """``AdaKV.rank`` once, then ``counts`` at many budgets (a cascade's stages) equals ``select``'s
-    counts, with ties, left padding and budgets past the prompt."""
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_adakv_counts_on_the_host_equal_select(alpha, seed):
+    """``AdaKV.places`` once, then ``counts_on_host`` at many budgets (a cascade's stages) equals
+    ``select``'s counts: many ties (scores from 3 values), left padding, a head of equal scores,
+    budgets below the window and past the prompt, a different budget per sequence."""
     g = torch.Generator().manual_seed(seed)
-    h, s, window = 4, 80, 6
-    scores = torch.randint(0, 12, (3, h, s), generator=g).float()  # many ties
+    h, s, window = [(4, 80, 6), (3, 50, 4), (8, 33, 1)][seed % 3]
+    scores = torch.randint(0, [3, 12, 1000][seed % 3], (3, h, s), generator=g).float()
     scores[..., -window:] = float("inf")
     scores[1, :, :9] = float("-inf")  # left padding
+    scores[2, 0, :-window] = 0.5  # one head all ties
     ada = AdaKV(alpha=alpha)
-    ranking = ada.rank(scores)
+    places = ada.host_places(ada.places(scores).numpy())
     win = torch.full((3,), window)
-    for budget in [0, 3, window, 7, 20, 41, 79, 80, 200]:
+    for budget in [0, 1, 3, window, 7, 20, 41, s - 1, s, 200]:
         budgets = torch.tensor([budget, max(budget - 5, 0), budget + 3])
         expected = ada.select(scores, budgets, win).sum(-1)
-        assert torch.equal(ada.counts(scores, budgets, win, ranking=ranking), expected)
+        assert np.array_equal(ada.counts_on_host(places, budgets.numpy(), win.numpy()), expected.numpy())
 
 
 @pytest.mark.parametrize("seed", range(6))

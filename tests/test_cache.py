@@ -288,22 +288,30 @@ def test_prefill_synchronises_a_few_times_per_prompt(name, per_layer, monkeypatc
         ("criticalkv", 1),
         ("pyramidkv", 1),
         ("snapkv", 1),
-        ("cake-adakv", 1),
-        ("layer-defensivekv", 5),
+        ("adakv", 0),
+        ("cake-adakv", 0),
+        ("critical-adakv", 1),
+        ("defensivekv", 1),
+        ("layer-defensivekv", 2),
     ],
 )
-def test_prefill_reads_the_device_a_few_times_per_layer(name, per_layer):
+def test_prefill_reads_the_device_a_few_times_per_layer(monkeypatch, name, per_layer):
     """On a GPU each read of a device value into Python drains the queue. A cascade re-evicts
     every layer seen so far at each stage (136 evictions at 16 layers): uniform heads' counts are
     host arithmetic there (``dense_counts``, on host tensors), head-wise ones are read back once a
-    stage for all layers (``stage_head_counts``), so the reads are a few per layer (a ragged
-    layout's lengths, CriticalKV's second candidate set, the global allocator's per-stage counts)
-    plus a few per prompt; CAKE's statistics are none (``devices.HostRead``, a copy waited for a
-    layer later, cascade.PendingStage), so ``cake`` reads a few times per prompt only. Counted
+    stage for all layers (``stage_head_counts``) on the device, and Ada-KV's are host arithmetic
+    on each layer's score places (``AdaKV.places``), so the reads are a few per layer (CriticalKV's
+    second candidate set, the global allocator's per-stage counts) plus a few per prompt; CAKE's
+    statistics and Ada-KV's places are none (``devices.HostRead``, a copy waited for a layer
+    later, cascade.PendingStage), so ``cake``, ``adakv`` and ``cake-adakv`` read a few times per
+    prompt only. Counted
     with ``host_reads``, which sees every tensor's reads (``dense_counts`` reads host tensors only,
-    so it is left out); the code before these changes read 3-10 times as often."""
+    so it is left out); the code before these changes read 3-10 times as often. The CPU-only
+    routes' host checks (``devices.CPU_ROUTES``, free on a CPU) are off: the counts are a GPU's."""
+    from kvcake import devices
     from kvcake.bench.step_counts import host_reads, tiny_llama
 
+    monkeypatch.setattr(devices, "CPU_ROUTES", False)
     layers = 16
     model = tiny_llama(layers)
     cache = KVCakeCache(model, make_method(name, budget=32, window=8))
@@ -315,17 +323,23 @@ def test_prefill_reads_the_device_a_few_times_per_layer(name, per_layer):
         assert any("(dense_counts)" in site for _, site in reads), "the cascade's counts came from the host"
 
 
+@pytest.mark.parametrize("host", [True, False])
 @pytest.mark.parametrize("name", ["cake-adakv", "adakv"])
-def test_head_wise_cascade_selects_a_stage_together(monkeypatch, name):
-    """A stage of a head-wise cascade re-evicts every layer seen so far. With a top-k selector
+def test_head_wise_cascade_selects_a_stage_together(monkeypatch, name, host):
+    """A stage of a head-wise cascade re-evicts every layer seen so far. Counted on the host
+    (``head_counts.HOST_COUNTS``), Ada-KV's kept sets are never built: each layer's first eviction
+    selects its heads' counts with the selector, and the later ones keep each head's first.
+    Counted on the device (the reference, and tensor parallelism's route), with a top-k selector
     the Ada-KV kept set is the selection, and the layers of a stage are selected in one call
     (``head_counts._kept_together``, by layout: the stage's new layer is still dense): on a GPU
     its ~40 launches twice a stage, not once a layer; 31 calls for 16 layers where it was 136
     (and then a second ranking by the selector in each eviction). One-shot Ada-KV selects each
     layer once either way."""
+    from kvcake import head_counts
     from kvcake.allocators import AdaKV
     from kvcake.bench.step_counts import tiny_llama
 
+    monkeypatch.setattr(head_counts, "HOST_COUNTS", host)
     calls = []
     select = AdaKV.select
 
@@ -339,7 +353,9 @@ def test_head_wise_cascade_selects_a_stage_together(monkeypatch, name):
     cache = KVCakeCache(model, make_method(name, budget=32, window=8))
     with kvcake.enable(model), torch.no_grad():
         model(prompt(300, seed=3), **with_cache(model, cache))
-    if name == "cake-adakv":  # stage g: its g evicted (ragged) layers together, its new one alone
+    if host:
+        assert calls == []
+    elif name == "cake-adakv":  # stage g: its g evicted (ragged) layers together, its new one alone
         assert sum(calls) == layers * (layers + 1) // 2 and len(calls) <= 2 * layers, calls
     else:
         assert calls == [1] * layers
@@ -483,11 +499,12 @@ def test_keep_first_refuses_what_a_head_does_not_hold(tiny_llama):
         layer.keep_first(layer.counts)  # back in position order after prefill: not ranked
 
 
-@pytest.mark.parametrize("name", ["cake", "cake-oneshot", "cake-adakv"])
+@pytest.mark.parametrize("name", ["cake", "cake-oneshot", "cake-adakv", "adakv"])
 def test_cake_stage_runs_at_the_next_layers_update_before_its_keys(tiny_llama, name, monkeypatch):
-    # the statistics' read is waited for one layer later, so that on a GPU the host's stage
-    # overlaps work it has queued (cascade.prefill_stage); the stage still evicts its layer before
-    # the next one's keys arrive (the peak bound above), and the last layer's runs at once
+    # the statistics' read (CAKE) and the score places' (Ada-KV's head counts on the host) are
+    # waited for one layer later, so that on a GPU the host's stage overlaps work it has queued
+    # (cascade.prefill_stage); the stage still evicts its layer before the next one's keys arrive
+    # (the peak bound above), and the last layer's runs at once
     from kvcake import devices
     from kvcake.cache import KVCakeCache
 
@@ -505,10 +522,15 @@ def test_cake_stage_runs_at_the_next_layers_update_before_its_keys(tiny_llama, n
     monkeypatch.setattr(KVCakeCache, "update", recording_update)
     monkeypatch.setattr(devices.HostRead, "wait", recording_wait)
     casc, _ = prefill(tiny_llama, prompt(300, seed=3), make_method(name, budget=48, window=8))
-    reads = [i for i, e in enumerate(events) if e[0] == "read"]
     updates = [e for e in events if e[0] == "update"]
-    assert len(reads) == len(updates) == 4 and not any(e[2] for e in updates)  # one prompt, 4 layers
-    # layer l's read (l < 3) right after layer l+1's update began, before it appended; layer 3's
+    assert len(updates) == 4 and not any(e[2] for e in updates)  # one prompt, 4 layers
+    # layer l's reads (l < 3) right after layer l+1's update began, before it appended; layer 3's
     # in its own stage, after its update
-    assert [events[i - 1][:2] for i in reads] == [("update", 1), ("update", 2), ("update", 3), ("read",)]
-    assert casc.pending_stage is None and casc.prefilled and len(casc.preferences) == 4
+    method = make_method(name, budget=48)
+    per = (method.layers.needs_preferences) + (method.heads.ragged)
+    expected = [("update", 0)]
+    for layer in range(1, 4):
+        expected += [("update", layer)] + [("read",)] * per
+    assert [e[:2] for e in events] == expected + [("read",)] * per
+    assert casc.pending_stage is None and casc.prefilled
+    assert len(casc.preferences) == (4 if method.layers.needs_preferences else 0)

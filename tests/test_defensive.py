@@ -246,27 +246,32 @@ def test_layer_defensivekv_cascade_equals_one_shot(tiny_llama, spec):
                 )
 
 
-@pytest.mark.parametrize("spec", ["layer-defensivekv", "layers=cake,heads=adakv,score=cake,select=critical"])
-def test_cascade_ranks_head_counts_once(tiny_llama, monkeypatch, spec):
-    """A cascade's Ada-KV counts from one ranking per layer (``head_counts.head_counts``) keep the
-    very entries of sorting the scores at every stage."""
+@pytest.mark.parametrize(
+    "spec", ["layer-defensivekv", "layers=cake,heads=adakv,score=cake,select=critical", "cake-adakv", "adakv"]
+)
+def test_head_counts_on_the_host_equal_the_device(tiny_llama, monkeypatch, spec):
+    """Ada-KV's counts on the host (``head_counts.HOST_COUNTS``: each layer's score places laid
+    out once, ``AdaKV.places``) keep the very entries, stage by stage, of counting on the device
+    at every stage (the reference), and the places are dropped after prefill."""
     ids = prompt(300, seed=2)
     method = make_method(spec, budget=48, window=8)
-    monkeypatch.setattr(head_counts, "RANKED_COUNTS", False)
+    monkeypatch.setattr(head_counts, "HOST_COUNTS", False)
     ref, ref_logits = prefill(tiny_llama, ids, method, record=True)
-    monkeypatch.setattr(head_counts, "RANKED_COUNTS", True)
-    ranked = []
-    rank = AdaKV.rank
-    monkeypatch.setattr(AdaKV, "rank", lambda self, scores: ranked.append(1) or rank(self, scores))
+    monkeypatch.setattr(head_counts, "HOST_COUNTS", True)
+    laid_out = []
+    places = AdaKV.places
+    monkeypatch.setattr(AdaKV, "places", lambda self, scores: laid_out.append(1) or places(self, scores))
     got, logits = prefill(tiny_llama, ids, method, record=True)
-    assert 0 < len(ranked) <= len(got.compressed), "each layer ranked at most once"
+    assert len(laid_out) == len(got.compressed), "each layer laid out once"
     assert torch.equal(logits, ref_logits)
-    assert len(got.history) == len(ref.history) > len(got.compressed), "the cascade re-evicted layers"
+    assert len(got.history) == len(ref.history) >= len(got.compressed)
+    if method.layers.cascading:
+        assert len(got.history) > len(got.compressed), "the cascade re-evicted layers"
     for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
         assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
     for a, b in zip(got.layers, ref.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    assert not got.count_rankings, "the rankings are dropped after prefill"
+    assert not got.head_places, "the places are dropped after prefill"
 
 
 @pytest.mark.parametrize("name", ["defensivekv", "layer-defensivekv"])

@@ -134,11 +134,11 @@ class KVCakeCache(Cache):
         self.entropy: list[torch.Tensor] = []
         self.variance: list[torch.Tensor] = []
         self.decode_budget: np.ndarray | None = None  # (B, L_g, H_kv), host
-        self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: see cascade.prefill_stage
-        self.count_rankings: dict[int, object] = {}  # prefill only: count_scores sorted (head_counts.py)
+        self.count_scores: dict[int, torch.Tensor] = {}  # prefill only: head_counts.hold_prompt_scores
+        self.head_places: dict[int, object] = {}  # prefill only: head counts on the host (head_counts.py)
         self.allocation_carry: dict = {}  # prefill only: the layer allocator's state between stages
         self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
-        # prefill only: a cascade stage's head counts and kept sets, read back at once (head_counts.py)
+        # prefill only: a cascade stage's head counts (and kept sets, counted on the device) (head_counts.py)
         self.stage_counts: dict[int, tuple] = {}
         # prefill only: a layer's stage left for the next layer's update (cascade.prefill_stage)
         self.pending_stage: cascade.PendingStage | None = None

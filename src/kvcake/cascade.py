@@ -9,7 +9,8 @@ cache calls :func:`prefill_stage`, which
    them into a preference with the temperatures in force;
 3. re-allocates the budgets of the layers seen so far (cascade) or, for fixed allocators, takes
    this layer's column of budgets fixed once, and evicts each touched layer to its budget
-   (:func:`run_stage`: at once, or CAKE's at the next layer's update, see ``PendingStage``);
+   (:func:`run_stage`: at once, or CAKE's and Ada-KV's at the next layer's update, see
+   ``PendingStage``);
 4. after the last compressed layer, fixes the decoding budgets (:func:`finish_prefill`).
 
 The functions read and write the cache's own state (``seq``, ``budgets``, ``preferences``, ...);
@@ -30,7 +31,7 @@ from transformers.cache_utils import Cache
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .devices import HostRead
-from .head_counts import stage_head_counts
+from .head_counts import hold_prompt_scores, stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
@@ -83,26 +84,22 @@ def prefill_stage(
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
         layer.scores = cache.split.head_mean(layer.scores)
-    if (m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores) or m.layers.needs_scores:
-        # Ada-KV's head counts rank scores across heads; a CriticalKV kept set lacks some top
-        # scores, so later stages count on the whole prompt's scores (4 bytes per entry, freed
-        # at the end of prefill), which keeps the cascade equal to one-shot eviction. The
-        # global allocator ranks these across layers.
-        cache.count_scores[layer_idx] = layer.scores
+    on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
     if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
         # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
         cache.o_weights[layer_idx] = local_weight(output_projection(module))
     stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
     cache.pending_stage = PendingStage(layer_idx, stats)
-    if stats is None or g == len(cache.compressed) - 1:
+    if (stats is None and not on_host) or g == len(cache.compressed) - 1:
         cache._run_stage()  # else the next layer's update runs it (see PendingStage)
 
 
 @dataclass
 class PendingStage:
-    """Layer ``layer_idx``'s stage, scored, waiting for its statistics to allocate and evict.
+    """Layer ``layer_idx``'s stage, scored, waiting for what the host reads of it to allocate and
+    evict: CAKE's statistics, Ada-KV's score places (``head_counts.hold_prompt_scores``).
 
-    CAKE's runs at the start of the next layer's update, before that layer appends: on a GPU this
+    It runs at the start of the next layer's update, before that layer appends: on a GPU this
     layer's MLP and the next one's projections are queued by then, so the host allocates while the
     device works (not idle as after a read here). Same stages in the same order, same inputs."""
 
@@ -384,7 +381,7 @@ def finish_prefill(cache: Cache) -> None:
     # prompt may grow to the average budget before eviction starts.
     cache.decode_budget = np.where(counts < lengths, counts, np.maximum(counts, avg)).astype(np.int64)
     cache.count_scores.clear()
-    cache.count_rankings.clear()
+    cache.head_places.clear()
     cache.allocation_carry.clear()
     cache.o_weights.clear()
     m = cache.method

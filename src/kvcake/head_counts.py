@@ -1,10 +1,13 @@
 """A cascade stage's per-head counts for head-wise methods (Ada-KV and its combinations).
 
 At every stage a cascade re-evicts every layer seen so far; a head-wise method first decides
-how many entries each head of each layer keeps. These are computed on each layer's device and
-read back once a stage per device (on a GPU each read drains the queue), and where the head
-allocator's kept set is the selection itself (a top-k selector) the layers of a stage are
-selected in one call. ``cache`` is always a ``KVCakeCache`` (typed by its base: this module
+how many entries each head of each layer keeps. Ada-KV counts on the host: each layer's scores
+are laid out once for it when the layer is scored (``AdaKV.places``, copied to the host behind
+the layer's work, ``devices.HostRead``), and every stage's counts are then host arithmetic, with
+no read of the device (on a GPU each read drains the queue). Otherwise (tensor parallelism, whose
+counts span every rank's heads, or ``HOST_COUNTS = False``, the reference) they are computed on
+each layer's device and read back once a stage per device, and where the head allocator's kept
+set is the selection itself (a top-k selector) the layers of a stage are selected in one call. ``cache`` is always a ``KVCakeCache`` (typed by its base: this module
 sits below ``cache.py``)."""
 
 from __future__ import annotations
@@ -12,7 +15,29 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from .devices import HostRead
 from .ragged import to_device
+
+# False counts on the device and reads the counts back at every stage (the reference; tests compare).
+HOST_COUNTS = True
+
+
+def hold_prompt_scores(cache: Cache, layer_idx: int, scores: torch.Tensor) -> bool:
+    """Keep what later stages count layer ``layer_idx``'s heads on, from its prompt's scores
+    (B, H_kv, S); True where that is a copy on its way to the host, which the stage should wait
+    for a layer later (``cascade.PendingStage``). Head counts on the host: the scores' places
+    (``cache.head_places``). Else, in a cascade whose selector may drop a top score (CriticalKV,
+    whose kept set then lacks it), the scores themselves (``cache.count_scores``, 4 bytes an
+    entry, freed at the end of prefill), so that every stage counts on the whole prompt and the
+    cascade stays equal to one-shot eviction. The global allocator ranks layers on them too."""
+    m = cache.method
+    on_host = HOST_COUNTS and m.heads.host_counts and cache.split is None
+    if on_host:
+        cache.head_places[layer_idx] = HostRead(m.heads.places(scores))
+    recount = m.heads.ragged and m.layers.cascading and not m.selector.keeps_top_scores and not on_host
+    if recount or m.layers.needs_scores:
+        cache.count_scores[layer_idx] = scores
+    return on_host
 
 
 def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
@@ -24,10 +49,15 @@ def stage_head_counts(cache: Cache, layer_ids, budgets: torch.Tensor) -> None:
     ``cache.stage_counts``. Where the allocator's kept set is the selection, the layers of one
     device and layout are selected together (:func:`_kept_together`)."""
     m = cache.method
+    window_host = cache.seq.window.numpy()
     by_device: dict[torch.device, list[tuple]] = {}
     together: dict[tuple[torch.device, str, int | None], list[tuple[int, int]]] = {}
     sent: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # budgets and windows, once a device
     for j, lid in enumerate(layer_ids):
+        if lid in cache.head_places:  # on the host: the eviction pads the scores it selects on
+            counts_host = m.heads.counts_on_host(_host_places(cache, lid), budgets[:, j].numpy(), window_host)
+            cache.stage_counts[lid] = (None, None, counts_host, None)
+            continue
         layer = cache.layers[lid]
         dev = layer.keys.device
         if dev not in sent:
@@ -81,17 +111,16 @@ def _kept_together(cache: Cache, group: list[tuple[int, int]], budgets, on_dev, 
 
 
 def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor | None, budget, window) -> torch.Tensor:
-    """(B, H_kv) per-head counts of a head-wise method; a cascade counts on the prompt's scores
-    (``count_scores``) at every stage, ranked once (``HeadAllocator.rank``) while they are kept,
-    and ``scores`` (the layer's own, padded) may then be None."""
-    heads = cache.method.heads
-    if layer_idx not in cache.count_scores:
-        return heads.counts(scores, budget, window, cache.split)
-    full = cache.count_scores[layer_idx]
-    if RANKED_COUNTS and cache.split is None and layer_idx not in cache.count_rankings:
-        cache.count_rankings[layer_idx] = heads.rank(full)
-    return heads.counts(full, budget, window, cache.split, cache.count_rankings.get(layer_idx))
+    """(B, H_kv) per-head counts of a head-wise method on the device; a cascade counts on the
+    prompt's scores (``count_scores``) at every stage, and ``scores`` (the layer's own, padded)
+    may then be None."""
+    full = cache.count_scores.get(layer_idx, scores)
+    return cache.method.heads.counts(full, budget, window, cache.split)
 
 
-# False sorts a layer's scores at every stage's head counts (the reference; tests compare the two).
-RANKED_COUNTS = True
+def _host_places(cache: Cache, layer_idx: int):
+    """Layer ``layer_idx``'s ``HostPlaces``, from its copy the first time (a wait, not a drain)."""
+    got = cache.head_places[layer_idx]
+    if isinstance(got, HostRead):
+        got = cache.head_places[layer_idx] = cache.method.heads.host_places(got.wait().numpy())
+    return got

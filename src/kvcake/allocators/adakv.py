@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..tensor_parallel import HeadSplit, top_over_ranks
@@ -49,17 +50,18 @@ def top_ranked(scores: torch.Tensor, k: torch.Tensor, kmax: int | None = None) -
 
 
 @dataclass(frozen=True)
-class AdaRanking:
-    """One layer's prompt scores sorted for Ada-KV (``AdaKV.rank``), every tensor (B, H_kv*S) in
-    the stable descending order of the flat prefix scores: ``head_rank`` each entry's rank in its
-    head (``ranks_desc``) and ``head`` its KV head, int32; ``finite`` whether it is a prefix
-    entry; and ``windows`` (B, H_kv) window entries per head. 9 bytes an entry, held with the
-    scores during prefill."""
+class HostPlaces:
+    """One layer's prompt scores as the host counts Ada-KV's heads on them (``AdaKV.host_places``):
+    ``flat`` (B, H_kv * S) int64, head ``h``'s block ``[h * S, (h + 1) * S)`` the places of its
+    entries in the stable descending order of the layer's flat prefix scores, in the head's own
+    order (so ascending), plus ``h * span``, so each row is one sorted array; ``prefix`` and
+    ``windows`` (B, H_kv) each head's prefix and window entries."""
 
-    head_rank: torch.Tensor
-    head: torch.Tensor
-    finite: torch.Tensor
-    windows: torch.Tensor
+    flat: np.ndarray
+    prefix: np.ndarray
+    windows: np.ndarray
+    span: int
+    length: int
 
 
 class HeadAllocator:
@@ -67,20 +69,17 @@ class HeadAllocator:
 
     ``split`` (tensor-parallel models): ``scores`` hold this rank's heads only; an allocator that
     compares heads must decide over every rank's heads (``kvcake.tensor_parallel``).
-    ``ranking``: what ``rank(scores)`` returned for the same scores, so that a cascade, which
-    counts on one layer's prompt scores at every stage, sorts them once (None: nothing to reuse)."""
+    A ragged allocator may also count on the host (``places`` on the device once a layer, then
+    ``host_places`` and ``counts_on_host`` at every stage of a cascade), which reads nothing back."""
 
     name = "uniform"
     ragged = False
-
-    def rank(self, scores: torch.Tensor) -> object | None:
-        return None
+    host_counts = False  # counts on the host: places, host_places, counts_on_host
 
     def counts(
-        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
-        ranking: object | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        raise NotImplementedError  # pragma: no cover - interface
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
 
     def select(
         self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
@@ -98,9 +97,8 @@ class UniformHeads(HeadAllocator):
     name = "uniform"
 
     def counts(
-        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
-        ranking: object | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:
         n_valid = (scores > float("-inf")).sum(-1)  # (B, H_kv)
         return torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
 
@@ -123,43 +121,70 @@ class AdaKV(HeadAllocator):
     alpha: float = 0.2
     name = "adakv"
     ragged = True
+    host_counts = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"Ada-KV safeguard alpha must be in [0, 1], got {self.alpha}")
 
-    def rank(self, scores: torch.Tensor) -> AdaRanking:
-        """Sort a layer's scores (B, H_kv, S) once for every stage's ``counts``."""
+    def counts(
+        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
+    ) -> torch.Tensor:
+        return self.select(scores, budget, window, split).sum(-1)
+
+    def places(self, scores: torch.Tensor) -> torch.Tensor:
+        """What the host needs to count this layer's heads at any budget, from its prompt's scores
+        (B, H_kv, S): (B, H_kv, S + 2) int32 on their device, row ``h`` the places of head ``h``'s
+        entries in the stable descending order of the flat prefix scores, in the head's own order
+        (a stable order restricted to one head is that head's, so the row ascends), then the
+        head's prefix and window entries. 4 bytes an entry, read to the host once
+        (``devices.HostRead``) where a cascade re-counts a layer at every stage."""
         b, h, s = scores.shape
         finite = torch.isfinite(scores)
         prefix = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
-        order = torch.argsort(prefix.reshape(b, h * s), dim=-1, descending=True, stable=True)  # (B, H_kv*S)
-        windows = (scores == float("inf")).sum(-1)
-        head_rank = ranks_desc(prefix).reshape(b, h * s).gather(1, order).int()  # int32: 9 bytes an entry
-        head = torch.div(order, s, rounding_mode="floor").int()
-        return AdaRanking(head_rank, head, finite.reshape(b, h * s).gather(1, order), windows)
+        order = torch.argsort(prefix.reshape(b, h * s), dim=-1, descending=True, stable=True)
+        every = torch.arange(h * s, device=scores.device).expand(b, -1).contiguous()
+        place = torch.empty_like(order).scatter_(1, order, every).view(b, h, s)
+        windows = (scores == float("inf")).sum(-1, keepdim=True)
+        return torch.cat([place.sort(dim=-1).values, finite.sum(-1, keepdim=True), windows], -1).int()
 
-    def counts(
-        self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None,
-        ranking: AdaRanking | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        if ranking is None or split is not None:
-            return self.select(scores, budget, window, split).sum(-1)
-        return self._ranked_counts(ranking, budget, window)
+    def host_places(self, table: np.ndarray) -> HostPlaces:
+        """:class:`HostPlaces` of what :meth:`places` returned, on the host."""
+        b, h, s = table.shape[0], table.shape[1], table.shape[2] - 2
+        span = h * s + 1  # above every place
+        flat = table[..., :s].astype(np.int64) + np.arange(h)[:, None] * span
+        prefix, windows = table[..., s].astype(np.int64), table[..., s + 1].astype(np.int64)
+        return HostPlaces(flat.reshape(b, h * s), prefix, windows, span, s)
 
-    def _ranked_counts(self, r: AdaRanking, budget: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """``select(...).sum(-1)`` from a ranking: the winners of the fill are the first ``fill``
-        unpinned prefix entries in the order of all prefix scores (a stable order restricted to
-        a subset is that subset's stable order), a cumulative count instead of a sort."""
-        b, h = r.windows.shape
-        prefix_budget = (budget - window).clamp(min=0)  # (B,) B'
-        pin = torch.floor(prefix_budget.double() * self.alpha).long()  # (B,)
-        pinned = (r.head_rank < pin[:, None]) & r.finite  # (B, H_kv*S) in score order
-        free = r.finite & ~pinned
-        fill = h * prefix_budget - pinned.sum(1)  # (B,)
-        kept = pinned | (free & (free.long().cumsum(1) <= fill[:, None]))
-        per_head = torch.zeros(b, h, dtype=torch.long, device=kept.device)
-        return r.windows + per_head.scatter_add_(1, r.head.long(), kept.long())
+    def counts_on_host(self, p: HostPlaces, budget: np.ndarray, window: np.ndarray) -> np.ndarray:
+        """:meth:`counts` of the scores :meth:`places` read, on the host: budget and window (B,)
+        int, (B, H_kv) int64. The fill's winners are the first ``fill`` unpinned prefix entries in
+        the layer's order, and a head's entries placed before ``t`` are its first ones; so ``t``,
+        the end of the fill, is found by bisection on how many unpinned entries precede it (one
+        ``searchsorted`` a step, every head at once), and each head keeps its entries before
+        ``t`` or its pinned ones, whichever are more."""
+        b, h = p.prefix.shape
+        heads = np.arange(h)
+        prefix_budget = np.maximum(budget - window, 0)  # (B,) B'
+        pin = np.floor(prefix_budget.astype(np.float64) * self.alpha).astype(np.int64)  # as select's
+        out = np.empty((b, h), dtype=np.int64)
+        for i in range(b):
+            pinned = np.minimum(p.prefix[i], pin[i])  # (H_kv,)
+            fill = h * prefix_budget[i] - pinned.sum()
+
+            def before(t: int, i: int = i) -> np.ndarray:  # (H_kv,) each head's entries placed before t
+                return np.searchsorted(p.flat[i], t + heads * p.span) - heads * p.length
+
+            def unpinned(t: int, i: int = i) -> int:
+                return int(np.maximum(before(t) - pin[i], 0).sum())
+
+            lo, hi = 0, int(p.prefix[i].sum())  # every prefix entry precedes the others
+            if unpinned(hi) > fill:  # else every unpinned entry wins
+                while lo < hi:  # the first t with `fill` unpinned entries before it
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if unpinned(mid) >= fill else (mid + 1, hi)
+            out[i] = p.windows[i] + np.maximum(before(hi), pinned)
+        return out
 
     def select(
         self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None

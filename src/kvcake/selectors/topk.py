@@ -25,12 +25,12 @@ class Selector:
     needs_value_norms = False
     # Whether the kept entries always include each head's highest-scoring ones. When they do not
     # (CriticalKV), score-based head counts (Ada-KV) read off the kept entries differ from those
-    # of all entries, so a cascade must count on the prompt's full scores (cascade.py).
+    # of all entries, so a cascade must count on the prompt's full scores (head_counts.py).
     keeps_top_scores = True
     needs_marks = False  # whether the scorer must mark a first stage (DefensiveScorer)
     # Whether the kept set is each head's ``counts`` highest scores, ties to the earlier position:
-    # then a head allocator's own kept set (Ada-KV's) is the selection, and a cascade takes it
-    # instead of selecting again (head_counts.head_counts).
+    # then a head allocator's own kept set (Ada-KV's) is the selection, and a cascade counting on
+    # the device takes it instead of selecting again (head_counts._kept_together).
     top_counts = False
 
     def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
