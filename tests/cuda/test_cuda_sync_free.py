@@ -62,3 +62,27 @@ def test_a_host_read_waits_for_its_copy_only(on_device):
     host = read.wait()
     assert host.device.type == "cpu"
     assert torch.equal(host, stats.cpu())
+
+
+@pytest.mark.parametrize("name", ["adakv", "cake-adakv", "critical-adakv", "layer-defensivekv"])
+def test_head_counts_on_the_host_equal_the_device(on_device, monkeypatch, name):
+    # Ada-KV's counts from each layer's score places read through HostRead (head_counts.HOST_COUNTS)
+    # keep the entries of counting on the device at every stage (the reference), on a GPU too,
+    # where the copy is a pinned, non-blocking one waited for a layer later
+    from kvcake import head_counts
+
+    model = on_device(torch.bfloat16)
+    prompt = ids(300, seed=2).to(DEVICE)
+    runs = []
+    for host in (False, True):
+        monkeypatch.setattr(head_counts, "HOST_COUNTS", host)
+        cache = KVCakeCache(model, make_method(name, budget=48, window=8), record=True)
+        with kvcake.enable(model), torch.no_grad():
+            logits = model(prompt, **with_cache(model, cache)).logits[:, -1]
+        runs.append((cache, logits))
+    (ref, ref_logits), (got, logits) = runs
+    assert torch.equal(logits, ref_logits)
+    assert len(got.history) == len(ref.history)
+    for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
+        assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
+    assert not got.head_places
