@@ -222,16 +222,16 @@ def test_plain_layers_decode_through_the_model_kernel(make_tiny_llama, name):
 
 @pytest.mark.parametrize("name", [p for p in kvcake.PRESETS if not make_method(p, budget=64).heads.ragged])
 def test_host_counts_equal_the_scores_counts(tiny_llama, name, monkeypatch):
-    """Uniform heads' counts come from the host (``cascade.dense_counts``: no read of the device
-    per cascade stage); at every eviction of a left-padded batch's cascade they equal the count
-    of entries scored above -inf, capped by the budget (``dense_counts_reference``)."""
-    from kvcake import cascade
+    """Uniform heads' counts come from the host (``head_counts.dense_counts``: no read of the
+    device per cascade stage); at every eviction of a left-padded batch's cascade they equal the
+    count of entries scored above -inf, capped by the budget (``dense_counts_reference``)."""
+    from kvcake import cascade, head_counts
 
     checked, host_counts = [], cascade.dense_counts
 
     def both(layer, budget, lengths):
         host = host_counts(layer, budget, lengths)
-        ref = cascade.dense_counts_reference(layer.padded(layer.scores, float("-inf")), budget)
+        ref = head_counts.dense_counts_reference(layer.padded(layer.scores, float("-inf")), budget)
         assert np.array_equal(host, ref.numpy()), (host, ref)
         checked.append(host)
         return host
@@ -292,7 +292,7 @@ def test_prefill_synchronises_a_few_times_per_prompt(name, per_layer, monkeypatc
         ("cake-adakv", 0),
         ("critical-adakv", 1),
         ("defensivekv", 1),
-        ("layer-defensivekv", 2),
+        ("layer-defensivekv", 1),
     ],
 )
 def test_prefill_reads_the_device_a_few_times_per_layer(monkeypatch, name, per_layer):
@@ -301,10 +301,10 @@ def test_prefill_reads_the_device_a_few_times_per_layer(monkeypatch, name, per_l
     host arithmetic there (``dense_counts``, on host tensors), head-wise ones are read back once a
     stage for all layers (``stage_head_counts``) on the device, and Ada-KV's are host arithmetic
     on each layer's score places (``AdaKV.places``), so the reads are a few per layer (CriticalKV's
-    second candidate set, the global allocator's per-stage counts) plus a few per prompt; CAKE's
-    statistics and Ada-KV's places are none (``devices.HostRead``, a copy waited for a layer
-    later, cascade.PendingStage), so ``cake``, ``adakv`` and ``cake-adakv`` read a few times per
-    prompt only. Counted
+    second candidate set) plus a few per prompt; CAKE's statistics, Ada-KV's places and the global
+    allocator's winners per layer (``GlobalAllocator.count_winners``, run when a layer is scored)
+    are none (``devices.HostRead``, a copy waited for a layer later, cascade.PendingStage), so
+    ``cake``, ``adakv`` and ``cake-adakv`` read a few times per prompt only. Counted
     with ``host_reads``, which sees every tensor's reads (``dense_counts`` reads host tensors only,
     so it is left out); the code before these changes read 3-10 times as often. The CPU-only
     routes' host checks (``devices.CPU_ROUTES``, free on a CPU) are off: the counts are a GPU's."""

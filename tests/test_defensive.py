@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcake import head_counts, make_method
+from kvcake import cascade, head_counts, make_method
 from kvcake.allocators import AdaKV, AllocationRequest, GlobalAllocator
 from kvcake.scorers import DefensiveScorer, PrefillInputs, SnapKVScorer
 from kvcake.scorers.defensive import MARK
@@ -272,6 +272,31 @@ def test_head_counts_on_the_host_equal_the_device(tiny_llama, monkeypatch, spec)
     for a, b in zip(got.layers, ref.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert not got.head_places, "the places are dropped after prefill"
+
+
+@pytest.mark.parametrize("cascading", [True, False])
+def test_global_winners_counted_ahead_equal_the_stage(tiny_llama, monkeypatch, cascading):
+    """The global allocator's ranking run on the device when a layer is scored
+    (``cascade.WINNERS_AHEAD``: ``GlobalAllocator.count_winners``, read with the stage a layer
+    later) gives the budgets, stage by stage, and the entries of ranking when the stage runs."""
+    ids = prompt(300, seed=4)
+    method = make_method(f"layer-defensivekv,layers.cascading={str(cascading).lower()}", budget=48, window=8)
+    monkeypatch.setattr(cascade, "WINNERS_AHEAD", False)
+    ref, ref_logits = prefill(tiny_llama, ids, method, record=True)
+    monkeypatch.setattr(cascade, "WINNERS_AHEAD", True)
+    counted = []
+    count = GlobalAllocator.count_winners
+    monkeypatch.setattr(
+        GlobalAllocator, "count_winners", lambda self, req: counted.append(1) or count(self, req)
+    )
+    got, logits = prefill(tiny_llama, ids, method, record=True)
+    assert len(counted) == (len(got.compressed) if cascading else 1)
+    assert torch.equal(logits, ref_logits)
+    assert len(got.stage_budgets) == len(ref.stage_budgets)
+    for a, b in zip(got.stage_budgets, ref.stage_budgets, strict=True):
+        assert torch.equal(a, b)
+    for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
+        assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
 
 
 @pytest.mark.parametrize("name", ["defensivekv", "layer-defensivekv"])

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .devices import HostRead
-from .head_counts import hold_prompt_scores, stage_head_counts
+from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
 from .scorers.base import window_rows_mean_var
@@ -89,15 +89,25 @@ def prefill_stage(
         # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
         cache.o_weights[layer_idx] = local_weight(output_projection(module))
     stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
-    cache.pending_stage = PendingStage(layer_idx, stats)
-    if (stats is None and not on_host) or g == len(cache.compressed) - 1:
+    last = g == len(cache.compressed) - 1
+    winners = None
+    if m.layers.needs_scores and (m.layers.cascading or last) and WINNERS_AHEAD:  # the global allocator's
+        # ranking now, on the device, its (B, g + 1) counts read with the stage
+        winners = HostRead(m.layers.count_winners(_request(cache, None, last, _seen(cache, g))))
+    cache.pending_stage = PendingStage(layer_idx, stats, winners)
+    if (stats is None and winners is None and not on_host) or last:
         cache._run_stage()  # else the next layer's update runs it (see PendingStage)
+
+
+# False ranks the global allocator's layers when the stage runs (the reference; tests compare).
+WINNERS_AHEAD = True
 
 
 @dataclass
 class PendingStage:
     """Layer ``layer_idx``'s stage, scored, waiting for what the host reads of it to allocate and
-    evict: CAKE's statistics, Ada-KV's score places (``head_counts.hold_prompt_scores``).
+    evict: CAKE's statistics, Ada-KV's score places (``head_counts.hold_prompt_scores``), the
+    global allocator's winners per layer.
 
     It runs at the start of the next layer's update, before that layer appends: on a GPU this
     layer's MLP and the next one's projections are queued by then, so the host allocates while the
@@ -105,6 +115,7 @@ class PendingStage:
 
     layer_idx: int
     stats: HostRead | None  # CAKE's (2, B) entropy and variance on their way to the host
+    winners: HostRead | None = None  # (B, n) float64: GlobalAllocator.count_winners
 
 
 def run_stage(cache: Cache) -> None:
@@ -125,12 +136,9 @@ def run_stage(cache: Cache) -> None:
     if m.layers.needs_preferences or m.layers.needs_scores:
         if m.layers.cascading or last:
             prefs = torch.stack(cache.preferences, 1) if m.layers.needs_preferences else None
-            seen = (
-                tuple(cache.count_scores[lid] for lid in cache.compressed[: g + 1])
-                if m.layers.needs_scores
-                else None
-            )
-            budgets = allocate(cache, prefs, final=last, layer_scores=seen)
+            won = pending.winners.wait() if pending.winners is not None else None
+            seen = _seen(cache, g) if m.layers.needs_scores and won is None else None
+            budgets = cache.method.layers.allocate(_request(cache, prefs, last, seen, won))
             cache.stage_budgets.append(budgets)
             if m.heads.ragged:
                 stage_head_counts(cache, cache.compressed[: g + 1], budgets)
@@ -139,7 +147,7 @@ def run_stage(cache: Cache) -> None:
             cache.stage_counts.clear()
     else:
         if cache.budgets is None:
-            cache.budgets = allocate(cache, None, final=True)
+            cache.budgets = cache.method.layers.allocate(_request(cache, None, True))
         cache._evict_layer(layer_idx, cache.budgets[:, g])
     if cache._bar is not None:
         cache._bar.update(1)
@@ -241,17 +249,20 @@ def temperatures(cache: Cache) -> tuple[float, float]:
     return cache.tau.tau1, cache.tau.tau2
 
 
-def allocate(
-    cache: Cache, preferences: torch.Tensor | None, final: bool, layer_scores: tuple | None = None
-) -> torch.Tensor:
-    """(B, m) budgets of the first ``m`` compressed layers (all of them unless cascading)."""
+def _request(cache: Cache, preferences, final: bool, layer_scores=None, winners=None) -> AllocationRequest:
+    """The allocator's request at a stage of the first ``m`` compressed layers (all of them
+    unless cascading); it returns their (B, m) budgets."""
     s = cache.seq
-    req = AllocationRequest(
+    return AllocationRequest(
         total=s.total, cap=s.lengths, window=s.window, num_layers=len(cache.compressed),
         preferences=preferences, final=final, layer_scores=layer_scores, split=cache.split,
-        carry=cache.allocation_carry if cache.method.layers.cascading else None,
+        carry=cache.allocation_carry if cache.method.layers.cascading else None, winners=winners,
     )  # fmt: skip
-    return cache.method.layers.allocate(req)
+
+
+def _seen(cache: Cache, g: int) -> tuple:
+    """The prompt scores of the first ``g + 1`` compressed layers (``cache.count_scores``)."""
+    return tuple(cache.count_scores[lid] for lid in cache.compressed[: g + 1])
 
 
 def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
@@ -335,22 +346,6 @@ def in_position_order(layer) -> None:
     else:
         layer.keep_positions(layer.positions.argsort(dim=-1), layer.counts)
     layer.ranked = False
-
-
-def dense_counts(layer, budget: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
-    """(B, H_kv) int64 entries each head keeps with uniform heads: ``budget`` (B,) capped by the
-    entries it can hold, on the host. A layer holds its prompt (left padding included) until its
-    first eviction and only real tokens after it, so the real entries of a head are the fewer of
-    ``layer.counts`` and the sequence's length ``lengths`` (B,); they are the entries whose score
-    is above -inf (padding's is -inf), which :func:`dense_counts_reference` counts on the device."""
-    held = np.minimum(layer.counts, lengths.numpy()[:, None])
-    return np.minimum(budget.numpy()[:, None], held).astype(np.int64)
-
-
-def dense_counts_reference(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """:func:`dense_counts` from the padded scores (B, H_kv, N) on their device (the tests' oracle)."""
-    n_valid = (scores > float("-inf")).sum(-1)
-    return torch.minimum(budget.to(scores.device)[:, None].expand_as(n_valid), n_valid)
 
 
 def value_norms(

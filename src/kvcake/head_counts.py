@@ -12,6 +12,7 @@ sits below ``cache.py``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -124,3 +125,19 @@ def _host_places(cache: Cache, layer_idx: int):
     if isinstance(got, HostRead):
         got = cache.head_places[layer_idx] = cache.method.heads.host_places(got.wait().numpy())
     return got
+
+
+def dense_counts(layer, budget: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
+    """(B, H_kv) int64 entries each head keeps with uniform heads: ``budget`` (B,) capped by the
+    entries it can hold, on the host. A layer holds its prompt (left padding included) until its
+    first eviction and only real tokens after it, so the real entries of a head are the fewer of
+    ``layer.counts`` and the sequence's length ``lengths`` (B,); they are the entries whose score
+    is above -inf (padding's is -inf), which :func:`dense_counts_reference` counts on the device."""
+    held = np.minimum(layer.counts, lengths.numpy()[:, None])
+    return np.minimum(budget.numpy()[:, None], held).astype(np.int64)
+
+
+def dense_counts_reference(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_counts` from the padded scores (B, H_kv, N) on their device (the tests' oracle)."""
+    n_valid = (scores > float("-inf")).sum(-1)
+    return torch.minimum(budget.to(scores.device)[:, None].expand_as(n_valid), n_valid)

@@ -34,6 +34,9 @@ class AllocationRequest:
     ``layer_scores`` hold this rank's heads only, else None.
     carry: what the allocator keeps from one cascade stage to the next, held by the cache for
     one prefill (an empty dict at its first stage), or None: nothing kept.
+    winners: (B, n) float64 on the host or None: what the global allocator's ``count_winners``
+    returned for this stage, counted ahead on the device (``cascade.PendingStage``); None:
+    counted by ``allocate`` from ``layer_scores``.
     """
 
     total: torch.Tensor
@@ -45,9 +48,11 @@ class AllocationRequest:
     layer_scores: tuple[torch.Tensor, ...] | None = None
     split: object | None = None
     carry: dict | None = None
+    winners: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        named = {"total": self.total, "cap": self.cap, "window": self.window, "preferences": self.preferences}
+        named = {"total": self.total, "cap": self.cap, "window": self.window, "preferences": self.preferences,
+                 "winners": self.winners}  # fmt: skip
         away = {k: str(t.device) for k, t in named.items() if t is not None and t.device.type != "cpu"}
         if away:
             raise ValueError(

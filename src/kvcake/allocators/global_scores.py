@@ -48,6 +48,16 @@ class GlobalAllocator(LayerAllocator):
             raise ValueError(f"global allocation cascading must be true or false, got {self.cascading!r}")
 
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
+        won = req.winners if req.winners is not None else self.count_winners(req).cpu()  # host: (B, n)
+        x = req.window.double()[:, None] + won
+        x = torch.minimum(x, req.cap.double()[:, None])
+        return round_exact(x, req.cap, req.total) if req.final else round_up(x, req.cap)
+
+    def count_winners(self, req: AllocationRequest) -> torch.Tensor:
+        """(B, n) float64 on the scores' device: the prefix entries per KV head each layer seen so
+        far wins in the ranking (its count over every rank's ``H_kv``), the device's part of
+        :meth:`allocate`, which the cache may run ahead of the stage and read without a drain
+        (``AllocationRequest.winners``). Updates ``req.carry`` (once per stage)."""
         if not req.layer_scores:
             raise ValueError("the global allocator needs the layers' scores (AllocationRequest.layer_scores)")
         dev = req.layer_scores[0].device
@@ -76,11 +86,7 @@ class GlobalAllocator(LayerAllocator):
             counts = req.split.sum(counts)  # every rank's winners per layer
         if carry is not None:
             _keep_winners(carry, n, prefix, layer, won, kmax)
-        # host: (B, n) counts per layer, the allocation's bookkeeping
-        counts = counts.cpu().double()
-        x = req.window.double()[:, None] + counts / hkv
-        x = torch.minimum(x, req.cap.double()[:, None])
-        return round_exact(x, req.cap, req.total) if req.final else round_up(x, req.cap)
+        return counts.double() / hkv
 
 
 def _keep_winners(carry: dict, n: int, prefix, layer, won, k: int) -> None:
