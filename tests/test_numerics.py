@@ -206,6 +206,21 @@ def test_window_attention_equals_its_reference(heads, kv_heads, s, window):
     assert bool((probs[1, :, ~row_valid[1]] == 0).all())  # padding query rows
 
 
+@pytest.mark.parametrize("s", [40, 6])
+def test_window_attention_without_padding_skips_its_masks_bit_for_bit(s, monkeypatch):
+    """Without padding the CPU route leaves out the padding masks (two passes over the logits):
+    the same bits as applying them (the route a GPU takes, ``CPU_ROUTES = False``)."""
+    from kvcake import devices
+
+    g = torch.Generator().manual_seed(s)
+    q, k = torch.randn(2, 9, s, 16, generator=g), torch.randn(2, 3, s, 16, generator=g)
+    valid = torch.ones(2, s, dtype=torch.bool)
+    fast, fast_valid = PrefillInputs(q, k, k, valid, 8, 0.25).window_attention()
+    monkeypatch.setattr(devices, "CPU_ROUTES", False)
+    masked, masked_valid = PrefillInputs(q, k, k, valid, 8, 0.25).window_attention()
+    assert torch.equal(fast, masked) and torch.equal(fast_valid, masked_valid)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3)])
 @pytest.mark.parametrize(
     ("s", "window", "pad"), [(300, 8, 40), (40, 8, 35), (20, 8, 3), (6, 8, 3), (1, 8, 0)]

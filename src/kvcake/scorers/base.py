@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..devices import cpu_route
+
 
 @dataclass
 class PrefillInputs:
@@ -56,10 +58,16 @@ class PrefillInputs:
             logits.mul_(self.scaling)
             later = torch.ones(w, w, dtype=torch.bool, device=q.device).triu_(1)  # causal, in the window
             logits[..., s_len - w :].masked_fill_(later, float("-inf"))
-            logits.masked_fill_(~self.key_valid[:, None, None, :], float("-inf"))
             row_valid = self.key_valid[:, -w:]  # (B, w): a padding query sees no key (left padding)
-            logits.masked_fill_(~row_valid[:, None, :, None], 0.0)
-            probs = torch.softmax(logits, dim=-1).mul_(row_valid[:, None, :, None])
+            # the padding masks are two passes over the logits: skipped without padding where
+            # checking costs no device synchronisation (the CPU)
+            padded = not cpu_route(q.device) or not bool(self.key_valid.all())
+            if padded:
+                logits.masked_fill_(~self.key_valid[:, None, None, :], float("-inf"))
+                logits.masked_fill_(~row_valid[:, None, :, None], 0.0)
+            probs = torch.softmax(logits, dim=-1)
+            if padded:
+                probs.mul_(row_valid[:, None, :, None])
             self._window_attention = (probs, row_valid)
         return self._window_attention
 
