@@ -206,6 +206,30 @@ def test_window_attention_equals_its_reference(heads, kv_heads, s, window):
     assert bool((probs[1, :, ~row_valid[1]] == 0).all())  # padding query rows
 
 
+@pytest.mark.parametrize("routes", [True, False])
+@pytest.mark.parametrize(("s", "pad"), [(300, 0), (300, 90), (40, 5)])
+def test_cake_shift_reads_the_scores_variance_bit_for_bit(s, pad, routes, monkeypatch):
+    """CAKE's preference shift (``cascade.layer_statistics``) reads the window rows' variance its
+    score computed (``PrefillInputs.window_mean_var``, once a layer) instead of computing it again
+    on the prefix columns: the same bits, padded or not, CPU route or not."""
+    from kvcake import devices
+    from kvcake.cascade import layer_statistics
+
+    monkeypatch.setattr(devices, "CPU_ROUTES", routes)
+    g = torch.Generator().manual_seed(s + pad)
+    q, k = torch.randn(2, 9, s, 16, generator=g), torch.randn(2, 3, s, 16, generator=g) * 2
+    valid = torch.ones(2, s, dtype=torch.bool)
+    valid[1, :pad] = False
+    inp = PrefillInputs(q, k, k, valid, 8, 0.25)
+    CakeScorer().prefill(inp)
+    got = layer_statistics(type("NoSplit", (), {"split": None}), inp)
+    probs, row_valid = PrefillInputs(q, k, k, valid, 8, 0.25).window_attention()
+    sub = probs[..., : s - 8]
+    _, var = window_rows_mean_var(sub, row_valid)
+    entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))
+    assert torch.equal(got, torch.stack([entropy.double(), var.sum((1, 2)).double()]))
+
+
 @pytest.mark.parametrize("s", [40, 6])
 def test_window_attention_without_padding_skips_its_masks_bit_for_bit(s, monkeypatch):
     """Without padding the CPU route leaves out the padding masks (two passes over the logits):

@@ -34,7 +34,6 @@ from .devices import HostRead
 from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
-from .scorers.base import window_rows_mean_var
 from .selectors import SelectionInputs, projected_value_norms
 from .temperatures import parse_indicator, resolve_tau
 from .tensor_parallel import local_weight
@@ -186,10 +185,10 @@ def layer_statistics(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
     variance over the window's rows) of one layer: (2, B) float64 on the layer's device."""
     probs, row_valid = inputs.window_attention()
     w = probs.shape[2]
-    sub = probs[..., : probs.shape[-1] - w]  # window rows, prefix columns
+    p = probs.shape[-1] - w
+    sub = probs[..., :p]  # window rows, prefix columns
     entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
-    _, var = window_rows_mean_var(sub, row_valid)
-    variance = var.sum((1, 2))  # (B,)
+    variance = inputs.window_mean_var()[1][..., :p].contiguous().sum((1, 2))  # (B,): as CAKE scored
     stats = torch.stack([entropy.double(), variance.double()])
     if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
         stats = cache.split.sum(stats)

@@ -34,6 +34,7 @@ class PrefillInputs:
     scaling: float
     column_sums: torch.Tensor | None = None
     _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _mean_var: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_groups(self) -> int:
@@ -71,6 +72,13 @@ class PrefillInputs:
             self._window_attention = (probs, row_valid)
         return self._window_attention
 
+    def window_mean_var(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`window_rows_mean_var` of :meth:`window_attention`, (B, H, S) twice, computed once
+        for the layer (CAKE's score and its preference's shift read both)."""
+        if self._mean_var is None:
+            self._mean_var = window_rows_mean_var(*self.window_attention())
+        return self._mean_var
+
 
 def window_attention_reference(inp: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`PrefillInputs.window_attention` with every query head's keys expanded and the masks
@@ -93,11 +101,20 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def window_rows_mean_var(probs: torch.Tensor, row_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance over the valid window rows. probs (B, H, w, S) -> two (B, H, S)."""
+def window_rows_mean(probs: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """Mean over the valid window rows (padding rows are zero). probs (B, H, w, S) -> (B, H, S)."""
     n = row_valid.sum(-1).clamp(min=1).to(probs.dtype)[:, None, None]  # (B, 1, 1)
-    mean = probs.sum(2) / n
-    dev = (probs - mean[:, :, None, :]) * row_valid[:, None, :, None]
+    return probs.sum(2) / n
+
+
+def window_rows_mean_var(probs: torch.Tensor, row_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance over the valid window rows. probs (B, H, w, S) -> two (B, H, S).
+    Without padding rows the mask's multiply (by 1) is left out where checking is free (the CPU)."""
+    n = row_valid.sum(-1).clamp(min=1).to(probs.dtype)[:, None, None]  # (B, 1, 1)
+    mean = window_rows_mean(probs, row_valid)
+    dev = probs - mean[:, :, None, :]
+    if not cpu_route(probs.device) or not bool(row_valid.all()):
+        dev = dev * row_valid[:, None, :, None]
     var = (dev**2).sum(2) / (n - 1).clamp(min=1)
     return mean, var
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PrefillInputs, Scorer, pool1d, pool_rows, window_rows_mean_var
+from .base import PrefillInputs, Scorer, pool1d, pool_rows
 from .snapkv import _check_pool, _pool_prefix
 
 
@@ -50,9 +50,9 @@ class CakeScorer(Scorer):
         return self.indicator_from == "auto" and (self.pooling, self.kernel) == ("avg", 5)
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
-        probs, row_valid = inp.window_attention()
-        mean, var = window_rows_mean_var(probs, row_valid)
-        return _pool_prefix(mean + self.gamma * var, probs.shape[2], self.kernel, self.pooling)
+        mean, var = inp.window_mean_var()
+        w = inp.window_attention()[0].shape[2]
+        return _pool_prefix(mean + self.gamma * var, w, self.kernel, self.pooling)
 
     @property
     def order_sensitive(self) -> bool:

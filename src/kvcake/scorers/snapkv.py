@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PrefillInputs, Scorer, pool1d, window_rows_mean_var
+from .base import PrefillInputs, Scorer, pool1d, window_rows_mean
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class SnapKVScorer(Scorer):
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
         probs, row_valid = inp.window_attention()
-        mean, _ = window_rows_mean_var(probs, row_valid)
+        mean = window_rows_mean(probs, row_valid)
         return _pool_prefix(mean, probs.shape[2], self.kernel, self.pooling)
 
 
