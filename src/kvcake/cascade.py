@@ -137,7 +137,7 @@ def run_stage(cache: Cache) -> None:
             prefs = torch.stack(cache.preferences, 1) if m.layers.needs_preferences else None
             won = pending.winners.wait() if pending.winners is not None else None
             seen = _seen(cache, g) if m.layers.needs_scores and won is None else None
-            budgets = cache.method.layers.allocate(_request(cache, prefs, last, seen, won))
+            budgets = m.layers.allocate(_request(cache, prefs, last, seen, won))
             cache.stage_budgets.append(budgets)
             if m.heads.ragged:
                 stage_head_counts(cache, cache.compressed[: g + 1], budgets)
@@ -146,7 +146,7 @@ def run_stage(cache: Cache) -> None:
             cache.stage_counts.clear()
     else:
         if cache.budgets is None:
-            cache.budgets = cache.method.layers.allocate(_request(cache, None, True))
+            cache.budgets = m.layers.allocate(_request(cache, None, True))
         cache._evict_layer(layer_idx, cache.budgets[:, g])
     if cache._bar is not None:
         cache._bar.update(1)

@@ -26,6 +26,12 @@ def cpu_route(device: torch.device) -> bool:
     return device.type == "cpu" and CPU_ROUTES
 
 
+def may_mask(mask: torch.Tensor) -> bool:
+    """Whether a boolean mask has to be applied: always off the CPU route (checking would
+    synchronise the device), else only if it holds a False (a host check, free on the CPU)."""
+    return not cpu_route(mask.device) or not bool(mask.all())
+
+
 class HostRead:
     """A small device tensor's copy to the host, started now and waited for at :meth:`wait`.
 

@@ -7,8 +7,8 @@ the layer's work, ``devices.HostRead``), and every stage's counts are then host 
 no read of the device (on a GPU each read drains the queue). Otherwise (tensor parallelism, whose
 counts span every rank's heads, or ``HOST_COUNTS = False``, the reference) they are computed on
 each layer's device and read back once a stage per device, and where the head allocator's kept
-set is the selection itself (a top-k selector) the layers of a stage are selected in one call. ``cache`` is always a ``KVCakeCache`` (typed by its base: this module
-sits below ``cache.py``)."""
+set is the selection itself (a top-k selector) the layers of a stage are selected in one call.
+``cache`` is always a ``KVCakeCache`` (typed by its base: this module sits below ``cache.py``)."""
 
 from __future__ import annotations
 

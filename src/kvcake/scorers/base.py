@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..devices import cpu_route
+from ..devices import may_mask
 
 
 @dataclass
@@ -62,7 +62,7 @@ class PrefillInputs:
             row_valid = self.key_valid[:, -w:]  # (B, w): a padding query sees no key (left padding)
             # the padding masks are two passes over the logits: skipped without padding where
             # checking costs no device synchronisation (the CPU)
-            padded = not cpu_route(q.device) or not bool(self.key_valid.all())
+            padded = may_mask(self.key_valid)
             if padded:
                 logits.masked_fill_(~self.key_valid[:, None, None, :], float("-inf"))
                 logits.masked_fill_(~row_valid[:, None, :, None], 0.0)
@@ -113,7 +113,7 @@ def window_rows_mean_var(probs: torch.Tensor, row_valid: torch.Tensor) -> tuple[
     n = row_valid.sum(-1).clamp(min=1).to(probs.dtype)[:, None, None]  # (B, 1, 1)
     mean = window_rows_mean(probs, row_valid)
     dev = probs - mean[:, :, None, :]
-    if not cpu_route(probs.device) or not bool(row_valid.all()):
+    if may_mask(row_valid):
         dev = dev * row_valid[:, None, :, None]
     var = (dev**2).sum(2) / (n - 1).clamp(min=1)
     return mean, var
