@@ -29,7 +29,7 @@ LAYERS = {
     "package": ["kvcake"],
     "api": ["api", "calibration", "replay", "storage", "storage.reader"],
     "context": ["context"],
-    "cache": ["cache", "cascade", "head_counts", "decoding", "attention", "storage.writer"],
+    "cache": ["cache", "cascade", "head_counts", "pending_norms", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "step", "sliding"],
     "parts": ["allocators", "scorers", "selectors", "budget", "dense", "ragged", "storage.format", "tensor_parallel"],
     "base": [

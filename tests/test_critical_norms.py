@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcake import cascade, make_method
+from kvcake import make_method, pending_norms
 from kvcake.scorers.defensive import MARK
 from kvcake.selectors import SelectionInputs, TopK, projected_value_norms
 from kvcake.selectors.critical import Critical, projected_value_norm_bounds
@@ -143,9 +143,9 @@ def test_most_norms_are_skipped_on_heavy_tails():
 def test_cache_keeps_the_same_entries(tiny_llama, monkeypatch, spec):
     ids = prompt(300, seed=3)
     method = make_method(spec, budget=40, window=8)
-    monkeypatch.setattr(cascade, "PRUNED_NORMS", False)
+    monkeypatch.setattr(pending_norms, "PRUNED", False)
     ref, ref_logits = prefill(tiny_llama, ids, method)
-    monkeypatch.setattr(cascade, "PRUNED_NORMS", True)
+    monkeypatch.setattr(pending_norms, "PRUNED", True)
     got, logits = prefill(tiny_llama, ids, method)
     assert torch.equal(logits, ref_logits)
     for a, b in zip(got.layers, ref.layers, strict=True):
@@ -206,3 +206,38 @@ def test_ratio_first_stage_has_no_rank_order():
     values, o_weight, h, scores, counts = _case(0)
     inp = SelectionInputs(scores, counts, projected_value_norms(values, o_weight, h))
     assert Critical().rank_order(inp, Critical().select(inp)) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "waits"),
+    [("criticalkv", True), ("layers=pyramid,heads=uniform,score=snapkv,select=critical", True),
+     ("critical-adakv", False), ("defensivekv", False), ("layer-defensivekv", False)],
+)  # fmt: skip
+def test_norms_read_a_layer_later_keep_the_same_entries(tiny_llama, monkeypatch, spec, waits):
+    """The size of CriticalKV's second candidate set read at the next layer's update
+    (``pending_norms.DEFERRED``) where the stage runs as its layer is scored, every layer but the
+    last: the same entries at every stage, the same logits, the same prefill peak (the layer is
+    evicted before the next appends). Stages that wait for the next update themselves read at
+    once (left pending further, two full layers would be held)."""
+    ids = prompt(300, seed=3)
+    method = make_method(spec, budget=40, window=8)
+    monkeypatch.setattr(pending_norms, "DEFERRED", False)
+    ref, ref_logits = prefill(tiny_llama, ids, method, record=True, static=False)
+    monkeypatch.setattr(pending_norms, "DEFERRED", True)
+    left, begin = [], pending_norms.begin
+
+    def counted(cache, *args):
+        out = begin(cache, *args)
+        left.append(out is None)  # the eviction left pending
+        return out
+
+    monkeypatch.setattr(pending_norms, "begin", counted)
+    got, logits = prefill(tiny_llama, ids, method, record=True, static=False)
+    assert len(left) == len(got.compressed)
+    assert sum(left) == (len(got.compressed) - 1 if waits else 0)
+    assert torch.equal(logits, ref_logits)
+    assert len(got.history) == len(ref.history)
+    for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
+        assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
+    assert got.prefill_peak_kv_bytes == ref.prefill_peak_kv_bytes
+    assert got.pending_norms is None and all(got.layers[lid].norms is None for lid in got.compressed)

@@ -41,6 +41,7 @@ from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
+from .pending_norms import PendingNorms
 from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
 from .tensor_parallel import HeadSplit, find_split
@@ -142,6 +143,9 @@ class KVCakeCache(Cache):
         self.stage_counts: dict[int, tuple] = {}
         # prefill only: a layer's stage left for the next layer's update (cascade.prefill_stage)
         self.pending_stage: cascade.PendingStage | None = None
+        # prefill only: a layer's first eviction waiting for the read its value norms need (pending_norms.py)
+        self.pending_norms: PendingNorms | None = None
+        self.stage_at_scoring = False  # whether the stage running now runs as its layer is scored
         self.prefilled = False
         self.peak_kv_bytes = 0
         self.prefill_peak_kv_bytes = 0
@@ -174,7 +178,7 @@ class KVCakeCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, SlidingLayer):  # transformers' own sliding layer, never compressed
-            if self.pending_stage is not None:  # the previous layer's stage: cascade.PendingStage
+            if self.pending_stage is not None or self.pending_norms is not None:  # the previous layer's
                 self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self._track_bytes(layer_idx)
@@ -207,8 +211,8 @@ class KVCakeCache(Cache):
                 f"this KVCakeCache holds a batch of {layer.batch} sequences but got {key_states.shape[0]}: "
                 "a cache serves one batch of prompts, so make a new KVCakeCache per prompt (or batch)"
             )
-        if self.pending_stage is not None:  # the previous layer's stage: cascade.PendingStage
-            self._run_stage()
+        if self.pending_stage is not None or self.pending_norms is not None:  # the previous layer's
+            self._run_stage()  # stage (cascade.PendingStage) or eviction (pending_norms.PendingNorms)
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx
         model_kwargs = kwargs.get("kwargs")

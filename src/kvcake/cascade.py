@@ -28,13 +28,14 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from . import pending_norms
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .devices import HostRead
 from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
-from .selectors import SelectionInputs, projected_value_norms
+from .selectors import SelectionInputs
 from .temperatures import parse_indicator, resolve_tau
 from .tensor_parallel import local_weight
 
@@ -93,8 +94,9 @@ def prefill_stage(
     if m.layers.needs_scores and (m.layers.cascading or last) and WINNERS_AHEAD:  # the global allocator's
         # ranking now, on the device, its (B, g + 1) counts read with the stage
         winners = HostRead(m.layers.count_winners(_request(cache, None, last, _seen(cache, g))))
-    cache.pending_stage = PendingStage(layer_idx, stats, winners)
-    if (stats is None and winners is None and not on_host) or last:
+    now = (stats is None and winners is None and not on_host) or last
+    cache.pending_stage = PendingStage(layer_idx, stats, winners, now)
+    if now:
         cache._run_stage()  # else the next layer's update runs it (see PendingStage)
 
 
@@ -115,15 +117,18 @@ class PendingStage:
     layer_idx: int
     stats: HostRead | None  # CAKE's (2, B) entropy and variance on their way to the host
     winners: HostRead | None = None  # (B, n) float64: GlobalAllocator.count_winners
+    now: bool = False  # run as the layer is scored (nothing to wait for): see pending_norms.begin
 
 
 def run_stage(cache: Cache) -> None:
     """The pending stage (``cache.pending_stage``), if any: steps 2-4 of the module's list
     (CAKE's preference from the statistics, the budgets, the evictions)."""
+    pending_norms.resume(cache)  # the previous layer's eviction, if it waits for its norms
     pending, cache.pending_stage = cache.pending_stage, None
     if pending is None:
         return
     layer_idx = cache._stage = pending.layer_idx
+    cache.stage_at_scoring = pending.now
     g = cache._slot[layer_idx]
     m = cache.method
     if pending.stats is not None:
@@ -275,11 +280,13 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     layer = cache.layers[layer_idx]
     m = cache.method
     dev = layer.keys.device
+    entry = None
     if m.heads.ragged:
         if layer_idx not in cache.stage_counts:  # outside a cascade stage: this layer's alone
             stage_head_counts(cache, [layer_idx], budget[:, None])
         # (B, H_kv, N), (B, H_kv) twice, and the allocator's kept set if it is the selection
-        scores, counts, counts_host, keep = cache.stage_counts.pop(layer_idx)
+        entry = cache.stage_counts.pop(layer_idx)
+        scores, counts, counts_host, keep = entry
     else:
         counts_host, scores, counts, keep = dense_counts(layer, budget, cache.seq.lengths), None, None, None
     if bool((counts_host == layer.counts).all()):
@@ -302,10 +309,12 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         counts = to_device(counts_host, dev)
     if first_norms:
         heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
-        o_weight = cache.o_weights.pop(layer_idx)
-        norms = value_norms(
-            m.selector, layer.values, o_weight, heads, scores, counts, cache.split, int(counts_host.max())
-        )
+        steps = pending_norms.norm_steps(
+            m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts, cache.split,
+            int(counts_host.max()),
+        )  # fmt: skip
+        if (norms := pending_norms.begin(cache, layer_idx, budget, steps, entry)) is None:
+            return  # evicted once the size its norms need is read (pending_norms.resume)
         layer.norms = m.selector.prepare_norms(norms, cache.split)
     norms = layer.padded(layer.norms, 0.0)
     if gather:
@@ -347,19 +356,6 @@ def in_position_order(layer) -> None:
     layer.ranked = False
 
 
-def value_norms(
-    selector, values, o_weight, num_heads, scores, counts, split=None, count_bound=None
-) -> torch.Tensor:
-    """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction:
-    only on the entries the selector can keep with ``counts`` when it says which
-    (``Critical.value_norms``), else on all (``projected_value_norms``, the reference)."""
-    if PRUNED_NORMS and hasattr(selector, "value_norms"):
-        return selector.value_norms(values, o_weight, num_heads, scores, counts, split, count_bound)
-    return projected_value_norms(values, o_weight, num_heads)
-
-
-# False computes every entry's value norm (the reference path; tests compare the two).
-PRUNED_NORMS = True
 # False selects a cascade's ragged layers again at every stage (the reference path; tests compare).
 RANKED_RAGGED = True
 

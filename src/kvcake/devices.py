@@ -12,6 +12,8 @@ act on (the device, what torch was built with, the fix), for the API and every c
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 
 # Whether CPU tensors take the CPU-only fast paths (H2O's unshifted blocks, DefensiveKV's blocked
@@ -58,6 +60,19 @@ class HostRead:
             self._event.synchronize()
             self._event = None
         return self.host
+
+
+def read_through(steps: Generator, answer: int | None = None):
+    """The result of ``steps``, a generator that yields device scalars for the host to read and is
+    sent back each as an int, every read made at once (one drain each on a GPU). ``answer``: the
+    int for the read it has already asked for (read later, e.g. through a :class:`HostRead`);
+    None: it has not started."""
+    try:
+        ask = next(steps) if answer is None else steps.send(answer)
+        while True:
+            ask = steps.send(int(ask))
+    except StopIteration as done:
+        return done.value
 
 
 _GET_TORCH = "https://pytorch.org/get-started/locally/"

@@ -64,18 +64,14 @@ def test_a_host_read_waits_for_its_copy_only(on_device):
     assert torch.equal(host, stats.cpu())
 
 
-@pytest.mark.parametrize("name", ["adakv", "cake-adakv", "critical-adakv", "layer-defensivekv"])
-def test_head_counts_on_the_host_equal_the_device(on_device, monkeypatch, name):
-    # Ada-KV's counts from each layer's score places read through HostRead (head_counts.HOST_COUNTS)
-    # keep the entries of counting on the device at every stage (the reference), on a GPU too,
-    # where the copy is a pinned, non-blocking one waited for a layer later
-    from kvcake import head_counts
-
+def _same_either_way(on_device, monkeypatch, module, flag: str, name: str) -> KVCakeCache:
+    """A prefill with ``module.flag`` False (the reference) and True: the same entries at every
+    stage and the same logits. The second cache."""
     model = on_device(torch.bfloat16)
     prompt = ids(300, seed=2).to(DEVICE)
     runs = []
-    for host in (False, True):
-        monkeypatch.setattr(head_counts, "HOST_COUNTS", host)
+    for value in (False, True):
+        monkeypatch.setattr(module, flag, value)
         cache = KVCakeCache(model, make_method(name, budget=48, window=8), record=True)
         with kvcake.enable(model), torch.no_grad():
             logits = model(prompt, **with_cache(model, cache)).logits[:, -1]
@@ -85,4 +81,23 @@ def test_head_counts_on_the_host_equal_the_device(on_device, monkeypatch, name):
     assert len(got.history) == len(ref.history)
     for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
         assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
-    assert not got.head_places
+    return got
+
+
+@pytest.mark.parametrize("name", ["adakv", "cake-adakv", "critical-adakv", "layer-defensivekv"])
+def test_head_counts_on_the_host_equal_the_device(on_device, monkeypatch, name):
+    # Ada-KV's counts from each layer's score places read through HostRead (head_counts.HOST_COUNTS)
+    # keep the entries of counting on the device at every stage (the reference), on a GPU too,
+    # where the copy is a pinned, non-blocking one waited for a layer later
+    from kvcake import head_counts
+
+    assert not _same_either_way(on_device, monkeypatch, head_counts, "HOST_COUNTS", name).head_places
+
+
+@pytest.mark.parametrize("name", ["criticalkv", "layers=pyramid,heads=uniform,score=snapkv,select=critical"])
+def test_value_norms_read_a_layer_later_equal_read_at_once(on_device, monkeypatch, name):
+    # CriticalKV's candidate-set size copied through HostRead and waited for at the next layer's
+    # update (pending_norms.DEFERRED) keeps the entries of reading it at once, on a GPU too
+    from kvcake import pending_norms
+
+    assert _same_either_way(on_device, monkeypatch, pending_norms, "DEFERRED", name).pending_norms is None

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
 from ..allocators.adakv import ranks_desc
-from ..devices import cpu_route
+from ..devices import cpu_route, read_through
 from ..matmul import half_matmuls, matmul_f32
 from ..scorers.defensive import MARK
 from .topk import SelectionInputs, Selector, order_by
@@ -131,14 +132,11 @@ def projected_value_norm_bounds(
     return low, high
 
 
-def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn, m: int | None = None):
+def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn, m: int):
     """``fn`` (a function of (B, H_kv, m, d) values returning (B, H_kv, m) tensors, or a tuple of
     them) where ``mask`` (B, H_kv, S) is True, 0 elsewhere, computed on the masked entries only
-    (gathered to ``m`` entries a head). ``m``: at least the widest head's count, known without
-    reading the device (a bound: the extra entries gathered are unmasked and give 0), or None to
-    read the exact count (one host read)."""
-    if m is None:
-        m = _widest(mask)  # host: prefill only
+    (gathered to ``m`` entries a head). ``m``: at least the widest head's count (the read
+    :func:`_widest`, or a bound known on the host: the extra entries gathered give 0)."""
     m = min(m, mask.shape[-1])
     if 2 * m >= mask.shape[-1]:
         out = fn(values)
@@ -156,7 +154,7 @@ def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn, m: int | None = Non
 
 
 def _norms_where(
-    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, mask: torch.Tensor, m: int | None = None
+    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, mask: torch.Tensor, m: int
 ) -> torch.Tensor:
     """:func:`projected_value_norms` where ``mask`` (B, H_kv, S) is True, 0 elsewhere (``m``: as
     :func:`_on_masked`'s)."""
@@ -171,9 +169,22 @@ def _prefix_bound(b_pref: torch.Tensor, count_bound: int | None) -> int:
     return int(b_pref.max()) if count_bound is None else max(int(count_bound), 0)
 
 
-def _widest(mask: torch.Tensor) -> int:
-    """The most entries ``mask`` (B, H_kv, S) holds in one head: one host read (0: none at all)."""
-    return int(mask.sum(-1).max()) if mask.numel() else 0
+def _threshold(exact: torch.Tensor, b_pref: torch.Tensor, kmax: int) -> torch.Tensor:
+    """(B, H_kv, 1): each head's ``b_pref``-th largest of ``exact`` (B, H_kv, S), at least 0
+    (inf where ``b_pref`` is 0); ``kmax``: at least the largest of ``b_pref``."""
+    top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
+    threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])
+    return torch.where(
+        b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
+    )
+
+
+def _widest(mask: torch.Tensor):
+    """The most entries ``mask`` (B, H_kv, S) holds in one head (0: none at all), in a generator
+    of reads (``devices.read_through``): yields the device count, returns the int sent back."""
+    if not mask.numel():
+        return 0
+    return (yield mask.sum(-1).max())
 
 
 @dataclass(frozen=True)
@@ -241,6 +252,15 @@ class Critical(Selector):
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
         counts: torch.Tensor, split=None, count_bound: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
+        """:meth:`value_norm_steps` run to its end, each size read as it asks."""
+        return read_through(
+            self.value_norm_steps(values, o_weight, num_heads, scores, counts, split, count_bound)
+        )
+
+    def value_norm_steps(
+        self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
+        counts: torch.Tensor, split=None, count_bound: int | None = None,
+    ) -> Generator[torch.Tensor, int, torch.Tensor]:  # fmt: skip
         """:func:`projected_value_norms` (B, H_kv, S) on every entry ``select`` with at most ``counts``
         (B, H_kv) per head can keep, and 0 on the others, which it then never keeps: the same kept
         set at a fraction of the cost.
@@ -253,26 +273,28 @@ class Critical(Selector):
         (:func:`projected_value_norm_bounds`) is below ``T`` loses to at least ``b - b1`` others in
         stage 2 (``b1 = floor(alpha * b)`` are in stage 1), so it is never kept; the others get
         their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
-        norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norms`; under tensor
+        norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norm_steps`; under tensor
         parallelism (``split``) a position's total spans every rank's heads, whose candidates
         differ, so every norm is computed there.
 
         ``count_bound``: at least the largest of ``counts``, known on the host (the cascade's
         counts are), so the candidates' sizes need no read of the device; None reads it. On a GPU
-        each read drains the queue: with the bound, one read a layer is left (the second set's
-        size)."""
-        if self.value_norm == "heads":
-            if split is not None:
-                return projected_value_norms(values, o_weight, num_heads)
-            return self._shared_value_norms(values, o_weight, num_heads, scores, counts, count_bound)
+        each read drains the queue: with the bound, the reads left are the candidate sets' sizes
+        (one here, up to three for ``"heads"``), which this generator yields as device tensors to
+        be read at once (:meth:`value_norms`) or a layer later (``kvcake.pending_norms``)."""
+        if self.value_norm == "heads" and split is not None:
+            return projected_value_norms(values, o_weight, num_heads)
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
         kmax = _prefix_bound(b_pref, count_bound)
-        n = scores.shape[-1]
         if kmax == 0:
             return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
-        if 4 * kmax >= n:  # most entries are candidates anyway: compute them all
+        if 4 * kmax >= scores.shape[-1]:  # most entries are candidates anyway: compute them all
             return projected_value_norms(values, o_weight, num_heads)
+        if self.value_norm == "heads":
+            return (
+                yield from self._shared_value_norm_steps(values, o_weight, num_heads, scores, b_pref, kmax)
+            )
         low, high = projected_value_norm_bounds(values, o_weight, num_heads)
         weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
         ninf = torch.full_like(weight, float("-inf"))
@@ -280,22 +302,17 @@ class Critical(Selector):
         by_estimate = ranks_desc(torch.where(prefix_ok, weight * low, ninf))
         first = prefix_ok & ((by_score < b_pref[..., None]) | (by_estimate < 2 * b_pref[..., None]))
         norms = _norms_where(values, o_weight, num_heads, first, m=3 * kmax)  # b + 2b at most a head
-        exact = torch.where(first, weight * norms, ninf)
-        top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
-        threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
-        threshold = torch.where(
-            b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
-        )
+        threshold = _threshold(torch.where(first, weight * norms, ninf), b_pref, kmax)
         second = prefix_ok & ~first & (weight * high * (1 + 1e-4) >= threshold)
-        if m := _widest(second):
+        if m := (yield from _widest(second)):
             norms = norms + _norms_where(values, o_weight, num_heads, second, m)
         return norms
 
-    def _shared_value_norms(
+    def _shared_value_norm_steps(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor, count_bound: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """``value_norms`` for ``value_norm="heads"``: the stage-2 weight is ``(score + eps) * n_h /
+        b_pref: torch.Tensor, kmax: int,
+    ) -> Generator[torch.Tensor, int, torch.Tensor]:  # fmt: skip
+        """``value_norm_steps`` for ``value_norm="heads"``: the stage-2 weight is ``(score + eps) * n_h /
         sum_h' n_h'``, the sum over the layer's KV heads at the same position, so every norm at a
         position is computed at once (its sum is then exact) and the share is at most 1.
 
@@ -307,33 +324,21 @@ class Critical(Selector):
         ``n_h / sum <= high_h / (high_h + sum_{h' != h} low_h')``
         (:func:`projected_value_norm_bounds`, its sign vectors from each head's top entries), rule
         out most, and the rest get their exact norms. Entries left at 0 lose to at least ``b - b1``
-        others in stage 2 (``b1 <= b`` in stage 1), as in ``value_norms``."""
-        prefix_ok = torch.isfinite(scores)
-        b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
-        kmax = _prefix_bound(b_pref, count_bound)
-        n = scores.shape[-1]
-        if kmax == 0:
-            return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
-        if 4 * kmax >= n:  # most entries are candidates anyway: compute them all
-            return projected_value_norms(values, o_weight, num_heads)
+        others in stage 2 (``b1 <= b`` in stage 1), as in ``value_norm_steps``."""
+        prefix_ok, n = torch.isfinite(scores), scores.shape[-1]
         ninf = torch.full_like(scores, float("-inf"))
         prefix = torch.where(prefix_ok, scores, ninf)
         weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
         near_top = (ranks_desc(prefix) < 2 * b_pref[..., None]).any(1, keepdim=True)  # (B, 1, S)
         first = prefix_ok & near_top
-        m_first = _widest(first)  # host: the heads' union is often far below 2b x heads
+        m_first = yield from _widest(first)  # the heads' union is often far below 2b x heads
         if m_first >= _ALL_NORMS_SHARE * n:
             return projected_value_norms(values, o_weight, num_heads)
         norms = _norms_where(values, o_weight, num_heads, first, m_first)
-        exact = torch.where(first, weight * self.prepare_norms(norms), ninf)
-        top = exact.topk(kmax, dim=-1).values  # (B, H_kv, kmax)
-        threshold = top.gather(-1, (b_pref - 1).clamp(min=0)[..., None])  # (B, H_kv, 1)
-        threshold = torch.where(
-            b_pref[..., None] > 0, threshold.clamp(min=0), torch.full_like(threshold, float("inf"))
-        )
+        threshold = _threshold(torch.where(first, weight * self.prepare_norms(norms), ninf), b_pref, kmax)
         maybe = prefix_ok & ~first & (weight * (1 + 1e-4) >= threshold)  # a share is at most 1
         maybe = prefix_ok & ~first & maybe.any(1, keepdim=True)  # every head at those positions
-        if not (m_maybe := _widest(maybe)):
+        if not (m_maybe := (yield from _widest(maybe))):
             return norms
         best = prefix.topk(min(_SIGN_SOURCES, n), dim=-1).indices  # (B, H_kv, K): each head's top entries
         sign_values = values.gather(
@@ -346,7 +351,7 @@ class Critical(Selector):
         share = (high / (high + others).clamp(min=1e-30)).clamp(max=1.0)  # (B, H_kv, S) upper bound
         second = maybe & (weight * share * (1 + 1e-4) >= threshold)
         second = maybe & second.any(1, keepdim=True)
-        if m := _widest(second):
+        if m := (yield from _widest(second)):
             norms = norms + _norms_where(values, o_weight, num_heads, second, m)
         return norms
 
