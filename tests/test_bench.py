@@ -271,9 +271,19 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     page = report._decode(result, tmp_path, tmp_path / "page.md")
     floor = next(r for r in result["rows"] if r["method"] == "floor")
     assert (
-        f"cached (`floor`) takes {floor['s'] * 1e3:.1f} ms, {floor['s'] / floor['bound_s']:.2f} x its bound"
+        f"cached (`floor`, eager) takes {floor['s'] * 1e3:.1f} ms, {floor['s'] / floor['bound_s']:.2f} x its bound"
         in page
     )
+    met = sum(t["ok"] for t in bound)  # the verdict's reading of the floor follows the presets' own
+    assert (f"{met} of {len(bound)} presets' best steps are within the target" in page) == (met > 0)
+    assert ("out of any cache's reach" in page) == (met == 0 and floor["s"] > 1.3 * floor["bound_s"])
+    snap = next(r for r in result["rows"] if r["method"] == "snapkv")
+    snap["compiled_s"] = snap["bound_s"]  # a compiled step at its bound: below the eager floor
+    result["targets"] = bench_decode_module.decode_targets(result["rows"])
+    page = report._decode(result, tmp_path, tmp_path / "page.md")
+    met = sum(t["ok"] for t in result["targets"] if "read bound" in t["target"])
+    assert met >= 1 and f"{met} of {len(bound)} presets' best steps are within the target" in page
+    assert "out of any cache's reach" not in page
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
     assert "| the counts |" in bench_decode_module.decode_tables(result)
     with pytest.raises(ValueError, match="unknown decoding policies"):

@@ -324,11 +324,19 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
         if floor is not None and bound:
             f = decode_bench.best_s(floor)
             ratio = f / floor["bound_s"]
-            text += (f"The model's own step with {decode_bench.FLOOR_TOKENS} tokens cached (`{decode_bench.FLOOR}`) "
-                     f"takes {f * 1e3:.1f} ms, {ratio:.2f} x its bound: on this device the forward "
-                     "itself, not the cache, sets a step's floor"
-                     + (f", so {decode_bench.BOUND_TARGET} x the bound is out of any cache's reach. "
-                        if ratio > decode_bench.BOUND_TARGET else ". "))  # fmt: skip
+            how = "compiled" if f < floor["s"] else "eager"
+            met = sum(c["ok"] for c in bound)
+            text += (f"The model's own step with {decode_bench.FLOOR_TOKENS} tokens cached (`{decode_bench.FLOOR}`, "
+                     f"{how}) takes {f * 1e3:.1f} ms, {ratio:.2f} x its bound")  # fmt: skip
+            if ratio <= decode_bench.BOUND_TARGET:
+                text += ". "
+            elif met:  # some steps, compiled, beat the floor's mode
+                text += (f"; {met} of {len(bound)} presets' best steps are within the target, below that floor "
+                         "where compiled: a compiled step leaves out the dispatch of the forward's ops, which "
+                         "the eager floor includes. ")  # fmt: skip
+            else:
+                text += (f": on this device the forward itself, not the cache, sets a step's floor, so "
+                         f"{decode_bench.BOUND_TARGET} x the bound is out of any cache's reach in that mode. ")  # fmt: skip
         parts += [text, ""]
     if ev:
         met_ev = [c for c in ev if c["ok"]]
@@ -348,13 +356,11 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
             text += (f"A decode=fixed step takes {_span(fixed_none)} x the decode=none step of the same method "
                      "and budget: the eviction column plus the probability-returning attention it needs. ")  # fmt: skip
         if len(met_ev) < len(ev):
-            text += ("Where the time goes (`KVCakeCache.after_extend_attention`, every layer, every step): to drop "
-                     "one entry it ranks the whole cache (a stable argsort and a scatter), copies every kept entry "
-                     "into new tensors through a boolean mask, and re-sums all layers' bytes "
-                     "(`_track_bytes`). What would close it: find the single victim with an `argmin` over the "
-                     "unprotected scores and overwrite its slot with the newest entry in place (O(d) per layer "
-                     "instead of O(N d)), or let each head run `k` entries over budget and evict `k` at once; "
-                     "keep a running byte total instead of re-summing. ")  # fmt: skip
+            text += ("Where the time goes (`KVCakeCache.after_extend_attention`, every layer, every step, eager): "
+                     "the static step's scoring of the new query row, one victim per head (an `argmin`) and one "
+                     "in-place copy per stored tensor (`kvcake.step`), a few dozen ATen ops a layer (the per-step "
+                     "counts), so on a CPU the host's dispatch of those ops more than their bytes; compiled, the "
+                     "same work runs inside the step's one graph (the compiled column), where no hook is timed. ")  # fmt: skip
         parts += [text, ""]
     rag = [r for r in rows if r["length"] == result["ragged_length"] and r["method"] in ("snapkv", "adakv")]
     if rag:
