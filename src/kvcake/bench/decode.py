@@ -81,13 +81,15 @@ def _spec(method: str, policy: str) -> str:
 class _Decoder:
     """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
     host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
-    with ``compiled``, the compiled ones (``torch.compile(fullgraph=True)`` of the step, this
-    cache's alone: compiled, warmed and timed in a row after ``torch._dynamo.reset()``, so no
-    cache's graphs count against another's recompile limit)."""
+    with ``compiled``, the compiled ones: every cache's step compiled (``compile``:
+    ``torch.compile(fullgraph=True, dynamic=False)``, static shapes as ``generate``'s compile
+    config) and warmed, then timed in interleaved rounds as the eager steps are (:func:`_time_compiled`),
+    so a busy moment of the host falls on every cache alike."""
 
     def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock) -> None:
         self.model, self.cache, self.tok, self.pos, self.clock = model, cache, tok, start, clock
         self.eager = greedy_step(model)
+        self.fast = None  # the compiled step, once compiled and warmed
         self.times, self.compiled_times, self.bytes = [], [], []
         self.compiled: float | str | None = None  # the compiled column: None when not asked
 
@@ -111,23 +113,45 @@ class _Decoder:
             self.times.append(self.step(self.eager))
             self.bytes.append(cache_kv_bytes(self.cache))
 
-    def compile_and_time(self, backend: str, warmup: int, steps: int) -> None:
-        """The compiled column: median seconds, or why there is none (a failed compile is a row
-        entry, not a crash)."""
+    def compile(self, backend: str, warmup: int) -> None:
+        """Compile this cache's step and run ``warmup`` steps of it (the compiles happen there);
+        where that fails, the compiled column says why (a row entry, not a crash)."""
         if not getattr(self.cache, "is_compileable", False):
             self.compiled = "n/a (not compileable)"
             return
-        torch._dynamo.reset()
-        step = torch.compile(greedy_step(self.model), fullgraph=True, backend=backend)
+        step = torch.compile(greedy_step(self.model), fullgraph=True, dynamic=False, backend=backend)
         try:
-            for _ in range(warmup):  # the compiles happen here
+            for _ in range(warmup):
                 self.step(step, compiled=True)
-            self.compiled_times = [self.step(step, compiled=True) for _ in range(steps)]
         except Exception as err:  # noqa: BLE001 - any tracing/compile failure is reported in the row
             logger.warning("compiled decode failed: %s", " ".join(str(err).split())[:300])
             self.compiled = f"n/a (compile failed: {type(err).__name__})"
             return
-        self.compiled = median(self.compiled_times)
+        self.fast = step
+
+    def timed_compiled(self, steps: int) -> None:
+        if self.fast is not None:
+            self.compiled_times += [self.step(self.fast, compiled=True) for _ in range(steps)]
+
+
+def _time_compiled(decoders: dict[str, _Decoder], backend: str, warmup: int, steps: int, rounds: int) -> None:
+    """The compiled column of ``decoders``: each compiled and warmed in turn, then ``steps`` timed
+    compiled steps each in ``rounds`` interleaved rounds. Every cache's graphs stay compiled side
+    by side (one step function's cache of graphs: the recompile limit raised to hold them all, at
+    most two a cache, tests/test_compile.py); median seconds, or why there is none."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2 * len(decoders) + 8):
+        for label, dec in decoders.items():
+            logger.info("decode: compiling the step of %s", label)
+            dec.compile(backend, warmup)
+        for r in range(rounds):
+            logger.info("decode: compiled round %d/%d over %d caches", r + 1, rounds, len(decoders))
+            for dec in decoders.values():
+                dec.timed_compiled(steps // rounds)
+    for dec in decoders.values():
+        if dec.fast is not None:
+            dec.compiled = median(dec.compiled_times)
+    torch._dynamo.reset()
 
 
 def run_decode(
@@ -156,7 +180,7 @@ def run_decode(
     method's own).
 
     ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds; with ``compile``,
-    then as many compiled steps per cache (``_Decoder.compile_and_time``; a str: the
+    then as many compiled steps per cache in as many rounds (:func:`_time_compiled`; a str: the
     ``torch.compile`` backend, ``inductor`` for True); ``compile_only``: the methods (``full``,
     ``full-static`` and presets) whose compiled step is measured, None for all (inductor compiles
     take minutes per cache on a CPU).
@@ -189,7 +213,10 @@ def run_decode(
             with torch.no_grad():
                 model(ids, **with_cache(model, full), logits_to_keep=1)
         full.tracking = False
-        configs = [(m, b, p if p != "preset" else c.method.decode) for (m, b, p), c in zip(configs, caches, strict=True)]
+        configs = [
+            (m, b, p if p != "preset" else c.method.decode)
+            for (m, b, p), c in zip(configs, caches, strict=True)
+        ]
         floor = FullCache(model.config)
         with torch.no_grad():
             model(ids[:, :FLOOR_TOKENS], **with_cache(model, floor), logits_to_keep=1)
@@ -210,12 +237,14 @@ def run_decode(
                 for dec in state.values():
                     dec.timed(per_round)
             if compile:
+                chosen = {}
                 for (m, b, _), dec in state.items():
                     if compile_only is not None and m not in compile_only:
                         dec.compiled = "not measured (--compile-only)"
-                        continue
-                    logger.info("decode at %d tokens: compiled steps of %s %s", length, m, b or "")
-                    dec.compile_and_time(compile if isinstance(compile, str) else "inductor", warmup, steps)
+                    else:
+                        chosen[f"{m} {b or ''}".strip()] = dec
+                backend = compile if isinstance(compile, str) else "inductor"
+                _time_compiled(chosen, backend, warmup, steps, rounds)
         full_s = median(state[("full", 0, "-")].times)
         full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
         for (m, b, p), dec in state.items():
