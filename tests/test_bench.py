@@ -247,12 +247,27 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     """``compile``: a compiled step per cache (fullgraph; the ``eager`` backend here, to capture
     without inductor's minutes) timed beside the eager one, the presets' own decoding policies
     (``preset``), the targets against the full cache at its best, and the counts table on the page."""
+    from kvcake.bench import decode as decode_bench
+    from kvcake.bench.caches import greedy_step
+
     monkeypatch.setattr(step_counts, "table", lambda: "| the counts |")
+    timed, timed_compiled = [], decode_bench._Decoder.timed_compiled
+
+    def recorded(self, steps):
+        timed.append((type(self.cache).__name__, steps))
+        timed_compiled(self, steps)
+
+    monkeypatch.setattr(decode_bench._Decoder, "timed_compiled", recorded)
     result = bench.bench_decode(models, lengths=(64,), methods=("snapkv", "cake"), budgets=(BUDGET,),
-                                policies=("preset",), steps=2, rounds=1, warmup=2, window=WINDOW,
+                                policies=("preset",), steps=4, rounds=2, warmup=2, window=WINDOW,
                                 bandwidth_bytes=2**20, compile="eager", compile_only=("full", "full-static", "snapkv"),
                                 counts=True, out=tmp_path)  # fmt: skip
     rows = {r["method"]: r for r in result["rows"]}
+    # the compiled steps in interleaved rounds, two a cache a round: full, full-static, snapkv
+    assert timed == [("FullCache", 2), ("StaticCache", 2), ("BenchCache", 2)] * 2
+    # each cache's step a code object of its own: dynamo keeps their graphs apart
+    model = models.model
+    assert greedy_step(model, own_code=True).__code__ is not greedy_step(model, own_code=True).__code__
     assert rows["snapkv"]["policy"] == "none" and rows["cake"]["policy"] == "fixed"
     assert rows["full"]["compiled_s"] == "n/a (not compileable)"  # transformers' DynamicCache
     assert isinstance(rows["full-static"]["compiled_s"], float) and rows["full-static"]["compiled_s"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -51,15 +52,20 @@ def static_copy(full: DynamicCache, config, max_cache_len: int) -> StaticCache:
     return out
 
 
-def greedy_step(model: torch.nn.Module):
+def greedy_step(model: torch.nn.Module, own_code: bool = False):
     """``step(tok, pos, cache) -> next tok``: one greedy decode step at position ``pos`` (1, 1),
-    the function the benches time eagerly and hand to ``torch.compile``."""
+    the function the benches time eagerly and hand to ``torch.compile``. ``own_code``: the step
+    on a copy of its code object, which dynamo, keying its compiled graphs on the code, treats as
+    a function of its own (one per cache, compiled side by side: ``decode._time_compiled``)."""
     keyword = cache_keyword(model)  # outside the step: it may be traced
 
     def step(tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         out = model(input_ids=tok, position_ids=pos, **{keyword: cache})
         return out.logits[:, -1:].argmax(-1)  # (1, 1) greedy
 
+    if own_code:
+        code = step.__code__.replace()
+        return types.FunctionType(code, step.__globals__, step.__name__, step.__defaults__, step.__closure__)
     return step
 
 

@@ -82,9 +82,9 @@ class _Decoder:
     """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
     host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
     with ``compiled``, the compiled ones: every cache's step compiled (``compile``:
-    ``torch.compile(fullgraph=True, dynamic=False)``, static shapes as ``generate``'s compile
-    config) and warmed, then timed in interleaved rounds as the eager steps are (:func:`_time_compiled`),
-    so a busy moment of the host falls on every cache alike."""
+    ``torch.compile(fullgraph=True)``, dynamo's defaults as ``generate``'s compile config) and
+    warmed, then timed in interleaved rounds as the eager steps are (:func:`_time_compiled`), so
+    a busy moment of the host falls on every cache alike."""
 
     def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock) -> None:
         self.model, self.cache, self.tok, self.pos, self.clock = model, cache, tok, start, clock
@@ -119,7 +119,7 @@ class _Decoder:
         if not getattr(self.cache, "is_compileable", False):
             self.compiled = "n/a (not compileable)"
             return
-        step = torch.compile(greedy_step(self.model), fullgraph=True, dynamic=False, backend=backend)
+        step = torch.compile(greedy_step(self.model, own_code=True), fullgraph=True, backend=backend)
         try:
             for _ in range(warmup):
                 self.step(step, compiled=True)
@@ -137,17 +137,17 @@ class _Decoder:
 def _time_compiled(decoders: dict[str, _Decoder], backend: str, warmup: int, steps: int, rounds: int) -> None:
     """The compiled column of ``decoders``: each compiled and warmed in turn, then ``steps`` timed
     compiled steps each in ``rounds`` interleaved rounds. Every cache's graphs stay compiled side
-    by side (one step function's cache of graphs: the recompile limit raised to hold them all, at
-    most two a cache, tests/test_compile.py); median seconds, or why there is none."""
+    by side, each cache's step a code object of its own (``greedy_step(own_code=True)``), so
+    dynamo keeps them apart as separate compiles would (its graphs, recompile count and automatic
+    dynamic shapes are per code object); median seconds, or why there is none."""
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=2 * len(decoders) + 8):
-        for label, dec in decoders.items():
-            logger.info("decode: compiling the step of %s", label)
-            dec.compile(backend, warmup)
-        for r in range(rounds):
-            logger.info("decode: compiled round %d/%d over %d caches", r + 1, rounds, len(decoders))
-            for dec in decoders.values():
-                dec.timed_compiled(steps // rounds)
+    for label, dec in decoders.items():
+        logger.info("decode: compiling the step of %s", label)
+        dec.compile(backend, warmup)
+    for r in range(rounds):
+        logger.info("decode: compiled round %d/%d over %d caches", r + 1, rounds, len(decoders))
+        for dec in decoders.values():
+            dec.timed_compiled(steps // rounds)
     for dec in decoders.values():
         if dec.fast is not None:
             dec.compiled = median(dec.compiled_times)
