@@ -247,17 +247,17 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     """``compile``: a compiled step per cache (fullgraph; the ``eager`` backend here, to capture
     without inductor's minutes) timed beside the eager one, the presets' own decoding policies
     (``preset``), the targets against the full cache at its best, and the counts table on the page."""
-    from kvcake.bench import decode as decode_bench
+    from kvcake.bench import decoder
     from kvcake.bench.caches import greedy_step
 
     monkeypatch.setattr(step_counts, "table", lambda: "| the counts |")
-    timed, timed_compiled = [], decode_bench._Decoder.timed_compiled
+    timed, timed_compiled = [], decoder.Decoder.timed_compiled
 
     def recorded(self, steps):
         timed.append((type(self.cache).__name__, steps))
         timed_compiled(self, steps)
 
-    monkeypatch.setattr(decode_bench._Decoder, "timed_compiled", recorded)
+    monkeypatch.setattr(decoder.Decoder, "timed_compiled", recorded)
     result = bench.bench_decode(models, lengths=(64,), methods=("snapkv", "cake"), budgets=(BUDGET,),
                                 policies=("preset",), steps=4, rounds=2, warmup=2, window=WINDOW,
                                 bandwidth_bytes=2**20, compile="eager", compile_only=("full", "full-static", "snapkv"),

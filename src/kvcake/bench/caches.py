@@ -56,7 +56,7 @@ def greedy_step(model: torch.nn.Module, own_code: bool = False):
     """``step(tok, pos, cache) -> next tok``: one greedy decode step at position ``pos`` (1, 1),
     the function the benches time eagerly and hand to ``torch.compile``. ``own_code``: the step
     on a copy of its code object, which dynamo, keying its compiled graphs on the code, treats as
-    a function of its own (one per cache, compiled side by side: ``decode._time_compiled``)."""
+    a function of its own (one per cache, compiled side by side: ``decoder.time_compiled``)."""
     keyword = cache_keyword(model)  # outside the step: it may be traced
 
     def step(tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:

@@ -14,7 +14,6 @@ the same rounds: what a step costs on the device with next to no cache to read.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 from pathlib import Path
@@ -22,10 +21,8 @@ from pathlib import Path
 import torch
 
 from ..adapters import with_cache
-from ..attention import enable
-from ..cache import cache_kv_bytes
 from .bandwidth import measure as measure_bandwidth
-from .caches import greedy_step, static_copy
+from .caches import static_copy
 from .common import (
     BenchCache,
     BenchModels,
@@ -44,6 +41,7 @@ from .common import (
     verdict,
     weight_bytes,
 )
+from .decoder import Decoder, time_compiled
 from .output import emit
 
 logger = logging.getLogger(__name__)
@@ -64,11 +62,6 @@ FLOOR_TOKENS = 16
 REFERENCE_ROWS = ("full", FULL_STATIC, FLOOR)  # the rows that are not methods
 
 
-def _attention_for(model, cache):
-    """The kvcake attention for a compressed cache; the stock one, untouched, for the full caches."""
-    return enable(model) if isinstance(cache, BenchCache) else contextlib.nullcontext()
-
-
 def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, int, str]]:
     return [(m, b, p) for m in methods for b in budgets for p in policies if b < length]
 
@@ -76,82 +69,6 @@ def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, 
 def _spec(method: str, policy: str) -> str:
     """A decode config's method spec: ``preset`` keeps the method's own decoding policy."""
     return method if policy == "preset" else f"{method},decode={policy}"
-
-
-class _Decoder:
-    """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
-    host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
-    with ``compiled``, the compiled ones: every cache's step compiled (``compile``:
-    ``torch.compile(fullgraph=True)``, dynamo's defaults as ``generate``'s compile config) and
-    warmed, then timed in interleaved rounds as the eager steps are (:func:`_time_compiled`), so
-    a busy moment of the host falls on every cache alike."""
-
-    def __init__(self, model, cache, tok: torch.Tensor, start: int, clock: Clock) -> None:
-        self.model, self.cache, self.tok, self.pos, self.clock = model, cache, tok, start, clock
-        self.eager = greedy_step(model)
-        self.fast = None  # the compiled step, once compiled and warmed
-        self.times, self.compiled_times, self.bytes = [], [], []
-        self.compiled: float | str | None = None  # the compiled column: None when not asked
-
-    def step(self, fn, compiled: bool = False) -> float:
-        pos = torch.full((1, 1), self.pos, dtype=torch.long, device=self.tok.device)
-        if isinstance(self.cache, BenchCache):
-            self.cache.timing = not compiled
-        with _attention_for(self.model, self.cache):
-            t, self.tok = self.clock.time(lambda: fn(self.tok, pos, self.cache))
-        self.pos += 1
-        return t
-
-    def warm(self, steps: int) -> None:
-        for _ in range(steps):
-            self.step(self.eager)
-        if isinstance(self.cache, BenchCache):
-            self.cache.decode_hook_s, self.cache.decode_hook_calls = 0.0, 0
-
-    def timed(self, steps: int) -> None:
-        for _ in range(steps):
-            self.times.append(self.step(self.eager))
-            self.bytes.append(cache_kv_bytes(self.cache))
-
-    def compile(self, backend: str, warmup: int) -> None:
-        """Compile this cache's step and run ``warmup`` steps of it (the compiles happen there);
-        where that fails, the compiled column says why (a row entry, not a crash)."""
-        if not getattr(self.cache, "is_compileable", False):
-            self.compiled = "n/a (not compileable)"
-            return
-        step = torch.compile(greedy_step(self.model, own_code=True), fullgraph=True, backend=backend)
-        try:
-            for _ in range(warmup):
-                self.step(step, compiled=True)
-        except Exception as err:  # noqa: BLE001 - any tracing/compile failure is reported in the row
-            logger.warning("compiled decode failed: %s", " ".join(str(err).split())[:300])
-            self.compiled = f"n/a (compile failed: {type(err).__name__})"
-            return
-        self.fast = step
-
-    def timed_compiled(self, steps: int) -> None:
-        if self.fast is not None:
-            self.compiled_times += [self.step(self.fast, compiled=True) for _ in range(steps)]
-
-
-def _time_compiled(decoders: dict[str, _Decoder], backend: str, warmup: int, steps: int, rounds: int) -> None:
-    """The compiled column of ``decoders``: each compiled and warmed in turn, then ``steps`` timed
-    compiled steps each in ``rounds`` interleaved rounds. Every cache's graphs stay compiled side
-    by side, each cache's step a code object of its own (``greedy_step(own_code=True)``), so
-    dynamo keeps them apart as separate compiles would (its graphs, recompile count and automatic
-    dynamic shapes are per code object); median seconds, or why there is none."""
-    torch._dynamo.reset()
-    for label, dec in decoders.items():
-        logger.info("decode: compiling the step of %s", label)
-        dec.compile(backend, warmup)
-    for r in range(rounds):
-        logger.info("decode: compiled round %d/%d over %d caches", r + 1, rounds, len(decoders))
-        for dec in decoders.values():
-            dec.timed_compiled(steps // rounds)
-    for dec in decoders.values():
-        if dec.fast is not None:
-            dec.compiled = median(dec.compiled_times)
-    torch._dynamo.reset()
 
 
 def run_decode(
@@ -180,7 +97,7 @@ def run_decode(
     method's own).
 
     ``steps`` timed steps per cache, spread over ``rounds`` interleaved rounds; with ``compile``,
-    then as many compiled steps per cache in as many rounds (:func:`_time_compiled`; a str: the
+    then as many compiled steps per cache in as many rounds (:func:`kvcake.bench.decoder.time_compiled`; a str: the
     ``torch.compile`` backend, ``inductor`` for True); ``compile_only``: the methods (``full``,
     ``full-static`` and presets) whose compiled step is measured, None for all (inductor compiles
     take minutes per cache on a CPU).
@@ -225,7 +142,7 @@ def run_decode(
                    ((FLOOR, 0, "-"), floor), *zip(configs, caches, strict=True)]  # fmt: skip
         tok = ids[:, -1:]
         with torch.no_grad():
-            state = {key: _Decoder(model, c, tok, FLOOR_TOKENS if key[0] == FLOOR else length, clock)
+            state = {key: Decoder(model, c, tok, FLOOR_TOKENS if key[0] == FLOOR else length, clock)
                      for key, c in entries}  # fmt: skip
             for dec in state.values():
                 dec.warm(warmup)
@@ -244,7 +161,7 @@ def run_decode(
                     else:
                         chosen[f"{m} {b or ''}".strip()] = dec
                 backend = compile if isinstance(compile, str) else "inductor"
-                _time_compiled(chosen, backend, warmup, steps, rounds)
+                time_compiled(chosen, backend, warmup, steps, rounds)
         full_s = median(state[("full", 0, "-")].times)
         full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
         for (m, b, p), dec in state.items():

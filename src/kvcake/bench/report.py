@@ -331,9 +331,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
             if ratio <= decode_bench.BOUND_TARGET:
                 text += ". "
             elif met:  # some steps, compiled, beat the floor's mode
-                text += (f"; {met} of {len(bound)} presets' best steps are within the target, below that floor "
-                         "where compiled: a compiled step leaves out the dispatch of the forward's ops, which "
-                         "the eager floor includes. ")  # fmt: skip
+                text += (f"; {met} of {len(bound)} presets' best steps are within the target, below that floor where compiled: a compiled step leaves out the dispatch of the forward's ops, which the eager floor includes. ")  # fmt: skip
             else:
                 text += (f": on this device the forward itself, not the cache, sets a step's floor, so "
                          f"{decode_bench.BOUND_TARGET} x the bound is out of any cache's reach in that mode. ")  # fmt: skip
@@ -356,11 +354,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
             text += (f"A decode=fixed step takes {_span(fixed_none)} x the decode=none step of the same method "
                      "and budget: the eviction column plus the probability-returning attention it needs. ")  # fmt: skip
         if len(met_ev) < len(ev):
-            text += ("Where the time goes (`KVCakeCache.after_extend_attention`, every layer, every step, eager): "
-                     "the static step's scoring of the new query row, one victim per head (an `argmin`) and one "
-                     "in-place copy per stored tensor (`kvcake.step`), a few dozen ATen ops a layer (the per-step "
-                     "counts), so on a CPU the host's dispatch of those ops more than their bytes; compiled, the "
-                     "same work runs inside the step's one graph (the compiled column), where no hook is timed. ")  # fmt: skip
+            text += ("Where the time goes (`KVCakeCache.after_extend_attention`, every layer, every step, eager): the static step's scoring of the new query row, one victim per head (an `argmin`) and one in-place copy per stored tensor (`kvcake.step`), a few dozen ATen ops a layer (the per-step counts), so on a CPU the host's dispatch of those ops more than their bytes; compiled, the same work runs inside the step's one graph (the compiled column), where no hook is timed. ")  # fmt: skip
         parts += [text, ""]
     rag = [r for r in rows if r["length"] == result["ragged_length"] and r["method"] in ("snapkv", "adakv")]
     if rag:
