@@ -9,7 +9,9 @@ so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with the read ban
 in the same run (``bandwidth.measure``). Compressing the cache can therefore speed a step up by at
 most ``(W + C_full) / (W + C_method)``: the "allowed" speed-up the achieved one is compared with.
 The ``floor`` row is the model's own step with only :data:`FLOOR_TOKENS` tokens cached, decoded in
-the same rounds: what a step costs on the device with next to no cache to read.
+the same rounds (and compiled whenever ``compile`` is on): what a step costs on the device with next
+to no cache to read. ``matmul_s`` times the weights' matrix products alone (:func:`matmul_probe`):
+how fast this device's matmul kernels read the weights, the part of the floor no cache touches.
 """
 
 from __future__ import annotations
@@ -42,6 +44,16 @@ from .common import (
     weight_bytes,
 )
 from .decoder import Decoder, time_compiled
+from .floor import (
+    FLOOR,
+    FLOOR_TOKENS,
+    best_s,
+    floor_cache,
+    floor_row,
+    floor_words,
+    matmul_probe,
+    matmul_ratio,
+)
 from .output import emit
 
 logger = logging.getLogger(__name__)
@@ -54,11 +66,6 @@ EVICT_TARGET = 0.10  # decoding-time eviction < 10% of a decode step
 BEST_FULL_TARGET = 0.5
 BOUND_TARGET = 1.3
 FULL_STATIC = "full-static"  # the full cache in a transformers StaticCache (compileable)
-# The model's own step with next to nothing cached: a DynamicCache holding the prompt's first
-# FLOOR_TOKENS tokens, decoded in the same rounds. No cache makes a step cheaper than this; its
-# ratio to its read bound says how far this device's step is from reading bytes at all.
-FLOOR = "floor"
-FLOOR_TOKENS = 16
 REFERENCE_ROWS = ("full", FULL_STATIC, FLOOR)  # the rows that are not methods
 
 
@@ -100,7 +107,7 @@ def run_decode(
     then as many compiled steps per cache in as many rounds (:func:`kvcake.bench.decoder.time_compiled`; a str: the
     ``torch.compile`` backend, ``inductor`` for True); ``compile_only``: the methods (``full``,
     ``full-static`` and presets) whose compiled step is measured, None for all (inductor compiles
-    take minutes per cache on a CPU).
+    take minutes per cache on a CPU); the ``floor`` row's always is, whenever ``compile`` is on.
     ``counts``: also the CPU proxies of a static step per preset (``step_counts.table``: ATen ops,
     host syncs, compiled graphs; a tiny model, deterministic), for the page. Writes ``out/decode.json`` and ``out/decode.png``; returns
     the result dict."""
@@ -115,6 +122,7 @@ def run_decode(
     for length in lengths:
         model, label = models.for_length(length)
         w_bytes = weight_bytes(model)
+        matmul_s, matmul_bytes = matmul_probe(model, clock)
         ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
                                  model.config.vocab_size, models.device)  # fmt: skip
         configs = _decode_configs(methods, budgets, policies, length)
@@ -134,12 +142,8 @@ def run_decode(
             (m, b, p if p != "preset" else c.method.decode)
             for (m, b, p), c in zip(configs, caches, strict=True)
         ]
-        floor = FullCache(model.config)
-        with torch.no_grad():
-            model(ids[:, :FLOOR_TOKENS], **with_cache(model, floor), logits_to_keep=1)
-        floor.tracking = False
         entries = [(("full", 0, "-"), full), ((FULL_STATIC, 0, "-"), static_copy(full, model.config, room)),
-                   ((FLOOR, 0, "-"), floor), *zip(configs, caches, strict=True)]  # fmt: skip
+                   ((FLOOR, 0, "-"), floor_cache(model, ids, room - length)), *zip(configs, caches, strict=True)]  # fmt: skip
         tok = ids[:, -1:]
         with torch.no_grad():
             state = {key: Decoder(model, c, tok, FLOOR_TOKENS if key[0] == FLOOR else length, clock)
@@ -156,7 +160,7 @@ def run_decode(
             if compile:
                 chosen = {}
                 for (m, b, _), dec in state.items():
-                    if compile_only is not None and m not in compile_only:
+                    if compile_only is not None and m not in (*compile_only, FLOOR):
                         dec.compiled = "not measured (--compile-only)"
                     else:
                         chosen[f"{m} {b or ''}".strip()] = dec
@@ -174,9 +178,10 @@ def run_decode(
                 length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=dec.times,
                 compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes,
                 bound_s=(w_bytes + c_bytes) / (band["read_gbps"] * 1e9), speedup=full_s / s, allowed=allowed,
-                fraction=(full_s / s) / allowed, hook_s=hook, hook_share=hook / s,
+                fraction=(full_s / s) / allowed, hook_s=hook, hook_share=hook / s, matmul_s=matmul_s,
+                matmul_bytes=matmul_bytes,
             ))  # fmt: skip
-        del state, entries, caches, full, floor
+        del state, entries, caches, full
         gc.collect()
     result = dict(bench="decode", machine=machine, bandwidth=band, lengths=list(lengths), methods=list(methods),
                   budgets=list(budgets), policies=list(policies), steps=steps, rounds=rounds, warmup=warmup,
@@ -190,17 +195,6 @@ def run_decode(
     return emit(result, "decode", decode_tables(result) if echo else "", plot_decode, out, echo)
 
 
-def best_s(r: dict) -> float:
-    """A row's step at its best: eager, or compiled where that was measured and is faster."""
-    compiled = r.get("compiled_s")
-    return min(r["s"], compiled) if isinstance(compiled, float) else r["s"]
-
-
-def floor_row(rows: list[dict], length: int) -> dict | None:
-    """The :data:`FLOOR` row at ``length``, if the run measured one."""
-    return next((r for r in rows if r["length"] == length and r["method"] == FLOOR), None)
-
-
 def decode_targets(rows: list[dict]) -> list[dict]:
     if not rows:
         return []
@@ -208,11 +202,7 @@ def decode_targets(rows: list[dict]) -> list[dict]:
     fulls = [r for r in rows if r["length"] == longest and r["method"] in ("full", FULL_STATIC)]
     full_best = min(fulls, key=best_s) if fulls else None
     floor = floor_row(rows, longest)
-    below = ""  # what the model's own step costs here, against its own bound
-    if floor is not None:
-        f = best_s(floor)
-        ratio = f / floor["bound_s"]
-        below = f"; the model's own step with {FLOOR_TOKENS} tokens cached: {f * 1e3:.1f} ms, {ratio:.2f} x"
+    below = "" if floor is None else f"; {floor_words(floor)}"  # the model's own step, against its bound
     out = []
     for r in rows:
         if r["length"] != longest or r["method"] in REFERENCE_ROWS:
@@ -274,8 +264,13 @@ def decode_tables(result: dict) -> str:
     head = (f"Decode time per token (median of {result['steps']} steps in {result['rounds']} rounds after "
             f"{result['warmup']} warm-up steps); bound = (weights + KV bytes) / {b['read_gbps']:.1f} GB/s read "
             f"bandwidth measured in this run. `{FLOOR}` is the model's own step with only the prompt's first "
-            f"{FLOOR_TOKENS} tokens cached (a DynamicCache, decoded in the same rounds): no cache makes a step "
-            f"cheaper, so its bound/actual is what this device allows a step at all:")  # fmt: skip
+            f"{FLOOR_TOKENS} tokens cached (a StaticCache, decoded in the same rounds, compiled whenever the run "
+            f"compiles): no cache makes a step cheaper, so its bound/actual is what this device allows a step at all")  # fmt: skip
+    floor = next((r for r in result["rows"] if r["method"] == FLOOR and r.get("matmul_s") is not None), None)
+    if floor is not None:
+        head += (f"; the weights' matmuls alone, one token (`matmul_probe`), take {floor['matmul_s'] * 1e3:.1f} ms "
+                 f"at {floor['length']} tokens, {matmul_ratio(floor):.2f} x their read bound")  # fmt: skip
+    head += ":"
     parts = [head, "", markdown_table(_DECODE_HEADERS, [_row_cells(r) for r in result["rows"]])]
     rag = ragged_table(result)
     if rag:

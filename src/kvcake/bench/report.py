@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import bandwidth as bandwidth_bench
 from . import decode as decode_bench
+from . import floor as floor_bench
 from . import memory as memory_bench
 from . import speed
 from .common import MiB, fmt, markdown_table, median
@@ -320,21 +321,12 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
         missed = sorted({c["method"] for c in best_full + bound if not c["ok"]})
         if missed:
             text += f"Missed by: {', '.join(missed)}. "
-        floor = decode_bench.floor_row(rows, longest)
+        floor = floor_bench.floor_row(rows, longest)
         if floor is not None and bound:
-            f = decode_bench.best_s(floor)
-            ratio = f / floor["bound_s"]
-            how = "compiled" if f < floor["s"] else "eager"
-            met = sum(c["ok"] for c in bound)
-            text += (f"The model's own step with {decode_bench.FLOOR_TOKENS} tokens cached (`{decode_bench.FLOOR}`, "
-                     f"{how}) takes {f * 1e3:.1f} ms, {ratio:.2f} x its bound")  # fmt: skip
-            if ratio <= decode_bench.BOUND_TARGET:
-                text += ". "
-            elif met:  # some steps, compiled, beat the floor's mode
-                text += (f"; {met} of {len(bound)} presets' best steps are within the target, below that floor where compiled: a compiled step leaves out the dispatch of the forward's ops, which the eager floor includes. ")  # fmt: skip
-            else:
-                text += (f": on this device the forward itself, not the cache, sets a step's floor, so "
-                         f"{decode_bench.BOUND_TARGET} x the bound is out of any cache's reach in that mode. ")  # fmt: skip
+            presets = [
+                r for r in rows if r["length"] == longest and r["method"] not in decode_bench.REFERENCE_ROWS
+            ]
+            text += floor_bench.reading(floor, bound, presets, decode_bench.BOUND_TARGET)
         parts += [text, ""]
     if ev:
         met_ev = [c for c in ev if c["ok"]]

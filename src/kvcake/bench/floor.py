@@ -1,0 +1,108 @@
+"""The decode bench's ``floor``: what a step costs on the device with next to no cache to read.
+
+The ``floor`` row is the model's own step with only :data:`FLOOR_TOKENS` tokens cached (a
+``StaticCache``), decoded in the same rounds as every cache and compiled whenever the run compiles.
+No cache makes a step cheaper, so its ratio to its read bound says how far this device's step,
+eager and compiled, is from reading bytes at all; :func:`matmul_probe` times the weights' matrix
+products alone, the part of that step no cache touches. :func:`reading` says what the floor means
+for the read-bound target, for the page.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import StaticCache
+
+from ..adapters import with_cache
+from .caches import FullCache, static_copy
+from .common import Clock, median
+
+FLOOR = "floor"
+FLOOR_TOKENS = 16
+
+
+def floor_cache(model, ids: torch.Tensor, steps: int) -> StaticCache:
+    """The :data:`FLOOR` row's cache: the prompt's first :data:`FLOOR_TOKENS` tokens in a
+    ``StaticCache`` with room for ``steps`` more (compileable, as the full cache's ``full-static``)."""
+    short = FullCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :FLOOR_TOKENS], **with_cache(model, short), logits_to_keep=1)
+    return static_copy(short, model.config, FLOOR_TOKENS + steps)
+
+
+def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
+    """(seconds, bytes): one token's products with every ``nn.Linear`` weight of ``model`` (a
+    (1, in) row times each weight, in its dtype; the output head included), the matrix work of a
+    decode step and nothing else, median of ``repeats`` after one warm-up; and those weights'
+    bytes. Seconds over bytes / read bandwidth is how close this device's matmul kernels come to
+    reading the weights at the measured rate; no cache takes a step below it."""
+    weights = list(
+        {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}.values()
+    )
+    rows = {(w.shape[1], w.dtype): torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+
+    def products() -> None:
+        with torch.no_grad():
+            for w in weights:
+                torch.nn.functional.linear(rows[w.shape[1], w.dtype], w)
+
+    times = [clock.time(products)[0] for _ in range(repeats + 1)]
+    return median(times[1:]), sum(w.numel() * w.element_size() for w in weights)
+
+
+def best_s(r: dict) -> float:
+    """A row's step at its best: eager, or compiled where that was measured and is faster."""
+    compiled = r.get("compiled_s")
+    return min(r["s"], compiled) if isinstance(compiled, float) else r["s"]
+
+
+def floor_row(rows: list[dict], length: int) -> dict | None:
+    """The :data:`FLOOR` row at ``length``, if the run measured one."""
+    return next((r for r in rows if r["length"] == length and r["method"] == FLOOR), None)
+
+
+def floor_words(floor: dict) -> str:
+    """The :data:`FLOOR` row in words: its step at its best against its read bound, and the
+    weights' matmuls alone against theirs, where the run measured them (:func:`matmul_probe`)."""
+    f = best_s(floor)
+    how = "compiled" if f < floor["s"] else "eager"
+    text = f"the model's own step with {FLOOR_TOKENS} tokens cached: {f * 1e3:.1f} ms ({how}), {f / floor['bound_s']:.2f} x"
+    if floor.get("matmul_s") is not None:
+        text += (
+            f"; its weight matmuls alone {floor['matmul_s'] * 1e3:.1f} ms, {matmul_ratio(floor):.2f} x theirs"
+        )
+    return text
+
+
+def matmul_ratio(r: dict) -> float:
+    """The weights' matmuls alone (:func:`matmul_probe`) over their bytes' read bound, from a row
+    (its bound is its weights and KV bytes over the bandwidth of the run)."""
+    return r["matmul_s"] / (r["bound_s"] * r["matmul_bytes"] / (r["weight_bytes"] + r["kv_bytes"]))
+
+
+def reading(floor: dict, bound: list[dict], presets: list[dict], target: float) -> str:
+    """What the floor says of the read-bound target (``target`` x each preset's bound; ``bound``:
+    those checks, ``presets``: their rows): the model's own step (eager, and compiled where
+    measured) and its weight matmuls alone against their bounds, and whether the target is within
+    any cache's reach in the floor's best mode."""
+    f, met = best_s(floor), sum(c["ok"] for c in bound)
+    steps = [f"{floor['s'] * 1e3:.1f} ms eager ({floor['s'] / floor['bound_s']:.2f} x its bound)"]
+    if isinstance(floor.get("compiled_s"), float):
+        steps.append(
+            f"{floor['compiled_s'] * 1e3:.1f} ms compiled ({floor['compiled_s'] / floor['bound_s']:.2f} x)"
+        )
+    text = f"The model's own step with {FLOOR_TOKENS} tokens cached (`{FLOOR}`) takes {' and '.join(steps)}"
+    if floor.get("matmul_s") is not None:
+        text += f"; its weight matmuls alone take {floor['matmul_s'] * 1e3:.1f} ms ({matmul_ratio(floor):.2f} x their read bound)"
+    if f <= target * floor["bound_s"]:
+        return text + ". "
+    if isinstance(floor.get("compiled_s"), float):  # compiled, the floor is still over the target
+        lo, hi = min(best_s(r) for r in presets) / f, max(best_s(r) for r in presets) / f
+        return (text + f": {target} x the bound is {f / floor['bound_s'] / target - 1:.0%} below the model's own "
+                f"compiled step on this device, out of any cache's reach here; the presets' best steps are "
+                f"{lo:.2f}-{hi:.2f} x that floor step ({met} of {len(bound)} within the target). ")  # fmt: skip
+    if met:  # some steps, compiled, beat the floor's eager mode
+        return (text + f"; {met} of {len(bound)} presets' best steps are within the target, below that floor where "
+                "compiled: a compiled step leaves out the dispatch of the forward's ops, which the eager floor includes. ")  # fmt: skip
+    return (text + f": on this device the forward itself, not the cache, sets a step's floor, so {target} x the "
+            "bound is out of any cache's reach in that mode. ")  # fmt: skip
