@@ -174,11 +174,16 @@ class KVCakeCache(Cache):
         # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
         self.split: HeadSplit | None = find_split(model)
 
+    @property
+    def _waiting(self) -> bool:
+        """Whether a layer's prefill work waits for this update: a stage or an eviction."""
+        return self.pending_stage is not None or self.pending_norms is not None
+
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, SlidingLayer):  # transformers' own sliding layer, never compressed
-            if self.pending_stage is not None or self.pending_norms is not None:  # the previous layer's
+            if self._waiting:  # the previous layer's stage or eviction
                 self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self._track_bytes(layer_idx)
@@ -211,8 +216,8 @@ class KVCakeCache(Cache):
                 f"this KVCakeCache holds a batch of {layer.batch} sequences but got {key_states.shape[0]}: "
                 "a cache serves one batch of prompts, so make a new KVCakeCache per prompt (or batch)"
             )
-        if self.pending_stage is not None or self.pending_norms is not None:  # the previous layer's
-            self._run_stage()  # stage (cascade.PendingStage) or eviction (pending_norms.PendingNorms)
+        if self._waiting:  # the previous layer's stage (cascade.PendingStage) or eviction
+            self._run_stage()  # (pending_norms.PendingNorms)
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
         self._unconsumed = layer_idx
         model_kwargs = kwargs.get("kwargs")

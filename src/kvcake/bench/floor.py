@@ -98,9 +98,10 @@ def reading(floor: dict, bound: list[dict], presets: list[dict], target: float) 
         return text + ". "
     if isinstance(floor.get("compiled_s"), float):  # compiled, the floor is still over the target
         lo, hi = min(best_s(r) for r in presets) / f, max(best_s(r) for r in presets) / f
+        how = "compiled" if f < floor["s"] else "eager"
         return (text + f": {target} x the bound is {f / floor['bound_s'] / target - 1:.0%} below the model's own "
-                f"compiled step on this device, out of any cache's reach here; the presets' best steps are "
-                f"{lo:.2f}-{hi:.2f} x that floor step ({met} of {len(bound)} within the target). ")  # fmt: skip
+                f"step at its best ({how}) on this device, out of any cache's reach here; the presets' best steps "
+                f"are {lo:.2f}-{hi:.2f} x that floor step ({met} of {len(bound)} within the target). ")  # fmt: skip
     if met:  # some steps, compiled, beat the floor's eager mode
         return (text + f"; {met} of {len(bound)} presets' best steps are within the target, below that floor where "
                 "compiled: a compiled step leaves out the dispatch of the forward's ops, which the eager floor includes. ")  # fmt: skip
