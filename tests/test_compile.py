@@ -115,7 +115,8 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool |
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch):
     """fullgraph=True raises on any graph break; the second graph is the one with the growing
-    attention mask's length symbolic (transformers' StaticCache gets the same two)."""
+    attention mask's length symbolic (transformers' StaticCache gets the same two here) and, for
+    kvcake's caches, the host ints the step reads (see the ``dynamic=False`` test below)."""
     model = _two_layer_llama()
     graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True)
     _, eager = _decode_kvcake(model, spec, batch, compiled=False)
@@ -134,6 +135,37 @@ def test_a_decode_step_traces_with_symbolic_shapes(spec):
     _, eager = _decode_kvcake(model, spec, 2, compiled=False)
     assert graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@needs_kwargs_handoff
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 22, open: with dynamic=False every step recompiles, on the host ints the step reads "
+    "(layers[i].length through transformers' query offset, get_seq_length; layers[i].room for "
+    "decode=none); dynamo's default makes them symbolic at the second graph. A StaticCache keeps its "
+    "length on the device (cumulative_length) and its mask sizes constant: one graph either way",
+)
+@pytest.mark.parametrize("spec", ["snapkv", "cake"])
+def test_a_decode_step_compiles_into_one_graph_with_dynamic_false(spec):
+    """Batch 1 without a mask (as ``generate`` calls a compileable cache's forward): a
+    transformers ``StaticCache`` compiles into one graph with ``dynamic=False``
+    (``test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside`` decodes so)."""
+    model = _two_layer_llama()
+    torch._dynamo.reset()
+    counter = _GraphCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=False)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    cache = kvcake.KVCakeCache(model, kvcake.make_method(spec, budget=24, window=4), max_cache_len=60 + 6)
+    with kvcake.enable(model), torch.no_grad():
+        tok = model(ids, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
+        for i in range(6):  # fewer than dynamo's recompile limit (8): counted, not raised
+            tok = (
+                step(tok, **with_cache(model, cache), position_ids=torch.tensor([[60 + i]]))
+                .logits[:, -1:]
+                .argmax(-1)
+            )
+    assert counter.graphs == 1
 
 
 @needs_kwargs_handoff
