@@ -50,7 +50,9 @@ for n in $LENGTHS; do
 done
 cp docs/benchmarks-gpu.md "$OUT/" 2>/dev/null
 if [ -n "$COMPILED_METHODS" ]; then
-    timeout "$COMPILED_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$COMPILED_LENGTH" --rounds 1 \
+    # dynamo's recompiles and the CUDA graphs' recordings in the log: whether a kvcake step's second
+    # graph (host counts made symbolic, issue 22) is recorded once or again at every step
+    TORCH_LOGS="${COMPILED_TORCH_LOGS-recompiles,cudagraphs}" timeout "$COMPILED_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$COMPILED_LENGTH" --rounds 1 \
         --methods "$COMPILED_METHODS" --out bench-gpu-compiled --doc "$OUT/benchmarks-gpu-compiled.md" 2>&1 \
         | tee "$OUT/bench-compiled.log" | tail -25
 fi

@@ -34,9 +34,11 @@ INTRO = (
     "are `_local_scalar_dense`, `nonzero`, `masked_select` and indexing with a boolean mask, counted per step (DynamicCache's step has "
     "one: transformers reads the 2-D padding mask back to decide whether it may skip the mask, which "
     "it does not try for a compileable cache). Graphs: `torch.compile(model.forward, fullgraph=True)` with a "
-    "counting backend over the decode steps, `max_cache_len` = prompt + steps; the second graph is "
-    "the recompile that makes the growing attention mask's length symbolic. Target (issue 22): 0 syncs, "
-    "<= 30 extra ops per layer, <= 2 graphs."
+    "counting backend over the decode steps, `max_cache_len` = prompt + steps (dynamo's default, "
+    "`dynamic=None`); the second graph is the recompile that makes what grows per step symbolic: the "
+    "attention mask's length and the host counts the step reads (each layer's `length`, and `room` for "
+    "decode=none; with `dynamic=False` every step recompiles on them, `tests/test_compile.py`). Target "
+    "(issue 22): 0 syncs, <= 30 extra ops per layer, <= 2 graphs."
 )
 # ``BOOLEAN_INDEX``: indexing with a boolean mask (``t[mask]``, ``t[mask] = v``), which dispatches
 # one ``aten.index`` / ``aten.index_put_`` op that on a GPU runs ``nonzero`` inside (its output's
@@ -45,7 +47,12 @@ BOOLEAN_INDEX = "aten.index (boolean mask)"
 SYNCING = frozenset(
     {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default", BOOLEAN_INDEX}
 )
-_INDEXING = ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default", "aten._index_put_impl_.default")
+_INDEXING = (
+    "aten.index.Tensor",
+    "aten.index_put.default",
+    "aten.index_put_.default",
+    "aten._index_put_impl_.default",
+)
 PROMPT, BUDGET, WINDOW = 160, 24, 4
 
 
