@@ -8,6 +8,7 @@ Compiling costs tens of seconds on a CPU: the model is tiny (2 layers) and the t
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -114,9 +115,9 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool |
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "h2o", "adakv", "cake-adakv"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch):
-    """fullgraph=True raises on any graph break; the second graph is the one with the growing
-    attention mask's length symbolic (transformers' StaticCache gets the same two here) and, for
-    kvcake's caches, the host ints the step reads (see the ``dynamic=False`` test below)."""
+    """fullgraph=True raises on any graph break; the second graph is the one with the growing 2-D
+    attention mask's length symbolic (without a mask passed in, one graph: the ``dynamic=False``
+    test below)."""
     model = _two_layer_llama()
     graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True)
     _, eager = _decode_kvcake(model, spec, batch, compiled=False)
@@ -137,35 +138,57 @@ def test_a_decode_step_traces_with_symbolic_shapes(spec):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def _decode_without_mask(model, spec: str, steps: int, step, max_cache_len: int):
+    """Prefill 60 tokens eagerly, then ``steps`` single-token steps through ``step``, batch 1 and
+    no mask, as ``generate`` calls a compileable cache's forward. Returns the cache and logits."""
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    cache = kvcake.KVCakeCache(
+        model, kvcake.make_method(spec, budget=24, window=4), max_cache_len=max_cache_len
+    )
+    logits = []
+    with kvcake.enable(model), torch.no_grad():
+        tok = model(ids, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            out = step(tok, **with_cache(model, cache), position_ids=torch.tensor([[60 + i]]))
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+    return cache, torch.cat(logits)
+
+
 @needs_kwargs_handoff
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 22, open: with dynamic=False every step recompiles, on the host ints the step reads "
-    "(layers[i].length through transformers' query offset, get_seq_length; layers[i].room for "
-    "decode=none); dynamo's default makes them symbolic at the second graph. A StaticCache keeps its "
-    "length on the device (cumulative_length) and its mask sizes constant: one graph either way",
-)
-@pytest.mark.parametrize("spec", ["snapkv", "cake"])
-def test_a_decode_step_compiles_into_one_graph_with_dynamic_false(spec):
-    """Batch 1 without a mask (as ``generate`` calls a compileable cache's forward): a
-    transformers ``StaticCache`` compiles into one graph with ``dynamic=False``
-    (``test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside`` decodes so)."""
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
+def test_a_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):
+    """As a ``StaticCache``: the step reads no host count that changes every step (a layer's
+    length is counted on the device while compiling and read back once when asked; the mask's
+    size is fixed where no layer reads the mask; ``decode=none`` counts no room when
+    ``max_cache_len`` reserved it), so ``dynamic=False`` (no symbolic sizes, every changed int a
+    recompile) captures one graph, past dynamo's recompile limit (8) of steps. Before, each step
+    recompiled on ``layers[i].length`` and ``layers[i].room``."""
     model = _two_layer_llama()
     torch._dynamo.reset()
     counter = _GraphCounter()
     step = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=False)
-    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
-    cache = kvcake.KVCakeCache(model, kvcake.make_method(spec, budget=24, window=4), max_cache_len=60 + 6)
-    with kvcake.enable(model), torch.no_grad():
-        tok = model(ids, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
-        for i in range(6):  # fewer than dynamo's recompile limit (8): counted, not raised
-            tok = (
-                step(tok, **with_cache(model, cache), position_ids=torch.tensor([[60 + i]]))
-                .logits[:, -1:]
-                .argmax(-1)
-            )
+    cache, compiled = _decode_without_mask(model, spec, 10, step, 60 + 10)
     assert counter.graphs == 1
+    assert cache.get_seq_length() == 70 and all(cache.layers[i].length == 70 for i in cache.compressed)
+    _, eager = _decode_without_mask(model, spec, 10, model.forward, 60 + 10)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+def test_a_compiled_step_past_max_cache_len_stops_with_a_clear_error(spec):
+    """decode=none reserves room up to ``max_cache_len``; a compiled step counts nothing on the
+    host, so past it a device-side check stops it (a ragged segment's next slot is its
+    neighbour's first: without the check that write would land there). Eagerly the storage
+    grows instead (``test_static.py``)."""
+    from kvcake.step.common import PAST_CAPACITY
+
+    model = _two_layer_llama()
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True)
+    with pytest.raises(RuntimeError, match=re.escape(PAST_CAPACITY[:60])):
+        _decode_without_mask(model, spec, 4, step, 60 + 2)
 
 
 @needs_kwargs_handoff

@@ -141,9 +141,9 @@ class KVCakeCache(Cache):
         self.o_weights: dict[int, torch.Tensor] = {}  # prefill only: CriticalKV's W_O until first eviction
         # prefill only: a cascade stage's head counts (and kept sets, counted on the device) (head_counts.py)
         self.stage_counts: dict[int, tuple] = {}
-        # prefill only: a layer's stage left for the next layer's update (cascade.prefill_stage)
+        # prefill only: a layer's stage left for the next layer's update (cascade.prefill_stage), a
+        # layer's first eviction waiting for the read its value norms need (pending_norms.py)
         self.pending_stage: cascade.PendingStage | None = None
-        # prefill only: a layer's first eviction waiting for the read its value norms need (pending_norms.py)
         self.pending_norms: PendingNorms | None = None
         self.stage_at_scoring = False  # whether the stage running now runs as its layer is scored
         self.prefilled = False
@@ -152,17 +152,14 @@ class KVCakeCache(Cache):
         self._unconsumed: int | None = None
         self._layer_bytes: list[int] | None = None
         self._held_bytes = 0
-        # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N)
-        # on the CPU, -1 = empty, in the layer's order: best first while it is ranked): used by
-        # tests of the cascade's guarantees.
+        # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N) on the
+        # CPU, -1 = empty, in the layer's order: best first while ranked): the cascade's tests.
         self.record = record
         self.history: list[tuple[int, int, torch.Tensor]] = []
         self._stage = -1
-        # progress=True shows a bar over the layers during prefill (long prompts on a CPU).
-        self.progress = progress
+        self.progress = progress  # True: a bar over the layers during prefill (long prompts on a CPU)
         self._bar = None
-        # CAKE's temperatures: resolved once the budget is known (kvcake.temperatures)
-        self.tau: TauChoice | None = None
+        self.tau: TauChoice | None = None  # CAKE's temperatures, once the budget is known (temperatures.py)
         self._fingerprint = (
             model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
         )
@@ -175,8 +172,7 @@ class KVCakeCache(Cache):
         self.split: HeadSplit | None = find_split(model)
 
     @property
-    def _waiting(self) -> bool:
-        """Whether a layer's prefill work waits for this update: a stage or an eviction."""
+    def _waiting(self) -> bool:  # whether a layer's stage or eviction waits for this update
         return self.pending_stage is not None or self.pending_norms is not None
 
     # -- Cache interface -----------------------------------------------------------------------
@@ -289,13 +285,19 @@ class KVCakeCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Static storage (the default) makes a decode step one graph (``tests/test_compile.py``): transformers'
-        ``generate`` then compiles the decoding forward as for its own static caches. Hybrid
-        models' sliding layers are transformers' dynamic ones, so those are not; nor is any cache
-        on a release whose models do not hand ``kwargs`` to ``update`` (``KWARGS_HANDOFF``)."""
+        """Static storage (the default) makes a decode step one graph (``tests/test_compile.py``): ``generate``
+        then compiles the decoding forward as for transformers' static caches. Not with hybrid models'
+        sliding layers (transformers' dynamic ones), nor where models do not hand ``kwargs`` to ``update``."""
         if not KWARGS_HANDOFF:
             return False
         return bool(self.static) and not any(isinstance(layer, SlidingLayer) for layer in self.layers)
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        """(1, 0) in a compiled step where every layer attends from static storage, which never reads
+        the model's mask: a growing size would be a graph a step (a StaticCache fixes its own)."""
+        if torch.compiler.is_compiling() and all(layer.static is not None for layer in self.layers):
+            return 1, 0
+        return super().get_mask_sizes(*args, **kwargs)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:

@@ -35,7 +35,7 @@ class KVCakeLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.length = 0  # logical columns seen
+        self.length = 0  # logical columns seen (a property: see ``length``)
         self.layout = "dense"
         self.plain = True
         self.ranked = False  # entries in the selector's order (each head's best first), not position order
@@ -51,6 +51,18 @@ class KVCakeLayer(CacheLayerMixin):
         # decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
         self.static: str | None = None
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
+
+    @property
+    def length(self) -> int:
+        """Logical columns seen. A compiled decode step counts on the device only (``newest``), so no
+        graph holds a count that changes every step; after such steps it is read back once, when asked."""
+        if self._length_on_device:
+            self._length, self._length_on_device = int(self.newest.reshape(-1)[0]) + 1, False
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length, self._length_on_device = value, False
 
     # -- transformers' CacheLayerMixin interface ---------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -72,7 +84,10 @@ class KVCakeLayer(CacheLayerMixin):
             self.to_static()  # after its first eviction (after a multi-token append, the attention laid it out)
         if self.static is not None:  # in place, positions on the device: no host int
             self.step.append(self, key_states, value_states)
-            self.length += 1
+            if torch.compiler.is_compiling():
+                self._length_on_device = True  # written, never read, in the graph (``length``)
+            else:
+                self.length += 1
             return self.keys, self.values
         qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
         pos = torch.where(valid, qpos, torch.full_like(qpos, -1)) if valid is not None else qpos
@@ -99,14 +114,15 @@ class KVCakeLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        # transformers builds the mask over logical columns; the kvcake attention maps it onto
-        # what the layer physically holds through ``positions``. Older transformers 5.x (5.0) pass the
-        # new tokens' cache_position (a tensor) instead of their count.
+        # the mask is over logical columns, which the kvcake attention maps through ``positions``;
+        # transformers 5.0 passes the new tokens' cache_position (a tensor), not their count.
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.length + query_length, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        if self.static is not None and torch.compiler.is_compiling():  # a 0-d tensor, as a compiled
+            return self.newest.reshape(-1)[0] + 1  # StaticLayer's (its cumulative_length)
         return self.length
 
     def get_max_length(self) -> int:
@@ -125,8 +141,7 @@ class KVCakeLayer(CacheLayerMixin):
         )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # Refused for every layout (README: beam search is not supported): the cache's
-        # per-sequence state (budgets, decoding budgets) is not reordered with the beams.
+        # Refused for every layout (README: no beam search): per-sequence budgets are not reordered.
         raise NotImplementedError(
             "beam search is not supported with a compressed KV cache (kvcake): use greedy decoding "
             "or sampling (num_beams=1), or a plain DynamicCache for beam search"
@@ -171,6 +186,8 @@ class KVCakeLayer(CacheLayerMixin):
         if budget is not None and max_len is not None:
             budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
         self.step.to_static(self, budget, room)
+        if budget is None and max_len is not None:  # decode=none with room for every token to come:
+            self.room, self.full_at = None, self.length + max(room, 1)  # no count in the step
         mark_static(self)
 
     @property

@@ -35,10 +35,11 @@ INTRO = (
     "one: transformers reads the 2-D padding mask back to decide whether it may skip the mask, which "
     "it does not try for a compileable cache). Graphs: `torch.compile(model.forward, fullgraph=True)` with a "
     "counting backend over the decode steps, `max_cache_len` = prompt + steps (dynamo's default, "
-    "`dynamic=None`); the second graph is the recompile that makes what grows per step symbolic: the "
-    "attention mask's length and the host counts the step reads (each layer's `length`, and `room` for "
-    "decode=none; with `dynamic=False` every step recompiles on them, `tests/test_compile.py`). Target "
-    "(issue 22): 0 syncs, <= 30 extra ops per layer, <= 2 graphs."
+    "`dynamic=None`), the 2-D padding mask passed in and grown by one column a step; the second graph "
+    "is the recompile that makes that mask's length symbolic (transformers' StaticCache takes three "
+    "graphs here; without the mask, as `generate` calls a compileable cache, a kvcake step is one "
+    "graph even with `dynamic=False`: `tests/test_compile.py`). Target (issue 22): 0 syncs, <= 30 extra "
+    "ops per layer, <= 2 graphs."
 )
 # ``BOOLEAN_INDEX``: indexing with a boolean mask (``t[mask]``, ``t[mask] = v``), which dispatches
 # one ``aten.index`` / ``aten.index_put_`` op that on a GPU runs ``nonzero`` inside (its output's

@@ -35,9 +35,11 @@ def prepare(layer, budget: np.ndarray | None) -> dict[str, torch.Tensor | None]:
 
     Everything a step reads that changes per step is a device tensor (``newest``, the position
     of the token being appended; ``used_dev``/``next``, where ``decode=none`` appends;
-    ``free``, the slot the next token takes); the only host int, ``room``, is compared against
-    0 and so is seen by the compiler as a guard that holds until the storage must grow, not as
-    a constant baked into every step."""
+    ``free``, the slot the next token takes); the only host int, ``room``, counts ``decode=none``'s
+    free slots where ``max_cache_len`` is unknown (a compiled step guards on it, symbolic after
+    one recompile); with it known, the room covers every token to come (``layer.full_at``, the
+    length that fills it) and the step counts nothing (past it an eager step grows the storage;
+    a compiled one stops at ``check_room``)."""
     counts = layer.counts
     if budget is not None and int(budget.max()) > int(counts.max()) + MAX_PREALLOCATED:
         raise ValueError(
@@ -102,12 +104,31 @@ def advance(layer, grow: Callable) -> None:
     where none is left, and every head counts one more entry; ``newest`` (B, H_kv, 1) steps to
     the new token's position (after ``grow``, which may lay the layer out anew)."""
     if layer.static == "none":
-        if layer.room <= 0:
-            grow(layer)
-            mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
-        layer.room -= 1
+        if layer.room is None and not torch.compiler.is_compiling() and layer.length >= layer.full_at:
+            layer.room = 0  # past max_cache_len, eagerly: grow and count as without one
+        if layer.room is not None:  # capacity unknown: a host count, which a compiled step guards on
+            if layer.room <= 0:
+                grow(layer)
+                mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
+            layer.room -= 1
         layer.counts = layer.counts + 1
     layer.newest.add_(1)
+
+
+PAST_CAPACITY = (
+    "a compiled decode step went past KVCakeCache(max_cache_len=...), the capacity reserved for "
+    "decode=none: pass max_cache_len=prompt + every token to generate (an eager step grows the storage instead)"
+)
+
+
+def check_room(layer, slot: torch.Tensor, end: torch.Tensor | int) -> None:
+    """In a compiled step whose room was reserved up to ``max_cache_len`` (``layer.room`` None,
+    nothing counted on the host): stop with a clear error where the new token's ``slot`` would be
+    at or past ``end`` (a ragged segment's next slot is its neighbour's first: the write would land
+    there). Nothing orders it before the write, so inductor's own bounds check of a dense write
+    past the buffer may stop the step first, with its message."""
+    if layer.room is None and torch.compiler.is_compiling():
+        torch._assert_async((slot < end).all(), PAST_CAPACITY)
 
 
 # -- attend --------------------------------------------------------------------------------------

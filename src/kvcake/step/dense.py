@@ -26,6 +26,7 @@ from .common import (
     advance,
     attention_probs,
     bias,
+    check_room,
     choose_victim,
     filled,
     finish,
@@ -69,6 +70,7 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     advance(layer, grow)
     if layer.static == "none":
         col = layer.used_dev  # (1,): the same column for every head
+        check_room(layer, col, layer.keys.shape[2])
         layer.keys.index_copy_(2, col, k)
         layer.values.index_copy_(2, col, v)
         layer.positions.index_copy_(2, col, layer.newest)

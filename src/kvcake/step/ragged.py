@@ -37,6 +37,7 @@ from .common import (
     advance,
     attention_with_probs,
     bias,
+    check_room,
     choose_victim,
     finish,
     fused_attention,
@@ -99,6 +100,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
         layer.seq_room = (meta.lengths - 1).to(torch.int32)  # (S,) what a segment holds after an eviction
     if budget is None:  # each segment's first slot after its entries
         layer.next = meta.offsets[:-1].reshape(b, h, 1) + to_device(counts, dev)[..., None]
+        layer.next_end = meta.offsets[1:].reshape(b, h, 1)  # each segment's end (check_room)
         layer.room = int((cap - counts).min())
     finish(layer, budget)
     if budget is not None:  # each segment's first empty slot
@@ -110,6 +112,8 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     opened. k, v: (B, H_kv, 1, d), written at (B, H_kv, 1) flat slots."""
     advance(layer, grow)
     at = layer.next if layer.static == "none" else layer.free
+    if layer.static == "none":
+        check_room(layer, at, layer.next_end)
     if layer.varlen_route != "reference":
         layer.seq_used.add_(1)
     if layer.bias is not None:
