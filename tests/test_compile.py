@@ -173,6 +173,13 @@ def test_a_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):
     assert cache.get_seq_length() == 70 and all(cache.layers[i].length == 70 for i in cache.compressed)
     _, eager = _decode_without_mask(model, spec, 10, model.forward, 60 + 10)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    # eager steps after compiled ones count from the length read back (5 compiled, then 5 eager)
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True, dynamic=False)
+    calls = iter([step] * 5 + [model.forward] * 5)
+    cache, mixed = _decode_without_mask(model, spec, 10, lambda *a, **k: next(calls)(*a, **k), 60 + 10)
+    assert [cache.layers[i].length for i in cache.compressed] == [70] * len(cache.compressed)
+    torch.testing.assert_close(mixed, eager, rtol=0, atol=0)
 
 
 @needs_kwargs_handoff

@@ -35,7 +35,7 @@ class KVCakeLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.length = 0  # logical columns seen (a property: see ``length``)
+        self.length = 0  # logical columns seen (the property below)
         self.layout = "dense"
         self.plain = True
         self.ranked = False  # entries in the selector's order (each head's best first), not position order
@@ -54,8 +54,8 @@ class KVCakeLayer(CacheLayerMixin):
 
     @property
     def length(self) -> int:
-        """Logical columns seen. A compiled decode step counts on the device only (``newest``), so no
-        graph holds a count that changes every step; after such steps it is read back once, when asked."""
+        """Logical columns seen; after compiled decode steps, which count on the device only
+        (``newest``: no graph holds a count that changes every step), read back once when asked."""
         if self._length_on_device:
             self._length, self._length_on_device = int(self.newest.reshape(-1)[0]) + 1, False
         return self._length
@@ -83,11 +83,12 @@ class KVCakeLayer(CacheLayerMixin):
         elif self.static is None and one_step and self.static_plan is not None and not self.plain:
             self.to_static()  # after its first eviction (after a multi-token append, the attention laid it out)
         if self.static is not None:  # in place, positions on the device: no host int
+            seen = None if torch.compiler.is_compiling() else self.length  # read back before ``newest`` moves
             self.step.append(self, key_states, value_states)
-            if torch.compiler.is_compiling():
-                self._length_on_device = True  # written, never read, in the graph (``length``)
+            if seen is None:  # compiling: written, never read, in the graph (``length``)
+                self._length_on_device = True
             else:
-                self.length += 1
+                self.length = seen + 1
             return self.keys, self.values
         qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
         pos = torch.where(valid, qpos, torch.full_like(qpos, -1)) if valid is not None else qpos
@@ -114,8 +115,7 @@ class KVCakeLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        # the mask is over logical columns, which the kvcake attention maps through ``positions``;
-        # transformers 5.0 passes the new tokens' cache_position (a tensor), not their count.
+        # logical columns (the attention maps them through ``positions``); 5.0 passes cache_position
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.length + query_length, 0
