@@ -53,6 +53,7 @@ from .floor import (
     floor_words,
     matmul_probe,
     matmul_ratio,
+    mode,
 )
 from .output import emit
 
@@ -209,11 +210,10 @@ def decode_targets(rows: list[dict]) -> list[dict]:
             continue
         if full_best is not None and any(f["method"] == FULL_STATIC for f in fulls):
             mine, best = best_s(r), best_s(full_best)
-            how = "compiled" if mine < r["s"] else "eager"
             out.append(dict(target=f"step <= {BEST_FULL_TARGET} x the full cache at its best", length=longest,
                             method=r["method"], budget=r["budget"], policy=r["policy"], value=mine / best,
-                            detail=f"{mine * 1e3:.1f} ms ({how}) vs {best * 1e3:.1f} ms ({full_best['method']}, "
-                                   f"{'compiled' if best < full_best['s'] else 'eager'})",
+                            detail=f"{mine * 1e3:.1f} ms ({mode(r)}) vs {best * 1e3:.1f} ms ({full_best['method']}, "
+                                   f"{mode(full_best)})",
                             ok=mine <= BEST_FULL_TARGET * best))  # fmt: skip
             out.append(dict(target=f"step <= {BOUND_TARGET} x its read bound", length=longest, method=r["method"],
                             budget=r["budget"], policy=r["policy"], value=mine / r["bound_s"],

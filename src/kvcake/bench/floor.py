@@ -56,6 +56,11 @@ def best_s(r: dict) -> float:
     return min(r["s"], compiled) if isinstance(compiled, float) else r["s"]
 
 
+def mode(r: dict) -> str:
+    """Which of a row's steps :func:`best_s` picked: ``"compiled"`` or ``"eager"``."""
+    return "compiled" if best_s(r) < r["s"] else "eager"
+
+
 def floor_row(rows: list[dict], length: int) -> dict | None:
     """The :data:`FLOOR` row at ``length``, if the run measured one."""
     return next((r for r in rows if r["length"] == length and r["method"] == FLOOR), None)
@@ -65,8 +70,7 @@ def floor_words(floor: dict) -> str:
     """The :data:`FLOOR` row in words: its step at its best against its read bound, and the
     weights' matmuls alone against theirs, where the run measured them (:func:`matmul_probe`)."""
     f = best_s(floor)
-    how = "compiled" if f < floor["s"] else "eager"
-    text = f"the model's own step with {FLOOR_TOKENS} tokens cached: {f * 1e3:.1f} ms ({how}), {f / floor['bound_s']:.2f} x"
+    text = f"the model's own step with {FLOOR_TOKENS} tokens cached: {f * 1e3:.1f} ms ({mode(floor)}), {f / floor['bound_s']:.2f} x"
     if floor.get("matmul_s") is not None:
         text += (
             f"; its weight matmuls alone {floor['matmul_s'] * 1e3:.1f} ms, {matmul_ratio(floor):.2f} x theirs"
@@ -98,9 +102,8 @@ def reading(floor: dict, bound: list[dict], presets: list[dict], target: float) 
         return text + ". "
     if isinstance(floor.get("compiled_s"), float):  # compiled, the floor is still over the target
         lo, hi = min(best_s(r) for r in presets) / f, max(best_s(r) for r in presets) / f
-        how = "compiled" if f < floor["s"] else "eager"
         return (text + f": {target} x the bound is {f / floor['bound_s'] / target - 1:.0%} below the model's own "
-                f"step at its best ({how}) on this device, out of any cache's reach here; the presets' best steps "
+                f"step at its best ({mode(floor)}) on this device, out of any cache's reach here; the presets' best steps "
                 f"are {lo:.2f}-{hi:.2f} x that floor step ({met} of {len(bound)} within the target). ")  # fmt: skip
     if met:  # some steps, compiled, beat the floor's eager mode
         return (text + f"; {met} of {len(bound)} presets' best steps are within the target, below that floor where "
