@@ -24,6 +24,7 @@ from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
 from .sdpa import check_policy, sdpa_policy
+from .sliding import SlidingLayer, visible_keys
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
@@ -109,6 +110,13 @@ def _make_attention(inner_name: str):
             )
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
+        if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
+            if layer.static is not None:  # one token over the ring, without the model's mask
+                return layer.attend(query, scaling).to(query.dtype), None
+            out = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            layer.to_ring(visible_keys(attention_mask, query.shape[0], key.shape[-2]))  # after the prompt
+            cache._track_bytes(layer_idx)  # (or an append): no decode step converts it
+            return out
         q = query.shape[2]
         if not cache.prefilled and layer.keys.shape[-2] == q and layer.length == q:
             # the prompt: the model's own kernel on the full keys (or the scorer's, which computes

@@ -42,21 +42,19 @@ from .cascade import SequenceBudgets
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
-from .sliding import KVBytes, SlidingLayer, kv_bytes_parts
+from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
 from .tensor_parallel import HeadSplit, find_split
 
-# The key under which ``update`` hands the cache to the kvcake attention function: transformers'
-# attention modules call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then
-# ``attention_interface(..., **kwargs)`` with that same dict, so an entry written here reaches the
-# attention call of the same layer and no other. Plain Python state the compiler traces (a
-# ContextVar, read in every attention call, is not).
+# The key under which ``update`` hands the cache to the kvcake attention function: attention modules
+# call ``cache.update(k, v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)``
+# with that same dict: it reaches that layer's attention call and no other, as Python state the
+# compiler traces (a ContextVar, read in every attention call, is not).
 HANDOFF = "kvcake_cache"
-# Older releases (5.0: ``Cache.update(..., cache_kwargs)``) call ``update(k, v, layer_idx,
-# cache_kwargs)`` with a dict of their own that the attention never sees; there the cache leaves
-# ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING``, which the attention takes back when no
-# hand-off came through its kwargs, eagerly only (the compiler cannot trace a ContextVar, so a
-# KVCakeCache is compileable only where ``KWARGS_HANDOFF``, read off ``Cache.update``'s signature).
+# Older releases (5.0) call ``update(k, v, layer_idx, cache_kwargs)`` with a dict the attention never
+# sees; there the cache leaves ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING`` for the attention,
+# eagerly only (the compiler cannot trace a ContextVar: a KVCakeCache is compileable only where
+# ``KWARGS_HANDOFF``, read off ``Cache.update``'s signature).
 KWARGS_HANDOFF = "cache_kwargs" not in inspect.signature(Cache.update).parameters
 LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
     "kvcake_pending", default=None
@@ -165,6 +163,7 @@ class KVCakeCache(Cache):
         )
         self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
         self.static = bool(static)  # see the class docstring; False: the dynamic reference
+        self._plan_sliding()
         _check_capacity(max_cache_len)
         self._max_cache_len = max_cache_len
         # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
@@ -178,10 +177,12 @@ class KVCakeCache(Cache):
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if isinstance(layer, SlidingLayer):  # transformers' own sliding layer, never compressed
+        if isinstance(layer, SlidingLayer):  # never compressed; decoded in a ring (sliding.py)
             if self._waiting:  # the previous layer's stage or eviction
                 self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
+            if layer.plan:  # the kvcake attention attends the ring, or moves the layer into it
+                self._hand_off(layer_idx, keys, kwargs)
             self._track_bytes(layer_idx)
             return keys, values
         if (
@@ -215,14 +216,18 @@ class KVCakeCache(Cache):
         if self._waiting:  # the previous layer's stage (cascade.PendingStage) or eviction
             self._run_stage()  # (pending_norms.PendingNorms)
         keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
+        self._hand_off(layer_idx, keys, kwargs)
+        self._track_bytes(layer_idx)
+        return keys, values
+
+    def _hand_off(self, layer_idx: int, keys: torch.Tensor, kwargs: dict) -> None:
+        """Leave this cache to layer ``layer_idx``'s kvcake attention (which ``consume``s it)."""
         self._unconsumed = layer_idx
         model_kwargs = kwargs.get("kwargs")
         if isinstance(model_kwargs, dict):  # the dict the model passes on to its attention function
             model_kwargs[HANDOFF] = self
         else:  # an older release's own cache_kwargs (5.0): the attention reads this back, eagerly
             LEGACY_PENDING.set((self, layer_idx, keys))
-        self._track_bytes(layer_idx)
-        return keys, values
 
     def crop(self, tokens_to_remove: int) -> None:
         self.layers[self.compressed[0]].crop(tokens_to_remove)
@@ -245,7 +250,9 @@ class KVCakeCache(Cache):
         max_cache_len)`` for ``decode=none`` (``KVCakeLayer.to_static`` turns it into buffers).
         ``lay_out``: move the layers that evicted something into their buffers now (the end of
         the prompt, so that no decode step converts them); the others move at their first
-        single-token step after an eviction. Nothing for ``static=False``."""
+        single-token step after an eviction. Sliding layers decode in their ring (``sliding.py``).
+        Nothing for ``static=False``."""
+        self._plan_sliding()
         if not self.static:
             return
         fixed = self.method.decode == "fixed"
@@ -255,6 +262,10 @@ class KVCakeCache(Cache):
             if lay_out and not layer.plain and layer.static is None:
                 layer.to_static()
                 self._track_bytes(lid)
+
+    def _plan_sliding(self) -> None:  # with static storage, in a ring (sliding.py; the kwargs hand-off)
+        for layer in (x for x in self.layers if isinstance(x, SlidingLayer)):
+            layer.plan = self.static and KWARGS_HANDOFF
 
     def serve(self, static: bool) -> None:
         """Choose how a prefilled cache kept in the dynamic layout (a compressed context) decodes:
@@ -277,27 +288,29 @@ class KVCakeCache(Cache):
         """Move the layers in static storage back to the dynamic layout, which holds exactly the
         kept entries (what a context file saves); they return to static storage at their next
         single-token step."""
-        for lid in self.compressed:
-            layer = self.layers[lid]
-            if layer.static is not None:
+        for lid, layer in enumerate(self.layers):
+            if isinstance(layer, SlidingLayer):
+                layer.to_dynamic()
+            elif layer.static is not None:
                 layer.step.to_dynamic(layer)
-                self._track_bytes(lid)
+            self._track_bytes(lid)
 
     @property
     def is_compileable(self) -> bool:
-        """Static storage (the default) makes a decode step one graph (``tests/test_compile.py``): ``generate``
-        then compiles the decoding forward as for transformers' static caches. Not with hybrid models'
-        sliding layers (transformers' dynamic ones), nor where models do not hand ``kwargs`` to ``update``."""
-        if not KWARGS_HANDOFF:
-            return False
-        return bool(self.static) and not any(isinstance(layer, SlidingLayer) for layer in self.layers)
+        """Static storage (the default; sliding layers in their ring) makes a decode step one graph, which
+        ``generate`` compiles as a static cache's; not where models do not hand ``kwargs`` to ``update``."""
+        return KWARGS_HANDOFF and bool(self.static)
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        """(1, 0) in a compiled step where every layer attends from static storage, which never reads
-        the model's mask: a growing size would be a graph a step (a StaticCache fixes its own)."""
-        if torch.compiler.is_compiling() and all(layer.static is not None for layer in self.layers):
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """(1, 0) where no layer reads the mask: a sliding ring's token; compressed layers all in static storage
+        in a compiled step (a growing size would be a graph a step; a StaticCache fixes its own)."""
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length  # (5.0)
+        if isinstance(self.layers[layer_idx], SlidingLayer):
+            if self.layers[layer_idx].static is not None and q == 1:
+                return 1, 0
+        elif torch.compiler.is_compiling() and all(self.layers[i].static for i in self.compressed):
             return 1, 0
-        return super().get_mask_sizes(*args, **kwargs)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -380,19 +393,6 @@ def _check_capacity(max_cache_len: int | None) -> None:
             f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
             f"(or None when unknown), got {max_cache_len!r}"
         )
-
-
-def cache_kv_bytes(cache: Cache) -> int:
-    """Bytes of keys and values any transformers ``Cache`` holds now: ``kv_bytes()`` for a
-    KVCakeCache, else read off its layers' ``keys``/``values`` (e.g. a ``DynamicCache``)."""
-    if isinstance(cache, KVCakeCache):
-        return cache.kv_bytes()
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
 
 
 def new_cache(model: torch.nn.Module, method: Method | str = "cake", **budget_kwargs) -> KVCakeCache:

@@ -1,12 +1,22 @@
-"""Sliding-window layers of hybrid models (Gemma 3, ...): left exactly as transformers keeps them.
+"""Sliding-window layers of hybrid models (Gemma 3, ...): never compressed, decoded in place.
 
 A hybrid model interleaves sliding-window layers, whose cache is already bounded by the window,
 with a few full-attention ("global") layers. A :class:`~kvcake.cache.KVCakeCache` holds a
 :class:`SlidingLayer` for each sliding layer: transformers' own ``DynamicSlidingWindowLayer``
-plus the byte and entry counts kvcake reports. The cache never scores or evicts these layers,
-the kvcake attention hands them straight to the model's kernel, and transformers builds their
-sliding masks from ``get_mask_sizes`` as it does for a ``DynamicCache``. Every compression
-method, budget and allocation applies to the global layers only.
+plus the byte and entry counts kvcake reports. The cache never scores or evicts these layers.
+The prompt, and any multi-token append, go through transformers' own layer and the model's
+kernel and mask, exactly as a ``DynamicCache``'s. Every compression method, budget and
+allocation applies to the global layers only.
+
+Decoding with static storage (the cache's default, ``static=True``), a sliding layer moves at
+its first single-token step into a *ring* of ``window`` slots (``static == "ring"``): token ``p``
+is written in place at slot ``p % window``, over the one that left the window, and the kvcake
+attention reads every slot holding a token (``valid``: not empty, not padding) without the
+model's mask. Nothing in a step depends on a host count (the tokens seen are a device tensor
+while compiling, read back once when asked), so a compiled step is one graph for hybrid models
+too. A multi-token append moves the layer back to transformers' layout first. Slots are in ring
+order, not position order, so the attention sums in another order than the model's kernel on
+the dynamic layer: equal up to float rounding (tests), not bit for bit.
 """
 
 from __future__ import annotations
@@ -14,16 +24,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
-    """transformers' ``DynamicSlidingWindowLayer``, untouched, plus kvcake's bookkeeping.
+    """transformers' ``DynamicSlidingWindowLayer`` plus kvcake's bookkeeping and the ring (module
+    docstring).
 
     Holds keys/values ``(B, H_kv, min(seen, window - 1), d)``, the last ``window - 1`` entries
-    (the query itself makes ``window``)."""
+    (the query itself makes ``window``), or in the ring ``(B, H_kv, window, d)``."""
 
     is_croppable = False  # the cache as a whole cannot be cropped (its global layers evicted)
+
+    def __init__(self, sliding_window: int, **kwargs) -> None:
+        self._seen, self._seen_on_device = 0, False
+        super().__init__(sliding_window, **kwargs)
+        self.plan = False  # decode in the ring (the cache's static storage), from the next step
+        self.static: str | None = None  # "ring" while decoding in place
+        self.valid: torch.Tensor | None = None  # (B, window) bool: ring slots holding a token
+        self.seen: torch.Tensor | None = None  # 0-d long: tokens seen, counted on the device
+
+    @property
+    def cumulative_length(self) -> int:
+        """Tokens seen (transformers' count); read back once from the device after compiled steps."""
+        if self._seen_on_device:
+            self._seen, self._seen_on_device = int(self.seen), False
+        return self._seen
+
+    @cumulative_length.setter
+    def cumulative_length(self, value: int) -> None:
+        self._seen, self._seen_on_device = int(value), False
 
     @property
     def length(self) -> int:
@@ -36,20 +67,131 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
     @property
     def counts(self) -> np.ndarray | None:
-        """(B, H_kv) entries held per sequence and KV head."""
+        """(B, H_kv) entries held per sequence and KV head (in the ring: its slots holding a token
+        or padding, ``min(seen, window)``)."""
         if self.keys is None:
             return None
         b, hkv, n = self.keys.shape[:3]
+        if self.static is not None:
+            n = min(self.length, self.sliding_window)
         return np.full((b, hkv), n, dtype=np.int64)
 
     def kv_bytes(self) -> int:
+        """Bytes held: the ring's slots all count (allocated memory), its ``valid`` flags too."""
         if not self.is_initialized or self.keys is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        held = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return held + (self.valid.numel() if self.valid is not None else 0)
+
+    def dynamic_bytes(self) -> int:
+        """What transformers' ``DynamicSlidingWindowLayer`` holds for the same tokens."""
+        if not self.is_initialized or self.keys is None:
+            return 0
+        b, hkv = self.keys.shape[:2]
+        entry = (
+            self.keys.shape[-1] * self.keys.element_size()
+            + self.values.shape[-1] * self.values.element_size()
+        )
+        return b * hkv * min(self.length, self.sliding_window - 1) * entry
 
     def entries(self) -> int:
         counts = self.counts
         return 0 if counts is None else int(counts.sum())
+
+    # -- transformers' interface ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.static is not None:
+            if key_states.shape[-2] == 1:
+                return self._ring_append(key_states, value_states)
+            self.to_dynamic()  # a multi-token append: transformers' layout, the model's mask
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        if self.static is not None and torch.compiler.is_compiling():
+            return self.seen + 0  # a 0-d tensor, as a StaticLayer's cumulative_length
+        return self.cumulative_length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(
+            "beam search is not supported with a compressed KV cache (kvcake): use greedy decoding "
+            "or sampling (num_beams=1), or a plain DynamicCache for beam search"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.to_dynamic()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.to_dynamic()
+        super().batch_select_indices(indices)
+
+    # -- the ring ------------------------------------------------------------------------------
+    def _slots(self, n: int) -> torch.Tensor:
+        """The ring slots of the last ``n`` tokens seen, oldest first."""
+        seen = self.length
+        return torch.arange(seen - n, seen, device=self.keys.device) % self.sliding_window
+
+    def to_ring(self, visible: torch.Tensor | None = None) -> None:
+        """Move the held window into the ring. ``visible`` (B, n): which of the last ``n`` keys the
+        attention just read are tokens rather than padding (None: all)."""
+        if self.static is not None or not self.plan or self.keys is None:
+            return
+        b, hkv, n, _ = self.keys.shape
+        n = min(n, self.sliding_window - 1, self.length)
+        slots = self._slots(n)
+        keys = self.keys.new_zeros(b, hkv, self.sliding_window, self.keys.shape[-1])
+        values = self.values.new_zeros(b, hkv, self.sliding_window, self.values.shape[-1])
+        keys[:, :, slots] = self.keys[:, :, self.keys.shape[2] - n :]
+        values[:, :, slots] = self.values[:, :, self.values.shape[2] - n :]
+        valid = torch.zeros(b, self.sliding_window, dtype=torch.bool, device=keys.device)
+        valid[:, slots] = True if visible is None else visible[:, visible.shape[1] - n :].to(keys.device)
+        self.keys, self.values, self.valid = keys, values, valid
+        self.seen = torch.tensor(self.length, dtype=torch.long, device=keys.device)
+        self.static = "ring"
+        if not torch.compiler.is_compiling():  # fixed addresses, as transformers' static layers (CUDA graphs)
+            for t in (self.keys, self.values, self.valid, self.seen):
+                torch._dynamo.mark_static_address(t)
+
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values transformers' layer holds (the last ``window - 1`` tokens, oldest
+        first), whichever the layout."""
+        if self.static is None:
+            return self.keys, self.values
+        slots = self._slots(min(self.length, self.sliding_window - 1))
+        return self.keys[:, :, slots], self.values[:, :, slots]
+
+    def to_dynamic(self) -> None:
+        """Back to transformers' layout (:meth:`window`; padding among the tokens stays, as
+        transformers keeps it: the model's mask hides it)."""
+        if self.static is not None:
+            self.keys, self.values = self.window()
+            self.static, self.valid, self.seen = None, None, None
+
+    def _ring_append(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One token written in place at slot ``seen % window``; returns the ring."""
+        slot = torch.remainder(self.seen, self.sliding_window).reshape(1)
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
+        self.valid.index_fill_(1, slot, True)
+        if torch.compiler.is_compiling():  # counted on the device only (``cumulative_length``)
+            self.seen.add_(1)
+            self._seen_on_device = True
+        else:
+            seen = self.length  # read back before the count moves
+            self.seen.add_(1)
+            self.cumulative_length = seen + 1
+        return self.keys, self.values
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """One token's attention over the ring's tokens: query (B, H, 1, d) -> (B, 1, H, d). The
+        GQA group folded into the query rows (keys never repeated), as ``dense_attention``."""
+        b, h, q, d = query.shape
+        hkv = self.keys.shape[1]
+        qs = query.reshape(b, hkv, h // hkv * q, d)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs, self.keys, self.values, attn_mask=self.valid[:, None, None, :], scale=scaling
+        )
+        return out.reshape(b, h, q, -1).transpose(1, 2)
 
 
 @dataclass(frozen=True)
@@ -87,8 +229,8 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
         entries += layer.entries()
         if isinstance(layer, SlidingLayer):
             sliding += held
-            full += held
-            full_entries += layer.entries()
+            full += layer.dynamic_bytes()  # a DynamicCache's window - 1 entries
+            full_entries += layer.batch * layer.keys.shape[1] * min(layer.length, layer.sliding_window - 1)
         else:
             compressed += held
             n = layer.batch * layer.kv_heads * layer.length
@@ -99,6 +241,22 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
             full += n * entry
             full_entries += n
     return KVBytes(sliding, compressed, full, entries, full_entries)
+
+
+def visible_keys(mask, batch: int, n_keys: int) -> torch.Tensor | None:
+    """(B, n_keys) bool: which keys the last query row of the model's attention mask attends (the
+    4-D mask of SDPA, bool, or of the eager kernel, additive; a 2-D padding mask); None: all."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
+        raise ValueError(
+            f"kvcake's sliding-window ring reads the model's attention mask as a tensor, got "
+            f"{type(mask).__name__}: use attn_implementation='sdpa' or 'eager', or KVCakeCache(static=False)"
+        )
+    row = mask[:, 0, -1, -n_keys:] if mask.dim() == 4 else mask[:, -n_keys:]
+    if row.dtype != torch.bool:
+        row = row > torch.finfo(row.dtype).min / 2 if row.is_floating_point() else row != 0
+    return row.expand(batch, -1)
 
 
 def copy_sliding_state(source, target: SlidingLayer) -> None:
@@ -129,3 +287,18 @@ def restore_sliding(layer: SlidingLayer, keys, values, entry: dict, device) -> s
     layer.keys, layer.values = keys.to(device), values.to(device)
     layer.cumulative_length = int(entry["length"])
     return None
+
+
+def cache_kv_bytes(cache: Cache) -> int:
+    """Bytes of keys and values any transformers ``Cache`` holds now: each layer's ``kv_bytes()``
+    where it counts its own (kvcake's layers: static storage and the ring's slots included, as
+    ``KVCakeCache.kv_bytes``), else its ``keys``/``values`` (e.g. a ``DynamicCache``'s)."""
+    total = 0
+    for layer in cache.layers:
+        if callable(getattr(layer, "kv_bytes", None)):
+            total += layer.kv_bytes()
+            continue
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

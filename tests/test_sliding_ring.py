@@ -1,0 +1,175 @@
+"""Hybrid models' sliding layers decode in a ring of ``window`` slots (``kvcake.sliding``): the
+same tokens as transformers' own layer (up to float rounding: the ring sums in slot order), the
+same compiled and eager, and one compiled graph per step even with ``dynamic=False``, where
+transformers' own ``StaticCache`` recompiles at every step on a hybrid model (its sliding layer's
+host count and mask offset)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig, StaticCache
+
+import kvcake
+from kvcake.adapters import with_cache
+from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
+from kvcake.sliding import SlidingLayer
+from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
+
+needs_kwargs_handoff = pytest.mark.skipif(
+    not KWARGS_HANDOFF, reason="this transformers' models do not hand their attention kwargs to cache.update"
+)
+SLIDING = (0, 1, 3, 4)
+
+
+class _GraphCounter:
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _decode(
+    model, step, *, prompt: int, steps: int, batch: int = 1, static: bool = True, spec: str = "snapkv"
+):
+    """Prefill ``prompt`` tokens (left padding of 3 on sequence 1 when ``batch`` is 2), then
+    ``steps`` single-token steps through ``step``; returns the cache and the (steps, B, vocab) logits."""
+    ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1:, :3] = 0
+    cache = KVCakeCache(model, kvcake.make_method(spec, budget=8, window=4), static=static,
+                        max_cache_len=prompt + steps)  # fmt: skip
+    logits = []
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask if batch > 1 else None, **with_cache(model, cache))
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            kw = {}
+            if batch > 1:  # a padded batch passes its growing mask and positions, as generate does
+                mask = torch.cat([mask, torch.ones_like(tok)], 1)
+                kw = dict(attention_mask=mask, position_ids=mask.cumsum(-1)[:, -1:] - 1)
+            else:
+                kw = dict(position_ids=torch.full((1, 1), cache.get_seq_length()))
+            out = step(tok, **with_cache(model, cache), **kw)
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+    return cache, torch.stack(logits)
+
+
+@pytest.mark.parametrize("prompt", [7, 30])  # shorter than the window (12), longer
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_ring_decodes_as_transformers_sliding_layer(prompt, batch):
+    """Eager: the ring (static, the default) against transformers' dynamic sliding layer
+    (``static=False``), across the window's edge, with and without left padding."""
+    model = _tiny_gemma3()
+    ring, got = _decode(model, model.forward, prompt=prompt, steps=20, batch=batch)
+    ref_cache, ref = _decode(model, model.forward, prompt=prompt, steps=20, batch=batch, static=False)
+    assert all(ring.layers[i].static == "ring" for i in SLIDING) == KWARGS_HANDOFF
+    assert all(ref_cache.layers[i].static is None for i in SLIDING)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for i in SLIDING:
+        assert ring.layers[i].cumulative_length == prompt + 20
+        keys, values = ring.layers[i].window()
+        torch.testing.assert_close(keys, ref_cache.layers[i].keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(values, ref_cache.layers[i].values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_multi_token_append_leaves_the_ring_and_comes_back():
+    """A question appended to a compressed context (several tokens) goes through transformers'
+    layer and the model's mask, and the layer is back in its ring after that append: the same
+    logits as the dynamic reference's."""
+    model = _tiny_gemma3()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    follow = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    results = []
+    for static in (True, False):
+        ctx = kvcake.compress(model, ids, "snapkv", budget=8, window=4, static=static)
+        cache = ctx.fork()
+        with kvcake.enable(model), torch.no_grad():
+            steps = [model(follow[:, i : i + 1], **with_cache(model, cache)).logits[0, -1] for i in range(4)]
+            steps.append(model(follow[:, 4:], **with_cache(model, cache)).logits[0, -1])  # 5 tokens at once
+            assert all((cache.layers[i].static == "ring") == (static and KWARGS_HANDOFF) for i in SLIDING)
+            steps += [model(follow[:, i : i + 1], **with_cache(model, cache)).logits[0, -1] for i in range(3)]
+        results.append(torch.stack(steps))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+def test_saving_a_context_after_ring_steps_keeps_transformers_layout(tmp_path):
+    """A file keeps a sliding layer as transformers holds it (the last window - 1 tokens), not the ring."""
+    model = _tiny_gemma3()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    ctx = kvcake.compress(model, ids, "snapkv", budget=8, window=4)
+    cache = ctx.fork()
+    with kvcake.enable(model), torch.no_grad():
+        for t in (5, 6, 7):
+            model(torch.tensor([[t]]), **with_cache(model, cache))
+    cache.compact()
+    for i in SLIDING:
+        layer = cache.layers[i]
+        assert layer.static is None and layer.keys.shape[2] == TINY_GEMMA3_WINDOW - 1
+        assert layer.kv_bytes() == layer.dynamic_bytes()
+
+
+@needs_kwargs_handoff
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
+def test_a_hybrid_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):
+    """The ring counts its tokens on the device while compiling and reads no mask, so a Gemma 3
+    step is one graph over 20 steps across the window's edge, bit-equal to eager ring steps."""
+    model = _tiny_gemma3()
+    torch._dynamo.reset()
+    counter = _GraphCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=False)
+    cache, compiled = _decode(model, step, prompt=10, steps=20, spec=spec)  # fills the window at step 2
+    assert counter.graphs == 1
+    assert all(cache.layers[i].cumulative_length == 30 for i in SLIDING)  # read back from the device
+    _, eager = _decode(model, model.forward, prompt=10, steps=20, spec=spec)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@needs_kwargs_handoff
+@pytest.mark.slow
+def test_transformers_static_cache_recompiles_on_a_hybrid_model_where_the_ring_does_not():
+    """What the ring is measured against: transformers' own StaticCache on the same model and
+    steps, compiled with ``dynamic=False``, recompiles at every step until dynamo's limit fails
+    ``fullgraph``. If a release fixes that, this test says so (and the docs' claim is stale)."""
+    model = _tiny_gemma3()
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True, dynamic=False)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    with torch.no_grad(), pytest.raises(Exception) as failed:
+        tok = model(ids, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
+        for i in range(20):
+            tok = (
+                step(tok, **with_cache(model, cache), position_ids=torch.tensor([[7 + i]]))
+                .logits[:, -1:]
+                .argmax(-1)
+            )
+    assert "ecompile" in type(failed.value).__name__ + str(failed.value)  # FailOnRecompileLimitHit
+
+
+@needs_kwargs_handoff
+@pytest.mark.slow
+def test_kvcake_generate_compiles_a_hybrid_models_decoding_forward():
+    """``kvcake.generate(compile=...)`` on Gemma 3: the cache is compileable, the decoding forward
+    is captured whole, and the tokens are the eager ring's."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _tiny_gemma3()
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    out, cache = kvcake.generate(model, ids, "snapkv", budget=8, window=4, max_new_tokens=20, compile=config)
+    ref, _ = kvcake.generate(model, ids, "snapkv", budget=8, window=4, max_new_tokens=20, do_sample=False)
+    assert cache.is_compileable and 1 <= len(graphs) <= 2
+    assert all(
+        isinstance(cache.layers[i], SlidingLayer) and cache.layers[i].static == "ring" for i in SLIDING
+    )
+    assert torch.equal(out, ref)
