@@ -12,6 +12,7 @@ from transformers import CompileConfig, StaticCache
 
 import kvcake
 from kvcake.adapters import with_cache
+from kvcake.bench.step_counts import SYNCING, step_ops
 from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
 from kvcake.sliding import SlidingLayer
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -173,3 +174,15 @@ def test_kvcake_generate_compiles_a_hybrid_models_decoding_forward():
         isinstance(cache.layers[i], SlidingLayer) and cache.layers[i].static == "ring" for i in SLIDING
     )
     assert torch.equal(out, ref)
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_hybrid_static_decode_step_has_no_host_synchronising_op(batch):
+    """The ring's step reads nothing back from the device (issue 22's proxy for a GPU step), a
+    left-padded batch included: its slot is a device remainder, its tokens a device count."""
+    model = _tiny_gemma3()
+    cache = KVCakeCache(model, kvcake.make_method("snapkv", budget=24, window=4))
+    ops = step_ops(model, cache, batch)
+    assert all(cache.layers[i].static == "ring" for i in SLIDING)
+    assert {k: v for k, v in ops.items() if k in SYNCING} == {}
