@@ -299,7 +299,10 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     )
     assert f"its weight matmuls alone take {floor['matmul_s'] * 1e3:.1f} ms" in page
     # the page's reading of the floor follows the numbers: set them, render, read
-    floor["s"], floor["compiled_s"] = 2.0 * floor["bound_s"], 1.5 * floor["bound_s"]  # over 1.3 x compiled too
+    floor["s"], floor["compiled_s"] = (
+        2.0 * floor["bound_s"],
+        1.5 * floor["bound_s"],
+    )  # over 1.3 x compiled too
     page = report._decode(result, tmp_path, tmp_path / "page.md")
     assert "1.3 x the bound is 15% below the model's own step at its best (compiled) on this device" in page
     assert "out of any cache's reach here" in page
@@ -395,3 +398,19 @@ def test_bench_plugs_into_the_kvcake_command():
         pytest.skip("kvcake.cli has no build_parser")
     args = kvcake_cli.build_parser().parse_args(["-v", "bench", "prefill", "--prefill-lengths", "2k"])
     assert args.run is cli.run and args.verbose == 1 and args.prefill_lengths == (2048,)
+
+
+def test_the_matmul_probe_counts_every_projection_weight_once():
+    """Linear weights and transformers' Conv1D ones (GPT-2's attention and MLP projections), the
+    tied output head once: the bytes a decode step's matrix products read."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    from kvcake.bench.floor import matmul_probe
+    from kvcake.bench.probes import Clock
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    assert any(isinstance(m, Conv1D) for m in model.modules()) and len(weights) == 2 * 4 + 1
+    seconds, nbytes = matmul_probe(model, Clock(torch.device("cpu")), repeats=1)
+    assert seconds > 0 and nbytes == sum(w.numel() * w.element_size() for w in weights.values())

@@ -31,23 +31,29 @@ def floor_cache(model, ids: torch.Tensor, steps: int) -> StaticCache:
 
 
 def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
-    """(seconds, bytes): one token's products with every ``nn.Linear`` weight of ``model`` (a
-    (1, in) row times each weight, in its dtype; the output head included), the matrix work of a
-    decode step and nothing else, median of ``repeats`` after one warm-up; and those weights'
-    bytes. Seconds over bytes / read bandwidth is how close this device's matmul kernels come to
-    reading the weights at the measured rate; no cache takes a step below it."""
-    weights = list(
-        {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}.values()
-    )
-    rows = {(w.shape[1], w.dtype): torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    """(seconds, bytes): one token's products with every projection weight of ``model`` (a (1, in)
+    row times each ``nn.Linear`` weight, and each transformers ``Conv1D`` one, GPT-2's projections;
+    in its dtype; the output head included, a tied weight once), the matrix work of a decode step
+    and nothing else, median of ``repeats`` after one warm-up; and those weights' bytes. Seconds
+    over bytes / read bandwidth is how close this device's matmul kernels come to reading the
+    weights at the measured rate; no cache takes a step below it."""
+    from transformers.pytorch_utils import Conv1D
 
-    def products() -> None:
+    products = {}  # id(weight) -> (weight, its (1, in) row, whether it is Conv1D's (in, out))
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, Conv1D)):
+            conv = isinstance(m, Conv1D)
+            n_in = m.weight.shape[0 if conv else 1]
+            row = torch.ones(1, n_in, dtype=m.weight.dtype, device=m.weight.device)
+            products[id(m.weight)] = (m.weight, row, conv)
+
+    def run() -> None:
         with torch.no_grad():
-            for w in weights:
-                torch.nn.functional.linear(rows[w.shape[1], w.dtype], w)
+            for w, row, conv in products.values():
+                torch.mm(row, w) if conv else torch.nn.functional.linear(row, w)
 
-    times = [clock.time(products)[0] for _ in range(repeats + 1)]
-    return median(times[1:]), sum(w.numel() * w.element_size() for w in weights)
+    times = [clock.time(run)[0] for _ in range(repeats + 1)]
+    return median(times[1:]), sum(w.numel() * w.element_size() for w, _, _ in products.values())
 
 
 def best_s(r: dict) -> float:
