@@ -83,6 +83,16 @@ def test_add_on_the_command_line(tiny_llama, tmp_path, monkeypatch):
     assert "| 64 | snapkv |" in text and "| 64 | layer-defensivekv |" in text
     assert "Rows added since (`--add`" in text and "--methods layer-defensivekv --add" in text
     assert cli.main(["bandwidth", "--add", "--out", str(tmp_path)]) == 2
+    # --add of a bench the page's run did not have: on the page too (it was left out before)
+    decode = ["decode", "--decode-lengths", "64", "--budgets", "24", "--window", "8", "--methods", "snapkv",
+              "--steps", "1", "--rounds", "1", "--out", str(tmp_path), "--add", "--doc", str(page)]  # fmt: skip
+    assert cli.main(decode) == 0
+    text = page.read_text()
+    assert (
+        "## Decode time per token" in text
+        and "| 64 | snapkv |" in text
+        and "| 64 | layer-defensivekv |" in text
+    )
 
 
 def _pair(method, length, s, full_s=10.0):

@@ -190,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     which = BENCHES[:4] if args.which == "all" else (args.which,)
     if args.add and any(b not in ("memory", "prefill", "decode") for b in which):
-        print(f"kvcake bench: --add merges the memory, prefill and decode benches, not {args.which}", file=sys.stderr)
+        print(
+            f"kvcake bench: --add merges the memory, prefill and decode benches, not {args.which}",
+            file=sys.stderr,
+        )
         return 2
     models = None if which == ("bandwidth",) else load_models(args.model, device=device, dtype=dtype)
     attn = models.model.config._attn_implementation if models else "-"
@@ -254,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         added = dict(command=" ".join([prefix, *(shlex.quote(a) for a in argv)]), total_s=total,
                      date=datetime.date.today().isoformat())  # fmt: skip
         run_info["added"] = [*run_info.get("added", []), added]
+        # a bench the page's own run did not have joins it (the page reads the benches listed here)
+        run_info["benches"] = [*run_info["benches"], *(b for b in results if b not in run_info["benches"])]
         write_json(out / "run.json", run_info)
     if args.doc and args.add:  # the page from every result in --out, as `report` writes it
         return _report(args)
