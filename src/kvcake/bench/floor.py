@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from transformers import StaticCache
+from transformers.pytorch_utils import Conv1D
 
 from ..adapters import with_cache
 from .caches import FullCache, static_copy
@@ -37,8 +38,6 @@ def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
     and nothing else, median of ``repeats`` after one warm-up; and those weights' bytes. Seconds
     over bytes / read bandwidth is how close this device's matmul kernels come to reading the
     weights at the measured rate; no cache takes a step below it."""
-    from transformers.pytorch_utils import Conv1D
-
     products = {}  # id(weight) -> (weight, its (1, in) row, whether it is Conv1D's (in, out))
     for m in model.modules():
         if isinstance(m, (torch.nn.Linear, Conv1D)):
