@@ -111,6 +111,13 @@ def test_saving_a_context_after_ring_steps_keeps_transformers_layout(tmp_path):
         layer = cache.layers[i]
         assert layer.static is None and layer.keys.shape[2] == TINY_GEMMA3_WINDOW - 1
         assert layer.kv_bytes() == layer.dynamic_bytes()
+    ring = ctx.fork()
+    with kvcake.enable(model), torch.no_grad():
+        model(torch.tensor([[5]]), **with_cache(model, ring))
+    layer = ring.layers[SLIDING[0]]
+    assert layer.static == "ring"
+    layer.reset()  # nothing of the ring survives a reset
+    assert layer.static is None and layer.seen is None and layer.cumulative_length == 0 and layer.keys is None
 
 
 @needs_kwargs_handoff

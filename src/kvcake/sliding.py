@@ -111,6 +111,11 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             return self.seen + 0  # a 0-d tensor, as a StaticLayer's cumulative_length
         return self.cumulative_length
 
+    def reset(self) -> None:
+        super().reset()
+        self.static, self.valid, self.seen = None, None, None
+        self.cumulative_length = 0
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(
             "beam search is not supported with a compressed KV cache (kvcake): use greedy decoding "
