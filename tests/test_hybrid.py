@@ -8,6 +8,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Mist
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import describe_model, layer_windows, with_cache
+from kvcake.cache import KWARGS_HANDOFF
 from kvcake.sliding import SlidingLayer
 from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -63,7 +64,7 @@ def test_sliding_layers_are_never_evicted(tiny_gemma3, name):
                 for lid in SLIDING:
                     layer = cache.layers[lid]
                     assert layer.cumulative_length == seen
-                    assert layer.static == "ring"  # decoded in place (static storage)
+                    assert (layer.static == "ring") == KWARGS_HANDOFF  # decoded in place (static storage)
                     assert layer.window()[0].shape[2] == TINY_GEMMA3_WINDOW - 1
                 for lid, atol in ((0, 0.0), (1, 1e-5)):  # layer 1 reads layer 0's attention: the ring
                     keys, values = cache.layers[lid].window()  # sums in another order (sliding.py)
@@ -82,8 +83,9 @@ def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
     assert int(counts[0, :, 0].sum()) == 30 * 2
     assert torch.equal(cache.budgets[0], torch.as_tensor(counts[0, :, 0]))
     parts = cache.kv_bytes_parts()
-    # sliding layers in their ring (static storage): window slots and a flag each, a DynamicCache window - 1
-    assert parts.sliding == len(SLIDING) * TINY_GEMMA3_WINDOW * (ENTRY + 1)
+    # sliding layers in their ring (static storage): window slots and a flag each (5.0: no ring, window - 1)
+    ring = TINY_GEMMA3_WINDOW * (ENTRY + 1) if KWARGS_HANDOFF else (TINY_GEMMA3_WINDOW - 1) * ENTRY
+    assert parts.sliding == len(SLIDING) * ring
     assert parts.compressed == (30 + 1) * 2 * ENTRY  # + the spare slot of static decode=fixed storage
     assert parts.total == cache.kv_bytes()
     assert parts.full == len(SLIDING) * (TINY_GEMMA3_WINDOW - 1) * ENTRY + s * len(GLOBAL) * ENTRY

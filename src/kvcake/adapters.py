@@ -65,7 +65,8 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
     layer slides (nothing to compress), chunked layers, encoder-decoders (cross-attention),
     latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention logit
-    soft-capping (Gemma 2). Sliding layers of a hybrid are reported in ``windows``.
+    soft-capping (Gemma 2), attention sinks (GPT-OSS). Sliding layers of a hybrid are reported in
+    ``windows``.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -84,6 +85,12 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             f"{mtype}: attention logit soft-capping (attn_logit_softcapping="
             f"{text.attn_logit_softcapping}) is not supported by kvcake: its scores would read "
             "uncapped attention. Gemma 2 uses it; Gemma 3 does not"
+        )
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise ValueError(
+            f"{mtype}: attention sinks (a learned logit per head in the softmax: GPT-OSS) are not supported by "
+            "kvcake: its attention over the kept entries has no sink term, so decoding would differ from the "
+            "model's; use a DynamicCache for this model"
         )
     windows = layer_windows(text, mtype)
     num_heads = getattr(text, "num_attention_heads", None)
