@@ -12,7 +12,7 @@ from transformers import CompileConfig, StaticCache
 
 import kvcake
 from kvcake.adapters import with_cache
-from kvcake.bench.step_counts import SYNCING, step_ops
+from kvcake.bench.step_counts import SYNCING, GraphCounter, step_ops
 from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
 from kvcake.sliding import SlidingLayer
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -21,15 +21,6 @@ needs_kwargs_handoff = pytest.mark.skipif(
     not KWARGS_HANDOFF, reason="this transformers' models do not hand their attention kwargs to cache.update"
 )
 SLIDING = (0, 1, 3, 4)
-
-
-class _GraphCounter:
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return gm.forward
 
 
 def _decode(
@@ -130,7 +121,7 @@ def test_a_hybrid_decode_step_compiles_into_one_graph_even_with_dynamic_false(sp
     step is one graph over 20 steps across the window's edge, bit-equal to eager ring steps."""
     model = _tiny_gemma3()
     torch._dynamo.reset()
-    counter = _GraphCounter()
+    counter = GraphCounter()
     step = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=False)
     cache, compiled = _decode(model, step, prompt=10, steps=20, spec=spec)  # fills the window at step 2
     assert counter.graphs == 1
@@ -147,7 +138,7 @@ def test_transformers_static_cache_recompiles_on_a_hybrid_model_where_the_ring_d
     ``fullgraph``. If a release fixes that, this test says so (and the docs' claim is stale)."""
     model = _tiny_gemma3()
     torch._dynamo.reset()
-    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True, dynamic=False)
+    step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True, dynamic=False)
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
     cache = StaticCache(config=model.config, max_cache_len=40)
     with torch.no_grad(), pytest.raises(Exception) as failed:

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from .layer import KVCakeLayer
+
 
 class SlidingLayer(DynamicSlidingWindowLayer):
     """transformers' ``DynamicSlidingWindowLayer`` plus kvcake's bookkeeping and the ring (module
@@ -83,16 +85,21 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         held = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return held + (self.valid.numel() if self.valid is not None else 0)
 
-    def dynamic_bytes(self) -> int:
-        """What transformers' ``DynamicSlidingWindowLayer`` holds for the same tokens."""
+    def dynamic_entries(self) -> int:
+        """Entries transformers' ``DynamicSlidingWindowLayer`` holds for the same tokens."""
         if not self.is_initialized or self.keys is None:
             return 0
-        b, hkv = self.keys.shape[:2]
+        return self.keys.shape[0] * self.keys.shape[1] * min(self.length, self.sliding_window - 1)
+
+    def dynamic_bytes(self) -> int:
+        """Bytes of :meth:`dynamic_entries`."""
+        if not self.is_initialized or self.keys is None:
+            return 0
         entry = (
             self.keys.shape[-1] * self.keys.element_size()
             + self.values.shape[-1] * self.values.element_size()
         )
-        return b * hkv * min(self.length, self.sliding_window - 1) * entry
+        return self.dynamic_entries() * entry
 
     def entries(self) -> int:
         counts = self.counts
@@ -116,11 +123,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.static, self.valid, self.seen = None, None, None
         self.cumulative_length = 0
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(
-            "beam search is not supported with a compressed KV cache (kvcake): use greedy decoding "
-            "or sampling (num_beams=1), or a plain DynamicCache for beam search"
-        )
+    reorder_cache = KVCakeLayer.reorder_cache  # refused, as for the compressed layers (the ring's flags too)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.to_dynamic()
@@ -235,7 +238,7 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
         if isinstance(layer, SlidingLayer):
             sliding += held
             full += layer.dynamic_bytes()  # a DynamicCache's window - 1 entries
-            full_entries += layer.batch * layer.keys.shape[1] * min(layer.length, layer.sliding_window - 1)
+            full_entries += layer.dynamic_entries()
         else:
             compressed += held
             n = layer.batch * layer.kv_heads * layer.length
