@@ -186,3 +186,31 @@ def test_a_hybrid_static_decode_step_has_no_host_synchronising_op(batch):
     ops = step_ops(model, cache, batch)
     assert all(cache.layers[i].static == "ring" for i in SLIDING)
     assert {k: v for k, v in ops.items() if k in SYNCING} == {}
+
+
+@needs_kwargs_handoff
+def test_a_fork_of_a_cache_in_its_ring_keeps_static_addresses_and_decodes_on_its_own():
+    """``copy.deepcopy`` (a fork, as ``kvcake.compress``' contexts are forked per question) of a
+    cache already in its ring: the copy's ring buffers are its own and keep dynamo's static-address
+    marks (CUDA graphs would otherwise record them as inputs, copied at every replay), and its
+    steps equal the original's while leaving the original where it was."""
+    import copy
+
+    model = _tiny_gemma3()
+    cache, _ = _decode(model, model.forward, prompt=30, steps=3)
+    fork = copy.deepcopy(cache)
+    for i in SLIDING:
+        ring, copied = cache.layers[i], fork.layers[i]
+        assert copied.static == "ring"
+        for name in ("keys", "values", "valid", "seen"):
+            t, c = getattr(ring, name), getattr(copied, name)
+            assert c.data_ptr() != t.data_ptr()
+            assert getattr(c, "_dynamo_static_input_type", None) == "unguarded", name
+    tok = torch.tensor([[5]])
+    seen = cache.get_seq_length()
+    with kvcake.enable(model), torch.no_grad():
+        pos = torch.full((1, 1), seen)
+        a = model(tok, position_ids=pos, **with_cache(model, fork)).logits
+        assert cache.get_seq_length() == seen and fork.get_seq_length() == seen + 1
+        b = model(tok, position_ids=pos, **with_cache(model, cache)).logits
+    assert torch.equal(a, b)
