@@ -183,6 +183,38 @@ def test_a_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):
 
 
 @needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
+def test_a_compiled_step_reads_no_host_array_and_the_counts_catch_up(spec):
+    """The layers' host counts (numpy) stay out of the compiled step: dynamo would turn each numpy
+    array the step reads into a tensor built from host data at every call, and its update into
+    CPU ops in the graph. The step counts on the device (``step.common.count_step``); read after
+    compiled steps, and after eager ones that follow, the counts equal an eager decode's, for
+    decode=none and decode=fixed, dense and ragged (each head's entries, window included)."""
+    model = _two_layer_llama()
+    torch._dynamo.reset()
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.extend(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        return gm.forward
+
+    step = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+    compiled, _ = _decode_without_mask(model, spec, 6, step, 60 + 10)
+    assert inputs and not [n for n in inputs if n.endswith(("_counts", "_static_budget_host"))]
+    eager, _ = _decode_without_mask(model, spec, 6, model.forward, 60 + 10)
+    layers = [(compiled.layers[i], eager.layers[i]) for i in compiled.compressed]
+    assert all(c.counts_lag for c, _ in layers)  # counted on the device so far
+    for c, e in layers:
+        assert c.counts.tolist() == e.counts.tolist() and not c.counts_lag
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+    calls = iter([step] * 3 + [model.forward] * 3)
+    mixed, _ = _decode_without_mask(model, spec, 6, lambda *a, **k: next(calls)(*a, **k), 60 + 10)
+    for i in mixed.compressed:
+        assert mixed.layers[i].counts.tolist() == eager.layers[i].counts.tolist()
+
+
+@needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["snapkv", "adakv"])
 def test_a_compiled_step_past_max_cache_len_stops_with_a_clear_error(spec):
     """decode=none reserves room up to ``max_cache_len``; a compiled step counts nothing on the

@@ -21,9 +21,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .dense import dense_attention
-from .ragged import RaggedMeta, first_rows, kept_indices, ragged_attention, ranked_rows, to_device
+from .ragged import RaggedMeta, first_rows, kept_indices, pad_probs, ragged_attention, ranked_rows, to_device
 from .step import GROWTH, LAYOUTS
-from .step.common import mark_static
+from .step.common import catch_up_counts, mark_static
 
 
 class KVCakeLayer(CacheLayerMixin):
@@ -32,6 +32,7 @@ class KVCakeLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    counts_lag = False  # compiled steps counted on the device only (``steps``): see ``counts``
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,6 +64,17 @@ class KVCakeLayer(CacheLayerMixin):
     @length.setter
     def length(self, value: int) -> None:
         self._length, self._length_on_device = value, False
+
+    @property
+    def counts(self) -> np.ndarray | None:
+        """(B, H_kv) kept entries, on the host (compiled steps: ``step.common.count_step``)."""
+        return catch_up_counts(self) if self.counts_lag else self._counts
+
+    @counts.setter
+    def counts(self, value: np.ndarray | None) -> None:
+        if self.counts_lag:  # replaced: what the device counted no longer applies
+            self.steps.zero_()
+        self._counts, self.counts_lag = value, False
 
     # -- transformers' CacheLayerMixin interface ---------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -128,8 +140,7 @@ class KVCakeLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # get_max_length's name in older transformers 5.x (5.0)
-        return -1
+    get_max_cache_shape = get_max_length  # its name in older transformers 5.x (5.0)
 
     def reset(self) -> None:
         self.__init__()
@@ -366,21 +377,10 @@ class KVCakeLayer(CacheLayerMixin):
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
-                query,
-                self.keys,
-                self.values,
-                self.positions,
-                self.meta,
-                qpos,
-                scaling,
-                return_probs,
+                query, self.keys, self.values, self.positions, self.meta, qpos, scaling, return_probs
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
-                g = probs.shape[1]
-                padded = torch.zeros(b * self.kv_heads, self.meta.max_len, g, q, device=probs.device)
-                padded[self.meta.seg, self.meta.local] = probs
-                probs = padded.reshape(b, self.kv_heads, self.meta.max_len, g, q).permute(0, 1, 3, 4, 2)
-                probs = probs.reshape(b, h, q, self.meta.max_len)
+                probs = pad_probs(probs, self.meta, b, self.kv_heads)
             return out, probs
         return dense_attention(query, self.keys, self.values, self.positions, qpos, scaling, return_probs)
 

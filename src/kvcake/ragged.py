@@ -161,3 +161,13 @@ def position_rows(meta: RaggedMeta, positions: torch.Tensor, length: int) -> tor
     """(T,) rows of a ragged layout that put each segment's entries in position order (positions
     (T,), each at most ``length``, distinct within a segment): one sort of segment-major keys."""
     return torch.argsort(meta.seg * (length + 1) + positions)
+
+
+def pad_probs(probs: torch.Tensor, meta: RaggedMeta, batch: int, kv_heads: int) -> torch.Tensor:
+    """Ragged attention probabilities (T, G, q) as (B, H_kv * G, q, N) over the padded view
+    (``N = meta.max_len``), 0 on the padding."""
+    g, q = probs.shape[1], probs.shape[2]
+    padded = torch.zeros(batch * kv_heads, meta.max_len, g, q, device=probs.device)
+    padded[meta.seg, meta.local] = probs
+    padded = padded.reshape(batch, kv_heads, meta.max_len, g, q).permute(0, 1, 3, 4, 2)
+    return padded.reshape(batch, kv_heads * g, q, meta.max_len)

@@ -56,6 +56,7 @@ def prepare(layer, budget: np.ndarray | None) -> dict[str, torch.Tensor | None]:
     layer.full = budget is not None and bool((counts == budget).all())
     layer.newest = torch.full((b, h, 1), layer.length - 1, device=dev)  # (B, H_kv, 1) int64
     layer.pos_zero = torch.zeros((), dtype=torch.long, device=dev)  # clamp's lower bound
+    layer.steps = torch.zeros((), dtype=torch.long, device=dev)  # compiled steps not yet in counts
     return padded
 
 
@@ -111,7 +112,7 @@ def advance(layer, grow: Callable) -> None:
                 grow(layer)
                 mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
             layer.room -= 1
-        layer.counts = layer.counts + 1
+        count_step(layer, fixed=False)
     layer.newest.add_(1)
 
 
@@ -262,8 +263,34 @@ def choose_victim(
     if not layer.full:  # a head under its budget takes its first empty slot instead
         victim = torch.where(layer.under > 0, pos.argmin(-1, keepdim=True), victim, out=out)
         layer.under.sub_(1)
-    layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
+    count_step(layer, fixed=True)
     return victim
+
+
+def count_step(layer, fixed: bool) -> None:
+    """The host counts after one appended token: every head one more entry, up to its budget
+    (``fixed``). Eagerly on the host; in a compiled step on the device (``layer.steps``), folded
+    in when the counts are next read (:func:`catch_up_counts`): numpy in a traced step would be
+    tensors built from host data at every call and CPU ops in the step's graph."""
+    if torch.compiler.is_compiling():
+        layer.steps.add_(1)
+        layer.counts_lag = True
+    elif fixed:
+        layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
+    else:
+        layer.counts = layer.counts + 1
+
+
+def catch_up_counts(layer) -> np.ndarray:
+    """The host counts (B, H_kv) with the compiled steps since they were last read folded in
+    (one read of the device, as ``layer.length``'s)."""
+    k = int(layer.steps)
+    layer.steps.zero_()
+    counts = layer._counts + k
+    if layer.static == "fixed":
+        counts = np.minimum(counts, layer.static_budget_host)
+    layer._counts, layer.counts_lag = counts, False
+    return counts
 
 
 # -- back to the reference -----------------------------------------------------------------------

@@ -140,7 +140,7 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
         )  # fmt: skip
         return out, None  # (B, 1, H, d)
     if not return_probs:  # gathered (B, H_kv, M, d), mask (B, H_kv, 1, M)
-        b, hkv = layer.counts.shape
+        b, hkv = layer.batch, layer.kv_heads
         keys, values = layer.keys[layer.pad_heads], layer.values[layer.pad_heads]
         mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]
         return fused_attention(query, keys, values, mask, scaling)
