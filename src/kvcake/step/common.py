@@ -112,7 +112,7 @@ def advance(layer, grow: Callable) -> None:
                 grow(layer)
                 mark_static(layer)  # the new buffers (a compiled step recompiles on them: amortised)
             layer.room -= 1
-        count_step(layer, fixed=False)
+        count_step(layer)
     layer.newest.add_(1)
 
 
@@ -263,22 +263,20 @@ def choose_victim(
     if not layer.full:  # a head under its budget takes its first empty slot instead
         victim = torch.where(layer.under > 0, pos.argmin(-1, keepdim=True), victim, out=out)
         layer.under.sub_(1)
-    count_step(layer, fixed=True)
+    count_step(layer)
     return victim
 
 
-def count_step(layer, fixed: bool) -> None:
+def count_step(layer) -> None:
     """The host counts after one appended token: every head one more entry, up to its budget
-    (``fixed``). Eagerly on the host; in a compiled step on the device (``layer.steps``), folded
+    (decode=fixed). Eagerly on the host; in a compiled step on the device (``layer.steps``), folded
     in when the counts are next read (:func:`catch_up_counts`): numpy in a traced step would be
     tensors built from host data at every call and CPU ops in the step's graph."""
     if torch.compiler.is_compiling():
         layer.steps.add_(1)
         layer.counts_lag = True
-    elif fixed:
-        layer.counts = np.minimum(layer.counts + 1, layer.static_budget_host)
     else:
-        layer.counts = layer.counts + 1
+        layer.counts = _capped(layer, layer.counts + 1)
 
 
 def catch_up_counts(layer) -> np.ndarray:
@@ -286,11 +284,13 @@ def catch_up_counts(layer) -> np.ndarray:
     (one read of the device, as ``layer.length``'s)."""
     k = int(layer.steps)
     layer.steps.zero_()
-    counts = layer._counts + k
-    if layer.static == "fixed":
-        counts = np.minimum(counts, layer.static_budget_host)
-    layer._counts, layer.counts_lag = counts, False
-    return counts
+    layer._counts, layer.counts_lag = _capped(layer, layer._counts + k), False
+    return layer._counts
+
+
+def _capped(layer, counts: np.ndarray) -> np.ndarray:
+    """decode=fixed: no head above its decode budget."""
+    return np.minimum(counts, layer.static_budget_host) if layer.static == "fixed" else counts
 
 
 # -- back to the reference -----------------------------------------------------------------------
