@@ -1,0 +1,107 @@
+"""Host time a compiled decode step spends checking its guards, per preset, beside the model's own
+``StaticCache`` step (the decode page's ``floor``).
+
+    PYTHONPATH=src python3 scripts/guard_cost.py --methods snapkv,cake,cake-adakv
+    PYTHONPATH=src python3 scripts/guard_cost.py --methods snapkv --dump /tmp/guards
+
+Before a compiled step runs, dynamo checks every guard of the graph it picked (the types, shapes
+and values the trace depended on: the model's modules and weights, the cache's layers and their
+tensors) on the host. CUDA graphs (``mode="reduce-overhead"``) replay the kernels, not the guards:
+on a GPU whose step is a few milliseconds this check is host time per token that compiling does
+not remove. Each step here is ``torch.compile(greedy_step(model), fullgraph=True)`` after a
+prefill (``--length`` tokens, budget ``--budget``, ``max_cache_len`` reserved as the decode
+benchmark does); the figure is the median of ``--repeats`` calls of the graph's own guard check
+(``check`` of its guard manager) on the arguments of the next step, the rows' calls interleaved,
+and the number of guards.
+``--dump DIR`` writes each guard tree (``DIR/<method>.txt``) to see what is guarded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo.eval_frame as eval_frame
+
+import kvcake
+from kvcake.adapters import with_cache
+from kvcake.bench.caches import build_cache, greedy_step
+from kvcake.bench.floor import FLOOR_TOKENS, floor_cache
+from kvcake.models import load_model
+
+
+def compiled_guards(model, ids: torch.Tensor, spec: str, budget: int, dump: Path | None) -> dict:
+    """The guards of one preset's compiled step (``floor``: the model's own StaticCache), with the
+    next step's arguments they pass on."""
+    room = 8
+    if spec == "floor":
+        cache, start = floor_cache(model, ids, room), FLOOR_TOKENS
+    else:
+        cache = build_cache(model, spec, budget, max_cache_len=ids.shape[1] + room)
+        cache.timing = False
+        with kvcake.enable(model), torch.no_grad():
+            model(ids, **with_cache(model, cache), logits_to_keep=1)
+        start = ids.shape[1]
+    step = greedy_step(model, own_code=True)  # a code object, so graphs and guards, of its own
+    compiled = torch.compile(step, fullgraph=True)
+    tok = ids[:, -1:].clone()  # (1, 1) contiguous, as every later step's token
+    with kvcake.enable(model), torch.no_grad():
+        for i in range(3):
+            tok = compiled(tok, torch.tensor([[start + i]]), cache)
+        entries = eval_frame._debug_get_cache_entry_list(step.__code__)
+        manager = entries[0].guard_manager  # the newest graph (the first step may have had its own)
+        frame = dict(zip(step.__code__.co_varnames, (tok, torch.tensor([[start + 3]]), cache), strict=False))
+        frame.update(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__), strict=True))
+        if not manager.check(frame):
+            raise RuntimeError(
+                f"{spec}: the guards fail on the next step's arguments:\n{manager.check_verbose(frame)}"
+            )
+    tree = str(manager)
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{spec}.txt").write_text(tree)
+    return dict(method=spec, manager=manager, frame=frame, guards=tree.count("+- ") - tree.count("GuardManager"),
+                tensors=tree.count("TENSOR_MATCH"))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", default="snapkv,cake,adakv,cake-adakv", help="presets, comma-separated")
+    p.add_argument("--length", type=int, default=512, help="prompt tokens")
+    p.add_argument("--budget", type=int, default=128, help="entries per layer")
+    p.add_argument("--repeats", type=int, default=200, help="guard checks timed per preset")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--dump", type=Path, default=None, help="folder for each guard tree")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model()[0]  # the default model (guards depend on its structure, not its weights)
+    ids = torch.randint(
+        100, model.config.vocab_size - 1, (1, args.length), generator=torch.Generator().manual_seed(0)
+    )
+    rows = [compiled_guards(model, ids, spec, args.budget, args.dump)
+            for spec in ["floor", *[m for m in args.methods.split(",") if m]]]  # fmt: skip
+    times = {r["method"]: [] for r in rows}
+    with kvcake.enable(model), torch.no_grad():  # the state the guards were made in
+        for _ in range(args.repeats):  # interleaved: the host's drift spreads over every row
+            for r in rows:
+                t = time.perf_counter()
+                passed = r["manager"].check(r["frame"])
+                times[r["method"]].append(time.perf_counter() - t)
+                if not passed:  # a failing check stops early: its time would mean nothing
+                    raise RuntimeError(
+                        f"{r['method']}: the guards no longer pass: {r['manager'].check_verbose(r['frame'])}"
+                    )
+    print(f"| cache | guard check us (median of {args.repeats}, interleaved) | guards | tensor guards |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['method']} | {statistics.median(times[r['method']]) * 1e6:.0f} | {r['guards']} | {r['tensors']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
