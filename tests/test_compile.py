@@ -215,6 +215,31 @@ def test_a_compiled_step_reads_no_host_array_and_the_counts_catch_up(spec):
 
 
 @needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["snapkv", "cake-adakv"])
+def test_a_compiled_step_leaves_the_byte_counters_alone(spec, monkeypatch):
+    """A static step writes into its buffers, so it holds as many bytes as before: the cache's
+    byte counters (``KVCakeCache._track_bytes``, one int per layer and their total) stay out of
+    the step. Traced, each was guarded and written back after every call by the step's Python
+    around the graph. The bytes and the peak the cache reports after compiled steps are an eager
+    decode's."""
+    traced = []
+    track = KVCakeCache._track_bytes
+
+    def spy(cache, layer_idx):
+        traced.append(torch.compiler.is_compiling())
+        track(cache, layer_idx)
+
+    monkeypatch.setattr(KVCakeCache, "_track_bytes", spy)
+    model = _two_layer_llama()
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True)
+    compiled, _ = _decode_without_mask(model, spec, 4, step, 60 + 4)
+    assert traced and not any(traced)  # the prefill's, eager; none while tracing a step
+    eager, _ = _decode_without_mask(model, spec, 4, model.forward, 60 + 4)
+    assert (compiled.peak_kv_bytes, compiled.kv_bytes()) == (eager.peak_kv_bytes, eager.kv_bytes())
+
+
+@needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["snapkv", "adakv"])
 def test_a_compiled_step_past_max_cache_len_stops_with_a_clear_error(spec):
     """decode=none reserves room up to ``max_cache_len``; a compiled step counts nothing on the

@@ -215,9 +215,11 @@ class KVCakeCache(Cache):
             )
         if self._waiting:  # the previous layer's stage (cascade.PendingStage) or eviction
             self._run_stage()  # (pending_norms.PendingNorms)
-        keys, values = self.layers[layer_idx].update(key_states, value_states, **kwargs)
+        held = layer.keys, layer.values  # a static step writes into them: the same bytes, none to count
+        keys, values = layer.update(key_states, value_states, **kwargs)
         self._hand_off(layer_idx, keys, kwargs)
-        self._track_bytes(layer_idx)
+        if layer.keys is not held[0] or layer.values is not held[1]:
+            self._track_bytes(layer_idx)
         return keys, values
 
     def _hand_off(self, layer_idx: int, keys: torch.Tensor, kwargs: dict) -> None:
@@ -327,18 +329,16 @@ class KVCakeCache(Cache):
         return sum(layer.entries() for layer in self.layers)
 
     def _track_bytes(self, layer_idx: int) -> None:
-        """Update the peak from layer ``layer_idx``'s change (a running total: re-summing every
-        layer on each update would cost O(L) per layer and step)."""
+        """Update the peak from layer ``layer_idx``'s change (a running total, not a sum over layers)."""
         if getattr(self, "_layer_bytes", None) is None or len(self._layer_bytes) != len(self.layers):
             self._layer_bytes = [layer.kv_bytes() for layer in self.layers]
             self._held_bytes = sum(self._layer_bytes)
         new = self.layers[layer_idx].kv_bytes()
         self._held_bytes += new - self._layer_bytes[layer_idx]
         self._layer_bytes[layer_idx] = new
-        now = self._held_bytes
-        self.peak_kv_bytes = max(self.peak_kv_bytes, now)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self._held_bytes)
         if not self.prefilled:
-            self.prefill_peak_kv_bytes = max(self.prefill_peak_kv_bytes, now)
+            self.prefill_peak_kv_bytes = max(self.prefill_peak_kv_bytes, self._held_bytes)
 
     def layer_counts(self) -> np.ndarray:
         """(B, L_g, H_kv) entries kept per sequence, compressed layer and KV head."""
