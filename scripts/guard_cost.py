@@ -27,8 +27,7 @@ import torch
 import torch._dynamo.eval_frame as eval_frame
 
 import kvcake
-from kvcake.adapters import with_cache
-from kvcake.bench.caches import build_cache, greedy_step
+from kvcake.bench.caches import build_cache, greedy_step, shared_prefill
 from kvcake.bench.floor import FLOOR_TOKENS, floor_cache
 from kvcake.models import load_model
 
@@ -41,9 +40,8 @@ def compiled_guards(model, ids: torch.Tensor, spec: str, budget: int, dump: Path
         cache, start = floor_cache(model, ids, room), FLOOR_TOKENS
     else:
         cache = build_cache(model, spec, budget, max_cache_len=ids.shape[1] + room)
-        cache.timing = False
-        with kvcake.enable(model), torch.no_grad():
-            model(ids, **with_cache(model, cache), logits_to_keep=1)
+        cache.timing = False  # as the decode benchmark's compiled steps
+        shared_prefill(model, ids, [cache])
         start = ids.shape[1]
     step = greedy_step(model, own_code=True)  # a code object, so graphs and guards, of its own
     compiled = torch.compile(step, fullgraph=True)

@@ -17,6 +17,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCac
 import kvcake
 from kvcake.adapters import with_cache
 from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
+from kvcake.layer import KVCakeLayer
 
 pytestmark = pytest.mark.slow
 # transformers 5.0's models pass cache.update a cache_kwargs dict of their own: the cache reaches the
@@ -218,18 +219,18 @@ def test_a_compiled_step_reads_no_host_array_and_the_counts_catch_up(spec):
 @pytest.mark.parametrize("spec", ["snapkv", "cake-adakv"])
 def test_a_compiled_step_leaves_the_byte_counters_alone(spec, monkeypatch):
     """A static step writes into its buffers, so it holds as many bytes as before: the cache's
-    byte counters (``KVCakeCache._track_bytes``, one int per layer and their total) stay out of
-    the step. Traced, each was guarded and written back after every call by the step's Python
+    byte counting (``KVCakeCache._track_bytes``: each layer's bytes, one int per layer and their
+    total) stays out of the step. Traced, each was guarded and written back after every call by the step's Python
     around the graph. The bytes and the peak the cache reports after compiled steps are an eager
     decode's."""
     traced = []
-    track = KVCakeCache._track_bytes
+    count = KVCakeLayer.kv_bytes
 
-    def spy(cache, layer_idx):
+    def spy(layer):
         traced.append(torch.compiler.is_compiling())
-        track(cache, layer_idx)
+        return count(layer)
 
-    monkeypatch.setattr(KVCakeCache, "_track_bytes", spy)
+    monkeypatch.setattr(KVCakeLayer, "kv_bytes", spy)
     model = _two_layer_llama()
     torch._dynamo.reset()
     step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True)

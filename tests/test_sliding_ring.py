@@ -114,6 +114,28 @@ def test_saving_a_context_after_ring_steps_keeps_transformers_layout(tmp_path):
 
 
 @needs_kwargs_handoff
+def test_a_compiled_ring_step_leaves_the_byte_counters_alone(monkeypatch):
+    """The ring writes into its slots, as a static compressed layer does into its buffers: no byte
+    counting while a hybrid model's step is traced (``test_compile.py`` for the compressed layers),
+    and the bytes and peak after compiled steps are an eager decode's."""
+    traced = []
+    count = SlidingLayer.kv_bytes
+
+    def spy(layer):
+        traced.append(torch.compiler.is_compiling())
+        return count(layer)
+
+    monkeypatch.setattr(SlidingLayer, "kv_bytes", spy)
+    model = _tiny_gemma3()
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
+    compiled, _ = _decode(model, step, prompt=10, steps=4)
+    assert traced and not any(traced)
+    eager, _ = _decode(model, model.forward, prompt=10, steps=4)
+    assert (compiled.peak_kv_bytes, compiled.kv_bytes()) == (eager.peak_kv_bytes, eager.kv_bytes())
+
+
+@needs_kwargs_handoff
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
 def test_a_hybrid_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):

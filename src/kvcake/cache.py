@@ -145,8 +145,7 @@ class KVCakeCache(Cache):
         self.pending_norms: PendingNorms | None = None
         self.stage_at_scoring = False  # whether the stage running now runs as its layer is scored
         self.prefilled = False
-        self.peak_kv_bytes = 0
-        self.prefill_peak_kv_bytes = 0
+        self.peak_kv_bytes = self.prefill_peak_kv_bytes = 0
         self._unconsumed: int | None = None
         self._layer_bytes: list[int] | None = None
         self._held_bytes = 0
@@ -177,13 +176,14 @@ class KVCakeCache(Cache):
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
+        held = layer.keys, layer.values  # a static step (and the ring) writes into them
         if isinstance(layer, SlidingLayer):  # never compressed; decoded in a ring (sliding.py)
             if self._waiting:  # the previous layer's stage or eviction
                 self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             if layer.plan:  # the kvcake attention attends the ring, or moves the layer into it
                 self._hand_off(layer_idx, keys, kwargs)
-            self._track_bytes(layer_idx)
+            self._track_bytes(layer_idx, held)
             return keys, values
         if (
             not layer.is_initialized
@@ -215,11 +215,9 @@ class KVCakeCache(Cache):
             )
         if self._waiting:  # the previous layer's stage (cascade.PendingStage) or eviction
             self._run_stage()  # (pending_norms.PendingNorms)
-        held = layer.keys, layer.values  # a static step writes into them: the same bytes, none to count
         keys, values = layer.update(key_states, value_states, **kwargs)
         self._hand_off(layer_idx, keys, kwargs)
-        if layer.keys is not held[0] or layer.values is not held[1]:
-            self._track_bytes(layer_idx)
+        self._track_bytes(layer_idx, held)
         return keys, values
 
     def _hand_off(self, layer_idx: int, keys: torch.Tensor, kwargs: dict) -> None:
@@ -234,9 +232,7 @@ class KVCakeCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         self.layers[self.compressed[0]].crop(tokens_to_remove)
 
-    @property
-    def is_croppable(self) -> bool:
-        return False
+    is_croppable = False  # a property of transformers' Cache; a class attribute, as KVCakeLayer's
 
     @property
     def max_cache_len(self) -> int | None:
@@ -328,12 +324,15 @@ class KVCakeCache(Cache):
         """Kept entries over sequences, layers and KV heads."""
         return sum(layer.entries() for layer in self.layers)
 
-    def _track_bytes(self, layer_idx: int) -> None:
+    def _track_bytes(self, layer_idx: int, held: tuple | None = None) -> None:
         """Update the peak from layer ``layer_idx``'s change (a running total, not a sum over layers)."""
+        target = self.layers[layer_idx]
+        if held is not None and target.keys is held[0] and target.values is held[1]:
+            return  # ``held``, its (keys, values) before an update, written in place: the same bytes
         if getattr(self, "_layer_bytes", None) is None or len(self._layer_bytes) != len(self.layers):
             self._layer_bytes = [layer.kv_bytes() for layer in self.layers]
             self._held_bytes = sum(self._layer_bytes)
-        new = self.layers[layer_idx].kv_bytes()
+        new = target.kv_bytes()
         self._held_bytes += new - self._layer_bytes[layer_idx]
         self._layer_bytes[layer_idx] = new
         self.peak_kv_bytes = max(self.peak_kv_bytes, self._held_bytes)
