@@ -52,6 +52,28 @@ def test_two_passes_equal_the_blockwise_route_and_sdpa(s, kv_heads, masked):
     torch.testing.assert_close(sums.sum((1, 2)), 6 * valid.sum(1).float(), rtol=1e-5, atol=1e-3)
 
 
+def test_a_torch_without_aux_requests_is_asked_for_return_lse(monkeypatch):
+    """``AuxRequest`` (``return_lse`` warns from torch 2.14 on) is used where torch has it; a
+    release without it (torch 2.5-2.8) is asked ``return_lse=True``, and the two passes give the
+    same output and sums (a stand-in kernel taking only ``return_lse``, as those releases' does)."""
+    import torch.nn.attention.flex_attention as fa
+
+    q, k, v, valid, mask = _inputs(s=100, pad=50)
+    want = flex.flex_attention_with_column_sums(q, k, v, mask, valid, 0.3, compiled=False)
+    kernel, aux, asked = fa.flex_attention, fa.AuxRequest, []
+
+    def old_kernel(*args, return_lse=False, **kwargs):
+        asked.append(return_lse)
+        out, got = kernel(*args, return_aux=aux(lse=True), **kwargs)
+        return out, got.lse
+
+    monkeypatch.delattr(fa, "AuxRequest")
+    monkeypatch.setattr(fa, "flex_attention", old_kernel)
+    got = flex.flex_attention_with_column_sums(q, k, v, mask, valid, 0.3, compiled=False)
+    assert asked == [True, True]  # both passes
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_causal_blocks_cover_the_triangle_once():
     """The block masks' dense form: causal (full + diagonal blocks) and transposed (partial)."""
     s = 300

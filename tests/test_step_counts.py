@@ -45,11 +45,12 @@ def test_the_sync_counter_sees_a_sync():
 
 def test_the_sync_counter_sees_indexing_with_a_boolean_mask():
     """``t[mask]`` and ``t[mask] = v`` dispatch one indexing op, which on a GPU runs ``nonzero``
-    inside: counted as synchronising (the prefill's evictions hid 1600 of them from the count)."""
+    inside: counted as synchronising (the prefill's evictions hid 1600 of them from the count).
+    ``v`` a tensor: torch 2.15 dispatches ``t[mask] = 0.0`` as ``masked_fill_``, which reads nothing."""
     t, mask = torch.arange(6.0), torch.arange(6) % 2 == 0
     with CountOps() as counter:
         t[mask]
-        t[mask] = 0.0
+        t[mask] = torch.zeros(3)
         t[torch.tensor([0, 2])]  # integer indices: no read back
     assert counter.ops[BOOLEAN_INDEX] == 2
     assert sum(v for k, v in counter.ops.items() if k in SYNCING) == 2

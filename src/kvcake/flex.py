@@ -7,7 +7,7 @@ shape, one layer) it took 313 ms against 13.3 ms for SDPA, and the prefill 6.2 x
 cache's (``scripts/h2o_flex_probe.py``, ``docs/benchmarks-gpu.md``). Here nothing of that size is
 written:
 
-1. ``flex_attention(q, k, v, return_lse=True)``: the output and each query row's log-sum-exp
+1. ``flex_attention(q, k, v)`` with the log-sum-exp asked for: the output and each query row's log-sum-exp
    ``lse_i`` (causal, GQA);
 2. the same kernel transposed: the keys as queries, the queries as keys, ``score_mod`` subtracting
    ``lse_i``. Its softmax normaliser for key ``j`` is ``sum_i exp(s q_i . k_j - lse_i)``, which is
@@ -66,6 +66,18 @@ def _flex():
     if _compiled is None:
         _compiled = torch.compile(flex_attention)
     return _compiled
+
+
+def _with_lse(run, *args, **kwargs):
+    """``run`` (``flex_attention``, compiled or not) returning its output and each query row's
+    log-sum-exp, asked the way this torch takes it: ``return_aux=AuxRequest(lse=True)`` where it
+    has ``AuxRequest`` (``return_lse`` warns from torch 2.14 on), ``return_lse=True`` before."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return run(*args, return_lse=True, **kwargs)
+    out, aux = run(*args, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
 
 
 def causal_blocks(length: int, device: torch.device, *, later: bool, mask_mod=None):
@@ -134,9 +146,7 @@ def flex_attention_with_column_sums(query, key, value, mask, key_valid, scaling,
         forward = causal_blocks(s, dev, later=False, mask_mod=forward_mod)
     transposed = causal_blocks(s, dev, later=True, mask_mod=transposed_mod)
     try:
-        out, lse = run(
-            query, key, value, block_mask=forward, scale=scaling, enable_gqa=g > 1, return_lse=True
-        )
+        out, lse = _with_lse(run, query, key, value, block_mask=forward, scale=scaling, enable_gqa=g > 1)
         lse = lse.float()  # (B, H, S)
 
         def minus_lse(score, bb, hh, i, j):
@@ -144,8 +154,9 @@ def flex_attention_with_column_sums(query, key, value, mask, key_valid, scaling,
 
         keys_as_queries = key.repeat_interleave(g, dim=1) if g > 1 else key  # (B, H, S, d)
         sink = query.new_zeros(b, h, s, 16)  # the transposed pass's values: only its normaliser is read
-        _, log_sums = run(keys_as_queries, query, sink, block_mask=transposed, scale=scaling,
-                          score_mod=minus_lse, return_lse=True)  # fmt: skip
+        _, log_sums = _with_lse(
+            run, keys_as_queries, query, sink, block_mask=transposed, scale=scaling, score_mod=minus_lse
+        )
     except Exception as err:  # noqa: BLE001 - any compile/kernel failure (Triton's are not RuntimeErrors): the blockwise route
         if not compiled:
             raise

@@ -55,6 +55,7 @@ def _keywords(kernel) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
 
 
+@torch.compiler.assume_constant_result  # a compiled step bakes the answer in, never traces the lookup
 def _torch_varlen_takes(name: str) -> bool:
     """Whether this torch's ``varlen_attn`` takes the keyword ``name``: torch 2.11's takes neither
     ``enable_gqa`` nor ``seqused_k`` (its flash kernel does GQA without being asked), later ones
