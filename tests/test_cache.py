@@ -416,7 +416,8 @@ def test_cascade_keeps_a_layer_in_rank_order_between_stages():
         model(ids, **with_cache(model, cache))
     assert len(later) == 119
     assert not any("aten.sort.stable" in ops or "aten.gather.default" in ops for ops in later)
-    assert max(sum(ops.values()) for ops in later) <= 10, later
+    # .numpy() of the host counts dispatches aten.detach (one on torch 2.13, two on 2.7): not counted
+    assert max(sum(n for op, n in ops.items() if op != "aten.detach.default") for ops in later) <= 10, later
     once, _ = prefill(model, ids, make_method("cake-oneshot", budget=32, window=8))
     for a, b in zip(cache.layers, once.layers, strict=True):
         assert not a.ranked

@@ -17,9 +17,11 @@ def declared_floors() -> dict[str, str]:
 
 
 def floor_pins() -> dict[str, str]:
+    """What `make test-floor` pins, and torch's floor from `make test-torch-floor`."""
     makefile = (ROOT / "Makefile").read_text()
     line = re.search(r"^FLOOR_PINS := (.*)$", makefile, re.M).group(1)
-    return dict(pin.split("==") for pin in line.split())
+    torch_floor = re.search(r"^TORCH_FLOOR := (.*)$", makefile, re.M).group(1)
+    return dict(pin.split("==") for pin in [*line.split(), torch_floor])
 
 
 def _same(a: str, b: str) -> bool:
@@ -29,11 +31,11 @@ def _same(a: str, b: str) -> bool:
 
 def test_floor_pins_are_the_declared_floors():
     declared, pinned = declared_floors(), floor_pins()
-    untested = {"torch"}  # only torch 2.13.0 is a cheap install (README: its floor is untested)
-    assert set(declared) - untested == set(pinned), (declared, pinned)
+    assert set(declared) == set(pinned), (declared, pinned)
     for name, version in pinned.items():
         assert _same(version, declared[name]), (
-            f"{name}: make test-floor installs {version}, pyproject declares >={declared[name]}"
+            f"{name}: make test-floor (torch: test-torch-floor) installs {version}, pyproject declares "
+            f">={declared[name]}"
         )
 
 

@@ -58,6 +58,8 @@ def test_a_torch_without_aux_requests_is_asked_for_return_lse(monkeypatch):
     same output and sums (a stand-in kernel taking only ``return_lse``, as those releases' does)."""
     import torch.nn.attention.flex_attention as fa
 
+    if not hasattr(fa, "AuxRequest"):
+        pytest.skip("this torch has no AuxRequest: every other test here runs the return_lse route")
     q, k, v, valid, mask = _inputs(s=100, pad=50)
     want = flex.flex_attention_with_column_sums(q, k, v, mask, valid, 0.3, compiled=False)
     kernel, aux, asked = fa.flex_attention, fa.AuxRequest, []

@@ -288,7 +288,7 @@ class KVCakeLayer(CacheLayerMixin):
         if isinstance(idx, int):  # a copy of the first idx, so that the rest is freed
 
             def take(t):
-                return None if t is None else t[:, :, :idx].clone()
+                return None if t is None else t.narrow(2, 0, idx).clone()  # one slice op on every torch
         else:  # keys and values by whole rows of the flattened heads (a gather with the index
             # expanded over d reads an index per element: ten times slower on a CPU at 4096 x 64)
             rows = (idx + torch.arange(0, b * hkv * n, n, device=idx.device).view(b, hkv, 1)).reshape(-1)
