@@ -11,6 +11,21 @@ from kvcake import KVCakeCache
 from kvcake.adapters import with_cache
 
 
+def calls_while_tracing(monkeypatch, cls, name: str) -> list[bool]:
+    """Wrap ``cls.name`` (a method) so that each call records whether it ran while a compiled
+    step was being traced (``torch.compiler.is_compiling``); the calls go through unchanged.
+    Returns the list the calls append to."""
+    traced: list[bool] = []
+    method = getattr(cls, name)
+
+    def spy(*args, **kwargs):
+        traced.append(torch.compiler.is_compiling())
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, spy)
+    return traced
+
+
 def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     """Random token ids (batch, n) in [3, 128), on the host."""
     g = torch.Generator().manual_seed(seed)

@@ -18,6 +18,7 @@ import kvcake
 from kvcake.adapters import with_cache
 from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
 from kvcake.layer import KVCakeLayer
+from shared_checks import calls_while_tracing
 
 pytestmark = pytest.mark.slow
 # transformers 5.0's models pass cache.update a cache_kwargs dict of their own: the cache reaches the
@@ -223,14 +224,7 @@ def test_a_compiled_step_leaves_the_byte_counters_alone(spec, monkeypatch):
     total) stays out of the step. Traced, each was guarded and written back after every call by the step's Python
     around the graph. The bytes and the peak the cache reports after compiled steps are an eager
     decode's."""
-    traced = []
-    count = KVCakeLayer.kv_bytes
-
-    def spy(layer):
-        traced.append(torch.compiler.is_compiling())
-        return count(layer)
-
-    monkeypatch.setattr(KVCakeLayer, "kv_bytes", spy)
+    traced = calls_while_tracing(monkeypatch, KVCakeLayer, "kv_bytes")
     model = _two_layer_llama()
     torch._dynamo.reset()
     step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True)

@@ -15,6 +15,7 @@ from kvcake.adapters import with_cache
 from kvcake.bench.step_counts import SYNCING, GraphCounter, step_ops
 from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
 from kvcake.sliding import SlidingLayer
+from shared_checks import calls_while_tracing
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
 
 needs_kwargs_handoff = pytest.mark.skipif(
@@ -118,14 +119,7 @@ def test_a_compiled_ring_step_leaves_the_byte_counters_alone(monkeypatch):
     """The ring writes into its slots, as a static compressed layer does into its buffers: no byte
     counting while a hybrid model's step is traced (``test_compile.py`` for the compressed layers),
     and the bytes and peak after compiled steps are an eager decode's."""
-    traced = []
-    count = SlidingLayer.kv_bytes
-
-    def spy(layer):
-        traced.append(torch.compiler.is_compiling())
-        return count(layer)
-
-    monkeypatch.setattr(SlidingLayer, "kv_bytes", spy)
+    traced = calls_while_tracing(monkeypatch, SlidingLayer, "kv_bytes")
     model = _tiny_gemma3()
     torch._dynamo.reset()
     step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
