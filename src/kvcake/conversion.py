@@ -18,10 +18,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .gguf_tokenizer import align_special_tokens, check_tokenizer, read_tokenizer_meta
+
 logger = logging.getLogger("kvcake.models")
 
-# Bump when the layout of a converted folder changes, to invalidate old caches.
-_CACHE_FORMAT = 1
+# Bump when the layout of a converted folder changes, to invalidate old caches. 2: the tokenizer's
+# special tokens set from the GGUF file and the tokenizer checked (``gguf_tokenizer``).
+_CACHE_FORMAT = 2
 _CACHE_META = "kvcake-cache.json"
 
 
@@ -33,8 +36,10 @@ def convert_gguf(
     ``save_pretrained`` refuses a model loaded from GGUF, so this writes the three parts itself:
     the config without its ``quantization_config`` (the weights are no longer quantised), the
     weights with ``safetensors.torch.save_model`` (which stores tied tensors once) and the
-    tokenizer. The folder is built next to ``out_dir`` and moved into place with one rename, so
-    an interrupted conversion never leaves a half-written folder that later loads would trust.
+    tokenizer, its special tokens and BOS flag set from the file's tokenizer keys and checked
+    against them as the folder reloads it (:mod:`kvcake.gguf_tokenizer`). The folder is built
+    next to ``out_dir`` and moved into place with one rename, so an interrupted conversion never
+    leaves a half-written folder that later loads would trust.
 
     Parameters
     ----------
@@ -47,6 +52,12 @@ def convert_gguf(
     -------
     ``(model, tokenizer)`` as loaded from the GGUF file (float32, CPU), e.g. to compare with a
     reload of ``out_dir``.
+
+    Raises
+    ------
+    ValueError
+        The tokenizer transformers converted is not the file's (vocabulary, BOS or EOS); the
+        message names the transformers release to upgrade to. Nothing is written.
     """
     gguf_path = Path(gguf_file).expanduser().resolve()
     if not gguf_path.is_file():
@@ -55,10 +66,10 @@ def convert_gguf(
     meta = _source_meta(gguf_path)
     logger.info("Converting %s to %s (one-off; takes ~20-30 s on 2 CPU cores)", gguf_path.name, target)
     start = time.perf_counter()
+    tokenizer, tokenizer_meta = _aligned_tokenizer(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="sdpa"
     )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -66,8 +77,10 @@ def convert_gguf(
 
     def build(tmp: Path) -> None:
         config.save_pretrained(tmp)
-        safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
+        # what later loads read (the class a folder reloads as depends on its config): before the weights
+        check_tokenizer(AutoTokenizer.from_pretrained(tmp), tokenizer_meta, gguf_path.name)
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         (tmp / _CACHE_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -75,6 +88,16 @@ def convert_gguf(
     _write_atomically(target, build)
     logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return model, tokenizer
+
+
+def _aligned_tokenizer(gguf_path: Path):
+    """The file's tokenizer as transformers converts it, its special tokens and BOS flag set from
+    the file's own keys (:mod:`kvcake.gguf_tokenizer`), and those keys."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    meta = read_tokenizer_meta(gguf_path)
+    if changed := align_special_tokens(tokenizer, meta):
+        logger.info("%s: set from the file's tokenizer keys: %s", gguf_path.name, ", ".join(changed))
+    return tokenizer, meta
 
 
 _VOLATILE_KEYS = frozenset(

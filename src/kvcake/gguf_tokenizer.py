@@ -1,0 +1,185 @@
+"""The tokenizer of a GGUF checkpoint as transformers converts it, checked against the file.
+
+A GGUF file states its tokenizer: the vocabulary with each token's type, the BOS and EOS ids, and
+whether a BOS starts every sequence. transformers' conversion has not always reproduced it within
+kvcake's declared range. Measured on the built-in models (``tokenizer.ggml.*`` keys against what
+``AutoTokenizer.from_pretrained(..., gguf_file=...)`` gives):
+
+- Gemma-3-270M (a SentencePiece vocabulary): 5.0-5.17 lose the order of its merges ("hello" is
+  "h e l l o" under 5.0, "hel lo" under 5.6-5.17; 5.18 on give "hello"), and 5.0-5.22 add no BOS
+  where the file asks for one.
+- SmolLM2-135M-Instruct (byte-level BPE): 5.0-5.17 name ``<|im_start|>`` (id 1) its EOS where the
+  file says ``<|im_end|>`` (id 2), and 5.0 also starts every sequence with ``<|im_start|>``, which
+  the file does not ask for.
+
+The special tokens and the BOS flag are the file's to state, so :func:`align_special_tokens` sets
+them from it. A vocabulary that does not encode its own tokens cannot be mended short of
+rebuilding the tokenizer, so :func:`check_tokenizer` refuses it, naming the upgrade.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import transformers
+
+# Of the file's ordinary tokens (type 1), this many (evenly spaced) are decoded and encoded again:
+# a faithful conversion gives each one back as itself (SmolLM2 99%, Gemma-3 100%, under
+# 5.18-5.24), a conversion without the merge order far fewer (Gemma-3 under 5.0-5.17: 31%).
+_SAMPLE = 1000
+_MIN_SHARE = 0.9
+# The release from which both built-in models' vocabularies convert faithfully (measured above).
+FAITHFUL_FROM = "5.18"
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerMeta:
+    """What a GGUF file says of its tokenizer (``None``: the file does not say)."""
+
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool | None
+    normal_ids: tuple[int, ...]  # the vocabulary's ordinary tokens (type 1)
+
+
+def read_tokenizer_meta(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
+    """The tokenizer keys of the GGUF file at ``path``, read off its header (no tensor is read).
+
+    ``gguf.GGUFReader`` builds a view of every element of every array in the header, 18 s for
+    Gemma-3's 262,144 tokens on two cores; this walks the header once and keeps only the keys it
+    needs (:func:`read_tokenizer_meta_reference` is the reader's answer, which tests compare)."""
+    wanted = {_BOS, _EOS, _ADD_BOS, _TYPES}
+    found: dict[str, Any] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{os.fspath(path)} is not a GGUF file (it does not start with b'GGUF')")
+        end = "<" if struct.unpack_from("<I", buf, 4)[0] < 1 << 16 else ">"  # the version, read both ways
+        if (version := struct.unpack_from(end + "I", buf, 4)[0]) < 2:
+            raise ValueError(f"{os.fspath(path)} is GGUF version {version}; versions 2 and later are read")
+        n_kv = struct.unpack_from(end + "Q", buf, 16)[0]
+        at = 24
+        for _ in range(n_kv):
+            (n,) = struct.unpack_from(end + "Q", buf, at)
+            key = bytes(buf[at + 8 : at + 8 + n]).decode("utf-8")
+            (kind,) = struct.unpack_from(end + "I", buf, at + 8 + n)
+            value, at = _value(buf, at + 12 + n, kind, end, keep=key in wanted)
+            if key in wanted:
+                found[key] = value
+    types = found.get(_TYPES)
+    normal = () if types is None else tuple(int(i) for i in np.flatnonzero(np.asarray(types) == 1))
+    return _meta(found.get(_BOS), found.get(_EOS), found.get(_ADD_BOS), normal)
+
+
+def read_tokenizer_meta_reference(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
+    """:func:`read_tokenizer_meta` through ``gguf.GGUFReader`` (slow: the tests' oracle)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(os.fspath(path)).fields
+
+    def scalar(key: str):
+        field = fields.get(key)
+        return None if field is None or not field.data else field.parts[field.data[0]][0].item()
+
+    types = fields.get(_TYPES)
+    normal = () if types is None else tuple(i for i, p in enumerate(types.data) if types.parts[p][0] == 1)
+    return _meta(scalar(_BOS), scalar(_EOS), scalar(_ADD_BOS), normal)
+
+
+def _meta(bos, eos, add_bos, normal: tuple[int, ...]) -> GGUFTokenizerMeta:
+    return GGUFTokenizerMeta(
+        bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+        add_bos=None if add_bos is None else bool(add_bos), normal_ids=normal,
+    )  # fmt: skip
+
+
+_BOS, _EOS = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
+_ADD_BOS, _TYPES = "tokenizer.ggml.add_bos_token", "tokenizer.ggml.token_type"
+# GGUF value types (the format's numbering): struct codes of the fixed-size ones; 8 string, 9 array.
+_FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _value(buf, at: int, kind: int, end: str, keep: bool) -> tuple[Any, int]:
+    """The value of GGUF type ``kind`` at offset ``at`` (None unless ``keep``) and the offset after it."""
+    if kind in _FIXED:
+        fmt = end + _FIXED[kind]
+        return (struct.unpack_from(fmt, buf, at)[0] if keep else None), at + struct.calcsize(fmt)
+    if kind == _STRING:
+        (n,) = struct.unpack_from(end + "Q", buf, at)
+        return (bytes(buf[at + 8 : at + 8 + n]).decode("utf-8") if keep else None), at + 8 + n
+    if kind != _ARRAY:
+        raise ValueError(f"unknown GGUF value type {kind} at byte {at}: not a GGUF file this reader knows")
+    item, count = struct.unpack_from(end + "IQ", buf, at)
+    at += 12
+    if item in _FIXED:  # one block: read at once
+        dtype = np.dtype(end + _FIXED[item])
+        values = np.frombuffer(buf, dtype=dtype, count=count, offset=at).copy() if keep else None
+        return values, at + count * dtype.itemsize
+    values = [] if keep else None
+    for _ in range(count):
+        value, at = _value(buf, at, item, end, keep)
+        if keep:
+            values.append(value)
+    return values, at
+
+
+def align_special_tokens(tokenizer, meta: GGUFTokenizerMeta) -> list[str]:
+    """Set ``tokenizer``'s BOS and EOS tokens and its BOS flag to what the file states; returns a
+    description of each change (empty when the conversion already agreed)."""
+    changed = []
+    for role, want in (("bos", meta.bos_id), ("eos", meta.eos_id)):
+        if want is not None and getattr(tokenizer, f"{role}_token_id") != want:
+            token = tokenizer.convert_ids_to_tokens(want)
+            changed.append(f"{role}_token {getattr(tokenizer, f'{role}_token')!r} -> {token!r}")
+            setattr(tokenizer, f"{role}_token", token)
+    if meta.add_bos is not None and _adds_bos(tokenizer, meta) != meta.add_bos:
+        tokenizer.add_bos_token = meta.add_bos
+        changed.append(f"add_bos_token -> {meta.add_bos}")
+    return changed
+
+
+def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str) -> None:
+    """Raise ``ValueError`` unless ``tokenizer`` is the one the file ``source`` states: its BOS and
+    EOS ids, whether it starts a sequence with BOS, and its vocabulary (sampled ordinary tokens
+    encode back to themselves)."""
+    wrong = []
+    for role, want in (("BOS", meta.bos_id), ("EOS", meta.eos_id)):
+        got = getattr(tokenizer, f"{role.lower()}_token_id")
+        if want is not None and got != want:
+            wrong.append(f"its {role} token is id {got}, the file's is {want}")
+    if meta.add_bos is not None and _adds_bos(tokenizer, meta) != meta.add_bos:
+        wrong.append(
+            f"it {'adds no' if meta.add_bos else 'adds a'} BOS where the file says add_bos_token={meta.add_bos}"
+        )
+    if meta.normal_ids:
+        step = max(len(meta.normal_ids) // _SAMPLE, 1)
+        sample = meta.normal_ids[::step][:_SAMPLE]
+        back = {i: tokenizer(tokenizer.decode([i]), add_special_tokens=False)["input_ids"] for i in sample}
+        missed = [i for i in sample if back[i] != [i]]
+        if (share := 1 - len(missed) / len(sample)) < _MIN_SHARE:
+            token, pieces = (
+                tokenizer.convert_ids_to_tokens(missed[0]),
+                tokenizer.convert_ids_to_tokens(back[missed[0]]),
+            )
+            wrong.append(
+                f"only {share:.0%} of {len(sample)} of its vocabulary's ordinary tokens encode back to "
+                f"themselves (a faithful conversion: nearly all), e.g. {token!r} -> {pieces}"
+            )
+    if wrong:
+        raise ValueError(
+            f"transformers {transformers.__version__} converted the tokenizer of {source} unfaithfully: "
+            + "; ".join(wrong)
+            + f". transformers {FAITHFUL_FROM} and later convert kvcake's built-in models faithfully: "
+            f"pip install -U 'transformers>={FAITHFUL_FROM}'"
+        )
+
+
+def _adds_bos(tokenizer, meta: GGUFTokenizerMeta) -> bool:
+    """Whether ``tokenizer`` starts an encoded text with the file's BOS."""
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and meta.bos_id is not None and ids[0] == meta.bos_id
