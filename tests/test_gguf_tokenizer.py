@@ -3,6 +3,8 @@ the check and alignment of a converted tokenizer on small byte-pair tokenizers."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
@@ -30,6 +32,10 @@ def _write_gguf(path, endian=None, **keys):
     kw = {} if endian is None else {"endianess": endian}
     w = gguf.GGUFWriter(str(path), "llama", **kw)
     w.add_string("general.name", "tiny")
+    if "model" in keys:
+        w.add_tokenizer_model(keys["model"])
+    if "space" in keys:
+        w.add_add_space_prefix(keys["space"])
     w.add_float32("general.some_float", 0.5)
     w.add_uint64("general.some_u64", 7)
     w.add_array("general.some_strings", ["x", "yz", ""])
@@ -54,7 +60,7 @@ def _write_gguf(path, endian=None, **keys):
     return path
 
 
-FULL = dict(tokens=TOKENS, types=TYPES, merges=MERGES, bos=1, eos=2, add_bos=True)
+FULL = dict(tokens=TOKENS, types=TYPES, merges=MERGES, bos=1, eos=2, add_bos=True, model="gpt2", space=False)
 
 
 @pytest.mark.parametrize("endian", [None, "big"])
@@ -64,7 +70,12 @@ def test_header_reader_equals_gguf_reader(tmp_path, endian):
     meta = read_tokenizer_meta(path)
     assert meta == read_tokenizer_meta_reference(path)
     assert meta == GGUFTokenizerMeta(
-        bos_id=1, eos_id=2, add_bos=True, normal_ids=tuple(range(3, len(TOKENS)))
+        bos_id=1,
+        eos_id=2,
+        add_bos=True,
+        normal_ids=tuple(range(3, len(TOKENS))),
+        model="gpt2",
+        add_space_prefix=False,
     )
 
 
@@ -102,7 +113,9 @@ def _tokenizer(merges=MERGES, add_bos=True, eos="<eos>") -> PreTrainedTokenizerF
     )
 
 
-META = GGUFTokenizerMeta(bos_id=1, eos_id=2, add_bos=True, normal_ids=tuple(range(3, len(TOKENS))))
+META = GGUFTokenizerMeta(
+    bos_id=1, eos_id=2, add_bos=True, normal_ids=tuple(range(3, len(TOKENS))), model="gpt2"
+)
 
 
 def test_faithful_tokenizer_passes():
@@ -122,6 +135,22 @@ def test_vocabulary_without_merges_is_refused_naming_the_upgrade():
     assert f"pip install -U 'transformers>={FAITHFUL_FROM}'" in msg
 
 
+@pytest.mark.parametrize(
+    ("model", "space", "sampled"),
+    [("gpt2", None, True), ("llama", False, True), ("llama", True, False), ("llama", None, False)],
+)
+def test_vocabulary_sampled_only_where_tokens_round_trip(model, space, sampled):
+    """A SentencePiece vocabulary that adds a space before the text (or does not say) encodes a
+    continuation piece as a word start, so only its special tokens are checked."""
+    meta = dataclasses.replace(META, model=model, add_space_prefix=space)
+    assert meta.round_trips is sampled
+    if sampled:
+        with pytest.raises(ValueError, match="encode back"):
+            check_tokenizer(_tokenizer(merges=[]), meta, "t.gguf")
+    else:
+        check_tokenizer(_tokenizer(merges=[]), meta, "t.gguf")
+
+
 def test_wrong_special_tokens_are_refused_then_set_from_the_file():
     tok = _tokenizer(add_bos=False, eos="<unk>")
     with pytest.raises(ValueError, match=r"EOS token is id 0, the file's is 2; it adds no BOS"):
@@ -133,7 +162,7 @@ def test_wrong_special_tokens_are_refused_then_set_from_the_file():
 
 
 def test_a_bos_the_file_does_not_ask_for_is_removed():
-    meta = GGUFTokenizerMeta(bos_id=1, eos_id=2, add_bos=False, normal_ids=META.normal_ids)
+    meta = dataclasses.replace(META, add_bos=False)
     tok = _tokenizer(add_bos=True)
     with pytest.raises(ValueError, match="it adds a BOS where the file says add_bos_token=False"):
         check_tokenizer(tok, meta, "t.gguf")

@@ -14,7 +14,8 @@ kvcake's declared range. Measured on the built-in models (``tokenizer.ggml.*`` k
 
 The special tokens and the BOS flag are the file's to state, so :func:`align_special_tokens` sets
 them from it. A vocabulary that does not encode its own tokens cannot be mended short of
-rebuilding the tokenizer, so :func:`check_tokenizer` refuses it, naming the upgrade.
+rebuilding the tokenizer, so :func:`check_tokenizer` refuses it, naming the upgrade (where the
+vocabulary's tokens can be encoded one at a time: ``GGUFTokenizerMeta.round_trips``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class GGUFTokenizerMeta:
     eos_id: int | None
     add_bos: bool | None
     normal_ids: tuple[int, ...]  # the vocabulary's ordinary tokens (type 1)
+    model: str | None = None  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), ...
+    add_space_prefix: bool | None = None
+
+    @property
+    def round_trips(self) -> bool:
+        """Whether each ordinary token, decoded alone, must encode back to itself: a byte-level
+        BPE vocabulary, or a SentencePiece one that adds no space before the text (Gemma-3). One
+        that does (Llama-2's) would encode a word's continuation ("ing") as a word start ("_ing"),
+        so its vocabulary is not sampled (the special tokens still are)."""
+        return self.model == "gpt2" or (self.model == "llama" and self.add_space_prefix is False)
 
 
 def read_tokenizer_meta(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
@@ -53,7 +64,7 @@ def read_tokenizer_meta(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
     ``gguf.GGUFReader`` builds a view of every element of every array in the header, 18 s for
     Gemma-3's 262,144 tokens on two cores; this walks the header once and keeps only the keys it
     needs (:func:`read_tokenizer_meta_reference` is the reader's answer, which tests compare)."""
-    wanted = {_BOS, _EOS, _ADD_BOS, _TYPES}
+    wanted = {_BOS, _EOS, _ADD_BOS, _TYPES, _MODEL, _SPACE}
     found: dict[str, Any] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
@@ -72,7 +83,9 @@ def read_tokenizer_meta(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
                 found[key] = value
     types = found.get(_TYPES)
     normal = () if types is None else tuple(int(i) for i in np.flatnonzero(np.asarray(types) == 1))
-    return _meta(found.get(_BOS), found.get(_EOS), found.get(_ADD_BOS), normal)
+    return _meta(
+        found.get(_BOS), found.get(_EOS), found.get(_ADD_BOS), normal, found.get(_MODEL), found.get(_SPACE)
+    )
 
 
 def read_tokenizer_meta_reference(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
@@ -85,20 +98,26 @@ def read_tokenizer_meta_reference(path: str | os.PathLike[str]) -> GGUFTokenizer
         field = fields.get(key)
         return None if field is None or not field.data else field.parts[field.data[0]][0].item()
 
+    def string(key: str):
+        field = fields.get(key)
+        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
     types = fields.get(_TYPES)
     normal = () if types is None else tuple(i for i, p in enumerate(types.data) if types.parts[p][0] == 1)
-    return _meta(scalar(_BOS), scalar(_EOS), scalar(_ADD_BOS), normal)
+    return _meta(scalar(_BOS), scalar(_EOS), scalar(_ADD_BOS), normal, string(_MODEL), scalar(_SPACE))
 
 
-def _meta(bos, eos, add_bos, normal: tuple[int, ...]) -> GGUFTokenizerMeta:
+def _meta(bos, eos, add_bos, normal: tuple[int, ...], model, space) -> GGUFTokenizerMeta:
     return GGUFTokenizerMeta(
         bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
-        add_bos=None if add_bos is None else bool(add_bos), normal_ids=normal,
+        add_bos=None if add_bos is None else bool(add_bos), normal_ids=normal, model=model,
+        add_space_prefix=None if space is None else bool(space),
     )  # fmt: skip
 
 
 _BOS, _EOS = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
 _ADD_BOS, _TYPES = "tokenizer.ggml.add_bos_token", "tokenizer.ggml.token_type"
+_MODEL, _SPACE = "tokenizer.ggml.model", "tokenizer.ggml.add_space_prefix"
 # GGUF value types (the format's numbering): struct codes of the fixed-size ones; 8 string, 9 array.
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -146,7 +165,7 @@ def align_special_tokens(tokenizer, meta: GGUFTokenizerMeta) -> list[str]:
 def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str) -> None:
     """Raise ``ValueError`` unless ``tokenizer`` is the one the file ``source`` states: its BOS and
     EOS ids, whether it starts a sequence with BOS, and its vocabulary (sampled ordinary tokens
-    encode back to themselves)."""
+    encode back to themselves, where ``meta.round_trips``)."""
     wrong = []
     for role, want in (("BOS", meta.bos_id), ("EOS", meta.eos_id)):
         got = getattr(tokenizer, f"{role.lower()}_token_id")
@@ -156,7 +175,7 @@ def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str) -> None:
         wrong.append(
             f"it {'adds no' if meta.add_bos else 'adds a'} BOS where the file says add_bos_token={meta.add_bos}"
         )
-    if meta.normal_ids:
+    if meta.normal_ids and meta.round_trips:
         step = max(len(meta.normal_ids) // _SAMPLE, 1)
         sample = meta.normal_ids[::step][:_SAMPLE]
         back = {i: tokenizer(tokenizer.decode([i]), add_special_tokens=False)["input_ids"] for i in sample}
