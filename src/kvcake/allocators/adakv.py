@@ -159,31 +159,24 @@ class AdaKV(HeadAllocator):
     def counts_on_host(self, p: HostPlaces, budget: np.ndarray, window: np.ndarray) -> np.ndarray:
         """:meth:`counts` of the scores :meth:`places` read, on the host: budget and window (B,)
         int, (B, H_kv) int64. The fill's winners are the first ``fill`` unpinned prefix entries in
-        the layer's order, and a head's entries placed before ``t`` are its first ones; so ``t``,
-        the end of the fill, is found by bisection on how many unpinned entries precede it (one
-        ``searchsorted`` a step, every head at once), and each head keeps its entries before
-        ``t`` or its pinned ones, whichever are more."""
+        the layer's order (a head's entries after its first ``pin``), so the fill ends at ``t``, one
+        past the ``fill``-th smallest place among them (one ``partition``), and each head keeps
+        its entries placed before ``t`` or its pinned ones, whichever are more."""
         b, h = p.prefix.shape
-        heads = np.arange(h)
         prefix_budget = np.maximum(budget - window, 0)  # (B,) B'
         pin = np.floor(prefix_budget.astype(np.float64) * self.alpha).astype(np.int64)  # as select's
+        rows = p.flat.reshape(b, h, p.length) - (np.arange(h) * p.span)[:, None]  # a head's places, ascending
         out = np.empty((b, h), dtype=np.int64)
         for i in range(b):
             pinned = np.minimum(p.prefix[i], pin[i])  # (H_kv,)
-            fill = h * prefix_budget[i] - pinned.sum()
-
-            def before(t: int, i: int = i) -> np.ndarray:  # (H_kv,) each head's entries placed before t
-                return np.searchsorted(p.flat[i], t + heads * p.span) - heads * p.length
-
-            def unpinned(t: int, i: int = i) -> int:
-                return int(np.maximum(before(t) - pin[i], 0).sum())
-
-            lo, hi = 0, int(p.prefix[i].sum())  # every prefix entry precedes the others
-            if unpinned(hi) > fill:  # else every unpinned entry wins
-                while lo < hi:  # the first t with `fill` unpinned entries before it
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if unpinned(mid) >= fill else (mid + 1, hi)
-            out[i] = p.windows[i] + np.maximum(before(hi), pinned)
+            fill = int(h * prefix_budget[i] - pinned.sum())
+            # the prefix entries hold the layer's first places: a head's first p.prefix places are theirs
+            unpinned = np.concatenate([rows[i, k, pin[i] : p.prefix[i, k]] for k in range(h)])
+            if unpinned.size > fill:
+                t = int(np.partition(unpinned, fill - 1)[fill - 1]) + 1 if fill > 0 else 0
+            else:  # every unpinned entry wins
+                t = int(p.prefix[i].sum())
+            out[i] = p.windows[i] + np.maximum((rows[i] < t).sum(-1), pinned)
         return out
 
     def select(
