@@ -169,3 +169,12 @@ def test_a_bos_the_file_does_not_ask_for_is_removed():
     assert align_special_tokens(tok, meta) == ["add_bos_token -> False"]
     check_tokenizer(tok, meta, "t.gguf")
     assert tok("ab")["input_ids"] == [7]
+
+
+@pytest.mark.parametrize("keep", [0, 10, 60, 300])
+def test_header_reader_on_a_cut_file_says_so(tmp_path, keep):
+    whole = _write_gguf(tmp_path / "t.gguf", **FULL).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:keep])
+    with pytest.raises(ValueError, match="not a GGUF file|cut short or corrupt"):
+        read_tokenizer_meta(cut)

@@ -67,6 +67,8 @@ def read_tokenizer_meta(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
     needs (:func:`read_tokenizer_meta_reference` is the reader's answer, which tests compare)."""
     wanted = {_BOS, _EOS, _ADD_BOS, _TYPES, _MODEL, _SPACE}
     found: dict[str, Any] = {}
+    if os.path.getsize(path) < 24:
+        raise ValueError(f"{os.fspath(path)} is not a GGUF file (shorter than a GGUF header)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{os.fspath(path)} is not a GGUF file (it does not start with b'GGUF')")
@@ -75,13 +77,19 @@ def read_tokenizer_meta(path: str | os.PathLike[str]) -> GGUFTokenizerMeta:
             raise ValueError(f"{os.fspath(path)} is GGUF version {version}; versions 2 and later are read")
         n_kv = struct.unpack_from(end + "Q", buf, 16)[0]
         at = 24
-        for _ in range(n_kv):
-            (n,) = struct.unpack_from(end + "Q", buf, at)
-            key = bytes(buf[at + 8 : at + 8 + n]).decode("utf-8")
-            (kind,) = struct.unpack_from(end + "I", buf, at + 8 + n)
-            value, at = _value(buf, at + 12 + n, kind, end, keep=key in wanted)
-            if key in wanted:
-                found[key] = value
+        try:
+            for _ in range(n_kv):
+                (n,) = struct.unpack_from(end + "Q", buf, at)
+                key = bytes(buf[at + 8 : at + 8 + n]).decode("utf-8")
+                (kind,) = struct.unpack_from(end + "I", buf, at + 8 + n)
+                value, at = _value(buf, at + 12 + n, kind, end, keep=key in wanted)
+                if key in wanted:
+                    found[key] = value
+        except (struct.error, ValueError) as exc:  # a length past the end, bytes that are no text, a bad type
+            raise ValueError(
+                f"{os.fspath(path)}: the GGUF header is cut short or corrupt near byte {at} ({exc}); "
+                "download or copy the file again"
+            ) from exc
     types = found.get(_TYPES)
     normal = () if types is None else tuple(int(i) for i in np.flatnonzero(np.asarray(types) == 1))
     return _meta(
