@@ -132,6 +132,8 @@ def test_vocabulary_without_merges_is_refused_naming_the_upgrade():
         check_tokenizer(tok, META, "t.gguf")
     msg = str(err.value)
     assert "of its vocabulary's ordinary tokens encode back" in msg and "'ab' -> ['a', 'b']" in msg
+    with pytest.raises(ValueError, match="encode back"):
+        check_tokenizer(tok, META, "t.gguf", special=False)
     assert f"pip install -U 'transformers>={FAITHFUL_FROM}'" in msg
 
 
@@ -155,6 +157,7 @@ def test_wrong_special_tokens_are_refused_then_set_from_the_file():
     tok = _tokenizer(add_bos=False, eos="<unk>")
     with pytest.raises(ValueError, match=r"EOS token is id 0, the file's is 2; it adds no BOS"):
         check_tokenizer(tok, META, "t.gguf")
+    check_tokenizer(tok, META, "t.gguf", special=False)  # the vocabulary alone is the file's
     changed = align_special_tokens(tok, META)
     assert changed == ["eos_token '<unk>' -> '<eos>'", "add_bos_token -> True"]
     check_tokenizer(tok, META, "t.gguf")

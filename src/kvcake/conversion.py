@@ -95,6 +95,8 @@ def _aligned_tokenizer(gguf_path: Path):
     the file's own keys (:mod:`kvcake.gguf_tokenizer`), and those keys."""
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     meta = read_tokenizer_meta(gguf_path)
+    # the vocabulary before the weights load (a refusal in seconds, not minutes); all of it on reload
+    check_tokenizer(tokenizer, meta, gguf_path.name, special=False)
     if changed := align_special_tokens(tokenizer, meta):
         logger.info("%s: set from the file's tokenizer keys: %s", gguf_path.name, ", ".join(changed))
     return tokenizer, meta

@@ -171,16 +171,16 @@ def align_special_tokens(tokenizer, meta: GGUFTokenizerMeta) -> list[str]:
     return changed
 
 
-def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str) -> None:
+def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str, special: bool = True) -> None:
     """Raise ``ValueError`` unless ``tokenizer`` is the one the file ``source`` states: its BOS and
-    EOS ids, whether it starts a sequence with BOS, and its vocabulary (sampled ordinary tokens
-    encode back to themselves, where ``meta.round_trips``)."""
+    EOS ids, whether it starts a sequence with BOS (``special=False`` leaves these three out), and
+    its vocabulary (sampled ordinary tokens encode back to themselves, where ``meta.round_trips``)."""
     wrong = []
     for role, want in (("BOS", meta.bos_id), ("EOS", meta.eos_id)):
         got = getattr(tokenizer, f"{role.lower()}_token_id")
-        if want is not None and got != want:
+        if special and want is not None and got != want:
             wrong.append(f"its {role} token is id {got}, the file's is {want}")
-    if meta.add_bos is not None and _adds_bos(tokenizer, meta) != meta.add_bos:
+    if special and meta.add_bos is not None and _adds_bos(tokenizer, meta) != meta.add_bos:
         wrong.append(
             f"it {'adds no' if meta.add_bos else 'adds a'} BOS where the file says add_bos_token={meta.add_bos}"
         )
