@@ -35,6 +35,7 @@ LAYERS = {
     "base": [
         "models",
         "conversion",
+        "gguf_tokenizer",
         "gguf_parts",
         "adapters",
         "devices",
