@@ -160,14 +160,14 @@ def align_special_tokens(tokenizer, meta: GGUFTokenizerMeta) -> list[str]:
     """Set ``tokenizer``'s BOS and EOS tokens and its BOS flag to what the file states; returns a
     description of each change (empty when the conversion already agreed)."""
     changed = []
-    for role, want in (("bos", meta.bos_id), ("eos", meta.eos_id)):
-        if want is not None and getattr(tokenizer, f"{role}_token_id") != want:
+    for what, _, want in _special_disagreements(tokenizer, meta):
+        if what == "add_bos":
+            tokenizer.add_bos_token = want
+            changed.append(f"add_bos_token -> {want}")
+        else:
             token = tokenizer.convert_ids_to_tokens(want)
-            changed.append(f"{role}_token {getattr(tokenizer, f'{role}_token')!r} -> {token!r}")
-            setattr(tokenizer, f"{role}_token", token)
-    if meta.add_bos is not None and _adds_bos(tokenizer, meta) != meta.add_bos:
-        tokenizer.add_bos_token = meta.add_bos
-        changed.append(f"add_bos_token -> {meta.add_bos}")
+            changed.append(f"{what}_token {getattr(tokenizer, f'{what}_token')!r} -> {token!r}")
+            setattr(tokenizer, f"{what}_token", token)
     return changed
 
 
@@ -176,14 +176,11 @@ def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str, special: bo
     EOS ids, whether it starts a sequence with BOS (``special=False`` leaves these three out), and
     its vocabulary (sampled ordinary tokens encode back to themselves, where ``meta.round_trips``)."""
     wrong = []
-    for role, want in (("BOS", meta.bos_id), ("EOS", meta.eos_id)):
-        got = getattr(tokenizer, f"{role.lower()}_token_id")
-        if special and want is not None and got != want:
-            wrong.append(f"its {role} token is id {got}, the file's is {want}")
-    if special and meta.add_bos is not None and _adds_bos(tokenizer, meta) != meta.add_bos:
-        wrong.append(
-            f"it {'adds no' if meta.add_bos else 'adds a'} BOS where the file says add_bos_token={meta.add_bos}"
-        )
+    for what, got, want in _special_disagreements(tokenizer, meta) if special else ():
+        if what == "add_bos":
+            wrong.append(f"it {'adds no' if want else 'adds a'} BOS where the file says add_bos_token={want}")
+        else:
+            wrong.append(f"its {what.upper()} token is id {got}, the file's is {want}")
     if meta.normal_ids and meta.round_trips:
         step = max(len(meta.normal_ids) // _SAMPLE, 1)
         texts = {i: tokenizer.decode([i]) for i in meta.normal_ids[::step][:_SAMPLE]}
@@ -207,6 +204,19 @@ def check_tokenizer(tokenizer, meta: GGUFTokenizerMeta, source: str, special: bo
             + f". transformers {FAITHFUL_FROM} and later convert kvcake's built-in models faithfully: "
             f"pip install -U 'transformers>={FAITHFUL_FROM}'"
         )
+
+
+def _special_disagreements(tokenizer, meta: GGUFTokenizerMeta) -> list[tuple[str, Any, Any]]:
+    """``(what, tokenizer's, file's)`` for each of ``"bos"``, ``"eos"`` (token ids) and
+    ``"add_bos"`` (whether an encoded text starts with the BOS) where the two differ and the file
+    says."""
+    out = []
+    for what, want in (("bos", meta.bos_id), ("eos", meta.eos_id)):
+        if want is not None and (got := getattr(tokenizer, f"{what}_token_id")) != want:
+            out.append((what, got, want))
+    if meta.add_bos is not None and (adds := _adds_bos(tokenizer, meta)) != meta.add_bos:
+        out.append(("add_bos", adds, meta.add_bos))
+    return out
 
 
 def _adds_bos(tokenizer, meta: GGUFTokenizerMeta) -> bool:
