@@ -47,7 +47,9 @@ def test_method_end_to_end(tiny_llama, spec):
     reserved = (1 if method.decode == "fixed" else GROWTH - grown) * counts.size
     if all(layer.layout == "ragged" for layer in cache.layers):
         empty = len(cache.layers)  # the one always-empty slot per static ragged layer (its padded view)
-        assert cache.kv_bytes() == (int(counts.sum()) + reserved + empty) * entry, "ragged: per-head budgets + reserve"
+        assert cache.kv_bytes() == (int(counts.sum()) + reserved + empty) * entry, (
+            "ragged: per-head budgets + reserve"
+        )
     else:  # dense: each layer holds the batch's largest budget for every sequence and head
         physical = sum(int(counts[:, i].max()) * counts.shape[0] * counts.shape[2] for i in range(4))
         assert cache.kv_bytes() == (physical + reserved) * entry
@@ -112,3 +114,24 @@ def _model():
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("spec", ["cake", "h2o", "snapkv", "cake,decode=none"])
+def test_a_question_appended_to_a_context_counts_against_a_fixed_budget(tiny_llama, spec):
+    """A question fed to a compressed context (one multi-token forward, as ``ctx.generate`` and the
+    results page's teacher forcing feed it) leaves a ``decode=fixed`` head at its budget, the
+    question's tokens (its newest ``window`` protected) in place of as many context entries; a ``decode=none`` head keeps the whole
+    context and grows by the question's length (README, Limitations)."""
+    g = torch.Generator().manual_seed(1)
+    ctx = kvcake.compress(tiny_llama, torch.randint(3, 128, (1, 150), generator=g), spec, budget=40, window=8)
+    before = ctx.cache.layer_counts()
+    cache = ctx.fork()
+    question = torch.randint(3, 128, (1, 12), generator=g)
+    mask = torch.ones(1, 150 + 12, dtype=torch.long)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama(question, attention_mask=mask, **with_cache(tiny_llama, cache))
+    after = cache.layer_counts()
+    fixed = make_method(spec, budget=40).decode == "fixed"
+    assert np.array_equal(after, before if fixed else before + 12), (before, after)
+    held = set(cache.layers[cache.compressed[0]].padded_positions()[0, 0].tolist())
+    assert set(range(162 - 8 if fixed else 150, 162)) <= held  # the window's 8 newest are protected

@@ -14,7 +14,7 @@ def test_ablation_tables_hold_every_ablation_method_at_its_lengths_only():
     length = ABLATION_LENGTHS[0]
     records = [_record(m, length, sc, r, 0.01 * (i + 1) + r)
                for i, m in enumerate(["full", *ABLATION]) for sc in ("question", "context") for r in (0.1, 0.5)]  # fmt: skip
-    records.append(_record("cake", length * 2, "context", 0.1, 99.0))  # another length: left out
+    records.append(_record("cake", 123, "context", 0.1, 99.0))  # another length: left out
     text = ablation_markdown(records, Path("docs/figures/x.png"), Path("docs/results.md"))
     assert "### question-aware" in text and "### context-only" in text
     for m in ABLATION:
@@ -23,6 +23,24 @@ def test_ablation_tables_hold_every_ablation_method_at_its_lengths_only():
     assert "![x](figures/x.png)" in text
     cake_kl = f"{0.01 * (1 + list(ABLATION).index('cake') + 1) + 0.1:.4f}"
     assert cake_kl[:5] in text  # the mean of cake's cells at ratio 0.1
+
+
+def test_ablation_counts_the_prompts_at_or_below_snapkv_prompt_by_prompt():
+    """A row's mean can be one prompt's: the section also counts, per ratio, the prompts (task,
+    length, sample) where a row's KL is at or below ``snapkv``'s, over the prompts both have."""
+    length, cake = ABLATION_LENGTHS[0], "cake"
+    records = []
+    for seed, (mine, ref) in enumerate([(0.1, 0.2), (0.3, 0.3), (5.0, 0.4)]):  # below, tie, far above
+        records += [
+            _record(cake, length, "context", 0.25, mine, seed),
+            _record("snapkv", length, "context", 0.25, ref, seed),
+        ]
+    records.append(_record(cake, length, "context", 0.25, 0.0, seed=7))  # no snapkv cell: not compared
+    text = ablation_markdown(records, None, Path("docs/results.md")).split("at or below `snapkv`'s**")[1]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in text.splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    assert rows["`cake`"] == "2/3"  # the mean (1.8 against 0.3) says otherwise
+    assert rows["`layers=uniform,score=cake`"] == "-"  # no cells of its own
 
 
 def test_no_ablation_records_no_section():
@@ -161,15 +179,21 @@ def test_targets_report_their_margin_and_whether_one_prompt_decides_them():
     cake, snap = [0.1, 0.1, 1.0], [0.2, 0.2, 0.3]
     records = [_record("cake", 2048, "context", 0.25, v, seed=s) for s, v in enumerate(cake)]
     records += [_record("snapkv", 2048, "context", 0.25, v, seed=s) for s, v in enumerate(snap)]
-    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line)
+    row = next(
+        line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line
+    )
     margins = [b - a for a, b in zip(cake, snap, strict=True)]  # 0.1, 0.1, -0.7
     mean = sum(margins) / 3
     se = (sum((m - mean) ** 2 for m in margins) / 2 / 3) ** 0.5
     # missed on the mean, by one prompt: without it both others hold
     assert row.endswith(f"| **no** | 2/3 | {mean:+.3g} ({se:.2g}) | yes |"), row
     records[2]["kl"] = 0.35  # now the mean holds (margin -0.05 on that prompt only)
-    row = next(line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line)
+    row = next(
+        line for line in targets_markdown(records).splitlines() if "`cake` kl <= `snapkv` | context" in line
+    )
     assert "| yes | 2/3 | +0.05 (" in row and row.endswith("| yes |")
     # scores: the margin is in points, above the reference less the slack
-    score = [line for line in targets_markdown(records).splitlines() if "score >=" in line and "context" in line]
+    score = [
+        line for line in targets_markdown(records).splitlines() if "score >=" in line and "context" in line
+    ]
     assert score and all("| 3/3 | +10 (0) | yes |" in line for line in score)

@@ -39,8 +39,8 @@ NOTES_RESULTS = """## Observations
 
 Written by hand from the run of 2026-11-22, corrected against the tables on 2026-11-24, for
 CAKE's cells (new calibration) and the 36-prompt cells of issue 24's methods on 2026-11-25, and
-for CAKE's cells again (the calibration of 2026-11-26, first bullet on CAKE below) on 2026-11-26 (the
-tables above are regenerated from the results file on every run; this text is not, so check it
+for CAKE's cells again (the calibration of 2026-11-26, first bullet on CAKE below) on 2026-11-26,
+and for the CAKE ablation's 36 prompts on 2026-11-28 (the tables above are regenerated from the results file on every run; this text is not, so check it
 against them after a rerun). The summary tables average 36 prompts for the full cache, `snapkv`,
 `pyramidkv`, `cake`, `adakv` and `cake-adakv` and 12 for the other presets: a 12-prompt row and
 a 36-prompt row average different prompts (the 12 are among the 36); the targets table compares
@@ -136,16 +136,23 @@ the six on the same 36.
   The sweep's *targets* column still counts issue 14's four fidelity targets (KL and attention
   perturbation against both references): the sharp question-aware set meets fewer of them (10 of
   24 against 13 for the previous calibration) because its perturbation is high.
-- **The indicator's pooling** (measured with the 2026-11-23 calibration, not redone). CAKE with
-  SnapKV's max pooling (kernel 7) instead of the paper's avg pooling (kernel 5), on the same 12
-  prompts (`python -m kvcake.eval --suite results --methods
-  "full;snapkv;pyramidkv;cake,score.pooling=max,score.kernel=7" --out /tmp/maxpool.jsonl
-  --threads 1`, kept out of the results file: the page's `cake` is the paper's): question-aware
-  KL 0.137 / 0.110 / 0.071 and context-only 0.587 / 0.490 / 0.194 at ratios 0.1 / 0.25 / 0.5,
-  lower KL than that calibration's `cake` in 5 of the 6 cells. Why PyramidKV keeps the lowest mean
-  attention perturbation shows in the per-layer chart (Figures, `eval_results_layers.png`): its
-  layers 0-6, with up to twice the average budget, are perturbed 1.3-2x less than SnapKV's at
-  ratios 0.1 and 0.25 and 4-16x less at 0.5; KL, an output measure, goes the other way.
+- **The ablation on the 36 prompts (2026-11-28; it had 3 prompts of 2k tokens, whose
+  `variable_tracking` prompt decided every mean).** Question-aware, CAKE's allocation is what
+  lowers the mean KL (with SnapKV's indicator, 0.084 / 0.038 / 0.0089 at ratios 0.1 / 0.25 / 0.5
+  against SnapKV's 0.116 / 0.050 / 0.015) and CAKE's indicator alone raises it (0.133 / 0.068 /
+  0.027), yet prompt by prompt the indicator alone is at or below SnapKV more often (27 / 18 / 28
+  of 36) than the allocation alone (16 / 13 / 10): the allocation wins the few prompts with a large
+  KL and loses many small ones, the indicator the other way round. Context-only at 0.25, the
+  missed target's cell, each part alone is near SnapKV's 0.3455 (indicator alone 0.336, allocation
+  alone 0.357, below SnapKV on 19 and 23 of 36) and together they give 0.369 (16 of 36); CAKE with
+  SnapKV's max pooling (kernel 7) gives 0.347 (18 of 36). Nothing is shipped from this: the
+  pooling is the calibration's to choose (`--indicators avg5,max7`, which keeps avg5 context-only).
+  The family-default temperatures are worse than the calibrated ones in 5 of the 6 cells (0.097
+  against 0.099 question-aware at 0.1 the exception) and perturb the attention output about twice
+  as much. Why PyramidKV keeps the lowest mean attention perturbation shows in the per-layer chart
+  (Figures, `eval_results_layers.png`): its layers 0-6, with up to twice the average budget, are
+  perturbed 1.3-2x less than SnapKV's at ratios 0.1 and 0.25 and 4-16x less at 0.5; KL, an output
+  measure, goes the other way.
 - **36 prompts (issue 24's targets are stated on them), measured 2026-11-25 with the shipped
   calibration**: the suite now runs the full cache, `snapkv`, `pyramidkv`, `cake`, `adakv` and
   `cake-adakv` at 6 samples per task and length (768 more cells, 65 minutes on one core), and the
