@@ -37,6 +37,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

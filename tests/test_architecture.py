@@ -31,7 +31,16 @@ LAYERS = {
     "context": ["context"],
     "cache": ["cache", "cascade", "head_counts", "pending_norms", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "step", "sliding"],
-    "parts": ["allocators", "scorers", "selectors", "budget", "dense", "ragged", "storage.format", "tensor_parallel"],
+    "parts": [
+        "allocators",
+        "scorers",
+        "selectors",
+        "budget",
+        "dense",
+        "ragged",
+        "storage.format",
+        "tensor_parallel",
+    ],
     "base": [
         "models",
         "conversion",

@@ -88,7 +88,9 @@ def check_layers(cache: KVCakeCache, lengths, pads, prefill: bool, label: str) -
         d = layer.keys.shape[-1]
         if layer.static is not None:  # static storage: every head's slots, reserved capacity included
             # ragged: every segment's capacity and the one always-empty slot of the padded view
-            slots = int(layer.capacity.sum()) + 1 if layer.layout == "ragged" else layer.keys.shape[:3].numel()
+            slots = (
+                int(layer.capacity.sum()) + 1 if layer.layout == "ragged" else layer.keys.shape[:3].numel()
+            )
             assert layer.kv_bytes() == slots * 2 * d * el, label
             if layer.layout == "ragged":
                 assert (layer.capacity > counts[:, li]).all(), f"{label}: a segment without a free slot"

@@ -177,13 +177,18 @@ def test_generate_compile_switch(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(model, "generate", spy)
     default, _ = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, do_sample=False)
-    eager, _ = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, do_sample=False, compile=False)
-    dynamic, _ = kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, do_sample=False, static=False)
+    eager, _ = kvcake.generate(
+        model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, do_sample=False, compile=False
+    )
+    dynamic, _ = kvcake.generate(
+        model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, do_sample=False, static=False
+    )
     assert seen == [(None, None, True), (True, None, True), (None, None, False)]
     assert torch.equal(default, eager) and torch.equal(default, dynamic)
     with pytest.raises(ValueError, match="drop static=False"):
-        kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, static=False, compile=True)
-
+        kvcake.generate(
+            model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, static=False, compile=True
+        )
 
 
 def test_a_huge_budget_is_bounded_by_the_capacity(tiny_llama):

@@ -167,7 +167,9 @@ def generate(
         generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
     elif compile is not None:
         if not static:
-            raise ValueError("compile=True compiles the static decode step: drop static=False (or compile=True)")
+            raise ValueError(
+                "compile=True compiles the static decode step: drop static=False (or compile=True)"
+            )
         if not KWARGS_HANDOFF:
             raise ValueError(
                 f"compile=True needs a transformers release whose models pass their attention kwargs to "

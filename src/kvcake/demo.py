@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         return (
             DynamicCache(config=model.config)
             if label == "full cache"  # static storage sized for the prompt and the answer
-            else kvcake.KVCakeCache(model, method, scenario=args.scenario, max_cache_len=prompt_tokens + new_tokens)
+            else kvcake.KVCakeCache(
+                model, method, scenario=args.scenario, max_cache_len=prompt_tokens + new_tokens
+            )
         )
 
     labels = ("full cache", method.name)

@@ -184,7 +184,11 @@ def _rss_row(models: BenchModels, length: int, spec: str, budget: int, window: i
     ids, _ = prompt_ids(models.tokenizer if model is models.model else None, length,
                         model.config.vocab_size, models.device)  # fmt: skip
     with PeakMemory(models.device) as mem:
-        cache = FullCache(model.config) if spec == "full" else build_cache(model, spec, budget, window, static=False)
+        cache = (
+            FullCache(model.config)
+            if spec == "full"
+            else build_cache(model, spec, budget, window, static=False)
+        )
         ctx = contextlib.nullcontext() if spec == "full" else enable(model)
         with ctx, torch.no_grad():
             model(ids, **with_cache(model, cache), logits_to_keep=1)
