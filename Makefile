@@ -35,9 +35,7 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: setup
 	$(BIN)/python -m kvcake.demo
 
-test: setup
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -214,40 +214,6 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
     and ``adakv`` (:data:`KL_TARGETS`), and ``cake``'s task score no more than
     :data:`SCORE_SLACK` below ``snapkv``'s in every cell."""
 
-    def pair(
-        method: str,
-        ref: str,
-        scenario: str,
-        ratio: float,
-        metric: str,
-        factor: float = 1.0,
-        slack: float = 0.0,
-    ) -> tuple[float | None, float | None, str, str, str]:
-        """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like
-        with like); on how many of those prompts the target holds, e.g. ``"11/12"`` (for KL the
-        method at or below ``factor`` x the reference, for scores at least the reference less
-        ``slack``); the mean margin by which it holds (negative: missed) with its standard error
-        over the prompts; and whether the mean still holds without the prompt it misses most by."""
-        a, b = _cells(records, method, scenario, ratio, metric), _cells(records, ref, scenario, ratio, metric)
-        common = sorted(set(a) & set(b))
-        if not common:
-            return None, None, "-", "-", "-"
-        margins = [a[k] - (b[k] - slack) if metric == "score" else factor * b[k] - a[k] for k in common]
-        n = len(margins)
-        mean = sum(margins) / n
-        se = (sum((m - mean) ** 2 for m in margins) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
-        se = round(se, 12)  # equal margins (equal scores) give 0, not rounding noise of 1e-16
-        scale = 100 if metric == "score" else 1
-        rest = sorted(margins)[1:]
-        without = "one prompt" if not rest else "yes" if sum(rest) >= 0 else "no"
-        return (
-            sum(a[k] for k in common) / len(common),
-            sum(b[k] for k in common) / len(common),
-            f"{sum(m >= 0 for m in margins)}/{n}",
-            f"{mean * scale:+.3g} ({se * scale:.2g})",
-            without,
-        )
-
     def verdict(value: float | None, ref: float | None, holds: bool) -> str:
         return "-" if value is None or ref is None else "yes" if holds else "**no**"
 
@@ -256,7 +222,7 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
              "holds without its worst prompt |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method, ref, sc, only, factor in KL_TARGETS:
         for ratio in ratios if only is None else [r for r in ratios if r in only]:
-            value, reference, prompts, margin, without = pair(method, ref, sc, ratio, "kl", factor)
+            value, reference, prompts, margin, without = _pair(records, method, ref, sc, ratio, "kl", factor)
             times = "" if factor == 1.0 else f"{factor:g} x "
             ok = verdict(
                 value, reference, value is not None and reference is not None and value <= factor * reference
@@ -265,20 +231,56 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
                          f"{_num(reference)} | {ok} | {prompts} | {margin} | {without} |")  # fmt: skip
     for method, ref, sc, ratio in SHOWN_ONLY:
         if ratio in ratios:
-            value, reference, prompts, margin, without = pair(method, ref, sc, ratio, "kl")
+            value, reference, prompts, margin, without = _pair(records, method, ref, sc, ratio, "kl")
             gap = "-" if value is None or reference is None else f"no target: {value / reference:.2f} x"
             lines.append(f"| `{method}` kl vs `{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
                          f"{_num(reference)} | {gap} | {prompts} | {margin} | {without} |")  # fmt: skip
     for sc in ("question", "context"):
         for ratio in ratios:
-            value, reference, prompts, margin, without = pair(
-                "cake", "snapkv", sc, ratio, "score", slack=SCORE_SLACK
+            value, reference, prompts, margin, without = _pair(
+                records, "cake", "snapkv", sc, ratio, "score", slack=SCORE_SLACK
             )
             holds = value is not None and reference is not None and value >= reference - SCORE_SLACK
             lines.append(f"| `cake` score >= `snapkv` - {SCORE_SLACK * 100:g} | {SCENARIO_TITLES[sc]} | {ratio:g} | "
                          f"{_num(value, 100)} | {_num(reference, 100)} | {verdict(value, reference, holds)} | "
                          f"{prompts} | {margin} | {without} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _pair(
+    records: Sequence[dict[str, Any]],
+    method: str,
+    ref: str,
+    scenario: str,
+    ratio: float,
+    metric: str,
+    factor: float = 1.0,
+    slack: float = 0.0,
+) -> tuple[float | None, float | None, str, str, str]:
+    """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like
+    with like); on how many of those prompts the target holds, e.g. ``"11/12"`` (for KL the
+    method at or below ``factor`` x the reference, for scores at least the reference less
+    ``slack``); the mean margin by which it holds (negative: missed) with its standard error
+    over the prompts; and whether the mean still holds without the prompt it misses most by."""
+    a, b = _cells(records, method, scenario, ratio, metric), _cells(records, ref, scenario, ratio, metric)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None, None, "-", "-", "-"
+    margins = [a[k] - (b[k] - slack) if metric == "score" else factor * b[k] - a[k] for k in common]
+    n = len(margins)
+    mean = sum(margins) / n
+    se = (sum((m - mean) ** 2 for m in margins) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+    se = round(se, 12)  # equal margins (equal scores) give 0, not rounding noise of 1e-16
+    scale = 100 if metric == "score" else 1
+    rest = sorted(margins)[1:]
+    without = "one prompt" if not rest else "yes" if sum(rest) >= 0 else "no"
+    return (
+        sum(a[k] for k in common) / len(common),
+        sum(b[k] for k in common) / len(common),
+        f"{sum(m >= 0 for m in margins)}/{n}",
+        f"{mean * scale:+.3g} ({se * scale:.2g})",
+        without,
+    )
 
 
 def _cells(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float, metric: str) -> dict:
@@ -296,12 +298,8 @@ def _below_table(records: Sequence[dict[str, Any]], scenario: str, ref: str) -> 
         "| method | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |",
         "|---" * (len(ratios) + 1) + "|",
     ]
-    for method in (m for m in ABLATION if m != ref):
-        row = []
-        for ratio in ratios:
-            a, b = _cells(records, method, scenario, ratio, "kl"), _cells(records, ref, scenario, ratio, "kl")
-            common = set(a) & set(b)
-            row.append(f"{sum(a[k] <= b[k] for k in common)}/{len(common)}" if common else "-")
+    for method in (m for m in ABLATION if m != ref):  # _pair's count of prompts where KL <= ref's
+        row = [_pair(records, method, ref, scenario, ratio, "kl")[2] for ratio in ratios]
         lines.append(f"| `{method}` | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
