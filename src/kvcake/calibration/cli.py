@@ -18,7 +18,7 @@ from pathlib import Path
 from ..standalone import model_placement, user_description
 
 EXAMPLES = (
-    "kvcake calibrate                      # CAKE temperatures for the default model (a few minutes)",
+    "kvcake calibrate                      # CAKE temperatures for the default model (~30 min on one core)",
     "kvcake calibrate --model ./my-model --text notes.txt --ratios 0.1,0.25,0.5",
     "kvcake calibrate --indicators avg5,max7     # also search CAKE's indicator pooling",
 )
@@ -48,11 +48,11 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", default="paul_graham",
                    help="calibration text: paul_graham (default), noise, or a text file/folder")  # fmt: skip
     p.add_argument(
-        "--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25)"
+        "--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25,0.5)"
     )
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
-    p.add_argument("--samples", type=int, default=4,
-                   help="samples per scenario (context-only continuations, questions cycling through six forms, kvcake.calibration.samples; 6 covers them all)")  # fmt: skip
+    p.add_argument("--samples", type=int, default=16,
+                   help="samples per scenario (context-only continuations, questions cycling through six forms, kvcake.calibration.samples; default 16, every form at least twice)")  # fmt: skip
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,
