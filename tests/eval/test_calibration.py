@@ -331,3 +331,34 @@ def test_question_samples_score_the_full_caches_greedy_continuation(tiny_llama):
     assert ref.cache.get_seq_length() == len(prompt)
     with pytest.raises(ValueError, match="greedy"):
         reference(tiny_llama, prompt, None, "question")
+
+
+SHIPPED_DIR = temperatures.SHIPPED_DIR  # the package's own (the fixture above points it elsewhere)
+
+
+def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
+    """A user's own ``kvcake calibrate`` (no options) measures what the shipped files measured:
+    the same samples, prompt length, grid and ratios, on the command line as in the API."""
+    import argparse
+    import inspect
+
+    from kvcake.calibration.api import DEFAULT_RATIOS
+    from kvcake.calibration.cli import configure_parser
+
+    parser = argparse.ArgumentParser()
+    configure_parser(parser.add_subparsers())
+    cli = parser.parse_args(["calibrate"])
+    api = inspect.signature(kvcake.calibrate).parameters
+    for name in ("samples", "length", "grid", "text"):
+        assert getattr(cli, name) == api[name].default, name
+    assert cli.ratios is None and api["ratios"].default is None and api["budgets"].default == ()
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert len(files) == 2  # SmolLM2 and Gemma-3-270M
+    for path in files:
+        meta = json.loads(path.read_text(encoding="utf-8"))["meta"]
+        assert meta["samples_per_scenario"] == api["samples"].default, path.name
+        assert meta["length"] == api["length"].default, path.name
+        assert meta["indicators"] == ["avg5"], path.name
+        for scenario in temperatures.SCENARIOS:
+            settings = [p["setting"] for p in meta["points"] if p["scenario"] == scenario]
+            assert settings == [f"ratio={r:g}" for r in DEFAULT_RATIOS], (path.name, scenario)
