@@ -339,15 +339,12 @@ SHIPPED_DIR = temperatures.SHIPPED_DIR  # the package's own (the fixture above p
 def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
     """A user's own ``kvcake calibrate`` (no options) measures what the shipped files measured:
     the same samples, prompt length, grid and ratios, on the command line as in the API."""
-    import argparse
     import inspect
 
     from kvcake.calibration.api import DEFAULT_RATIOS
-    from kvcake.calibration.cli import configure_parser
+    from kvcake.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    configure_parser(parser.add_subparsers())
-    cli = parser.parse_args(["calibrate"])
+    cli = build_parser().parse_args(["calibrate"])  # the command line users type, extensions included
     api = inspect.signature(kvcake.calibrate).parameters
     for name in ("samples", "length", "grid", "text"):
         assert getattr(cli, name) == api[name].default, name
