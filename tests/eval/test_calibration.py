@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -125,32 +126,43 @@ def test_choose_keeps_a_clear_winner_and_flattens_within_noise():
     assert single.tau == uneven and single.se == 0.0
 
 
+def _reference(model, tok, kind: str, seed: int, length: int = 64, continuation: int = 4):
+    """A sample built as ``kvcake.calibrate`` builds it (a question scores the greedy continuation)."""
+    t = build_texts(tok, NoiseHaystack(), kind, length, continuation, seed)
+    return reference(model, t.prompt, t.scored, kind, 0 if t.part == "text" else continuation, t.then, t.part)
+
+
 def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
     tok = WordTokenizer()
-    refs = [reference(tiny_llama, *build_texts(tok, NoiseHaystack(), kind, 64, 4, 0), kind)
-            for kind in ("context", "question")]  # fmt: skip
+    refs = [
+        _reference(tiny_llama, tok, kind, seed)
+        for kind, seed in (("context", 0), ("question", 0), ("context", 1))
+    ]
+    assert [r.part for r in refs] == ["text", "asked-inside", "asked-after"]
     assert all(len(r.full_attn) == tiny_llama.config.num_hidden_layers for r in refs)
     whole = Evaluator(tiny_llama, refs, BudgetSpec(budget=4096, window=4))
-    for i in range(2):
+    for i in range(3):
         m = whole.sample_measures(i, 1.0, 1.0)
         assert m.kl == pytest.approx(0.0, abs=1e-6) and m.attn == pytest.approx(0.0, abs=1e-5)
     small = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4))
     assert set(small.uniform) == {"kl", "attn"} and min(small.uniform["attn"].values()) > 0
     m = small.sample_measures(0, 0.3, 2.5)
-    kind = refs[0].kind
-    # the loss is KL alone (issue 24); the perturbation is reported beside it
-    assert small.per_sample(0.3, 2.5)[0] == pytest.approx(m.kl / small.uniform["kl"][kind])
+    part = refs[0].part
+    # the loss is KL alone (issue 24), each sample's over uniform budgets' for its part; the
+    # perturbation is reported beside it
+    assert small.per_sample(0.3, 2.5)[0] == pytest.approx(m.kl / small.uniform["kl"][part])
+    assert set(small.uniform["kl"]) == {"text", "asked-inside", "asked-after"}
     attn = [
-        small.sample_measures(i, 0.3, 2.5).attn / small.uniform["attn"][r.kind] for i, r in enumerate(refs)
+        small.sample_measures(i, 0.3, 2.5).attn / small.uniform["attn"][r.part] for i, r in enumerate(refs)
     ]
-    assert small.perturbation(0.3, 2.5) == pytest.approx(sum(attn) / 2)
+    assert small.perturbation(0.3, 2.5) == pytest.approx(sum(attn) / 3)
     assert small.unevenness(50.0, 50.0) < small.unevenness(0.2, 0.4)  # hot temperatures flatten
     # another indicator divides by the paper's uniform budgets, so its losses compare with them
     other = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4), indicator=("max", 7),
                       baseline=small.uniform)  # fmt: skip
     assert other.uniform is small.uniform and "score.pooling=max,score.kernel=7" in other.score
     assert other.per_sample(0.3, 2.5)[0] == pytest.approx(
-        other.sample_measures(0, 0.3, 2.5).kl / small.uniform["kl"][kind]
+        other.sample_measures(0, 0.3, 2.5).kl / small.uniform["kl"][part]
     )
 
 
@@ -172,11 +184,15 @@ def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
         assert meta["loss"] <= best + meta["standard_error"] + 1e-6
         assert meta["unevenness"] <= meta["grid_best_unevenness"]
         assert set(meta["uniform"]) == {"kl", "attn"} and meta["indicator"] == "avg5"
-        assert meta["loss"] == pytest.approx(meta["kl"] / meta["uniform"]["kl"][meta["scenario"]], rel=1e-6)
+        if meta["scenario"] == "question":  # one part: the loss is the mean KL over uniform budgets'
+            assert meta["loss"] == pytest.approx(meta["kl"] / meta["uniform"]["kl"]["asked-inside"], rel=1e-6)
+        else:  # a passage continued and one asked about after its compression, each its own scale
+            assert set(meta["uniform"]["kl"]) == {"text", "asked-after"}
         assert meta["perturbation"] > 0
         assert (
             meta["evaluations"] <= 4 * meta["candidates"] + 4
         )  # shared evaluations, one per distinct allocation
+    assert cal.meta["parts"] == {"question": {"asked-inside": 2}, "context": {"text": 1, "asked-after": 1}}
     saved = json.loads(temperatures.calibration_path(cal.fingerprint).read_text())
     assert saved["fingerprint"] == cal.fingerprint and set(saved["scenarios"]) == {"question", "context"}
     ctx = kvcake.compress(tiny_llama, _ids(96), "cake", ratio=0.2, window=4)
@@ -221,7 +237,8 @@ def test_question_samples_end_with_the_question_for_a_number_or_a_key():
     tok = WordTokenizer()
     seen = set()
     for seed in range(12):
-        prompt, scored = build_texts(tok, NoiseHaystack(), "question", 160, 4, seed)
+        prompt, scored, then, part = build_texts(tok, NoiseHaystack(), "question", 160, 4, seed)
+        assert then == [] and part == "asked-inside"
         name = tuple(FORMS)[seed % len(FORMS)]
         seen.add(name)
         form = FORMS[name]
@@ -255,13 +272,65 @@ class ChatWordTokenizer(WordTokenizer):
         return "<|system|> be brief <|user|> " + messages[0]["content"] + " <|end|> <|assistant|> "
 
 
+def test_context_only_samples_alternate_a_passage_continued_and_one_asked_about_after_it():
+    """Context-only samples serve both uses of a compressed document: an even seed continues a
+    passage (the text's own next tokens scored), an odd one hides a form's facts in a
+    ``length``-token passage that is compressed alone, the question (and answer prefix) appended
+    after it uncompressed, as the results page's context-only cells ask theirs."""
+    tok = WordTokenizer()
+    seen = set()
+    for seed in range(12):
+        prompt, scored, then, part = build_texts(tok, NoiseHaystack(), "context", 160, 4, seed)
+        assert len(prompt) == 160
+        if seed % 2 == 0:
+            assert part == "text" and then == [] and len(scored) == 4
+            continue
+        name = tuple(FORMS)[seed // 2 % len(FORMS)]
+        seen.add(name)
+        form = FORMS[name]
+        value = tok.decode(scored).split(" .")[0].replace(" - ", "-").strip()
+        assert part == "asked-after" and value in tok.decode(prompt).replace(" - ", "-")
+        asked = re.search(r"(?:locker of|spare key of) the (\w+ \w+)", tok.decode(then))
+        ask = form.ask.format(who=asked.group(1) if asked else "")
+        assert then == tok(ask + PLAIN_ANSWER + form.prefix, add_special_tokens=False)["input_ids"]
+        assert form.ask.split("{")[0].strip() not in tok.decode(prompt)  # the question is not compressed
+    assert seen == set(FORMS)
+    chat = ChatWordTokenizer()
+    prompt, _, then, part = build_texts(chat, NoiseHaystack(), "context", 120, 4, 1)
+    head = chat("<|system|> be brief <|user|> ", add_special_tokens=False)["input_ids"]
+    tail = chat(" <|end|> <|assistant|> " + FORMS["number"].prefix, add_special_tokens=False)["input_ids"]
+    assert part == "asked-after" and len(prompt) == 120 and prompt[: len(head)] == head
+    assert then[-len(tail) :] == tail  # the turn change and the prefix follow the question
+
+
+def test_a_question_asked_after_the_prompt_scores_the_full_caches_answer_to_it(tiny_llama):
+    """``then``: the full cache reads the question after the prompt and answers greedily; the
+    reference teacher-forces question and answer, keeps the answer's predictions, and crops the
+    cache back to the prompt (the part a compression replays)."""
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, 100, (40,), generator=gen).tolist()
+    then = torch.randint(3, 100, (6,), generator=gen).tolist()
+    ref = reference(tiny_llama, prompt, None, "context", greedy=5, then=then)
+    with torch.no_grad():
+        out = tiny_llama.generate(
+            torch.tensor([prompt + then]), max_new_tokens=5, do_sample=False, min_new_tokens=5
+        )
+    expected = out[0, len(prompt) + len(then) :]
+    assert ref.part == "asked-after" and ref.appended[0].tolist() == then + expected[:-1].tolist()
+    assert torch.equal(ref.full_logprobs.argmax(-1), expected) and ref.full_logprobs.shape[0] == 5
+    assert ref.cache.get_seq_length() == len(prompt) and ref.full_attn[0].shape[0] == len(then) + 4
+    # the compressed cache's measure over the same tokens: zero where nothing is evicted
+    whole = Evaluator(tiny_llama, [ref], BudgetSpec(budget=4096, window=4))
+    assert whole.sample_measures(0, 1.0, 1.0).kl == pytest.approx(0.0, abs=1e-6)
+
+
 def test_question_samples_are_laid_out_like_a_users_chat_prompt():
     """With a chat template the question sample is framed as ``kvcake.build_prompt`` frames an
     evaluation prompt (``kvcake.prompts.chat_frame``): the turn's head first, then passage and
     question, the turn change and the answer prefix last; still ``length`` tokens."""
     tok = ChatWordTokenizer()
     for seed in range(2):
-        prompt, scored = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
+        prompt, scored, _, _ = build_texts(tok, NoiseHaystack(), "question", 120, 4, seed)
         form = FORMS[tuple(FORMS)[seed % 2]]  # number, key (one role)
         text = tok.decode(prompt)
         asked = re.search(r"(?:locker of|spare key of) the (\w+ \w+)", text)
@@ -294,7 +363,8 @@ def test_calibration_prompts_are_never_evaluation_prompts():
             overlap = _shingles(" ".join(words)) & eval_shingles
             assert not overlap, overlap
     rng_spans = [
-        span(random.Random(f"kvcake-calibration-question-{i}"), f)
+        span(random.Random(f"kvcake-calibration-{kind}-{i}"), f)
+        for kind in ("question", "context")
         for i in range(8)
         for f in ("number", "key")
     ]
@@ -349,6 +419,9 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
     for name in ("samples", "length", "grid", "text"):
         assert getattr(cli, name) == api[name].default, name
     assert cli.ratios is None and api["ratios"].default is None and api["budgets"].default == ()
+    n = api["samples"].default
+    parts = {kind: dict(Counter(build_texts(WordTokenizer(), NoiseHaystack(), kind, 96, 4, i).part for i in range(n)))
+             for kind in temperatures.SCENARIOS}  # fmt: skip
     files = sorted(SHIPPED_DIR.glob("*.json"))
     assert len(files) == 2  # SmolLM2 and Gemma-3-270M
     for path in files:
@@ -356,6 +429,7 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
         assert meta["samples_per_scenario"] == api["samples"].default, path.name
         assert meta["length"] == api["length"].default, path.name
         assert meta["indicators"] == ["avg5"], path.name
+        assert meta["parts"] == parts, path.name  # the same kinds of samples
         for scenario in temperatures.SCENARIOS:
             settings = [p["setting"] for p in meta["points"] if p["scenario"] == scenario]
             assert settings == [f"ratio={r:g}" for r in DEFAULT_RATIOS], (path.name, scenario)

