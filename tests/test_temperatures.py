@@ -119,6 +119,27 @@ def test_non_cake_methods_resolve_nothing(tiny_llama):
     assert kvcake.compress(tiny_llama, _ids(), "snapkv", budget=20, window=4).cache.tau is None
 
 
+def test_tau_source_label_of_a_scenario_follows_that_scenarios_set_alone():
+    """An eval cell is keyed by the label of its scenario's set: a calibration that changes only
+    the context-only set reruns the context-only cells, not the question-aware ones."""
+    fp = CAL.fingerprint
+    q = (TauPoint(50.0, 2.0, 0.5),)
+    save_calibration(Calibration(fp, {"question": q, "context": (TauPoint(50.0, 1.0, 3.0),)}, "m"))
+    before = {
+        s: temperatures.tau_source_label(fp, "llama", None, None, scenario=s)
+        for s in (None, *temperatures.SCENARIOS)
+    }
+    save_calibration(Calibration(fp, {"question": q, "context": (TauPoint(50.0, 50.0, 50.0),)}, "m"))
+    after = {
+        s: temperatures.tau_source_label(fp, "llama", None, None, scenario=s)
+        for s in (None, *temperatures.SCENARIOS)
+    }
+    assert after["question"] == before["question"] and len(set(before.values())) == 3
+    assert after["context"] != before["context"] and after[None] != before[None]
+    with pytest.raises(ValueError, match="scenario"):
+        temperatures.tau_source_label(fp, "llama", None, None, scenario="both")
+
+
 def test_tau_source_label_changes_with_the_calibration():
     fp = CAL.fingerprint
     before = temperatures.tau_source_label(fp, "llama", None, None)

@@ -334,10 +334,16 @@ def resolve_tau(
 
 
 def tau_source_label(
-    fingerprint: str, model_type: str, tau1: float | None, tau2: float | None, tau_from: str = "auto"
-) -> str:
+    fingerprint: str, model_type: str, tau1: float | None, tau2: float | None, tau_from: str = "auto",
+    scenario: str | None = None,
+) -> str:  # fmt: skip
     """A short identity of the temperatures a CAKE method will use on this model, at any budget
-    (e.g. ``calibrated:<hash>``): part of an eval cell's key, so a new calibration reruns it."""
+    (e.g. ``calibrated:<hash>``): part of an eval cell's key, so a new calibration reruns it.
+
+    ``scenario``: the identity of that scenario's set alone (a calibration that changes only the
+    other set leaves the label, and the cells keyed by it, as they were); ``None``: of both sets."""
+    if scenario is not None and scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS} or None, got {scenario!r}")
     if tau1 is not None and tau2 is not None:
         return f"user:{tau1:g}/{tau2:g}"
     found = find_calibration(fingerprint) if tau_from == "auto" else None
@@ -350,7 +356,7 @@ def tau_source_label(
             return {k: v for k, v in p.__dict__.items() if not (k == "indicator" and v is None)}
 
         sets = [fields(p) for p in cal.points] if cal.shared else {
-            k: [fields(p) for p in v] for k, v in cal.points.items()
+            k: [fields(p) for p in v] for k, v in cal.points.items() if scenario in (None, k)
         }  # fmt: skip
         digest = hashlib.sha256(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:8]
         base = f"{found[1]}:{digest}"
@@ -362,13 +368,16 @@ def tau_source_label(
     return base + partial
 
 
-def method_tau_label(model, method) -> str | None:
-    """:func:`tau_source_label` of a method on ``model``; ``None`` when its layers are not CAKE's."""
+def method_tau_label(model, method, scenario: str | None = None) -> str | None:
+    """:func:`tau_source_label` of a method on ``model`` (of the ``scenario``'s set, or of both);
+    ``None`` when its layers are not CAKE's."""
     layers = method.layers
     if not isinstance(layers, CakeAllocator):
         return None
     model_type = getattr(model.config, "model_type", "")
-    return tau_source_label(model_fingerprint(model), model_type, layers.tau1, layers.tau2, layers.tau_from)
+    return tau_source_label(
+        model_fingerprint(model), model_type, layers.tau1, layers.tau2, layers.tau_from, scenario
+    )
 
 
 def describe_resolution() -> str:

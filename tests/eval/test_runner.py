@@ -250,3 +250,25 @@ def test_summary_of_records():
     assert "| method | ratio 0.1 | ratio 0.5 |" in table
     assert "| full cache | 100 | 100 |" in table and "| `a` | 0 | 50 |" in table
     assert "| `a` | 2.0000 | 1.0000 |" in table
+
+
+def test_a_calibration_that_changes_one_scenarios_set_reruns_only_that_scenarios_cells(
+    tiny_llama, tokenizer, tmp_path, monkeypatch
+):
+    from kvcake import temperatures
+    from kvcake.models import model_fingerprint
+    from kvcake.temperatures import Calibration, TauPoint, save_calibration
+
+    monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(temperatures, "SHIPPED_DIR", tmp_path / "shipped")
+    fp, question = model_fingerprint(tiny_llama), (TauPoint(12.0, 2.0, 0.5),)
+    save_calibration(Calibration(fp, {"question": question, "context": (TauPoint(12.0, 1.0, 3.0),)}, "m"))
+    out = tmp_path / "res.jsonl"
+    first = run_eval(tiny_llama, tokenizer, methods="full,cake", out=out, report=False, **TINY)
+    save_calibration(Calibration(fp, {"question": question, "context": (TauPoint(12.0, 50.0, 50.0),)}, "m"))
+    again = run_eval(tiny_llama, tokenizer, methods="full,cake", out=out, report=False, **TINY)
+    assert again.new == 2 and again.skipped == first.new - 2  # cake's context-only cells, one per sample
+    label = {(r["scenario"], r["method"]): r["tau"] for r in again.records}
+    old = {(r["scenario"], r["method"]): r["tau"] for r in first.records}
+    assert label[("question", "cake")] == old[("question", "cake")] != label[("context", "cake")]
+    assert label[("context", "cake")] != old[("context", "cake")] and label[("context", "full")] is None

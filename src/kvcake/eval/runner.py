@@ -215,8 +215,10 @@ def run_eval(
     model_name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     fp = model_fingerprint(model)
     shared = prefill == "shared"
-    # CAKE's temperatures in force (source + calibration hash): a new calibration reruns its cells
-    taus = {spec: method_tau_label(model, make_method(spec, ratio=0.5)) for spec in compressed}
+    # CAKE's temperatures in force (source + hash of the scenario's set): a calibration that changes
+    # a scenario's set reruns that scenario's cells
+    taus = {(spec, sc): method_tau_label(model, make_method(spec, ratio=0.5), sc)
+            for spec in compressed for sc in scenarios}  # fmt: skip
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {cell_key(r): r for r in load_records(path)}
@@ -242,7 +244,7 @@ def run_eval(
                         for spec in method_specs:
                             for b, r in [(None, None)] if spec == FULL else settings:
                                 cells.append({**base, "method": spec, "budget": b, "ratio": r, "scenario": sc,
-                                              "tau": taus.get(spec), "_question": q})  # fmt: skip
+                                              "tau": taus.get((spec, sc)), "_question": q})  # fmt: skip
                 plan.append((group, opts, cells))
     # sample 0 of every task and length first, then sample 1, ...: a run stopped early covers them all
     plan.sort(key=lambda item: min(q.sample for q in item[0].questions))

@@ -63,6 +63,10 @@ def with_shipped(
     from kvcake.temperatures import method_tau_label
 
     label = method_tau_label(model, make_method("cake", ratio=0.5))
+    # the results' cells are keyed by their scenario's set
+    cells = {
+        sc: method_tau_label(model, make_method("cake", ratio=0.5), sc) for sc in ("question", "context")
+    }
     swept = {(r["model_fp"], r["task"], r["length"], r["seed"]) for r in records}
     swept -= {(r["model_fp"], r["task"], r["length"], r["seed"]) for r in records if r["method"] == "cake"}
     return records + [
@@ -70,7 +74,7 @@ def with_shipped(
          "sample": r["sample"], "scenario": r["scenario"], "ratio": r["ratio"], "method": "cake",
          "kl": r["kl"], "attn": r["attn_rel_l1"], "cake_tau": label, "window": r["window"]}
         for r in results
-        if r["method"] == "cake" and r.get("tau") == label
+        if r["method"] == "cake" and r.get("tau") == cells.get(r["scenario"])
         and (r["model_fp"], r["task"], r["length"], r["seed"]) in swept
     ]  # fmt: skip
 
