@@ -18,7 +18,16 @@ import kvcake
 from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.samples import FORMS, PLAIN_ANSWER, ROLES, WORDS, build_texts, reference, span
+from kvcake.calibration.samples import (
+    FORMS,
+    PLAIN_ANSWER,
+    ROLES,
+    WORDS,
+    build_texts,
+    reference,
+    sample_reference,
+    span,
+)
 from kvcake.calibration.search import Evaluator, FixedLayers, choose, layer_budgets, search_grid, tau_grid
 from kvcake.eval.tasks import TASKS, make_samples
 from kvcake.eval.tasks.vocab import KEY_NOUNS, VALUE_WORDS
@@ -128,8 +137,9 @@ def test_choose_keeps_a_clear_winner_and_flattens_within_noise():
 
 def _reference(model, tok, kind: str, seed: int, length: int = 64, continuation: int = 4):
     """A sample built as ``kvcake.calibrate`` builds it (a question scores the greedy continuation)."""
-    t = build_texts(tok, NoiseHaystack(), kind, length, continuation, seed)
-    return reference(model, t.prompt, t.scored, kind, 0 if t.part == "text" else continuation, t.then, t.part)
+    return sample_reference(
+        model, build_texts(tok, NoiseHaystack(), kind, length, continuation, seed), kind, continuation
+    )
 
 
 def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):

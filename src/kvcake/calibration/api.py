@@ -17,7 +17,7 @@ from kvcake.models import model_fingerprint, model_name
 from kvcake.scorers.cake import CakeScorer
 from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, parse_indicator, save_calibration
 
-from .samples import build_texts, reference
+from .samples import build_texts, sample_reference
 from .search import TAU_LIMITS, Evaluator, GridResult, choose, search_grid, tau_grid
 
 logger = logging.getLogger(__name__)
@@ -135,10 +135,7 @@ def calibrate(
         refs[scenario] = []
         for i in range(samples):
             t = build_texts(tokenizer, haystack, scenario, length, continuation, seed + i)
-            # a question scores the model's own greedy continuation (the answer and what follows),
-            # as the results page's KL does; a passage continued scores the text's true continuation
-            greedy = 0 if t.part == "text" else continuation
-            refs[scenario].append(reference(model, t.prompt, t.scored, scenario, greedy, t.then, t.part))
+            refs[scenario].append(sample_reference(model, t, scenario, continuation))
     forward_s = time.perf_counter() - start
     logger.info("calibration: %d full forwards in %.1f s", samples * len(SCENARIOS), forward_s)
     points: dict[str, list[TauPoint]] = {s: [] for s in SCENARIOS}

@@ -285,3 +285,12 @@ def reference(
     if part is None:
         part = "asked-inside" if kind == "question" else "asked-after" if then else "text"
     return Sample(kind, part, ids, captured.snapshot(), cache, logits, appended, logprobs, attn)
+
+
+def sample_reference(model, texts: Texts, kind: str, continuation: int) -> Sample:
+    """:func:`reference` of a :func:`build_texts` sample as ``kvcake.calibrate`` scores it: a
+    question (inside the prompt or asked after it) scores the model's own greedy continuation of
+    ``continuation`` tokens (the answer and what follows), as the results page's KL does; a
+    passage continued scores the text's true continuation."""
+    greedy = 0 if texts.part == "text" else continuation
+    return reference(model, texts.prompt, texts.scored, kind, greedy, texts.then, texts.part)

@@ -60,13 +60,11 @@ def with_shipped(
     sweep made before the latest calibration is compared with today's ``cake``, measured exactly as
     the sweep's own ``cake`` rows are (the first test of ``tests/eval/test_tau_sweep.py``)."""
     from kvcake.method import make_method
-    from kvcake.temperatures import method_tau_label
+    from kvcake.temperatures import SCENARIOS, method_tau_label
 
     label = method_tau_label(model, make_method("cake", ratio=0.5))
     # the results' cells are keyed by their scenario's set
-    cells = {
-        sc: method_tau_label(model, make_method("cake", ratio=0.5), sc) for sc in ("question", "context")
-    }
+    cells = {sc: method_tau_label(model, make_method("cake", ratio=0.5), sc) for sc in SCENARIOS}
     swept = {(r["model_fp"], r["task"], r["length"], r["seed"]) for r in records}
     swept -= {(r["model_fp"], r["task"], r["length"], r["seed"]) for r in records if r["method"] == "cake"}
     return records + [
