@@ -122,3 +122,31 @@ def test_a_prefill_run_replaces_its_rows_and_runs_at_its_lengths_only():
     assert [(t["method"], t["length"], t["ok"]) for t in got["targets"]] == [
         ("snapkv", 4096, True), ("cake", 4096, True), ("snapkv", 8192, True)
     ]  # fmt: skip
+
+
+def test_merged_prefill_rows_keep_the_machine_they_were_measured_on():
+    """A run on another machine merged into older rows (written before rows named their machine):
+    each row names its own, and the page's table gets a machine column only when they differ."""
+    from kvcake.bench import speed
+
+    def result(pairs, cpu, named):
+        machine = dict(device="cpu", cpu=cpu)
+        rows = [speed.prefill_row([p], [p["full_s"]], length=p["length"], method=p["method"],
+                                  **({"machine": speed.machine_label(machine)} if named else {}))
+                for p in pairs]  # fmt: skip
+        return dict(bench="prefill", machine=machine, budget=128, window=32, methods=["snapkv"],
+                    lengths=sorted({p["length"] for p in pairs}), rows=rows, runs=pairs,
+                    targets=speed.prefill_targets(rows))  # fmt: skip
+
+    old = result([_pair("snapkv", 4096, 12.0), _pair("snapkv", 8192, 10.2)], "Intel Xeon", named=False)
+    assert "machine" not in speed.prefill_tables(old).splitlines()[2]
+    new = result([_pair("snapkv", 4096, 10.3)], "AMD EPYC", named=True)
+    got = merge("prefill", old, new)
+    assert [(r["length"], r["machine"]) for r in got["rows"]] == [(4096, "AMD EPYC"), (8192, "Intel Xeon")]
+    table = speed.prefill_tables(got).splitlines()
+    assert table[2].startswith("| S | method | machine | full s |")
+    assert table[4].startswith("| 4096 | snapkv | AMD EPYC | 10.00 |")
+    assert table[5].startswith("| 8192 | snapkv | Intel Xeon | 10.00 |")
+    again = merge("prefill", got, result([_pair("snapkv", 8192, 10.0)], "AMD EPYC", named=True))
+    assert {r["machine"] for r in again["rows"]} == {"AMD EPYC"}
+    assert "machine" not in speed.prefill_tables(again).splitlines()[2]

@@ -49,12 +49,19 @@ def merge(bench: str, old: dict, new: dict) -> dict:
         out["rss"] = _rows(old["rss"], new["rss"])
         out["targets"] = memory.targets(out["kv"])
     else:
-        out["rows"] = _rows(old["rows"], new["rows"])
+        out["rows"] = _rows(_with_machine(old), _with_machine(new))
         fresh = {(r["method"], r["length"]) for r in new["runs"]}  # the runs behind the replaced rows
         out["runs"] = [r for r in old["runs"] if (r["method"], r["length"]) not in fresh] + new["runs"]
         out.pop("target_length", None)  # (pages before issue 23: one target length)
         out["targets"] = speed.prefill_targets(out["rows"])
     return out
+
+
+def _with_machine(result: dict) -> list[dict]:
+    """``result``'s prefill rows, each saying the machine it was measured on: rows written before
+    rows did say it get their run's (``machine``), so merged runs of two machines stay apart."""
+    label = speed.machine_label(result.get("machine"))
+    return [r if r.get("machine") else {**r, "machine": label} for r in result["rows"]]
 
 
 def _merge_decode(old: dict, new: dict) -> dict:

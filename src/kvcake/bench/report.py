@@ -200,6 +200,11 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
     parts = _section(
         "Prefill time", speed.prefill_tables(result), _fig(figures, doc, "prefill.png", "prefill")
     )
+    machines = list(dict.fromkeys(r.get("machine") or "?" for r in result["rows"]))
+    if len(machines) > 1:
+        parts += [f"Rows from runs on {len(machines)} machines ({', '.join(machines)}; the machine column): a "
+                  "row's ratios pair full and method runs of one run on one machine, but how much the cache's "
+                  "work weighs against the model's forward differs between machines.", ""]  # fmt: skip
     if m := result.get("machine"):  # merged runs: the latest run's machine (bench.merge)
         parts += [f"Machine of the latest prefill run: {m.get('cpu', m.get('device_name'))}, {m.get('cpu_cores')} "
                   f"cores, {m.get('torch_threads')} torch thread(s), torch {m.get('torch')}, transformers "

@@ -93,11 +93,20 @@ def run_prefill(
         fulls = [x["full_s"] for x in runs if x["length"] == length]
         for spec in methods:
             mine = [x for x in runs if x["length"] == length and x["method"] == spec]
-            rows.append(prefill_row(mine, fulls, length=length, model=label, prompt=source, method=spec))
+            rows.append(prefill_row(mine, fulls, length=length, model=label, prompt=source, method=spec,
+                                    machine=machine_label(machine)))  # fmt: skip
     result = dict(bench="prefill", machine=machine, budget=budget, window=window, repeats=repeats,
                   lengths=list(lengths), methods=list(methods), rows=rows, runs=runs)  # fmt: skip
     result["targets"] = prefill_targets(rows)
     return emit(result, "prefill", prefill_tables(result) if echo else "", plot_prefill, out, echo)
+
+
+def machine_label(machine: dict | None) -> str | None:
+    """What a prefill row says of the machine it was measured on (its CPU or device name): rows
+    merged from runs on different machines (``--add``) keep their own (``bench.merge``)."""
+    if not machine:
+        return None
+    return machine.get("cpu") if machine.get("device", "cpu") == "cpu" else machine.get("device_name")
 
 
 def prefill_row(mine: list[dict], fulls: list[float], **labels) -> dict:
@@ -143,8 +152,9 @@ def prefill_targets(rows: list[dict]) -> list[dict]:
 
 
 def prefill_tables(result: dict) -> str:
+    machines = list(dict.fromkeys(r.get("machine") or "?" for r in result["rows"]))
     rows = [
-        (r["length"], r["method"], fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r.get("ratio_min"), 3),
+        (r["length"], r["method"], *([r.get("machine") or "?"] if len(machines) > 1 else []), fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r.get("ratio_min"), 3),
          fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3), fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0),
          fmt(100 * r["hook_s"] / r["full_s"], 1), fmt(100 * r["full_spread"], 0), r["n"])
         for r in result["rows"]
@@ -152,7 +162,7 @@ def prefill_tables(result: dict) -> str:
     head = (f"Prefill time, budget {result['budget']} per layer, alternating full/method runs "
             f"({_rounds(result)}; times are medians; the ratio of minima is a method's fastest run over "
             "the fastest of its paired full runs):")  # fmt: skip
-    table = markdown_table(("S", "method", "full s", "method s", "ratio of minima", "ratio (paired median)",
+    table = markdown_table(("S", "method", *(["machine"] if len(machines) > 1 else []), "full s", "method s", "ratio of minima", "ratio (paired median)",
                             "ratio of medians", "in-cache ms", "of which eviction ms", "in-cache % of full",
                             "full-run spread %", "pairs"), rows)  # fmt: skip
     checks = [(c["method"], c["length"], fmt(c["value"], 3), c.get("statistic", "paired median"),
