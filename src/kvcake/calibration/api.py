@@ -23,6 +23,10 @@ from .search import TAU_LIMITS, Evaluator, GridResult, choose, search_grid, tau_
 logger = logging.getLogger(__name__)
 
 DEFAULT_RATIOS = (0.1, 0.25, 0.5)
+DEFAULT_TEXT = "paul_graham"
+DEFAULT_SAMPLES = 16
+DEFAULT_LENGTH = 2048
+DEFAULT_GRID = 5
 TAU1_RANGE = (0.2, 2.0)  # the CAKE paper's search ranges
 TAU2_RANGE = (0.4, 3.0)
 FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search reaches: near-uniform budgets
@@ -52,11 +56,11 @@ def calibrate(
     *,
     ratios: Sequence[float] | None = None,
     budgets: Sequence[int] = (),
-    text: str | os.PathLike[str] | Haystack = "paul_graham",
-    samples: int = 16,
-    length: int = 2048,
+    text: str | os.PathLike[str] | Haystack = DEFAULT_TEXT,
+    samples: int = DEFAULT_SAMPLES,
+    length: int = DEFAULT_LENGTH,
     continuation: int = 16,
-    grid: int = 5,
+    grid: int = DEFAULT_GRID,
     window: int = 32,
     seed: int = 0,
     indicators: Sequence[str | tuple[str, int]] | None = None,

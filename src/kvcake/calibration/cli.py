@@ -45,16 +45,21 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
     model_placement(p)
-    p.add_argument("--text", default="paul_graham",
-                   help="calibration text: paul_graham (default), noise, or a text file/folder")  # fmt: skip
-    p.add_argument(
-        "--ratios", type=_floats, default=None, help="kept ratios to calibrate at (default 0.1,0.25,0.5)"
-    )
+    from .api import DEFAULT_GRID, DEFAULT_LENGTH, DEFAULT_RATIOS, DEFAULT_SAMPLES, DEFAULT_TEXT
+
+    p.add_argument("--text", default=DEFAULT_TEXT,
+                   help="calibration text: paul_graham, noise, or a text file/folder (default: %(default)s)")  # fmt: skip
+    p.add_argument("--ratios", type=_floats, default=None,
+                   help=f"kept ratios to calibrate at (default {','.join(f'{r:g}' for r in DEFAULT_RATIOS)}, "
+                        "none where --budgets is given)")  # fmt: skip
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
-    p.add_argument("--samples", type=int, default=16,
-                   help="samples per scenario (context-only: passages continued and passages asked about after compression, alternately; question-aware: questions cycling through six forms; kvcake.calibration.samples; default 16)")  # fmt: skip
-    p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
-    p.add_argument("--grid", type=int, default=5, help="grid points per temperature axis")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                   help="samples per scenario (context-only: passages continued and passages asked about after compression, alternately; question-aware: questions cycling through six forms; kvcake.calibration.samples; default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default: %(default)s)"
+    )
+    p.add_argument("--grid", type=int, default=DEFAULT_GRID,
+                   help="grid points per temperature axis (default: %(default)s)")  # fmt: skip
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,
                    help="CAKE indicators to search too, e.g. avg5,max7 (default: only the paper's avg5)")  # fmt: skip
     p.add_argument(
