@@ -27,7 +27,8 @@ DEFAULT_KEEP_RATIO = {"question": 0.25, "context": 0.5}
 #: The method ``kvcake.answer`` uses when none is given, per scenario: the "Which method" pick of
 #: README / docs/results.md on the default model: `layer-defensivekv` in both (question-aware KL
 #: 0.0053 at 0.25 against SnapKV's 0.089; context-only score 53 and KL 0.026 at 0.5 against
-#: CriticalKV's 42 and 0.085, H2O's 42 and 0.055), for added prefill work of 4-9% of the full cache's prefill (docs/benchmarks.md).
+#: CriticalKV's 42 and 0.085, H2O's 42 and 0.055), for added prefill work of 4-9% of the full
+#: cache's prefill (docs/benchmarks.md).
 DEFAULT_METHOD = {"question": "layer-defensivekv", "context": "layer-defensivekv"}
 
 #: A run keeping less than this fraction of a prompt of at least STARVED_MIN_TOKENS gets a warning.
