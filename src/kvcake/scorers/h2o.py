@@ -98,6 +98,11 @@ MIN_ROWS = 16
 # keeps 1.2e-7 of it), and the products with the values stay below 1e30 x |v|. Otherwise the block
 # is computed again with the maxima subtracted, as SDPA does.
 UNSHIFTED_SUMS = (1e-20, 1e30)
+# The blocks' logits are in base 2 (the scale times log2(e), folded into the query or the matmul)
+# and exponentiated by exp2: the same probabilities up to float32 rounding, and on the CPU exp2
+# runs about three times as fast as exp (1.3 against 3.9 ms for 4.7M floats, one core of an AMD
+# EPYC, 2026-11-28), which was a fifth of the loop's time there.
+LOG2E = 1.4426950408889634
 
 
 def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int:
@@ -131,7 +136,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
     result up to rounding (the sum over valid query rows of each key's attention).
 
     ``rows`` query rows at a time (default :func:`block_rows`), each block's logits written into
-    one reused buffer and exponentiated in place: on a CPU fresh buffers of this size cost more in
+    one reused buffer and exponentiated in place (base 2: ``LOG2E``): on a CPU fresh buffers of this size cost more in
     page faults than the arithmetic. On the CPU a block is exponentiated without subtracting its
     rows' maxima where that is exact (``UNSHIFTED_SUMS``; else it is computed again, shifted):
     the maxima and the subtraction were two of the block's five passes over memory. A GQA group's
@@ -155,7 +160,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
         probs_half = torch.empty(b * h * rows * s, dtype=value.dtype, device=dev)
         pv = torch.empty(b * hkv * g * rows * d, dtype=torch.float32, device=dev)
     else:
-        q = (query.float() * scaling).reshape(b, hkv, g, s, d)
+        q = (query.float() * (scaling * LOG2E)).reshape(b, hkv, g, s, d)
         kt = key.float().transpose(-1, -2)  # (B, H_kv, d, S)
         v = value.float()
     out = torch.empty(b, hkv, g, s, d, dtype=torch.float32, device=dev)
@@ -172,7 +177,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
         rows_q = q[:, :, :, start:stop].reshape(b, hkv, g * n, d)
         if half:
             matmul_f32(rows_q.reshape(b * hkv, g * n, d), kt[..., :stop].reshape(b * hkv, d, stop),
-                        logits.view(b * hkv, g * n, stop), scaling)  # fmt: skip
+                        logits.view(b * hkv, g * n, stop), scaling * LOG2E)  # fmt: skip
         else:
             torch.matmul(rows_q, kt[..., :stop], out=logits)
         block = logits.view(b, hkv, g, n, stop)
@@ -194,7 +199,7 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
                 logits = block_logits(start, stop)
         if scale is None:
             top = logits.amax(-1, keepdim=True)  # (B, H_kv, G*n, 1)
-            total = logits.sub_(top).exp_().sum(-1, keepdim=True)
+            total = logits.sub_(top).exp2_().sum(-1, keepdim=True)
             scale = (top > hidden).float().div_(total)  # 1/total; 0 on a row that sees nothing
         block = logits.view(b, hkv, g, n, stop)
         if half:  # the probabilities in the inputs' dtype times the values, in float32 (as flash attention)
@@ -219,7 +224,7 @@ def _unshifted_exp(logits: torch.Tensor, sees: torch.Tensor | None, shape) -> to
     """Exponentiate a block's logits in place as they are and return each row's ``1 / sum`` (0 on a
     row that sees no key), or None where a row that sees a key sums outside ``UNSHIFTED_SUMS``
     (the caller then subtracts the maxima). ``sees`` (B, 1, 1, n) bool, None: every row sees one."""
-    total = logits.exp_().sum(-1, keepdim=True)  # (B, H_kv, G*n, 1)
+    total = logits.exp2_().sum(-1, keepdim=True)  # (B, H_kv, G*n, 1)
     low, high = UNSHIFTED_SUMS
     rows = total.view(shape)  # (B, H_kv, G, n)
     small = rows < low if sees is None else (rows < low) & sees
