@@ -124,7 +124,7 @@ def test_a_prefill_run_replaces_its_rows_and_runs_at_its_lengths_only():
     ]  # fmt: skip
 
 
-def test_merged_prefill_rows_keep_the_machine_they_were_measured_on():
+def test_merged_prefill_rows_keep_the_machine_they_were_measured_on(tmp_path):
     """A run on another machine merged into older rows (written before rows named their machine):
     each row names its own, and the page's table gets a machine column only when they differ."""
     from kvcake.bench import speed
@@ -147,6 +147,10 @@ def test_merged_prefill_rows_keep_the_machine_they_were_measured_on():
     assert table[2].startswith("| S | method | machine | full s |")
     assert table[4].startswith("| 4096 | snapkv | AMD EPYC | 10.00 |")
     assert table[5].startswith("| 8192 | snapkv | Intel Xeon | 10.00 |")
+    from kvcake.bench import report
+
+    page = report._prefill(got, tmp_path, tmp_path / "page.md")
+    assert "Rows from runs on 2 machines (AMD EPYC, Intel Xeon; the machine column)" in page
     again = merge("prefill", got, result([_pair("snapkv", 8192, 10.0)], "AMD EPYC", named=True))
     assert {r["machine"] for r in again["rows"]} == {"AMD EPYC"}
     assert "machine" not in speed.prefill_tables(again).splitlines()[2]
