@@ -85,8 +85,10 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
 # 128 rows at 4096 tokens and 64 at 8192 for 9 heads: one layer of that shape on one core took
 # 0.177 s and 0.726 s so, 1.05 x and 1.15 x SDPA's causal attention (`python
 # scripts/h2o_block_rows.py`, 2026-11-26); with the 32 and 16 rows of an 8 MiB block and the
-# maxima subtracted (the loop before then) 0.223 s and 0.929 s, 1.29 x and 1.44 x. On a GPU a
-# block large enough to keep the matmuls wide.
+# maxima subtracted (the loop before then) 0.223 s and 0.929 s, 1.29 x and 1.44 x. On an AMD EPYC
+# core at 4096 tokens (base-2 exponentials, 2026-11-28, best of 5) 16-256 rows took 1.10-1.25 x,
+# 32-128 rows 1.10-1.13 x: no reason to move it. On a GPU a block large enough to keep the matmuls
+# wide.
 BLOCK_BYTES = 32 << 20  # the CPU (kvcake.devices.cpu_route)
 DEVICE_BLOCK_BYTES = 256 << 20
 MIN_ROWS = 16
