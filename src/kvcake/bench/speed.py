@@ -152,18 +152,19 @@ def prefill_targets(rows: list[dict]) -> list[dict]:
 
 
 def prefill_tables(result: dict) -> str:
-    machines = list(dict.fromkeys(r.get("machine") or "?" for r in result["rows"]))
+    # a machine column where merged rows come from more than one machine (bench.merge)
+    mixed = len({r.get("machine") or "?" for r in result["rows"]}) > 1
     rows = [
-        (r["length"], r["method"], *([r.get("machine") or "?"] if len(machines) > 1 else []), fmt(r["full_s"], 2), fmt(r["s"], 2), fmt(r.get("ratio_min"), 3),
-         fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3), fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0),
+        (r["length"], r["method"], *([r.get("machine") or "?"] if mixed else []), fmt(r["full_s"], 2),
+         fmt(r["s"], 2), fmt(r.get("ratio_min"), 3), fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3), fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0),
          fmt(100 * r["hook_s"] / r["full_s"], 1), fmt(100 * r["full_spread"], 0), r["n"])
         for r in result["rows"]
     ]  # fmt: skip
     head = (f"Prefill time, budget {result['budget']} per layer, alternating full/method runs "
             f"({_rounds(result)}; times are medians; the ratio of minima is a method's fastest run over "
             "the fastest of its paired full runs):")  # fmt: skip
-    table = markdown_table(("S", "method", *(["machine"] if len(machines) > 1 else []), "full s", "method s", "ratio of minima", "ratio (paired median)",
-                            "ratio of medians", "in-cache ms", "of which eviction ms", "in-cache % of full",
+    table = markdown_table(("S", "method", *(["machine"] if mixed else []), "full s", "method s",
+                            "ratio of minima", "ratio (paired median)", "ratio of medians", "in-cache ms", "of which eviction ms", "in-cache % of full",
                             "full-run spread %", "pairs"), rows)  # fmt: skip
     checks = [(c["method"], c["length"], fmt(c["value"], 3), c.get("statistic", "paired median"),
                fmt(100 * c["in_cache"], 1), verdict(c["ok"]))

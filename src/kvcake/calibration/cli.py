@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..standalone import model_placement, user_description
+from .api import DEFAULT_GRID, DEFAULT_LENGTH, DEFAULT_RATIOS, DEFAULT_SAMPLES, DEFAULT_TEXT
 
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (~30 min on one core)",
@@ -45,8 +46,6 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
     model_placement(p)
-    from .api import DEFAULT_GRID, DEFAULT_LENGTH, DEFAULT_RATIOS, DEFAULT_SAMPLES, DEFAULT_TEXT
-
     p.add_argument("--text", default=DEFAULT_TEXT,
                    help="calibration text: paul_graham, noise, or a text file/folder (default: %(default)s)")  # fmt: skip
     p.add_argument("--ratios", type=_floats, default=None,
