@@ -200,7 +200,7 @@ def _prefill(result: dict, figures: Path, doc: Path) -> str:
     parts = _section(
         "Prefill time", speed.prefill_tables(result), _fig(figures, doc, "prefill.png", "prefill")
     )
-    machines = list(dict.fromkeys(r.get("machine") or "?" for r in result["rows"]))
+    machines = speed.row_machines(result["rows"])
     if len(machines) > 1:
         parts += [f"Rows from runs on {len(machines)} machines ({', '.join(machines)}; the machine column): a "
                   "row's ratios pair full and method runs of one run on one machine, but how much the cache's "

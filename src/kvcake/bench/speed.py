@@ -77,6 +77,7 @@ def run_prefill(
     methods = tuple(m for m in methods if m != "full")
     clock = Clock(models.device)
     runs, rows = [], []
+    measured_on = machine_label(machine)
     for length in lengths:
         model, label = models.for_length(length)
         ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
@@ -94,7 +95,7 @@ def run_prefill(
         for spec in methods:
             mine = [x for x in runs if x["length"] == length and x["method"] == spec]
             rows.append(prefill_row(mine, fulls, length=length, model=label, prompt=source, method=spec,
-                                    machine=machine_label(machine)))  # fmt: skip
+                                    machine=measured_on))  # fmt: skip
     result = dict(bench="prefill", machine=machine, budget=budget, window=window, repeats=repeats,
                   lengths=list(lengths), methods=list(methods), rows=rows, runs=runs)  # fmt: skip
     result["targets"] = prefill_targets(rows)
@@ -107,6 +108,12 @@ def machine_label(machine: dict | None) -> str | None:
     if not machine:
         return None
     return machine.get("cpu") if machine.get("device", "cpu") == "cpu" else machine.get("device_name")
+
+
+def row_machines(rows: list[dict]) -> list[str]:
+    """The machines prefill ``rows`` were measured on, in order of first appearance ("?" for rows
+    that do not say): more than one where ``--add`` merged runs of different machines."""
+    return list(dict.fromkeys(r.get("machine") or "?" for r in rows))
 
 
 def prefill_row(mine: list[dict], fulls: list[float], **labels) -> dict:
@@ -152,20 +159,21 @@ def prefill_targets(rows: list[dict]) -> list[dict]:
 
 
 def prefill_tables(result: dict) -> str:
-    # a machine column where merged rows come from more than one machine (bench.merge)
-    mixed = len({r.get("machine") or "?" for r in result["rows"]}) > 1
+    mixed = len(row_machines(result["rows"])) > 1  # a machine column only then
     rows = [
         (r["length"], r["method"], *([r.get("machine") or "?"] if mixed else []), fmt(r["full_s"], 2),
-         fmt(r["s"], 2), fmt(r.get("ratio_min"), 3), fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3), fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0),
-         fmt(100 * r["hook_s"] / r["full_s"], 1), fmt(100 * r["full_spread"], 0), r["n"])
+         fmt(r["s"], 2), fmt(r.get("ratio_min"), 3), fmt(r["ratio"], 3), fmt(r["ratio_of_medians"], 3),
+         fmt(r["hook_s"] * 1e3, 0), fmt(r["evict_s"] * 1e3, 0), fmt(100 * r["hook_s"] / r["full_s"], 1),
+         fmt(100 * r["full_spread"], 0), r["n"])
         for r in result["rows"]
     ]  # fmt: skip
     head = (f"Prefill time, budget {result['budget']} per layer, alternating full/method runs "
             f"({_rounds(result)}; times are medians; the ratio of minima is a method's fastest run over "
             "the fastest of its paired full runs):")  # fmt: skip
     table = markdown_table(("S", "method", *(["machine"] if mixed else []), "full s", "method s",
-                            "ratio of minima", "ratio (paired median)", "ratio of medians", "in-cache ms", "of which eviction ms", "in-cache % of full",
-                            "full-run spread %", "pairs"), rows)  # fmt: skip
+                            "ratio of minima", "ratio (paired median)", "ratio of medians", "in-cache ms",
+                            "of which eviction ms", "in-cache % of full", "full-run spread %", "pairs"),
+                           rows)  # fmt: skip
     checks = [(c["method"], c["length"], fmt(c["value"], 3), c.get("statistic", "paired median"),
                fmt(100 * c["in_cache"], 1), verdict(c["ok"]))
               for c in result["targets"]]  # fmt: skip

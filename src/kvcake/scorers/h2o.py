@@ -138,11 +138,11 @@ def attention_with_column_sums(query, key, value, mask, key_valid, scaling, rows
     result up to rounding (the sum over valid query rows of each key's attention).
 
     ``rows`` query rows at a time (default :func:`block_rows`), each block's logits written into
-    one reused buffer and exponentiated in place (base 2: ``LOG2E``): on a CPU fresh buffers of this size cost more in
-    page faults than the arithmetic. On the CPU a block is exponentiated without subtracting its
-    rows' maxima where that is exact (``UNSHIFTED_SUMS``; else it is computed again, shifted):
-    the maxima and the subtraction were two of the block's five passes over memory. A GQA group's
-    heads share one matmul with their KV head.
+    one reused buffer and exponentiated in place (base 2: ``LOG2E``): on a CPU fresh buffers of
+    this size cost more in page faults than the arithmetic. On the CPU a block is exponentiated
+    without subtracting its rows' maxima where that is exact (``UNSHIFTED_SUMS``; else it is
+    computed again, shifted): the maxima and the subtraction were two of the block's five passes
+    over memory. A GQA group's heads share one matmul with their KV head.
     Where :func:`half_matmuls` holds (CUDA, bf16/fp16) the matmuls take the inputs as they are and
     write float32; elsewhere they run on float32 copies. On CUDA the two FlexAttention passes of
     :mod:`kvcake.flex` replace the blocks (no ``S x S`` block reaches memory); this loop is their
