@@ -156,24 +156,23 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
         assert m.kl == pytest.approx(0.0, abs=1e-6) and m.attn == pytest.approx(0.0, abs=1e-5)
     small = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4))
     assert set(small.uniform) == {"kl", "attn"} and min(small.uniform["attn"].values()) > 0
-    m = small.sample_measures(0, 0.3, 2.5)
-    part = refs[0].part
-    # the loss is KL alone (issue 24), each sample's over uniform budgets' for its part; the
-    # perturbation is reported beside it
-    assert small.per_sample(0.3, 2.5)[0] == pytest.approx(m.kl / small.uniform["kl"][part])
+    measured = [small.sample_measures(i, 0.3, 2.5) for i in range(3)]
+    # the loss is KL alone (issue 24): the mean KL over uniform budgets' mean KL over the same
+    # samples, whatever their parts; the perturbation is reported beside it
     assert set(small.uniform["kl"]) == {"text", "asked-inside", "asked-after"}
-    attn = [
-        small.sample_measures(i, 0.3, 2.5).attn / small.uniform["attn"][r.part] for i, r in enumerate(refs)
-    ]
-    assert small.perturbation(0.3, 2.5) == pytest.approx(sum(attn) / 3)
+    uniform = [small.measure(i, small._method("uniform")) for i in range(3)]
+    pooled = sum(u.kl for u in uniform) / 3
+    assert small.pooled("kl") == pytest.approx(pooled)
+    assert small.per_sample(0.3, 2.5) == pytest.approx([m.kl / pooled for m in measured])
+    assert small.loss(0.3, 2.5) == pytest.approx(sum(m.kl for m in measured) / 3 / pooled)
+    attn = sum(m.attn for m in measured) / sum(u.attn for u in uniform)
+    assert small.perturbation(0.3, 2.5) == pytest.approx(attn)
     assert small.unevenness(50.0, 50.0) < small.unevenness(0.2, 0.4)  # hot temperatures flatten
     # another indicator divides by the paper's uniform budgets, so its losses compare with them
     other = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4), indicator=("max", 7),
                       baseline=small.uniform)  # fmt: skip
     assert other.uniform is small.uniform and "score.pooling=max,score.kernel=7" in other.score
-    assert other.per_sample(0.3, 2.5)[0] == pytest.approx(
-        other.sample_measures(0, 0.3, 2.5).kl / small.uniform["kl"][part]
-    )
+    assert other.per_sample(0.3, 2.5)[0] == pytest.approx(other.sample_measures(0, 0.3, 2.5).kl / pooled)
 
 
 def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
@@ -194,10 +193,13 @@ def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
         assert meta["loss"] <= best + meta["standard_error"] + 1e-6
         assert meta["unevenness"] <= meta["grid_best_unevenness"]
         assert set(meta["uniform"]) == {"kl", "attn"} and meta["indicator"] == "avg5"
-        if meta["scenario"] == "question":  # one part: the loss is the mean KL over uniform budgets'
-            assert meta["loss"] == pytest.approx(meta["kl"] / meta["uniform"]["kl"]["asked-inside"], rel=1e-6)
-        else:  # a passage continued and one asked about after its compression, each its own scale
-            assert set(meta["uniform"]["kl"]) == {"text", "asked-after"}
+        # the loss is the mean KL over uniform budgets', the parts pooled: a passage continued and
+        # one asked about after its compression (context-only) weigh as their KL does
+        uniform = meta["uniform"]["kl"]
+        assert set(uniform) == (
+            {"asked-inside"} if meta["scenario"] == "question" else {"text", "asked-after"}
+        )
+        assert meta["loss"] == pytest.approx(meta["kl"] / (sum(uniform.values()) / len(uniform)), rel=1e-6)
         assert meta["perturbation"] > 0
         assert (
             meta["evaluations"] <= 4 * meta["candidates"] + 4

@@ -33,9 +33,10 @@ FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search 
 PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel 5
 OBJECTIVE = (
     "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
-    "KL with the paper's indicator (1.0), one scenario at a time (question: the compressed prompt ends with "
-    "a question for an exact span, the full cache's greedy continuation scored; context: a passage compressed "
-    "alone, its continuation scored); kept: the "
+    "KL over the same samples with the paper's indicator (1.0), one scenario at a time (question: the "
+    "compressed prompt ends with a question for an exact span, the full cache's greedy continuation scored; "
+    "context: a passage compressed alone, then its continuation or a question asked after it scored, the "
+    "samples pooled); kept: the "
     "least uneven allocation within one standard error of the grid's best; attention-output perturbation "
     "reported beside it ('perturbation', relative to uniform budgets), not optimised"
 )
@@ -92,8 +93,8 @@ def calibrate(
         a key among look-alikes, a word, a word among look-alikes, a number handed along a chain).
         Context-only, alternately: a passage continued (the text's next tokens scored) and a
         passage asked about after its compression (the same forms, the question appended
-        uncompressed, as a document served to later questions is asked), the two parts weighing
-        the same in the loss. The default, 16, asks every question form at least twice: with 6 the
+        uncompressed, as a document served to later questions is asked), pooled in the loss by
+        their KL (a document asked about weighs more). The default, 16, asks every question form at least twice: with 6 the
         default model's kept points moved at 5 of its 6 budgets when the run was repeated with 16
         (README, "Calibration").
     length:

@@ -7,8 +7,8 @@ Two kinds, one per compression scenario (METHODS.md, ``kvcake.temperatures.SCENA
   (part ``text``), or facts of a question form below are hidden in it and the question is
   appended after the compression, uncompressed, the full cache's greedy answer teacher-forced
   (part ``asked-after``: a document served to later questions, as ``kvcake.compress`` serves one
-  and the results page's context-only cells ask it). Each part is scored against uniform
-  budgets on its own scale and they weigh the same (:mod:`kvcake.calibration.search`).
+  and the results page's context-only cells ask it). The loss pools them by their KL
+  (:mod:`kvcake.calibration.search`).
 - ``question``: a fact holding an exact span is hidden at a random depth of a passage and a
   question asking for it closes the prompt, so the compressed prompt ends with the question
   (question-aware); the full cache's own greedy continuation after it (the answer, then whatever

@@ -1,0 +1,165 @@
+"""How well a calibration design carries to prompts it never saw: CAKE's temperatures chosen on
+one fold of calibration samples, measured on the others (issue 24).
+
+Choosing between calibration designs by the results page's prompts is fitting to them; this
+compares designs on calibration samples alone. ``record`` builds one fold (``--samples`` samples
+of a scenario from ``--seed`` on, held out from the shipped calibrations, which use seeds 0-15) and
+measures, per sample, the KL of every candidate of a fixed grid of (tau1, tau2) (the paper's
+5 x 5 grid, tau1 = 3.56 past its edge, the near-uniform point), of uniform layer budgets and of
+SnapKV. ``compare`` picks the kept point on some folds, as ``kvcake calibrate`` does (one
+standard error rule, :func:`kvcake.calibration.search.choose`), under each objective, and
+prints its mean KL on the other folds beside near-uniform budgets' and SnapKV's:
+
+- ``parts``: the shipped objective, each part's KL over uniform budgets' on that part, the
+  parts averaged (a continued passage weighs what a document asked about weighs);
+- ``nats``: the mean KL itself over the samples (the document questions' KL, 10-40 x the
+  passages', decides).
+
+    PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --out /tmp/folds
+    PYTHONPATH=src python3 scripts/calibration_folds.py compare /tmp/folds/context-*.json
+
+About 15 minutes per fold of 16 context-only samples on one core (default model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import kvcake
+from kvcake.budget import BudgetSpec
+from kvcake.calibration.api import FLAT_TAU
+from kvcake.calibration.samples import build_texts, sample_reference
+from kvcake.calibration.search import Evaluator, choose
+from kvcake.haystack import resolve_haystack
+from kvcake.method import make_method
+
+TAU1 = (0.2, 0.356, 0.632, 1.12, 2.0, 3.56)
+TAU2 = (0.4, 0.662, 1.1, 1.81, 3.0)
+RATIOS = (0.1, 0.25, 0.5)
+
+
+def record(args) -> None:
+    torch.set_num_threads(args.threads)
+    model, tok = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL)
+    haystack = resolve_haystack(args.text)
+    t0 = time.perf_counter()
+    refs = [
+        sample_reference(model, build_texts(tok, haystack, args.scenario, args.length, 16, args.seed + i),
+                         args.scenario, 16)
+        for i in range(args.samples)
+    ]  # fmt: skip
+    fold = {"scenario": args.scenario, "seed": args.seed, "parts": [s.part for s in refs], "ratios": {}}
+    for ratio in RATIOS:
+        spec = BudgetSpec(ratio=ratio, window=args.window)
+        ev = Evaluator(model, refs, spec)
+        snapkv = make_method("layers=uniform,score=snapkv,decode=fixed", ratio=ratio, window=args.window)
+        taus = [(a, b) for a in TAU1 for b in TAU2] + [FLAT_TAU]
+        fold["ratios"][str(ratio)] = {
+            "uniform": ev.uniform["kl"],
+            "kl": {f"{a}/{b}": [ev.sample_measures(i, a, b).kl for i in range(len(refs))] for a, b in taus},
+            "unevenness": {f"{a}/{b}": ev.unevenness(a, b) for a, b in taus},
+            "snapkv": [ev.measure(i, snapkv).kl for i in range(len(refs))],
+        }
+        print(f"ratio {ratio}: {time.perf_counter() - t0:.0f} s", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.scenario}-{args.seed}.json"
+    path.write_text(json.dumps(fold))
+    print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
+
+
+def _merge(folds: list[dict], ratio: str) -> dict:
+    parts = [p for f in folds for p in f["parts"]]
+    kl = {t: [x for f in folds for x in f["ratios"][ratio]["kl"][t]] for t in folds[0]["ratios"][ratio]["kl"]}
+    snap = [x for f in folds for x in f["ratios"][ratio]["snapkv"]]
+    uniform = {  # uniform budgets' mean KL per part over the folds, each fold weighted by its samples
+        p: sum(f["ratios"][ratio]["uniform"][p] * f["parts"].count(p) for f in folds) / parts.count(p)
+        for p in set(parts)
+    }
+    unev = {t: _mean([f["ratios"][ratio]["unevenness"][t] for f in folds]) for t in kl}
+    return {"parts": parts, "kl": kl, "snapkv": snap, "uniform": uniform, "unevenness": unev}
+
+
+_FLAT = f"{FLAT_TAU[0]}/{FLAT_TAU[1]}"
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def pick(train: dict, objective: str) -> str:
+    """The kept candidate on ``train`` under ``objective`` (see the module's docstring)."""
+    parts = train["parts"]
+    if objective == "parts":
+        per = {
+            t: [x / train["uniform"][p] for x, p in zip(v, parts, strict=True)]
+            for t, v in train["kl"].items()
+        }
+
+        def loss(v):
+            return _mean(_mean(x for x, q in zip(v, parts, strict=True) if q == p) for p in set(parts))
+    else:
+        scale = _mean(train["uniform"][p] for p in parts)
+        per = {t: [x / scale for x in v] for t, v in train["kl"].items()}
+        loss = _mean
+    table = {tuple(map(float, t.split("/"))): loss(v) for t, v in per.items()}
+    kept = choose(table, lambda a, b: per[f"{a}/{b}"], lambda a, b: train["unevenness"][f"{a}/{b}"])
+    return f"{kept.tau[0]}/{kept.tau[1]}"
+
+
+def compare(args) -> None:
+    folds = [json.loads(Path(p).read_text()) for p in args.folds]
+    names = [str(f["seed"]) for f in folds]
+    print(f"{len(folds)} folds ({', '.join(names)}), {folds[0]['scenario']}: kept on the train folds, "
+          "mean KL on the others (nats/token, and per part), against near-uniform budgets and SnapKV")  # fmt: skip
+    print("| ratio | train | objective | kept | KL | KL per part | near-uniform | SnapKV | <= SnapKV |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for ratio in map(str, RATIOS):
+        for size in (1, 2):
+            for train_idx in itertools.combinations(range(len(folds)), size):
+                test_idx = [i for i in range(len(folds)) if i not in train_idx]
+                if not test_idx:
+                    continue
+                train = _merge([folds[i] for i in train_idx], ratio)
+                test = _merge([folds[i] for i in test_idx], ratio)
+                for objective in ("parts", "nats"):
+                    t = pick(train, objective)
+                    kl, parts = test["kl"][t], test["parts"]
+
+                    by_part = ", ".join(
+                        f"{p} {_mean(x for x, q in zip(kl, parts, strict=True) if q == p):.4f}"
+                        for p in sorted(set(parts))
+                    )
+                    wins = sum(a <= b for a, b in zip(kl, test["snapkv"], strict=True))
+                    print(f"| {ratio} | {'+'.join(names[i] for i in train_idx)} | {objective} | {t} | {_mean(kl):.4f} | "
+                          f"{by_part} | {_mean(test['kl'][_FLAT]):.4f} | {_mean(test['snapkv']):.4f} | {wins}/{len(kl)} |")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("record", help="measure one fold of calibration samples")
+    r.add_argument("--seed", type=int, required=True, help="first sample's seed (the shipped files use 0-15)")
+    r.add_argument("--samples", type=int, default=16)
+    r.add_argument("--scenario", default="context", choices=("context", "question"))
+    r.add_argument("--model", default=None)
+    r.add_argument("--text", default="paul_graham")
+    r.add_argument("--length", type=int, default=2048)
+    r.add_argument("--window", type=int, default=32)
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--out", default="calibration-folds")
+    c = sub.add_parser("compare", help="keep a point on some folds, measure it on the others")
+    c.add_argument("folds", nargs="+")
+    args = ap.parse_args()
+    record(args) if args.command == "record" else compare(args)
+
+
+if __name__ == "__main__":
+    main()
