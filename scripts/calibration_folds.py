@@ -18,7 +18,7 @@ prints its mean KL on the other folds beside near-uniform budgets' and SnapKV's:
     PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --out /tmp/folds
     PYTHONPATH=src python3 scripts/calibration_folds.py compare /tmp/folds/context-*.json
 
-About 15 minutes per fold of 16 context-only samples on one core (default model).
+About 10 minutes per fold of 16 context-only samples on one core of this 2-core CPU (default model).
 """
 
 from __future__ import annotations
