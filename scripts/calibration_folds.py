@@ -42,6 +42,7 @@ from kvcake.method import make_method
 TAU1 = (0.2, 0.356, 0.632, 1.12, 2.0, 3.56)
 TAU2 = (0.4, 0.662, 1.1, 1.81, 3.0)
 RATIOS = (0.1, 0.25, 0.5)
+_FLAT = f"{FLAT_TAU[0]}/{FLAT_TAU[1]}"
 
 
 def record(args) -> None:
@@ -86,12 +87,14 @@ def _merge(folds: list[dict], ratio: str) -> dict:
     return {"parts": parts, "kl": kl, "snapkv": snap, "uniform": uniform, "unevenness": unev}
 
 
-_FLAT = f"{FLAT_TAU[0]}/{FLAT_TAU[1]}"
-
-
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs)
+
+
+def _part_mean(values: list[float], parts: list[str], part: str) -> float:
+    """The mean of ``values`` over the samples of ``part``."""
+    return _mean(x for x, q in zip(values, parts, strict=True) if q == part)
 
 
 def pick(train: dict, objective: str) -> str:
@@ -104,7 +107,7 @@ def pick(train: dict, objective: str) -> str:
         }
 
         def loss(v):
-            return _mean(_mean(x for x, q in zip(v, parts, strict=True) if q == p) for p in set(parts))
+            return _mean(_part_mean(v, parts, p) for p in set(parts))
     else:
         scale = _mean(train["uniform"][p] for p in parts)
         per = {t: [x / scale for x in v] for t, v in train["kl"].items()}
@@ -118,7 +121,8 @@ def compare(args) -> None:
     folds = [json.loads(Path(p).read_text()) for p in args.folds]
     names = [str(f["seed"]) for f in folds]
     print(f"{len(folds)} folds ({', '.join(names)}), {folds[0]['scenario']}: kept on the train folds, "
-          "mean KL on the others (nats/token, and per part), against near-uniform budgets and SnapKV")  # fmt: skip
+          "mean KL on the others (nats/token, and per part), against near-uniform budgets and "
+          "SnapKV")  # fmt: skip
     print("| ratio | train | objective | kept | KL | KL per part | near-uniform | SnapKV | <= SnapKV |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for ratio in map(str, RATIOS):
@@ -133,13 +137,12 @@ def compare(args) -> None:
                     t = pick(train, objective)
                     kl, parts = test["kl"][t], test["parts"]
 
-                    by_part = ", ".join(
-                        f"{p} {_mean(x for x, q in zip(kl, parts, strict=True) if q == p):.4f}"
-                        for p in sorted(set(parts))
-                    )
+                    by_part = ", ".join(f"{p} {_part_mean(kl, parts, p):.4f}" for p in sorted(set(parts)))
                     wins = sum(a <= b for a, b in zip(kl, test["snapkv"], strict=True))
-                    print(f"| {ratio} | {'+'.join(names[i] for i in train_idx)} | {objective} | {t} | {_mean(kl):.4f} | "
-                          f"{by_part} | {_mean(test['kl'][_FLAT]):.4f} | {_mean(test['snapkv']):.4f} | {wins}/{len(kl)} |")  # fmt: skip
+                    train_name = "+".join(names[i] for i in train_idx)
+                    flat, snapkv = _mean(test["kl"][_FLAT]), _mean(test["snapkv"])
+                    print(f"| {ratio} | {train_name} | {objective} | {t} | {_mean(kl):.4f} | {by_part} | "
+                          f"{flat:.4f} | {snapkv:.4f} | {wins}/{len(kl)} |")  # fmt: skip
 
 
 def main() -> None:

@@ -94,9 +94,9 @@ def calibrate(
         Context-only, alternately: a passage continued (the text's next tokens scored) and a
         passage asked about after its compression (the same forms, the question appended
         uncompressed, as a document served to later questions is asked), pooled in the loss by
-        their KL (a document asked about weighs more). The default, 16, asks every question form at least twice: with 6 the
-        default model's kept points moved at 5 of its 6 budgets when the run was repeated with 16
-        (README, "Calibration").
+        their KL (a document asked about weighs more). The default, 16, asks every question form
+        at least twice: with 6 the default model's kept points moved at 5 of its 6 budgets when
+        the run was repeated with 16 (README, "Calibration").
     length:
         Prompt length in tokens (the compressed part); ``continuation`` tokens are scored after
         every prompt: the text's own after a passage continued, the full cache's greedy

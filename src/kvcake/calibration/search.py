@@ -17,8 +17,9 @@ samples are of two parts (``text``, a passage continued, and ``asked-after``, a 
 about after its compression; :mod:`kvcake.calibration.samples`), pooled as they come: a document
 asked about, whose KL is 12-38 times a continued passage's, weighs that much more. (Until
 2026-11-28 each part was divided by uniform budgets' KL on its own samples and the parts
-averaged; on held-out folds of calibration samples, ``scripts/calibration_folds.py``, the
-pooled mean carried better at 512 and 1024 entries per layer and equally at 205.) The
+averaged; on held-out folds of calibration samples, ``scripts/calibration_folds.py``, points
+kept by the pooled mean did as well at 205 entries per layer, 1-2% worse at 512 (better when kept
+on 32 samples) and 12-14% better at 1024; README, "Calibration".) The
 attention-output perturbation
 (relative L1 of every layer's attention output at the teacher-forced tokens, mean over layers,
 the CriticalKV paper's measure) is measured beside it and reported, not optimised: an earlier
