@@ -15,7 +15,13 @@ prints its mean KL on the other folds beside near-uniform budgets' and SnapKV's:
 - ``nats``: the mean KL itself over the samples (the document questions' KL, 10-40 x the
   passages', decides).
 
+``record --indicator max7`` measures the same grid with another CAKE indicator (its losses on
+the paper's scale); given such folds for every seed, ``compare`` also keeps an indicator as
+``kvcake calibrate --indicators avg5,max7`` does (the paper's unless another's is better by more
+than one standard error) and prints those rows beside the paper's indicator alone.
+
     PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --out /tmp/folds
+    PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --indicator max7 --out /tmp/folds
     PYTHONPATH=src python3 scripts/calibration_folds.py compare /tmp/folds/context-*.json
 
 About 10 minutes per fold of 16 context-only samples on one core of this 2-core CPU (default model).
@@ -33,16 +39,18 @@ import torch
 
 import kvcake
 from kvcake.budget import BudgetSpec
-from kvcake.calibration.api import FLAT_TAU
+from kvcake.calibration.api import FLAT_TAU, PAPER_INDICATOR, indicator_name
 from kvcake.calibration.samples import build_texts, sample_reference
 from kvcake.calibration.search import Evaluator, choose
 from kvcake.haystack import resolve_haystack
 from kvcake.method import make_method
+from kvcake.temperatures import parse_indicator
 
 TAU1 = (0.2, 0.356, 0.632, 1.12, 2.0, 3.56)
 TAU2 = (0.4, 0.662, 1.1, 1.81, 3.0)
 RATIOS = (0.1, 0.25, 0.5)
 _FLAT = f"{FLAT_TAU[0]}/{FLAT_TAU[1]}"
+_PAPER = indicator_name(PAPER_INDICATOR)
 
 
 def record(args) -> None:
@@ -55,10 +63,14 @@ def record(args) -> None:
                          args.scenario, 16)
         for i in range(args.samples)
     ]  # fmt: skip
-    fold = {"scenario": args.scenario, "seed": args.seed, "parts": [s.part for s in refs], "ratios": {}}
+    indicator = parse_indicator(args.indicator)
+    fold = {"scenario": args.scenario, "seed": args.seed, "indicator": indicator_name(indicator),
+            "parts": [s.part for s in refs], "ratios": {}}  # fmt: skip
     for ratio in RATIOS:
         spec = BudgetSpec(ratio=ratio, window=args.window)
         ev = Evaluator(model, refs, spec)
+        if indicator != PAPER_INDICATOR:  # losses on the paper's scale: its uniform budgets' KL
+            ev = Evaluator(model, refs, spec, indicator=indicator, baseline=ev.uniform)
         snapkv = make_method("layers=uniform,score=snapkv,decode=fixed", ratio=ratio, window=args.window)
         taus = [(a, b) for a in TAU1 for b in TAU2] + [FLAT_TAU]
         fold["ratios"][str(ratio)] = {
@@ -70,7 +82,8 @@ def record(args) -> None:
         print(f"ratio {ratio}: {time.perf_counter() - t0:.0f} s", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.scenario}-{args.seed}.json"
+    name = "" if indicator == PAPER_INDICATOR else f"-{fold['indicator']}"
+    path = out / f"{args.scenario}-{args.seed}{name}.json"
     path.write_text(json.dumps(fold))
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
 
@@ -97,8 +110,8 @@ def _part_mean(values: list[float], parts: list[str], part: str) -> float:
     return _mean(x for x, q in zip(values, parts, strict=True) if q == part)
 
 
-def pick(train: dict, objective: str) -> str:
-    """The kept candidate on ``train`` under ``objective`` (see the module's docstring)."""
+def _kept(train: dict, objective: str) -> tuple[str, list[float]]:
+    """The kept candidate on ``train`` under ``objective`` and its per-sample losses."""
     parts = train["parts"]
     if objective == "parts":
         per = {
@@ -114,35 +127,67 @@ def pick(train: dict, objective: str) -> str:
         loss = _mean
     table = {tuple(map(float, t.split("/"))): loss(v) for t, v in per.items()}
     kept = choose(table, lambda a, b: per[f"{a}/{b}"], lambda a, b: train["unevenness"][f"{a}/{b}"])
-    return f"{kept.tau[0]}/{kept.tau[1]}"
+    t = f"{kept.tau[0]}/{kept.tau[1]}"
+    return t, per[t]
+
+
+def pick(train: dict, objective: str) -> str:
+    """The kept candidate on ``train`` under ``objective`` (see the module's docstring)."""
+    return _kept(train, objective)[0]
+
+
+def pick_indicator(trains: dict[str, dict], objective: str) -> tuple[str, str]:
+    """(indicator, candidate) kept on ``trains`` (one merged train set per indicator, each on the
+    paper's uniform scale) as ``kvcake calibrate --indicators`` keeps them: each indicator's point,
+    then the paper's indicator unless another's is better by more than one standard error."""
+    kept = {ind: _kept(train, objective) for ind, train in trains.items()}
+    choice = choose({(ind,): _mean(per) for ind, (_, per) in kept.items()}, lambda ind: kept[ind][1],
+                    lambda ind: 0.0 if ind == _PAPER else 1.0)  # fmt: skip
+    ind = choice.tau[0]
+    return ind, kept[ind][0]
 
 
 def compare(args) -> None:
-    folds = [json.loads(Path(p).read_text()) for p in args.folds]
-    names = [str(f["seed"]) for f in folds]
-    print(f"{len(folds)} folds ({', '.join(names)}), {folds[0]['scenario']}: kept on the train folds, "
-          "mean KL on the others (nats/token, and per part), against near-uniform budgets and "
-          "SnapKV")  # fmt: skip
-    print("| ratio | train | objective | kept | KL | KL per part | near-uniform | SnapKV | <= SnapKV |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    groups: dict[int, dict[str, dict]] = {}  # seed -> indicator -> fold
+    for path in args.folds:
+        fold = json.loads(Path(path).read_text())
+        groups.setdefault(fold["seed"], {})[fold.get("indicator", _PAPER)] = fold
+    seeds = sorted(groups)
+    if any(_PAPER not in groups[s] for s in seeds):
+        raise ValueError(
+            f"every seed needs its fold with the paper's indicator {_PAPER} (record without --indicator)"
+        )
+    others = sorted({i for s in seeds for i in groups[s]} - {_PAPER})
+    others = [i for i in others if all(i in groups[s] for s in seeds)]  # only what every seed has
+    sets = [[_PAPER]] + ([[_PAPER, *others]] if others else [])
+    names = [str(s) for s in seeds]
+    print(f"{len(seeds)} folds ({', '.join(names)}), {groups[seeds[0]][_PAPER]['scenario']}: kept on the train "
+          "folds, mean KL on the others (nats/token, and per part), against near-uniform budgets and SnapKV; "
+          f"indicators {', '.join([_PAPER, *others])}")  # fmt: skip
+    print(
+        "| ratio | train | objective | indicators | kept | KL | KL per part | near-uniform | SnapKV | <= SnapKV |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for ratio in map(str, RATIOS):
         for size in (1, 2):
-            for train_idx in itertools.combinations(range(len(folds)), size):
-                test_idx = [i for i in range(len(folds)) if i not in train_idx]
+            for train_idx in itertools.combinations(range(len(seeds)), size):
+                test_idx = [i for i in range(len(seeds)) if i not in train_idx]
                 if not test_idx:
                     continue
-                train = _merge([folds[i] for i in train_idx], ratio)
-                test = _merge([folds[i] for i in test_idx], ratio)
-                for objective in ("parts", "nats"):
-                    t = pick(train, objective)
-                    kl, parts = test["kl"][t], test["parts"]
 
+                def merged(idx, ind, ratio=ratio):
+                    return _merge([groups[seeds[i]][ind] for i in idx], ratio)
+
+                paper = merged(test_idx, _PAPER)
+                for objective, inds in itertools.product(("parts", "nats"), sets):
+                    ind, t = pick_indicator({i: merged(train_idx, i) for i in inds}, objective)
+                    kl, parts = merged(test_idx, ind)["kl"][t], paper["parts"]
                     by_part = ", ".join(f"{p} {_part_mean(kl, parts, p):.4f}" for p in sorted(set(parts)))
-                    wins = sum(a <= b for a, b in zip(kl, test["snapkv"], strict=True))
+                    wins = sum(a <= b for a, b in zip(kl, paper["snapkv"], strict=True))
                     train_name = "+".join(names[i] for i in train_idx)
-                    flat, snapkv = _mean(test["kl"][_FLAT]), _mean(test["snapkv"])
-                    print(f"| {ratio} | {train_name} | {objective} | {t} | {_mean(kl):.4f} | {by_part} | "
-                          f"{flat:.4f} | {snapkv:.4f} | {wins}/{len(kl)} |")  # fmt: skip
+                    flat, snapkv = _mean(paper["kl"][_FLAT]), _mean(paper["snapkv"])
+                    print(f"| {ratio} | {train_name} | {objective} | {'+'.join(inds)} | {ind} {t} | {_mean(kl):.4f} | "
+                          f"{by_part} | {flat:.4f} | {snapkv:.4f} | {wins}/{len(kl)} |")  # fmt: skip
 
 
 def main() -> None:
@@ -156,6 +201,9 @@ def main() -> None:
     r.add_argument("--text", default="paul_graham")
     r.add_argument("--length", type=int, default=2048)
     r.add_argument("--window", type=int, default=32)
+    r.add_argument(
+        "--indicator", default=_PAPER, help="CAKE's indicator, e.g. max7 (default: the paper's avg5)"
+    )
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--out", default="calibration-folds")
     c = sub.add_parser("compare", help="keep a point on some folds, measure it on the others")

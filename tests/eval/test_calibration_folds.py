@@ -17,16 +17,19 @@ def folds():
     return module
 
 
-def _fold(seed: int) -> dict:
+def _fold(seed: int, indicator: str | None = None, factors=(1.0,) * 8) -> dict:
     """Four continued passages (KL 0.1 under uniform budgets) and four documents asked about (KL
     1.0). Candidate 1/1 halves the passages' KL and costs the documents 5%; 2/2 cuts the
-    documents' by 10% and leaves the passages alone; 2/2 is the more uneven."""
+    documents' by 10% and leaves the passages alone; 2/2 is the more uneven. ``indicator`` names
+    the fold's CAKE indicator (``None``: a file from before the option, the paper's); each
+    sample's KL is multiplied by its ``factors`` (uniform budgets' stay: the paper's scale)."""
     parts = ["text"] * 4 + ["asked-after"] * 4
     kl = {
         "50.0/50.0": [0.1] * 4 + [1.0] * 4,
         "1.0/1.0": [0.05] * 4 + [1.05] * 4,
         "2.0/2.0": [0.1] * 4 + [0.9] * 4,
     }
+    kl = {t: [x * f for x, f in zip(v, factors, strict=True)] for t, v in kl.items()}
     ratio = {
         "uniform": {"text": 0.1, "asked-after": 1.0},
         "kl": kl,
@@ -36,6 +39,7 @@ def _fold(seed: int) -> dict:
     return {
         "scenario": "context",
         "seed": seed,
+        **({"indicator": indicator} if indicator else {}),
         "parts": parts,
         "ratios": {str(r): ratio for r in (0.1, 0.25, 0.5)},
     }
@@ -60,8 +64,43 @@ def test_compare_measures_the_kept_point_on_the_other_folds(folds, tmp_path, cap
     assert len(rows) == 3 * 2 * 2  # ratios x (train on either fold) x objectives
     nats = [r for r in rows if "| nats |" in r][0].split("|")
     # kept 2/2 on one fold, measured on the other: (4 x 0.1 + 4 x 0.9) / 8, SnapKV (0.4 + 3.8) / 8
-    assert nats[4].strip() == "2.0/2.0" and float(nats[5]) == pytest.approx(0.5, abs=1e-4)
-    assert float(nats[7]) == pytest.approx(0.55, abs=1e-4) and float(nats[8]) == pytest.approx(
+    assert nats[4].strip() == "avg5" and nats[5].strip() == "avg5 2.0/2.0"
+    assert float(nats[6]) == pytest.approx(0.5, abs=1e-4)
+    assert float(nats[8]) == pytest.approx(0.55, abs=1e-4) and float(nats[9]) == pytest.approx(
         0.525, abs=1e-4
     )
-    assert nats[9].strip() == "8/8"
+    assert nats[10].strip() == "8/8"
+
+
+def test_another_indicator_is_kept_only_when_better_beyond_one_standard_error(folds):
+    merge = folds._merge
+    paper = merge([_fold(1000)], "0.25")
+    # max7 halves every sample's KL: better by far more than the noise
+    halved = merge([_fold(1000, "max7", (0.5,) * 8)], "0.25")
+    assert folds.pick_indicator({"avg5": paper, "max7": halved}, "nats") == ("max7", "2.0/2.0")
+    # max7 1% lower on average but up or down by 20% per document: within one standard error,
+    # so the paper's indicator stays
+    noisy = merge([_fold(1000, "max7", (1.0,) * 4 + (0.8, 1.18, 0.8, 1.18))], "0.25")
+    assert folds.pick_indicator({"avg5": paper, "max7": noisy}, "nats")[0] == "avg5"
+
+
+def test_compare_adds_the_indicator_choice_when_every_seed_has_the_other_indicator(
+    folds, tmp_path, capsys, monkeypatch
+):
+    paths = []
+    for seed in (1000, 2000):
+        for ind, factors in ((None, (1.0,) * 8), ("max7", (0.5,) * 8)):
+            paths.append(tmp_path / f"context-{seed}{'-' + ind if ind else ''}.json")
+            paths[-1].write_text(json.dumps(_fold(seed, ind, factors)))
+    monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
+    folds.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.")]
+    assert len(rows) == 3 * 2 * 2 * 2  # ratios x train folds x objectives x (paper's alone, both)
+    both = [r for r in rows if r[4].strip() == "avg5+max7" and r[3].strip() == "nats"][0]
+    # max7 kept, measured on the other fold's max7 record: half the paper's 0.5; SnapKV unchanged
+    assert both[5].strip() == "max7 2.0/2.0" and float(both[6]) == pytest.approx(0.25, abs=1e-4)
+    assert float(both[9]) == pytest.approx(0.525, abs=1e-4)
+    # a seed without the paper's fold is refused
+    monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", str(paths[1])])
+    with pytest.raises(ValueError, match="paper's indicator avg5"):
+        folds.main()
