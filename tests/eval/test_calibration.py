@@ -218,7 +218,7 @@ def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
 def test_calibrate_can_search_the_indicator(tiny_llama):
     cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.3,), text=NoiseHaystack(), samples=2, length=96,
                            continuation=4, grid=2, window=4, indicators=("max7", "avg5"), save=False)  # fmt: skip
-    assert cal.meta["indicators"] == ["avg5", "max7"]
+    assert cal.meta["indicators"] == {"question": ["avg5", "max7"], "context": ["avg5", "max7"]}
     for meta in cal.meta["points"]:
         assert set(meta["indicators"]) == {"avg5", "max7"} and meta["indicator"] in meta["indicators"]
         if meta["indicator"] == "max7":  # kept over the paper's only when better by more than the noise
@@ -227,6 +227,24 @@ def test_calibrate_can_search_the_indicator(tiny_llama):
     for bad in ("med5", "max", "max6", ("avg", 0)):
         with pytest.raises(ValueError, match="indicator"):
             kvcake.calibrate(tiny_llama, WordTokenizer(), indicators=(bad,), save=False)
+
+
+def test_calibrate_searches_each_scenarios_default_indicators(tiny_llama):
+    from kvcake.calibration.api import DEFAULT_INDICATORS
+
+    kw = dict(ratios=(0.3,), text=NoiseHaystack(), samples=2, length=96, continuation=4, grid=2, window=4)
+    default = kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, **kw)
+    expected = {scenario: ["avg5", *inds] for scenario, inds in DEFAULT_INDICATORS.items()}
+    assert default.meta["indicators"] == expected == {"question": ["avg5"], "context": ["avg5", "max7"]}
+    for meta in default.meta["points"]:  # each scenario's points searched its own indicators
+        assert list(meta["indicators"]) == expected[meta["scenario"]]
+    # the same per-scenario mapping given explicitly: the same calibration
+    given = kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators={"context": "max7"}, **kw)
+    assert given.points == default.points
+    with pytest.raises(ValueError, match=r"scenarios \['ctx'\]"):
+        kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators={"ctx": ("max7",)}, **kw)
+    with pytest.raises(TypeError, match="indicators is a sequence"):
+        kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators="max7", **kw)
 
 
 def test_calibrate_rejects_bad_input(tiny_llama):
@@ -423,7 +441,7 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
     the same samples, prompt length, grid and ratios, on the command line as in the API."""
     import inspect
 
-    from kvcake.calibration.api import DEFAULT_RATIOS
+    from kvcake.calibration.api import DEFAULT_INDICATORS, DEFAULT_RATIOS
     from kvcake.cli import build_parser
 
     cli = build_parser().parse_args(["calibrate"])  # the command line users type, extensions included
@@ -440,7 +458,9 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
         meta = json.loads(path.read_text(encoding="utf-8"))["meta"]
         assert meta["samples_per_scenario"] == api["samples"].default, path.name
         assert meta["length"] == api["length"].default, path.name
-        assert meta["indicators"] == ["avg5"], path.name
+        assert meta["indicators"] == {  # the API's default search
+            scenario: ["avg5", *inds] for scenario, inds in DEFAULT_INDICATORS.items()
+        }, path.name
         assert meta["parts"] == parts, path.name  # the same kinds of samples
         for scenario in temperatures.SCENARIOS:
             settings = [p["setting"] for p in meta["points"] if p["scenario"] == scenario]

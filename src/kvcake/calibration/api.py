@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau
@@ -31,6 +31,11 @@ TAU1_RANGE = (0.2, 2.0)  # the CAKE paper's search ranges
 TAU2_RANGE = (0.4, 3.0)
 FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search reaches: near-uniform budgets
 PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel 5
+# indicators searched beside the paper's by default, per scenario: SnapKV's max pooling for
+# context-only use, where held-out folds of calibration samples kept it at 512 and 1024 entries
+# per layer and it cut their KL by 8-14% (scripts/calibration_folds.py, README "Calibration");
+# none for question-aware use, not compared on held-out samples
+DEFAULT_INDICATORS = {"question": (), "context": ("max7",)}
 OBJECTIVE = (
     "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
     "KL over the same samples with the paper's indicator (1.0), one scenario at a time (question: the "
@@ -64,7 +69,7 @@ def calibrate(
     grid: int = DEFAULT_GRID,
     window: int = 32,
     seed: int = 0,
-    indicators: Sequence[str | tuple[str, int]] | None = None,
+    indicators: Sequence[str | tuple[str, int]] | Mapping[str, Sequence[str | tuple[str, int]]] | None = None,
     save: bool | str | os.PathLike[str] = True,
 ) -> Calibration:
     """Choose CAKE's (tau1, tau2) for ``model`` at each budget and scenario, by output fidelity.
@@ -106,8 +111,11 @@ def calibrate(
         paper's ranges), extended past an edge that holds the best point.
     indicators:
         CAKE scorer indicators to search alongside the temperatures, e.g. ``("avg5", "max7")``
-        (pooling and kernel). Default ``None``: only the paper's (avg, 5), i.e. off. When on,
-        each indicator gets its own grid search and the paper's is kept unless another's kept
+        (pooling and kernel), for both scenarios, or per scenario (``{"context": ("max7",)}``, a
+        scenario left out searches only the paper's); the paper's (avg, 5) is always searched.
+        Default ``None``: :data:`DEFAULT_INDICATORS`, max7 beside avg5 for context-only use (held
+        out calibration samples favoured it there), the paper's alone for question-aware use.
+        Each indicator gets its own grid search and the paper's is kept unless another's kept
         point is better by more than one standard error; the choice is recorded per point
         (``TauPoint.indicator``, and ``meta["points"][i]["indicator"]``), and a CAKE cache whose
         scorer keeps the paper's pooling uses it with these temperatures
@@ -126,7 +134,7 @@ def calibrate(
     for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
                              ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
         _check_positive_int(name, value, low)
-    inds = [PAPER_INDICATOR] + [i for i in map(parse_indicator, indicators or ()) if i != PAPER_INDICATOR]
+    inds = _indicators(DEFAULT_INDICATORS if indicators is None else indicators)
     if ratios is None:
         ratios = () if budgets else DEFAULT_RATIOS
     specs = [BudgetSpec(ratio=float(r), window=window) for r in ratios]
@@ -148,13 +156,13 @@ def calibrate(
     model_type = getattr(model.config, "model_type", "")
     for scenario in SCENARIOS:
         for spec in specs:
-            point, meta = _calibrate_point(model, refs[scenario], spec, inds, grid, model_type)
+            point, meta = _calibrate_point(model, refs[scenario], spec, inds[scenario], grid, model_type)
             points[scenario].append(point)
             meta_points.append({"scenario": scenario, **meta})
     meta = {
         "objective": OBJECTIVE, "text": str(haystack), "samples_per_scenario": samples, "length": length,
         "continuation": continuation, "window": window, "seed": seed,
-        "indicators": [indicator_name(i) for i in inds],
+        "indicators": {s: [indicator_name(i) for i in inds[s]] for s in SCENARIOS},
         "parts": {s: dict(Counter(r.part for r in refs[s])) for s in SCENARIOS}, "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,
     }  # fmt: skip
@@ -165,6 +173,26 @@ def calibrate(
         path = save_calibration(cal, None if save is True else Path(save))
         logger.info("calibration saved to %s", path)
     return cal
+
+
+def _indicators(indicators) -> dict[str, list[tuple[str, int]]]:
+    """Per scenario, the indicators to search: the paper's first, then the others asked for."""
+    if isinstance(indicators, str) or not isinstance(indicators, Mapping | Sequence):
+        raise TypeError(f"indicators is a sequence like ('avg5', 'max7') or a mapping from scenario to one, "
+                        f"got {indicators!r}")  # fmt: skip
+    if not isinstance(indicators, Mapping):
+        indicators = dict.fromkeys(SCENARIOS, indicators)
+    unknown = set(indicators) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"indicators names scenarios {sorted(unknown)}; the scenarios are {SCENARIOS}")
+    out = {}
+    for scenario in SCENARIOS:
+        asked = indicators.get(scenario, ())
+        if isinstance(asked, str):
+            asked = (asked,)  # one indicator given alone
+        found = [parse_indicator(i) for i in asked]
+        out[scenario] = [PAPER_INDICATOR] + [i for i in dict.fromkeys(found) if i != PAPER_INDICATOR]
+    return out
 
 
 def with_flat(result: GridResult, loss) -> GridResult:

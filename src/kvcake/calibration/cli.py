@@ -60,7 +60,9 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grid", type=int, default=DEFAULT_GRID,
                    help="grid points per temperature axis (default: %(default)s)")  # fmt: skip
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,
-                   help="CAKE indicators to search too, e.g. avg5,max7 (default: only the paper's avg5)")  # fmt: skip
+                   help="CAKE indicators to search in both scenarios, e.g. avg5,max7; avg5 (the paper's) "
+                        "alone turns the search off (default: max7 beside avg5 context-only, avg5 alone "
+                        "question-aware)")  # fmt: skip
     p.add_argument(
         "--out", default=None, help="folder to write the calibration to (default: beside the models)"
     )
