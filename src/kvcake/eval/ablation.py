@@ -23,8 +23,8 @@ ABLATION: dict[str, str] = {
     "layers=cake,score=snapkv,layers.tau_from=family": "CAKE allocation alone, family-default tau",
     "layers=cake,score=snapkv": "CAKE allocation alone, calibrated tau",
     "cake,layers.tau_from=family": "both (CAKE), family-default tau",
-    "cake": "both (CAKE), calibrated tau",
-    "cake,score.pooling=max,score.kernel=7": "both, calibrated tau, CAKE's indicator max-pooled (SnapKV's, kernel 7)",
+    "cake": "both (CAKE), calibrated tau, and the indicator the calibration chose at each point",
+    "cake,score.pooling=max,score.kernel=7": "both, calibrated tau, CAKE's indicator max-pooled (SnapKV's, kernel 7) at every budget",
 }
 """Method spec -> what it isolates."""
 

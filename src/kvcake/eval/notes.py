@@ -6,7 +6,7 @@ every run, this text is not, so it says when it was read off them.
 """
 
 WHICH_METHOD = """\
-**Which method** (read off the tables on this page on 2026-11-25, Gemma's question-aware row on 2026-11-26, the `cake` entries on 2026-11-28 (16-sample calibrations; the context-only one after its third run); hand-written, so check it after a
+**Which method** (read off the tables on this page on 2026-11-25, Gemma's question-aware row on 2026-11-26, the `cake` entries on 2026-11-28 (16-sample calibrations; the context-only one after its fourth run); hand-written, so check it after a
 rerun). The SmolLM2 rows are means over the 12 prompts that every preset has (samples 0 and 1 of
 each task and length), so they compare like with like; the summary tables below average 36
 prompts for the six methods of issue 24's targets. *Prefill work*: time the method adds inside the cache during prefill, as a share of the
@@ -21,7 +21,7 @@ and `snapkv` 3% -> 4% are the machine's state, not the code: side by side with t
 | model | scenario | use | keep ratio | score (full cache) | KL | prefill work | runner-up / default |
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | SmolLM2-135M | question-aware | `layer-defensivekv` | 0.25 | 70 (72) | 0.0053 | 17% | `defensivekv` 72, KL 0.0135 at 14%; `snapkv` 67, KL 0.089 at 4%; `h2o` KL 0.036 at 24% (its time at 4k: the scoring runs in the attention); `cake` 67, KL 0.063 at 8% (the 2026-11-28 calibration; on all 36 prompts 0.033 against `snapkv`'s 0.049) |
-| SmolLM2-135M | context-only | `layer-defensivekv` | 0.5 | 53 (72) | 0.026 | 17% | `h2o` 42, KL 0.055 at 24% (time at 4k); `criticalkv` 42, KL 0.085 at 9.5%; `cake` 25, KL 0.204 (the third 2026-11-28 calibration; on all 36 prompts 0.193 against `snapkv`'s 0.175) |
+| SmolLM2-135M | context-only | `layer-defensivekv` | 0.5 | 53 (72) | 0.026 | 17% | `h2o` 42, KL 0.055 at 24% (time at 4k); `criticalkv` 42, KL 0.085 at 9.5%; `cake` 25, KL 0.204 (the fourth 2026-11-28 calibration, the same point as the third at this budget; on all 36 prompts 0.193 against `snapkv`'s 0.175) |
 | Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100), 2 prompts | 0.0024 | - | `cake` (its own calibration, near-uniform budgets here) KL 0.0026; `snapkv` 0.0027; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
 | Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 50, KL 0.454 (0.193 with its 6-sample calibration); `defensivekv` 0, KL 0.561; `layer-defensivekv` 0, KL 0.655 |
 
@@ -38,7 +38,8 @@ for the CAKE ablation's 36 prompts on 2026-11-28, and for CAKE's cells again (th
 2026-11-28, 16 samples, second bullet on CAKE below) the same day, and for its context-only cells
 again (that calibration redone with context-only samples that ask about the document, second bullet
 on CAKE below) the same day, and again (redone with those samples pooled in its objective, first
-bullet on CAKE below) the same day (the tables above are regenerated from the results file on every run; this text is not, so check it
+bullet on CAKE below) the same day, and again (max pooling in its context-only search, first bullet
+on CAKE below) the same day (the tables above are regenerated from the results file on every run; this text is not, so check it
 against them after a rerun). The summary tables average 36 prompts for the full cache, `snapkv`,
 `pyramidkv`, `cake`, `adakv` and `cake-adakv` and 12 for the other presets: a 12-prompt row and
 a 36-prompt row average different prompts (the 12 are among the 36); the targets table compares
@@ -75,8 +76,32 @@ the six on the same 36.
   scenario (KL 0.085 vs SnapKV's 0.17 at ratio 0.5; `critical-adakv` 0.13 vs `adakv` 0.19), which
   is the CriticalKV paper's claim. Ada-KV's per-head budgets do not beat uniform SnapKV on this
   model (3 KV heads per layer leave little to redistribute).
-- **The calibration of 2026-11-28, third run (shipped, README "Calibration"): the context-only
-  samples pooled in the objective.** The same samples; the loss is now the mean KL over all 16
+- **The calibration of 2026-11-28, fourth run (shipped, README "Calibration"): max pooling in the
+  context-only search.** The same samples and objective as the third run; the search now also
+  tries CAKE's indicator max-pooled with kernel 7 (SnapKV's) for context-only use, the paper's
+  avg5 kept unless max7 is better by more than one standard error. That default was chosen on two
+  held-out folds of calibration samples (`scripts/calibration_folds.py`: held-out KL 0.888 / 0.769
+  x near-uniform budgets at ratios 0.25 / 0.5 with the search, 0.994 / 0.852 without), not on these
+  prompts, and the file committed before these cells were run. The calibration kept max7 at 512
+  entries per layer only, with 0.632/1.81 (was 2/3 with avg5); 205 and 1024 entries and every
+  question-aware point are unchanged, and so are Gemma-3-270M's points (avg5 kept). *Context-only*,
+  36 prompts: `cake` 0.460 / 0.367 / 0.193 at ratios 0.1 / 0.25 / 0.5 (were 0.455 / 0.359 / 0.193;
+  SnapKV 0.462 / 0.346 / 0.175), `cake-adakv` 0.460 / 0.356 / 0.226 (were 0.456 / 0.350 / 0.226;
+  Ada-KV 0.473 / 0.357 / 0.200): worse in the mean at 0.1 and 0.25, and the one missed target
+  missed by more, `cake` <= SnapKV at 0.25 by 0.022 (se 0.030; was 0.013). One prompt decides it
+  again: `variable_tracking` 2k sample 0 went from 2.10 to 2.62 (SnapKV 1.58). Over the other 35
+  prompts `cake` is below SnapKV by 0.0073 on average (was 0.0014), it is at or below SnapKV on 18
+  of 36 prompts (was 16), and its mean KL per task at 0.25 is now below SnapKV's on `niah_single`
+  (0.420 against 0.435) and about equal on `niah_multikey` (0.346 against 0.347), with
+  `variable_tracking` 0.335 against 0.255. The other targets hold (`cake` <= SnapKV at 0.1 by
+  +0.0019, se 0.0032; `cake-adakv` <= Ada-KV at 0.25 by +0.0010, se 0.015). Task scores as before
+  (0 / 0 / 14 against SnapKV's 0 / 0 / 17). `cake-oneshot` equals `cake` cell for cell. The
+  ablation's calibrated rows: these budgets with SnapKV's indicator 0.466 / 0.363 / 0.173, with
+  CAKE's indicator max-pooled at every budget 0.462 / 0.366 / 0.183. The held-out folds and these
+  prompts disagree at 0.25 because one prompt's KL outweighs the other 35 prompts' gains; the
+  calibration's choice stands as made on calibration samples.
+- **The calibration of 2026-11-28, third run (shipped until the fourth, README "Calibration"): the
+  context-only samples pooled in the objective.** The same samples; the loss is now the mean KL over all 16
   context-only samples over uniform budgets' mean, where each half (continued passages, documents
   asked about) was divided by uniform budgets' KL on its own half and the halves averaged. The
   objective was chosen on held-out folds of calibration samples (`scripts/calibration_folds.py`,
