@@ -176,8 +176,9 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
 
 
 def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
+    # the paper's indicator alone (the search over indicators: the tests below)
     cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2, 0.4), text=NoiseHaystack(), samples=2,
-                           length=96, continuation=4, grid=3, window=4)  # fmt: skip
+                           length=96, continuation=4, grid=3, window=4, indicators=("avg5",))  # fmt: skip
     assert cal.fingerprint == model_fingerprint(tiny_llama) and not cal.shared
     assert [(m["scenario"], m["setting"]) for m in cal.meta["points"]] == [
         (s, f"ratio={r}") for s in ("question", "context") for r in (0.2, 0.4)
