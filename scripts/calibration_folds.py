@@ -41,7 +41,7 @@ import kvcake
 from kvcake.budget import BudgetSpec
 from kvcake.calibration.api import FLAT_TAU, PAPER_INDICATOR, indicator_name
 from kvcake.calibration.samples import build_texts, sample_reference
-from kvcake.calibration.search import Evaluator, choose
+from kvcake.calibration.search import Evaluator, choose, choose_indicator
 from kvcake.haystack import resolve_haystack
 from kvcake.method import make_method
 from kvcake.temperatures import parse_indicator
@@ -141,9 +141,7 @@ def pick_indicator(trains: dict[str, dict], objective: str) -> tuple[str, str]:
     paper's uniform scale) as ``kvcake calibrate --indicators`` keeps them: each indicator's point,
     then the paper's indicator unless another's is better by more than one standard error."""
     kept = {ind: _kept(train, objective) for ind, train in trains.items()}
-    choice = choose({(ind,): _mean(per) for ind, (_, per) in kept.items()}, lambda ind: kept[ind][1],
-                    lambda ind: 0.0 if ind == _PAPER else 1.0)  # fmt: skip
-    ind = choice.tau[0]
+    ind = choose_indicator({i: per for i, (_, per) in kept.items()}, _PAPER)
     return ind, kept[ind][0]
 
 
@@ -174,14 +172,14 @@ def compare(args) -> None:
                 test_idx = [i for i in range(len(seeds)) if i not in train_idx]
                 if not test_idx:
                     continue
-
-                def merged(idx, ind, ratio=ratio):
-                    return _merge([groups[seeds[i]][ind] for i in idx], ratio)
-
-                paper = merged(test_idx, _PAPER)
+                train, test = (
+                    {i: _merge([groups[seeds[k]][i] for k in idx], ratio) for i in sets[-1]}
+                    for idx in (train_idx, test_idx)
+                )  # per indicator, merged once for every row of this split
+                paper = test[_PAPER]
                 for objective, inds in itertools.product(("parts", "nats"), sets):
-                    ind, t = pick_indicator({i: merged(train_idx, i) for i in inds}, objective)
-                    kl, parts = merged(test_idx, ind)["kl"][t], paper["parts"]
+                    ind, t = pick_indicator({i: train[i] for i in inds}, objective)
+                    kl, parts = test[ind]["kl"][t], paper["parts"]
                     by_part = ", ".join(f"{p} {_part_mean(kl, parts, p):.4f}" for p in sorted(set(parts)))
                     wins = sum(a <= b for a, b in zip(kl, paper["snapkv"], strict=True))
                     train_name = "+".join(names[i] for i in train_idx)

@@ -18,7 +18,7 @@ from kvcake.scorers.cake import CakeScorer
 from kvcake.temperatures import SCENARIOS, Calibration, TauPoint, parse_indicator, save_calibration
 
 from .samples import build_texts, sample_reference
-from .search import TAU_LIMITS, Evaluator, GridResult, choose, search_grid, tau_grid
+from .search import TAU_LIMITS, Evaluator, GridResult, choose, choose_indicator, search_grid, tau_grid
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +227,9 @@ def _calibrate_point(
         )
         runs[ind] = (ev, result, choose(result.table, ev.per_sample, ev.unevenness))
     # across indicators: the paper's, unless another is better by more than one standard error
-    pick = choose({ind: run[2].loss for ind, run in runs.items()},
-                  lambda *ind: runs[ind][0].per_sample(*runs[ind][2].tau),
-                  lambda *ind: 0.0 if ind == PAPER_INDICATOR else 1.0).tau  # fmt: skip
+    pick = choose_indicator(
+        {ind: ev.per_sample(*kept.tau) for ind, (ev, _, kept) in runs.items()}, PAPER_INDICATOR
+    )
     ev, result, kept = runs[pick]
     if pick != PAPER_INDICATOR:
         logger.info("calibration at %s chose the indicator %s over the paper's %s (CAKE presets use it "

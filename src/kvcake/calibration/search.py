@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -307,3 +307,11 @@ def choose(
             eligible.append((unevenness(*tau), table[tau], tau, se))
     _, loss, tau, se = min(eligible)
     return Choice(tau, loss, se, best)
+
+
+def choose_indicator(per_sample: Mapping[Hashable, Sequence[float]], paper: Hashable) -> Hashable:
+    """The indicator kept across indicators, each given by its kept point's per-sample losses (on
+    one scale): the paper's unless another's is better by more than one standard error
+    (:func:`choose`, the paper's counted the flattest)."""
+    return choose({(ind,): sum(v) / len(v) for ind, v in per_sample.items()}, lambda ind: per_sample[ind],
+                  lambda ind: 0.0 if ind == paper else 1.0).tau[0]  # fmt: skip
