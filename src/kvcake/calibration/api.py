@@ -31,13 +31,11 @@ TAU1_RANGE = (0.2, 2.0)  # the CAKE paper's search ranges
 TAU2_RANGE = (0.4, 3.0)
 FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search reaches: near-uniform budgets
 PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel 5
-# indicators searched beside the paper's by default, per scenario: SnapKV's max pooling for
-# context-only use, where held-out folds of calibration samples kept it at 512 and 1024 entries
-# per layer and it cut their KL by 8-14% (scripts/calibration_folds.py, README "Calibration");
-# none yet for question-aware use: its held-out folds, recorded after the shipped files were made,
-# favour max7 there too at 205 and 512 entries (README); shipping that means recalibrating both
-# models and rerunning the results page's question-aware CAKE cells
-DEFAULT_INDICATORS = {"question": (), "context": ("max7",)}
+# indicators searched beside the paper's by default, per scenario: SnapKV's max pooling, which
+# held-out folds of calibration samples kept at 512 and 1024 entries per layer for context-only use
+# (KL cut by 8-14%) and at 205 and 512 for question-aware use (by 16-24%), equal elsewhere
+# (scripts/calibration_folds.py, README "Calibration")
+DEFAULT_INDICATORS = {"question": ("max7",), "context": ("max7",)}
 OBJECTIVE = (
     "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
     "KL over the same samples with the paper's indicator (1.0), one scenario at a time (question: the "
@@ -115,9 +113,8 @@ def calibrate(
         CAKE scorer indicators to search alongside the temperatures, e.g. ``("avg5", "max7")``
         (pooling and kernel), for both scenarios, or per scenario (``{"context": ("max7",)}``, a
         scenario left out searches only the paper's); the paper's (avg, 5) is always searched.
-        Default ``None``: :data:`DEFAULT_INDICATORS`, max7 beside avg5 for context-only use (held
-        out calibration samples favoured it there), the paper's alone for question-aware use
-        (not yet changed there, see the constant's comment).
+        Default ``None``: :data:`DEFAULT_INDICATORS`, max7 beside avg5 for both scenarios (held
+        out calibration samples favoured it in each, see the constant's comment).
         Each indicator gets its own grid search and the paper's is kept unless another's kept
         point is better by more than one standard error; the choice is recorded per point
         (``TauPoint.indicator``, and ``meta["points"][i]["indicator"]``), and a CAKE cache whose

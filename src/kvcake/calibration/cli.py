@@ -21,7 +21,7 @@ from .api import DEFAULT_GRID, DEFAULT_LENGTH, DEFAULT_RATIOS, DEFAULT_SAMPLES, 
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (~30 min on one core)",
     "kvcake calibrate --model ./my-model --text notes.txt --ratios 0.1,0.25,0.5",
-    "kvcake calibrate --indicators avg5,max7     # also search CAKE's indicator pooling",
+    "kvcake calibrate --indicators avg5           # the paper's indicator pooling alone",
 )
 
 
@@ -61,8 +61,7 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
                    help="grid points per temperature axis (default: %(default)s)")  # fmt: skip
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,
                    help="CAKE indicators to search in both scenarios, e.g. avg5,max7; avg5 (the paper's) "
-                        "alone turns the search off (default: max7 beside avg5 context-only, avg5 alone "
-                        "question-aware)")  # fmt: skip
+                        "alone turns the search off (default: max7 beside avg5 in both)")  # fmt: skip
     p.add_argument(
         "--out", default=None, help="folder to write the calibration to (default: beside the models)"
     )
