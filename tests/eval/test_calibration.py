@@ -236,12 +236,20 @@ def test_calibrate_searches_each_scenarios_default_indicators(tiny_llama):
     kw = dict(ratios=(0.3,), text=NoiseHaystack(), samples=2, length=96, continuation=4, grid=2, window=4)
     default = kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, **kw)
     expected = {scenario: ["avg5", *inds] for scenario, inds in DEFAULT_INDICATORS.items()}
-    assert default.meta["indicators"] == expected == {"question": ["avg5"], "context": ["avg5", "max7"]}
-    for meta in default.meta["points"]:  # each scenario's points searched its own indicators
+    assert (
+        default.meta["indicators"] == expected == {"question": ["avg5", "max7"], "context": ["avg5", "max7"]}
+    )
+    for meta in default.meta["points"]:
         assert list(meta["indicators"]) == expected[meta["scenario"]]
-    # the same per-scenario mapping given explicitly: the same calibration
-    given = kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators={"context": "max7"}, **kw)
+    # the same indicators given explicitly: the same calibration
+    given = kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators=("avg5", "max7"), **kw)
     assert given.points == default.points
+    # a mapping per scenario: a scenario left out searches the paper's alone, the other as given
+    mapped = kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators={"context": "max7"}, **kw)
+    assert mapped.meta["indicators"] == {"question": ["avg5"], "context": ["avg5", "max7"]}
+    for meta in mapped.meta["points"]:  # each scenario's points searched its own indicators
+        assert list(meta["indicators"]) == mapped.meta["indicators"][meta["scenario"]]
+    assert mapped.points["context"] == default.points["context"]
     with pytest.raises(ValueError, match=r"scenarios \['ctx'\]"):
         kvcake.calibrate(tiny_llama, WordTokenizer(), save=False, indicators={"ctx": ("max7",)}, **kw)
     with pytest.raises(TypeError, match="indicators is a sequence"):
