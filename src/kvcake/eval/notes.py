@@ -20,7 +20,7 @@ and `snapkv` 3% -> 4% are the machine's state, not the code: side by side with t
 
 | model | scenario | use | keep ratio | score (full cache) | KL | prefill work | runner-up / default |
 | --- | --- | --- | --- | --- | --- | --- | --- |
-| SmolLM2-135M | question-aware | `layer-defensivekv` | 0.25 | 70 (72) | 0.0053 | 17% | `defensivekv` 72, KL 0.0135 at 14%; `snapkv` 67, KL 0.089 at 4%; `h2o` KL 0.036 at 24% (its time at 4k: the scoring runs in the attention); `cake` 67, KL 0.063 at 8% (the fifth 2026-11-28 calibration; on all 36 prompts 0.028 against `snapkv`'s 0.049) |
+| SmolLM2-135M | question-aware | `layer-defensivekv` | 0.25 | 70 (72) | 0.0053 | 17% | `defensivekv` 72, KL 0.0135 at 14%; `snapkv` 67, KL 0.089 at 4%; `h2o` KL 0.036 at 24% (its time at 4k: the scoring runs in the attention); `cake` 67, KL 0.062 at 8% (the fifth 2026-11-28 calibration; on all 36 prompts 0.028 against `snapkv`'s 0.049) |
 | SmolLM2-135M | context-only | `layer-defensivekv` | 0.5 | 53 (72) | 0.026 | 17% | `h2o` 42, KL 0.055 at 24% (time at 4k); `criticalkv` 42, KL 0.085 at 9.5%; `cake` 25, KL 0.204 (the fourth 2026-11-28 calibration, the same point as the third at this budget; on all 36 prompts 0.193 against `snapkv`'s 0.175) |
 | Gemma-3-270M | question-aware | `criticalkv` | 0.25 | 100 (100), 2 prompts | 0.0024 | - | `cake` (its own calibration, near-uniform budgets here) KL 0.0026; `snapkv` 0.0027; `defensivekv` 0.0055; `layer-defensivekv` 0.0104 |
 | Gemma-3-270M | context-only | `h2o` | 0.5 | 100 (100), 2 prompts | 0.043 | - | `criticalkv` 50, KL 0.168; `cake` 50, KL 0.454 (0.193 with its 6-sample calibration); `defensivekv` 0, KL 0.561; `layer-defensivekv` 0, KL 0.655 |
