@@ -8,7 +8,9 @@ measures, per sample, the KL of every candidate of a fixed grid of (tau1, tau2) 
 5 x 5 grid, tau1 = 3.56 past its edge, the near-uniform point), of uniform layer budgets and of
 SnapKV. ``compare`` picks the kept point on some folds, as ``kvcake calibrate`` does (one
 standard error rule, :func:`kvcake.calibration.search.choose`), under each objective, and
-prints its mean KL on the other folds beside near-uniform budgets' and SnapKV's:
+prints its mean KL on the other folds beside near-uniform budgets' and SnapKV's, one row per split,
+then those figures over near-uniform budgets' averaged over the splits (the README's held-out
+figures):
 
 - ``parts``: the shipped objective, each part's KL over uniform budgets' on that part, the
   parts averaged (a continued passage weighs what a document asked about weighs);
@@ -166,6 +168,7 @@ def compare(args) -> None:
         "| ratio | train | objective | indicators | kept | KL | KL per part | near-uniform | SnapKV | <= SnapKV |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
     for ratio in map(str, RATIOS):
         for size in (1, 2):
             for train_idx in itertools.combinations(range(len(seeds)), size):
@@ -186,6 +189,38 @@ def compare(args) -> None:
                     flat, snapkv = _mean(paper["kl"][_FLAT]), _mean(paper["snapkv"])
                     print(f"| {ratio} | {train_name} | {objective} | {'+'.join(inds)} | {ind} {t} | {_mean(kl):.4f} | "
                           f"{by_part} | {flat:.4f} | {snapkv:.4f} | {wins}/{len(kl)} |")  # fmt: skip
+                    rows.append({"key": (ratio, size, objective, "+".join(inds)), "indicator": ind,
+                                 "kl": _mean(kl) / flat, "snapkv": snapkv / flat})  # fmt: skip
+    _summary(rows)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """The rows of ``compare`` averaged over the splits of each (ratio, number of train folds,
+    objective, indicators): held-out KL and SnapKV's, each over near-uniform budgets' on the same
+    held-out folds, and how often each indicator was kept."""
+    out = []
+    for key in dict.fromkeys(r["key"] for r in rows):
+        group = [r for r in rows if r["key"] == key]
+        kept = {
+            i: sum(r["indicator"] == i for r in group) for i in dict.fromkeys(r["indicator"] for r in group)
+        }
+        out.append({"key": key, "splits": len(group), "kl": _mean(r["kl"] for r in group),
+                    "snapkv": _mean(r["snapkv"] for r in group), "kept": kept})  # fmt: skip
+    return out
+
+
+def _summary(rows: list[dict]) -> None:
+    print("\nAveraged over the splits, each held-out mean KL over near-uniform budgets' on the same folds:")
+    print(
+        "| ratio | train folds | objective | indicators | splits | KL / near-uniform | SnapKV / near-uniform | kept |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for s in summarise(rows):
+        ratio, size, objective, inds = s["key"]
+        kept = ", ".join(f"{i} {n}/{s['splits']}" for i, n in s["kept"].items())
+        print(
+            f"| {ratio} | {size} | {objective} | {inds} | {s['splits']} | {s['kl']:.3f} | {s['snapkv']:.3f} | {kept} |"
+        )
 
 
 def main() -> None:

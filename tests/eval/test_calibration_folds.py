@@ -45,6 +45,11 @@ def _fold(seed: int, indicator: str | None = None, factors=(1.0,) * 8) -> dict:
     }
 
 
+def _per_split(out: str) -> list[str]:
+    """The lines of ``compare``'s table of one row per split (before the averaged table)."""
+    return out.split("Averaged over the splits")[0].splitlines()
+
+
 def test_each_objective_keeps_the_point_its_definition_favours(folds):
     train = folds._merge([_fold(1000)], "0.25")
     # each half over its own uniform KL, the halves averaged: 1/1's 50% on the passages wins
@@ -60,7 +65,7 @@ def test_compare_measures_the_kept_point_on_the_other_folds(folds, tmp_path, cap
         paths[-1].write_text(json.dumps(_fold(seed)))
     monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
     folds.main()
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.")]
+    rows = [line for line in _per_split(capsys.readouterr().out) if line.startswith("| 0.")]
     assert len(rows) == 3 * 2 * 2  # ratios x (train on either fold) x objectives
     nats = [r for r in rows if "| nats |" in r][0].split("|")
     # kept 2/2 on one fold, measured on the other: (4 x 0.1 + 4 x 0.9) / 8, SnapKV (0.4 + 3.8) / 8
@@ -94,7 +99,7 @@ def test_compare_adds_the_indicator_choice_when_every_seed_has_the_other_indicat
             paths[-1].write_text(json.dumps(_fold(seed, ind, factors)))
     monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
     folds.main()
-    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.")]
+    rows = [line.split("|") for line in _per_split(capsys.readouterr().out) if line.startswith("| 0.")]
     assert len(rows) == 3 * 2 * 2 * 2  # ratios x train folds x objectives x (paper's alone, both)
     both = [r for r in rows if r[4].strip() == "avg5+max7" and r[3].strip() == "nats"][0]
     # max7 kept, measured on the other fold's max7 record: half the paper's 0.5; SnapKV unchanged
@@ -104,3 +109,45 @@ def test_compare_adds_the_indicator_choice_when_every_seed_has_the_other_indicat
     monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", str(paths[1])])
     with pytest.raises(ValueError, match="paper's indicator avg5"):
         folds.main()
+
+
+def test_compare_prints_the_splits_averaged_over_near_uniform_budgets(folds, tmp_path, capsys, monkeypatch):
+    paths = []
+    for seed in (1000, 2000, 3000):
+        for ind, factors in ((None, (1.0,) * 8), ("max7", (0.5,) * 8 if seed != 3000 else (1.2,) * 8)):
+            paths.append(tmp_path / f"context-{seed}{'-' + ind if ind else ''}.json")
+            paths[-1].write_text(json.dumps(_fold(seed, ind, factors)))
+    monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
+    folds.main()
+    out = capsys.readouterr().out.split("Averaged over the splits")[1]
+    rows = {tuple(c.strip() for c in r.split("|")[1:5]): [c.strip() for c in r.split("|")[5:9]]
+            for r in out.splitlines() if r.startswith("| 0.")}  # fmt: skip
+    assert len(rows) == 3 * 2 * 2 * 2  # ratios x (one or two train folds) x objectives x indicator sets
+    # the paper's indicator alone: 2/2 kept on every split, 0.5 held out over near-uniform's 0.55
+    assert rows[("0.25", "1", "nats", "avg5")] == [
+        "3",
+        f"{0.5 / 0.55:.3f}",
+        f"{0.525 / 0.55:.3f}",
+        "avg5 3/3",
+    ]
+    # max7 kept when trained on 1000 or 2000 (half the KL), the paper's on 3000 (max7 20% worse);
+    # held out, max7 is measured on the other folds' max7 records: 1000 on 2000+3000, and so on
+    both = rows[("0.25", "1", "nats", "avg5+max7")]
+    held = [(0.25 + 0.6) / 2 / 0.55, (0.25 + 0.6) / 2 / 0.55, 0.5 / 0.55]
+    assert both[0] == "3" and float(both[1]) == pytest.approx(sum(held) / 3, abs=1e-3)
+    assert both[3] == "max7 2/3, avg5 1/3"
+    # two train folds: the three splits each hold one fold out
+    assert rows[("0.25", "2", "nats", "avg5")][0] == "3"
+
+
+def test_summarise_averages_each_group_of_splits(folds):
+    rows = [
+        {"key": ("0.1", 1, "nats", "avg5+max7"), "indicator": "max7", "kl": 0.8, "snapkv": 1.0},
+        {"key": ("0.1", 1, "nats", "avg5+max7"), "indicator": "avg5", "kl": 1.0, "snapkv": 0.9},
+        {"key": ("0.1", 2, "nats", "avg5+max7"), "indicator": "avg5", "kl": 0.7, "snapkv": 0.95},
+    ]
+    one, two = folds.summarise(rows)
+    assert one["splits"] == 2 and one["kl"] == pytest.approx(0.9) and one["snapkv"] == pytest.approx(0.95)
+    assert one["kept"] == {"max7": 1, "avg5": 1}
+    assert two == {"key": ("0.1", 2, "nats", "avg5+max7"), "splits": 1, "kl": 0.7, "snapkv": 0.95,
+                   "kept": {"avg5": 1}}  # fmt: skip
