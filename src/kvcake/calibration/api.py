@@ -34,7 +34,7 @@ PAPER_INDICATOR = (CakeScorer.pooling, CakeScorer.kernel)  # avg pooling, kernel
 # indicators searched beside the paper's by default, per scenario: SnapKV's max pooling, which
 # held-out folds of calibration samples kept at 512 and 1024 entries per layer for context-only use
 # (KL cut by 8-14%) and at 205 and 512 for question-aware use (by 16-24%), equal elsewhere
-# (scripts/calibration_folds.py, README "Calibration")
+# (scripts/calibration_folds.py, docs/calibration.md)
 DEFAULT_INDICATORS = {"question": ("max7",), "context": ("max7",)}
 OBJECTIVE = (
     "mean over samples of KL(full || compressed) per scored token, relative to uniform layer budgets' mean "
@@ -101,7 +101,7 @@ def calibrate(
         uncompressed, as a document served to later questions is asked), pooled in the loss by
         their KL (a document asked about weighs more). The default, 16, asks every question form
         at least twice: with 6 the default model's kept points moved at 5 of its 6 budgets when
-        the run was repeated with 16 (README, "Calibration").
+        the run was repeated with 16 (docs/calibration.md).
     length:
         Prompt length in tokens (the compressed part); ``continuation`` tokens are scored after
         every prompt: the text's own after a passage continued, the full cache's greedy

@@ -19,7 +19,7 @@ asked about, whose KL is 12-38 times a continued passage's, weighs that much mor
 2026-11-28 each part was divided by uniform budgets' KL on its own samples and the parts
 averaged; on held-out folds of calibration samples, ``scripts/calibration_folds.py``, points
 kept by the pooled mean did as well at 205 entries per layer, 1-2% worse at 512 (better when kept
-on 32 samples) and 12-14% better at 1024; README, "Calibration".) The
+on 32 samples) and 12-14% better at 1024; docs/calibration.md.) The
 attention-output perturbation
 (relative L1 of every layer's attention output at the teacher-forced tokens, mean over layers,
 the CriticalKV paper's measure) is measured beside it and reported, not optimised: an earlier

@@ -76,7 +76,7 @@ the six on the same 36.
   scenario (KL 0.085 vs SnapKV's 0.17 at ratio 0.5; `critical-adakv` 0.13 vs `adakv` 0.19), which
   is the CriticalKV paper's claim. Ada-KV's per-head budgets do not beat uniform SnapKV on this
   model (3 KV heads per layer leave little to redistribute).
-- **The calibration of 2026-11-28, fifth run (shipped, README "Calibration"): max pooling in the
+- **The calibration of 2026-11-28, fifth run (shipped, docs/calibration.md): max pooling in the
   question-aware search too.** The same samples and objective as the fourth run; the search now
   tries CAKE's indicator max-pooled with kernel 7 beside the paper's avg5 in both scenarios. That
   default was chosen on two held-out folds of question-aware calibration samples
@@ -97,7 +97,7 @@ the six on the same 36.
   0.141; a diagnostic), task scores are unchanged, `cake-oneshot` equals `cake` cell for cell. The
   ablation's calibrated rows: these budgets with SnapKV's indicator 0.0845 / 0.0217 / 0.0043, with
   CAKE's indicator max-pooled at every budget 0.0787 / 0.0186 / 0.0037.
-- **The calibration of 2026-11-28, fourth run (shipped until the fifth, README "Calibration"): max pooling in the
+- **The calibration of 2026-11-28, fourth run (shipped until the fifth, docs/calibration.md): max pooling in the
   context-only search.** The same samples and objective as the third run; the search now also
   tries CAKE's indicator max-pooled with kernel 7 (SnapKV's) for context-only use, the paper's
   avg5 kept unless max7 is better by more than one standard error. That default was chosen on two
@@ -121,12 +121,12 @@ the six on the same 36.
   CAKE's indicator max-pooled at every budget 0.462 / 0.366 / 0.183. The held-out folds and these
   prompts disagree at 0.25 because one prompt's KL outweighs the other 35 prompts' gains; the
   calibration's choice stands as made on calibration samples.
-- **The calibration of 2026-11-28, third run (shipped until the fourth, README "Calibration"): the
+- **The calibration of 2026-11-28, third run (shipped until the fourth, docs/calibration.md): the
   context-only samples pooled in the objective.** The same samples; the loss is now the mean KL over all 16
   context-only samples over uniform budgets' mean, where each half (continued passages, documents
   asked about) was divided by uniform budgets' KL on its own half and the halves averaged. The
   objective was chosen on held-out folds of calibration samples (`scripts/calibration_folds.py`,
-  README), not on these prompts, and the file committed before these cells were run. Context-only
+  docs/calibration.md), not on these prompts, and the file committed before these cells were run. Context-only
   points 50/50 (near uniform), 2/3, 50/50 at 205 / 512 / 1024 entries per layer (were 2/3,
   0.632/1.81, 2/1.81); question-aware unchanged (one part). *Context-only*, 36 prompts: `cake`
   0.455 / 0.359 / 0.193 at ratios 0.1 / 0.25 / 0.5 (were 0.467 / 0.369 / 0.200; SnapKV 0.462 /
@@ -146,7 +146,7 @@ the six on the same 36.
   decided by a few documents (se 0.51); more context-only samples and the indicator's pooling in
   the search (`--indicators avg5,max7`, which picked max pooling there in a probe) are the next
   steps.
-- **The calibration of 2026-11-28, second run (shipped until the third, README "Calibration"): context-only
+- **The calibration of 2026-11-28, second run (shipped until the third, docs/calibration.md): context-only
   samples that ask about the document.** Half of the 16 context-only samples became documents
   compressed alone and asked about afterwards, as these context-only prompts are, each half
   counting the same; question-aware points reproduced exactly. Context-only points 2/3,
@@ -154,7 +154,7 @@ the six on the same 36.
   0.200 (were 0.461 / 0.358 / 0.220), `cake-adakv` 0.464 / 0.358 / 0.235 (were 0.463 / 0.361 /
   0.238): three targets missed within one standard error, at 0.25 by `variable_tracking` 2k sample
   0 (`cake` 2.59, SnapKV 1.58).
-- **The calibration of 2026-11-28, first run (shipped until the second, README "Calibration"):
+- **The calibration of 2026-11-28, first run (shipped until the second, docs/calibration.md):
   16 samples per scenario instead of 6** (with 6, one sample could decide a point), and ratios 0.1
   / 0.25 / 0.5 by default; 5 of the 6 points moved. *Question-aware*, 36 prompts: `cake` 0.096 /
   0.033 / 0.0050 (was 0.099 / 0.041 / 0.0055), `cake-adakv` 0.087 / 0.042 / 0.0036 (was 0.090 /
@@ -162,7 +162,7 @@ the six on the same 36.
   means come from the prompts with a large KL. *Context-only*: `cake` 0.461 / 0.358 / 0.220 (was
   0.460 / 0.369 / 0.209), `cake-adakv` 0.463 / 0.361 / 0.238 (was 0.463 / 0.352 / 0.227); the
   misses at 0.25 came from `variable_tracking` 2k sample 0 (`cake` 2.55, SnapKV 1.58).
-- **The calibration of 2026-11-26 (issue 24; shipped until 2026-11-28, README "Calibration").** Its question
+- **The calibration of 2026-11-26 (issue 24; shipped until 2026-11-28, docs/calibration.md).** Its question
   samples now include one-word answers (alone and among look-alikes, as these prompts' needles
   are) and score the full cache's own greedy continuation (as this page does); it keeps 1.12/1.1,
   1.12/0.662 and 3.56/1.81 question-aware at 205 / 512 / 1024 entries per layer instead of the
@@ -179,8 +179,8 @@ the six on the same 36.
   `variable_tracking` 2k sample 0, KL 2.52 against SnapKV's 1.58 (H2O, which scores with every
   prompt query, 0.34; DefensiveKV 0.36). Over the other 35 prompts `cake` is below SnapKV (0.308
   against 0.310), as the targets table's last column says. A context-only calibration that also
-  asks about documents after compressing them kept the same temperatures at 0.1 and 0.25 (README,
-  "Not shipped"). These cells were computed by narrowed runs of the suite
+  asks about documents after compressing them kept the same temperatures at 0.1 and 0.25
+  (docs/calibration.md, "Tried, not shipped"). These cells were computed by narrowed runs of the suite
   into separate files (one per method and scenario, two cores) and appended to the results file;
   their commands are in `eval_results.runs.jsonl`, and the last of them is the command shown at
   the top of the tables. `scripts/eval_results.sh` recomputes whatever is missing. The bullets
@@ -190,7 +190,7 @@ the six on the same 36.
   Llama-3.1-8B temperatures (1.6/0.6, 0.4 from 512 entries per layer), which starve 11 of the first
   12 layers of this model; the calibration of 2026-11-23 (KL and attention perturbation averaged,
   one set for both scenarios) gave near-uniform budgets. The shipped calibration is now issue 24's
-  (README "Calibration"): mean KL alone, one set per scenario, sharp question-aware (6.33/0.4,
+  (docs/calibration.md): mean KL alone, one set per scenario, sharp question-aware (6.33/0.4,
   0.632/0.146, 2/0.662 at 205 / 512 / 1024 entries per layer) and flat context-only (1.12/3,
   1.12/1.81, 2/4.96). The `cake`, `cake-oneshot`, `cake-adakv` and ablation cells were measured
   again with it on 2026-11-25 (the `tau` field of each line says which calibration; the cells of
@@ -272,7 +272,7 @@ the six on the same 36.
   helps its score. A recalibration with the question samples in the chat template (as these
   prompts are) and the indicator searched (`--indicators avg5,max7`: max7 chosen at 205 and 512
   entries per layer) again chose sharp temperatures (11.3/0.146, 3.56/0.146) and measured 0.386 /
-  0.112 (`cake-adakv` 0.397 / 0.127): worse, so it was not shipped (README, Calibration). Uniform
+  0.112 (`cake-adakv` 0.397 / 0.127): worse, so it was not shipped (docs/calibration.md). Uniform
   budgets with max7 are not shipped either: that would be choosing on the evaluation's prompts.
   The calibration's exact-span questions (uniform KL 1.5-1.8 nats per answer token: uniform budgets
   lose the span) still reward the sharp allocation these prompts punish.
@@ -369,13 +369,13 @@ show those.
   0.644 / 0.566 / 0.193 with the 6-sample file and SnapKV's 0.649 / 0.583 / 0.548, so `cake` is
   now above SnapKV at 0.25 and below it at 0.1 and 0.5 (`h2o` 0.244 / 0.206 / 0.043 lowest, then
   `criticalkv` 0.642 / 0.609 / 0.168). Redone again the same day with context-only samples that
-  also ask about documents after compressing them (README, "Calibration"): the question-aware
+  also ask about documents after compressing them (docs/calibration.md): the question-aware
   points came out the same, context-only 50/50, 0.632/4.96, 50/50 (were 50/50, 0.356/3, 50/50),
   and the context-only cells barely moved (0.645 / 0.612 / 0.454). Redone a third time the same
-  day with the context-only samples pooled in the objective (README, "Calibration"): question-aware
+  day with the context-only samples pooled in the objective (docs/calibration.md): question-aware
   the same points, context-only 2/0.4, 0.632/4.96, 50/50, and the context-only cells the same to
   the digits shown (0.645 / 0.612 / 0.454). Redone a fourth time with max pooling in both
-  searches (README): question-aware it kept max7 with near-uniform temperatures at every budget
+  searches (docs/calibration.md): question-aware it kept max7 with near-uniform temperatures at every budget
   (0.87 / 0.72 / 0.44 of avg5's uniform budgets' KL on its samples) and the cells barely moved
   (0.0166 / 0.00256 / 0.00045); context-only avg5 and the same points. Two prompts per cell:
   anecdotes for the scores, a first look for the KL; the calibration was not changed on their
