@@ -35,6 +35,7 @@ import argparse
 import itertools
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -198,15 +199,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     """The rows of ``compare`` averaged over the splits of each (ratio, number of train folds,
     objective, indicators): held-out KL and SnapKV's, each over near-uniform budgets' on the same
     held-out folds, and how often each indicator was kept."""
-    out = []
-    for key in dict.fromkeys(r["key"] for r in rows):
-        group = [r for r in rows if r["key"] == key]
-        kept = {
-            i: sum(r["indicator"] == i for r in group) for i in dict.fromkeys(r["indicator"] for r in group)
-        }
-        out.append({"key": key, "splits": len(group), "kl": _mean(r["kl"] for r in group),
-                    "snapkv": _mean(r["snapkv"] for r in group), "kept": kept})  # fmt: skip
-    return out
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["key"], []).append(r)
+    return [{"key": key, "splits": len(group), "kl": _mean(r["kl"] for r in group),
+             "snapkv": _mean(r["snapkv"] for r in group), "kept": Counter(r["indicator"] for r in group)}
+            for key, group in groups.items()]  # fmt: skip
 
 
 def _summary(rows: list[dict]) -> None:

@@ -45,9 +45,10 @@ def _fold(seed: int, indicator: str | None = None, factors=(1.0,) * 8) -> dict:
     }
 
 
-def _per_split(out: str) -> list[str]:
-    """The lines of ``compare``'s table of one row per split (before the averaged table)."""
-    return out.split("Averaged over the splits")[0].splitlines()
+def _tables(out: str) -> tuple[list[str], list[str]]:
+    """The lines of ``compare``'s two tables: one row per split, then the splits averaged."""
+    per_split, averaged = out.split("Averaged over the splits")
+    return per_split.splitlines(), averaged.splitlines()
 
 
 def test_each_objective_keeps_the_point_its_definition_favours(folds):
@@ -65,7 +66,7 @@ def test_compare_measures_the_kept_point_on_the_other_folds(folds, tmp_path, cap
         paths[-1].write_text(json.dumps(_fold(seed)))
     monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
     folds.main()
-    rows = [line for line in _per_split(capsys.readouterr().out) if line.startswith("| 0.")]
+    rows = [line for line in _tables(capsys.readouterr().out)[0] if line.startswith("| 0.")]
     assert len(rows) == 3 * 2 * 2  # ratios x (train on either fold) x objectives
     nats = [r for r in rows if "| nats |" in r][0].split("|")
     # kept 2/2 on one fold, measured on the other: (4 x 0.1 + 4 x 0.9) / 8, SnapKV (0.4 + 3.8) / 8
@@ -99,7 +100,7 @@ def test_compare_adds_the_indicator_choice_when_every_seed_has_the_other_indicat
             paths[-1].write_text(json.dumps(_fold(seed, ind, factors)))
     monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
     folds.main()
-    rows = [line.split("|") for line in _per_split(capsys.readouterr().out) if line.startswith("| 0.")]
+    rows = [line.split("|") for line in _tables(capsys.readouterr().out)[0] if line.startswith("| 0.")]
     assert len(rows) == 3 * 2 * 2 * 2  # ratios x train folds x objectives x (paper's alone, both)
     both = [r for r in rows if r[4].strip() == "avg5+max7" and r[3].strip() == "nats"][0]
     # max7 kept, measured on the other fold's max7 record: half the paper's 0.5; SnapKV unchanged
@@ -119,9 +120,8 @@ def test_compare_prints_the_splits_averaged_over_near_uniform_budgets(folds, tmp
             paths[-1].write_text(json.dumps(_fold(seed, ind, factors)))
     monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
     folds.main()
-    out = capsys.readouterr().out.split("Averaged over the splits")[1]
     rows = {tuple(c.strip() for c in r.split("|")[1:5]): [c.strip() for c in r.split("|")[5:9]]
-            for r in out.splitlines() if r.startswith("| 0.")}  # fmt: skip
+            for r in _tables(capsys.readouterr().out)[1] if r.startswith("| 0.")}  # fmt: skip
     assert len(rows) == 3 * 2 * 2 * 2  # ratios x (one or two train folds) x objectives x indicator sets
     # the paper's indicator alone: 2/2 kept on every split, 0.5 held out over near-uniform's 0.55
     assert rows[("0.25", "1", "nats", "avg5")] == [
