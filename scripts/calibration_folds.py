@@ -26,6 +26,16 @@ than one standard error) and prints those rows beside the paper's indicator alon
     PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --indicator max7 --out /tmp/folds
     PYTHONPATH=src python3 scripts/calibration_folds.py compare /tmp/folds/context-*.json
 
+``export`` writes the points kept on all the given folds together into a copy of a calibration
+(the default model's shipped one by default) under ``OUT/calibrations``, so that
+``KVCAKE_CACHE_DIR=OUT python -m kvcake.eval ...`` measures a design on the results page's
+prompts without shipping it (the folds of seeds 0 and 16 together are the 32 samples
+``kvcake calibrate --samples 32`` draws; seed 0 alone reproduces the shipped points). The models
+are converted again into OUT on first use.
+
+    PYTHONPATH=src python3 scripts/calibration_folds.py export /tmp/folds/context-0*.json \
+        /tmp/folds/context-16*.json --out /tmp/cal32
+
 About 10 minutes per fold of 16 context-only samples on one core of this 2-core CPU (default model).
 """
 
@@ -47,7 +57,7 @@ from kvcake.calibration.samples import build_texts, sample_reference
 from kvcake.calibration.search import Evaluator, choose, choose_indicator
 from kvcake.haystack import resolve_haystack
 from kvcake.method import make_method
-from kvcake.temperatures import parse_indicator
+from kvcake.temperatures import SHIPPED_DIR, parse_indicator
 
 TAU1 = (0.2, 0.356, 0.632, 1.12, 2.0, 3.56)
 TAU2 = (0.4, 0.662, 1.1, 1.81, 3.0)
@@ -148,18 +158,26 @@ def pick_indicator(trains: dict[str, dict], objective: str) -> tuple[str, str]:
     return ind, kept[ind][0]
 
 
-def compare(args) -> None:
+def _groups(paths) -> tuple[dict[int, dict[str, dict]], list[str]]:
+    """The folds read from ``paths`` by seed and indicator, and the indicators other than the
+    paper's that every seed has."""
     groups: dict[int, dict[str, dict]] = {}  # seed -> indicator -> fold
-    for path in args.folds:
+    for path in paths:
         fold = json.loads(Path(path).read_text())
         groups.setdefault(fold["seed"], {})[fold.get("indicator", _PAPER)] = fold
-    seeds = sorted(groups)
-    if any(_PAPER not in groups[s] for s in seeds):
+    if any(_PAPER not in g for g in groups.values()):
         raise ValueError(
             f"every seed needs its fold with the paper's indicator {_PAPER} (record without --indicator)"
         )
-    others = sorted({i for s in seeds for i in groups[s]} - {_PAPER})
-    others = [i for i in others if all(i in groups[s] for s in seeds)]  # only what every seed has
+    if len({f["scenario"] for g in groups.values() for f in g.values()}) > 1:
+        raise ValueError("the folds are of different scenarios; give the folds of one scenario")
+    others = sorted({i for g in groups.values() for i in g} - {_PAPER})
+    return groups, [i for i in others if all(i in g for g in groups.values())]  # only what every seed has
+
+
+def compare(args) -> None:
+    groups, others = _groups(args.folds)
+    seeds = sorted(groups)
     sets = [[_PAPER]] + ([[_PAPER, *others]] if others else [])
     names = [str(s) for s in seeds]
     print(f"{len(seeds)} folds ({', '.join(names)}), {groups[seeds[0]][_PAPER]['scenario']}: kept on the train "
@@ -193,6 +211,46 @@ def compare(args) -> None:
                     rows.append({"key": (ratio, size, objective, "+".join(inds)), "indicator": ind,
                                  "kl": _mean(kl) / flat, "snapkv": snapkv / flat})  # fmt: skip
     _summary(rows)
+
+
+def _shipped(model: str) -> Path:
+    """The shipped calibration file of ``model`` (its name as the file records it)."""
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        if json.loads(path.read_text()).get("model") == model:
+            return path
+    raise ValueError(f"no calibration of {model!r} is shipped in {SHIPPED_DIR}; give one with --base")
+
+
+def export(args) -> None:
+    """Write a calibration whose points for the folds' scenario are those kept on all the given
+    folds together (as ``kvcake calibrate --samples`` 16 x folds would keep them on this fixed
+    grid), the other scenario's as in ``--base``, to ``OUT/calibrations`` (where
+    ``KVCAKE_CACHE_DIR=OUT`` makes the library use it): a design's points on the results page's
+    prompts without shipping them."""
+    groups, others = _groups(args.folds)
+    base = Path(args.base) if args.base else _shipped(kvcake.DEFAULT_MODEL)
+    cal = json.loads(base.read_text())
+    scenario = next(iter(next(iter(groups.values())).values()))["scenario"]
+    points = cal["scenarios"][scenario]["points"]
+    budgets = [round(r * args.length) for r in RATIOS]
+    if [p["budget"] for p in points] != budgets:
+        raise ValueError(f"{base} has {scenario} points at {[p['budget'] for p in points]} entries per layer; "
+                         f"the folds are at ratios {RATIOS} of {args.length} tokens ({budgets})")  # fmt: skip
+    kept = []
+    for ratio, point in zip(map(str, RATIOS), points, strict=True):
+        merged = {i: _merge([g[i] for g in groups.values()], ratio) for i in [_PAPER, *others]}
+        ind, t = pick_indicator(merged, args.objective)
+        tau1, tau2 = map(float, t.split("/"))
+        kept.append({"budget": point["budget"], **({"indicator": ind} if ind != _PAPER else {}),
+                     "tau1": tau1, "tau2": tau2})  # fmt: skip
+        print(f"{scenario} ratio {ratio} ({point['budget']:g} entries per layer): {ind} {t}")
+    cal["scenarios"][scenario]["points"] = kept
+    cal["meta"]["exported"] = {"from": str(base), "folds": sorted(map(str, args.folds)),
+                               "objective": args.objective, "scenario": scenario}  # fmt: skip
+    path = Path(args.out) / "calibrations" / base.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cal, indent=1))
+    print(f"wrote {path}; use it with KVCAKE_CACHE_DIR={args.out}")
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -239,8 +297,23 @@ def main() -> None:
     r.add_argument("--out", default="calibration-folds")
     c = sub.add_parser("compare", help="keep a point on some folds, measure it on the others")
     c.add_argument("folds", nargs="+")
+    e = sub.add_parser("export", help="write a calibration with the points kept on all the given folds")
+    e.add_argument("folds", nargs="+")
+    e.add_argument(
+        "--base",
+        default=None,
+        help="calibration whose other scenario is kept (default: the default model's shipped one)",
+    )
+    e.add_argument(
+        "--objective",
+        default="nats",
+        choices=("parts", "nats"),
+        help="nats: the shipped objective (the samples pooled)",
+    )
+    e.add_argument("--length", type=int, default=2048, help="the folds' prompt length")
+    e.add_argument("--out", required=True, help="a folder to give as KVCAKE_CACHE_DIR")
     args = ap.parse_args()
-    record(args) if args.command == "record" else compare(args)
+    {"record": record, "compare": compare, "export": export}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,44 @@ def test_summarise_averages_each_group_of_splits(folds):
     assert one["kept"] == {"max7": 1, "avg5": 1}
     assert two == {"key": ("0.1", 2, "nats", "avg5+max7"), "splits": 1, "kl": 0.7, "snapkv": 0.95,
                    "kept": {"avg5": 1}}  # fmt: skip
+
+
+def test_export_writes_the_points_kept_on_all_folds_into_a_copy(folds, tmp_path, capsys, monkeypatch):
+    paths = []
+    for seed in (0, 16):
+        paths.append(tmp_path / f"context-{seed}.json")
+        paths[-1].write_text(json.dumps(_fold(seed)))
+    base = tmp_path / "base.json"
+    question = {"points": [{"budget": 205.0, "tau1": 3.0, "tau2": 1.0}]}
+    points = [{"budget": b, "tau1": 50.0, "tau2": 50.0} for b in (205.0, 512.0, 1024.0)]
+    base.write_text(
+        json.dumps({"scenarios": {"context": {"points": points}, "question": question}, "meta": {}})
+    )
+    out = tmp_path / "cache"
+    args = ["calibration_folds.py", "export", *map(str, paths), "--base", str(base), "--out", str(out)]
+    monkeypatch.setattr("sys.argv", args)
+    folds.main()
+    written = json.loads((out / "calibrations" / "base.json").read_text())
+    # the mean KL pooled (the shipped objective): 2/2 at every ratio, as compare keeps it on either fold
+    assert written["scenarios"]["context"]["points"] == [
+        {"budget": b, "tau1": 2.0, "tau2": 2.0} for b in (205.0, 512.0, 1024.0)
+    ]
+    assert written["scenarios"]["question"] == question  # the other scenario as in the base
+    assert written["meta"]["exported"]["objective"] == "nats"
+    monkeypatch.setattr("sys.argv", [*args, "--objective", "parts"])
+    folds.main()
+    written = json.loads((out / "calibrations" / "base.json").read_text())
+    assert {(p["tau1"], p["tau2"]) for p in written["scenarios"]["context"]["points"]} == {(1.0, 1.0)}
+
+
+def test_export_refuses_a_base_at_other_budgets(folds, tmp_path, monkeypatch):
+    fold = tmp_path / "context-0.json"
+    fold.write_text(json.dumps(_fold(0)))
+    base = tmp_path / "base.json"
+    points = [{"budget": 100.0, "tau1": 50.0, "tau2": 50.0}]
+    base.write_text(json.dumps({"scenarios": {"context": {"points": points}}, "meta": {}}))
+    monkeypatch.setattr(
+        "sys.argv", ["calibration_folds.py", "export", str(fold), "--base", str(base), "--out", str(tmp_path)]
+    )
+    with pytest.raises(ValueError, match="entries per layer"):
+        folds.main()
