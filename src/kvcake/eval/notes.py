@@ -99,10 +99,10 @@ the six on the same 36.
   CAKE's indicator max-pooled at every budget 0.0787 / 0.0186 / 0.0037. *Context-only at 0.5* (no
   target): `cake` is 1.11 x SnapKV (0.193 against 0.175). Its point there (1024 entries per layer)
   is near-uniform with the paper's indicator, so the gap is the indicator's: the ablation's same
-  budgets with SnapKV's indicator measure 0.173, CAKE's max-pooled 0.183. What would close it on
-  calibration samples: 32 context-only samples instead of 16 keep max7 there on 4 of 6 held-out
-  splits and cut held-out KL to 0.790 x near-uniform (0.852 with 16; `calibration_folds.py
-  compare`, seeds 1000-4000); not made, as it doubles the context-only calibration's time.
+  budgets with SnapKV's indicator measure 0.173, CAKE's max-pooled 0.183. On held-out calibration
+  samples 32 context-only samples looked like a second way (0.806 x near-uniform at 0.5 against
+  0.862 with 16, six folds), but measured here with the points they keep (not shipped) `cake` is
+  0.219 at 0.5 and worse at 0.1 and 0.25 too (0.468 / 0.383; docs/calibration.md, 2026-11-29).
 - **The calibration of 2026-11-28, fourth run (shipped until the fifth, docs/calibration.md): max pooling in the
   context-only search.** The same samples and objective as the third run; the search now also
   tries CAKE's indicator max-pooled with kernel 7 (SnapKV's) for context-only use, the paper's
