@@ -223,14 +223,14 @@ def _shipped(model: str) -> Path:
 
 def export(args) -> None:
     """Write a calibration whose points for the folds' scenario are those kept on all the given
-    folds together (as ``kvcake calibrate --samples`` 16 x folds would keep them on this fixed
-    grid), the other scenario's as in ``--base``, to ``OUT/calibrations`` (where
+    folds together (as ``kvcake calibrate`` keeps them on the same samples, here on this script's
+    fixed grid), the other scenario's as in ``--base``, to ``OUT/calibrations`` (where
     ``KVCAKE_CACHE_DIR=OUT`` makes the library use it): a design's points on the results page's
     prompts without shipping them."""
     groups, others = _groups(args.folds)
     base = Path(args.base) if args.base else _shipped(kvcake.DEFAULT_MODEL)
     cal = json.loads(base.read_text())
-    scenario = next(iter(next(iter(groups.values())).values()))["scenario"]
+    scenario = groups[min(groups)][_PAPER]["scenario"]  # one for all the folds (_groups)
     points = cal["scenarios"][scenario]["points"]
     budgets = [round(r * args.length) for r in RATIOS]
     if [p["budget"] for p in points] != budgets:
