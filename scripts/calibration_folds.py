@@ -46,6 +46,7 @@ import itertools
 import json
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,7 +58,14 @@ from kvcake.calibration.samples import build_texts, sample_reference
 from kvcake.calibration.search import Evaluator, choose, choose_indicator
 from kvcake.haystack import resolve_haystack
 from kvcake.method import make_method
-from kvcake.temperatures import SHIPPED_DIR, parse_indicator
+from kvcake.temperatures import (
+    SCENARIOS,
+    SHIPPED_DIR,
+    Calibration,
+    TauPoint,
+    parse_indicator,
+    save_calibration,
+)
 
 TAU1 = (0.2, 0.356, 0.632, 1.12, 2.0, 3.56)
 TAU2 = (0.4, 0.662, 1.1, 1.81, 3.0)
@@ -216,7 +224,7 @@ def compare(args) -> None:
 def _shipped(model: str) -> Path:
     """The shipped calibration file of ``model`` (its name as the file records it)."""
     for path in sorted(SHIPPED_DIR.glob("*.json")):
-        if json.loads(path.read_text()).get("model") == model:
+        if Calibration.from_json(path.read_text(), str(path)).model == model:
             return path
     raise ValueError(f"no calibration of {model!r} is shipped in {SHIPPED_DIR}; give one with --base")
 
@@ -229,27 +237,25 @@ def export(args) -> None:
     prompts without shipping them."""
     groups, others = _groups(args.folds)
     base = Path(args.base) if args.base else _shipped(kvcake.DEFAULT_MODEL)
-    cal = json.loads(base.read_text())
+    cal = Calibration.from_json(base.read_text(), str(base))
     scenario = groups[min(groups)][_PAPER]["scenario"]  # one for all the folds (_groups)
-    points = cal["scenarios"][scenario]["points"]
+    points = cal.set(scenario)
     budgets = [round(r * args.length) for r in RATIOS]
-    if [p["budget"] for p in points] != budgets:
-        raise ValueError(f"{base} has {scenario} points at {[p['budget'] for p in points]} entries per layer; "
+    if [p.budget for p in points] != budgets:
+        raise ValueError(f"{base} has {scenario} points at {[p.budget for p in points]} entries per layer; "
                          f"the folds are at ratios {RATIOS} of {args.length} tokens ({budgets})")  # fmt: skip
     kept = []
     for ratio, point in zip(map(str, RATIOS), points, strict=True):
         merged = {i: _merge([g[i] for g in groups.values()], ratio) for i in [_PAPER, *others]}
         ind, t = pick_indicator(merged, args.objective)
         tau1, tau2 = map(float, t.split("/"))
-        kept.append({"budget": point["budget"], **({"indicator": ind} if ind != _PAPER else {}),
-                     "tau1": tau1, "tau2": tau2})  # fmt: skip
-        print(f"{scenario} ratio {ratio} ({point['budget']:g} entries per layer): {ind} {t}")
-    cal["scenarios"][scenario]["points"] = kept
-    cal["meta"]["exported"] = {"from": str(base), "folds": sorted(map(str, args.folds)),
-                               "objective": args.objective, "scenario": scenario}  # fmt: skip
-    path = Path(args.out) / "calibrations" / base.name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cal, indent=1))
+        kept.append(TauPoint(point.budget, tau1, tau2, None if ind == _PAPER else ind))
+        print(f"{scenario} ratio {ratio} ({point.budget:g} entries per layer): {ind} {t}")
+    exported = {"from": str(base), "folds": sorted(map(str, args.folds)), "objective": args.objective,
+                "scenario": scenario}  # fmt: skip
+    sets = {s: tuple(kept) if s == scenario else cal.set(s) for s in SCENARIOS}
+    out = replace(cal, points=sets, meta=cal.meta | {"exported": exported})
+    path = save_calibration(out, Path(args.out) / "calibrations")
     print(f"wrote {path}; use it with KVCAKE_CACHE_DIR={args.out}")
 
 

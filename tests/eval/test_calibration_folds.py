@@ -162,7 +162,13 @@ def test_export_writes_the_points_kept_on_all_folds_into_a_copy(folds, tmp_path,
     question = {"points": [{"budget": 205.0, "tau1": 3.0, "tau2": 1.0}]}
     points = [{"budget": b, "tau1": 50.0, "tau2": 50.0} for b in (205.0, 512.0, 1024.0)]
     base.write_text(
-        json.dumps({"scenarios": {"context": {"points": points}, "question": question}, "meta": {}})
+        json.dumps(
+            {
+                "fingerprint": "base",
+                "scenarios": {"context": {"points": points}, "question": question},
+                "meta": {},
+            }
+        )
     )
     out = tmp_path / "cache"
     args = ["calibration_folds.py", "export", *map(str, paths), "--base", str(base), "--out", str(out)]
@@ -185,8 +191,9 @@ def test_export_refuses_a_base_at_other_budgets(folds, tmp_path, monkeypatch):
     fold = tmp_path / "context-0.json"
     fold.write_text(json.dumps(_fold(0)))
     base = tmp_path / "base.json"
-    points = [{"budget": 100.0, "tau1": 50.0, "tau2": 50.0}]
-    base.write_text(json.dumps({"scenarios": {"context": {"points": points}}, "meta": {}}))
+    points = {"points": [{"budget": 100.0, "tau1": 50.0, "tau2": 50.0}]}
+    body = {"fingerprint": "base", "scenarios": {"context": points, "question": points}, "meta": {}}
+    base.write_text(json.dumps(body))
     monkeypatch.setattr(
         "sys.argv", ["calibration_folds.py", "export", str(fold), "--base", str(base), "--out", str(tmp_path)]
     )
