@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 import kvcake
 from kvcake import KVCakeCache
-from kvcake.adapters import with_cache
+from kvcake.adapters import forward_hands_kwargs, with_cache
+
+# Whether the installed transformers' own models (the tiny Llama's and Gemma 3's attention) hand their
+# attention kwargs to cache.update (from 5.24), which compiled kvcake steps and sliding rings need.
+KWARGS_HANDOFF = all(forward_hands_kwargs(c) for c in (LlamaAttention, Gemma3Attention))
 
 
 def calls_while_tracing(monkeypatch, cls, name: str) -> list[bool]:

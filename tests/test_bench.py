@@ -21,7 +21,7 @@ from kvcake.adapters import with_cache
 from kvcake.bench import cli, step_counts
 from kvcake.bench import decode as bench_decode_module
 from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
-from kvcake.cache import KWARGS_HANDOFF
+from shared_checks import KWARGS_HANDOFF
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BUDGET, WINDOW = 16, 4

@@ -12,8 +12,8 @@ from kvcake.bench import gpu
 from kvcake.bench.cli import main
 from kvcake.bench.gpu import FULL_DYNAMIC, FULL_STATIC, GpuSettings, run_gpu, targets
 from kvcake.bench.shapes import random_model, shape_config
-from kvcake.cache import KWARGS_HANDOFF
 from kvcake.method import PRESETS
+from shared_checks import KWARGS_HANDOFF
 
 TINY = dict(shape="tiny", lengths=(64,), budget=40, rounds=1, steps=1)
 

@@ -435,7 +435,7 @@ def test_generate_compile_decodes_the_same_tokens(tiny_dir, capsys, monkeypatch)
     from transformers import CompileConfig
 
     from kvcake import api
-    from kvcake.cache import KWARGS_HANDOFF
+    from shared_checks import KWARGS_HANDOFF
 
     graphs, seen = [], []
     real = api.generate

@@ -15,7 +15,7 @@ import transformers as tf
 
 import kvcake
 from kvcake import KVCakeCache
-from kvcake.adapters import cache_keyword, with_cache
+from kvcake.adapters import cache_keyword, forward_hands_kwargs, hands_kwargs_to_cache, with_cache
 from kvcake.cache import cache_kv_bytes
 
 TAKES_CACHE = "cache" in inspect.signature(tf.LlamaForCausalLM.forward).parameters
@@ -34,6 +34,34 @@ def test_cache_keyword_follows_the_forward_signature():
 
     assert cache_keyword(Old()) == "past_key_values" and cache_keyword(New()) == "cache"
     assert with_cache(New(), "c") == {"cache": "c"}
+
+
+def test_the_kwargs_hand_off_is_read_off_every_cache_update_of_the_model():
+    """A model hands its attention kwargs to the cache only where each cache update in its classes'
+    forwards passes ``kwargs=`` (transformers 5.24's models; 5.6-5.23's called ``update(k, v,
+    layer_idx)``, 5.0-5.3's passed ``cache_kwargs``, GPT-NeoX's still nothing in 5.24)."""
+
+    class Hands(torch.nn.Module):
+        def forward(self, k, v, cache, **kwargs):
+            return cache.update(k, v, max(0, 1), kwargs=kwargs)  # nested parentheses in the call
+
+    class Bare(torch.nn.Module):
+        def forward(self, k, v, layer_past):
+            return layer_past.update(k, v, 0)
+
+    class Legacy(torch.nn.Module):
+        def forward(self, k, v, past_key_values, cache_kwargs):
+            return past_key_values.update(k, v, 0, cache_kwargs)
+
+    class NoCache(torch.nn.Module):
+        def forward(self, x, kwargs):
+            kwargs.update(seen=True)  # a dict's update, not a cache's
+            return x
+
+    assert [forward_hands_kwargs(c) for c in (Hands, Bare, Legacy, NoCache)] == [True, False, False, None]
+    assert hands_kwargs_to_cache(torch.nn.Sequential(Hands(), NoCache()))
+    assert not hands_kwargs_to_cache(torch.nn.Sequential(Hands(), Bare()))
+    assert not hands_kwargs_to_cache(torch.nn.Sequential(NoCache()))  # nothing read: not claimed
 
 
 def test_the_installed_release_gets_its_own_keyword(tiny_llama):

@@ -12,17 +12,25 @@ import re
 
 import pytest
 import torch
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import (
+    CompileConfig,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    StaticCache,
+)
 
 import kvcake
-from kvcake.adapters import with_cache
-from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
+from kvcake.adapters import hands_kwargs_to_cache, with_cache
+from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
-from shared_checks import calls_while_tracing
+from shared_checks import KWARGS_HANDOFF, calls_while_tracing
 
 pytestmark = pytest.mark.slow
-# transformers 5.0's models pass cache.update a cache_kwargs dict of their own: the cache reaches the
-# kvcake attention through a ContextVar there (eager only), so a KVCakeCache is not compileable
+# transformers 5.0-5.23's models hand cache.update no kwargs (5.0-5.3 a cache_kwargs dict of their own):
+# the cache reaches the kvcake attention through a ContextVar there (eager only), so a KVCakeCache is
+# not compileable
 needs_kwargs_handoff = pytest.mark.skipif(
     not KWARGS_HANDOFF, reason="this transformers' models do not hand their attention kwargs to cache.update"
 )
@@ -270,15 +278,35 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
     assert torch.equal(out, ref)
 
 
-@pytest.mark.skipif(KWARGS_HANDOFF, reason="this transformers hands the attention kwargs to cache.update")
-def test_compile_is_refused_where_the_models_do_not_hand_off_kwargs():
-    """On such a release (5.0) the cache reads back eagerly only: not compileable, and
-    ``compile=True`` says what to do instead of failing inside transformers' generate."""
-    model = _two_layer_llama()
+def _two_layer_neox() -> GPTNeoXForCausalLM:
+    config = GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512, attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPTNeoXForCausalLM(config)
+    return model.eval()
+
+
+@pytest.mark.parametrize("build", [_two_layer_llama, _two_layer_neox], ids=["llama", "neox"])
+def test_compile_is_refused_where_the_model_does_not_hand_off_kwargs(build):
+    """Where the model's attention hands cache.update nothing (every model of 5.0-5.23; GPT-NeoX's
+    even in 5.24, which KWARGS_HANDOFF, read off the release's Llama, did not see until
+    2026-11-29: its static cache claimed to be compileable and compiled decoding failed inside
+    dynamo on the ContextVar) the cache reads back eagerly only: not compileable, ``compile=True``
+    says what to do instead of failing inside transformers' generate, and eager decoding with a
+    covering budget is the full cache's."""
+    model = build()
+    if hands_kwargs_to_cache(model):
+        pytest.skip("under this transformers the model hands its attention kwargs to cache.update")
     assert not KVCakeCache(model, "snapkv", budget=24, window=4, static=True).is_compileable
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="upgrade transformers or use compile=False"):
         kvcake.generate(model, ids, "snapkv", budget=24, window=4, max_new_tokens=4, compile=True)
+    full = model.generate(ids, max_new_tokens=4, do_sample=False)
+    out, _ = kvcake.generate(model, ids, "snapkv", budget=60, window=4, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, full)
 
 
 @needs_kwargs_handoff

@@ -8,9 +8,8 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Mist
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import describe_model, layer_windows, with_cache
-from kvcake.cache import KWARGS_HANDOFF
 from kvcake.sliding import SlidingLayer
-from shared_checks import assert_batch_matches_each_alone, prefill, prompt, single_step_logits
+from shared_checks import KWARGS_HANDOFF, assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
 
 GLOBAL = (2, 5)  # the full-attention layers of the tiny hybrid

@@ -8,12 +8,12 @@ from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import with_cache
-from kvcake.cache import KWARGS_HANDOFF
 from kvcake.eval.section import keep_sections, write_section
 from kvcake.method import PRESETS
 from kvcake.models import resolve_builtin
 from kvcake.replay import Captured, capture_queries, replay_compress
 from kvcake.sliding import SlidingLayer
+from shared_checks import KWARGS_HANDOFF
 from tiny_hybrid import TINY_GEMMA3_WINDOW
 
 GLOBAL = (2, 5)

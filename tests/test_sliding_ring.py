@@ -13,9 +13,9 @@ from transformers import CompileConfig, StaticCache
 import kvcake
 from kvcake.adapters import with_cache
 from kvcake.bench.step_counts import SYNCING, GraphCounter, step_ops
-from kvcake.cache import KWARGS_HANDOFF, KVCakeCache
+from kvcake.cache import KVCakeCache
 from kvcake.sliding import SlidingLayer
-from shared_checks import calls_while_tracing
+from shared_checks import KWARGS_HANDOFF, calls_while_tracing
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
 
 needs_kwargs_handoff = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from kvcake import PRESETS, KVCakeCache, make_method
 from kvcake.bench.step_counts import BOOLEAN_INDEX, SYNCING, CountOps, step_ops
-from kvcake.cache import KWARGS_HANDOFF
+from shared_checks import KWARGS_HANDOFF
 
 MAX_EXTRA_OPS_PER_LAYER = 30
 

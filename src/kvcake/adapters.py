@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ class ModelInfo:
     # Per layer: the sliding window of a sliding layer, None for a full-attention layer (the
     # layers kvcake compresses). Empty means every layer is full attention.
     windows: tuple[int | None, ...] = ()
+    # Whether the attention hands its kwargs to ``cache.update`` (:func:`hands_kwargs_to_cache`).
+    hands_kwargs: bool = False
 
     @property
     def groups(self) -> int:
@@ -98,7 +101,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
     num_kv = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return ModelInfo(mtype, text.num_hidden_layers, num_heads, num_kv, head_dim, windows)
+    return ModelInfo(
+        mtype, text.num_hidden_layers, num_heads, num_kv, head_dim, windows, hands_kwargs_to_cache(model)
+    )
 
 
 def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
@@ -170,6 +175,39 @@ def output_projection(module: torch.nn.Module) -> torch.Tensor:
         f"cannot find the output projection of {type(module).__name__} (looked for {_OUTPUT_PROJECTIONS}); "
         "CriticalKV selection needs it"
     )
+
+
+# A cache's update, its arguments next: ``cache.update(``, ``past_key_values.update(``, ``layer_past.update(``
+_CACHE_UPDATE = re.compile(r"\b\w*(?:cache|past)\w*\.update\(")
+
+
+def hands_kwargs_to_cache(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention hands its attention kwargs to ``cache.update`` (``update(k, v,
+    layer_idx, kwargs=kwargs)``), the hand-off a compiled kvcake step needs (``cache.HANDOFF``).
+    transformers' models do from 5.24 (5.0-5.3 pass ``cache_kwargs``, 5.6-5.23 nothing: checked on
+    5.0.0, 5.1.0, 5.3.0, 5.6.0, 5.10.4, 5.15.0, 5.18.0, 5.20.2-5.23.0); GPT-NeoX's not even in 5.24.
+    True where every class of the model whose forward updates a cache hands ``kwargs=`` in each call
+    (read from the source); False where none does, or none can be read."""
+    found = [forward_hands_kwargs(type(m)) for m in model.modules()]
+    return any(found) and False not in found
+
+
+@functools.cache
+def forward_hands_kwargs(cls: type) -> bool | None:
+    """Whether every cache update in ``cls.forward``'s source hands ``kwargs=``; None where it has
+    none, or its source cannot be read."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (TypeError, OSError):
+        return None
+    handed = []
+    for call in _CACHE_UPDATE.finditer(source):
+        depth, end = 1, call.end()
+        while depth and end < len(source):  # to the call's closing parenthesis
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        handed.append("kwargs=" in source[call.end() : end])
+    return all(handed) if handed else None
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

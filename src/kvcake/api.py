@@ -28,10 +28,10 @@ import torch
 import transformers
 from transformers import CompileConfig
 
-from .adapters import cache_keyword, with_cache
+from .adapters import cache_keyword, describe_model, hands_kwargs_to_cache, with_cache
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
-from .cache import KWARGS_HANDOFF, KVCakeCache
+from .cache import KVCakeCache
 from .context import CompressedContext, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
@@ -170,11 +170,12 @@ def generate(
             raise ValueError(
                 "compile=True compiles the static decode step: drop static=False (or compile=True)"
             )
-        if not KWARGS_HANDOFF:
+        if not hands_kwargs_to_cache(model):
             raise ValueError(
-                f"compile=True needs a transformers release whose models pass their attention kwargs to "
-                f"cache.update (5.24 does; the installed {transformers.__version__} passes cache_kwargs, "
-                "which the kvcake attention reads back eagerly only): upgrade transformers or use compile=False"
+                f"compile=True needs a model whose attention passes its kwargs to cache.update, as transformers' "
+                f"models do from 5.24 ({describe_model(model).model_type} under the installed transformers "
+                f"{transformers.__version__} does not, so the kvcake attention reads its cache back eagerly "
+                "only): upgrade transformers or use compile=False"
             )
         config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # transformers compiles on accelerators only by default

@@ -29,7 +29,6 @@ cascade mean the ``L_g`` full-attention layers (``info.compressed_layers``), in 
 from __future__ import annotations
 
 import contextvars
-import inspect
 
 import numpy as np
 import torch
@@ -51,11 +50,9 @@ from .tensor_parallel import HeadSplit, find_split
 # with that same dict: it reaches that layer's attention call and no other, as Python state the
 # compiler traces (a ContextVar, read in every attention call, is not).
 HANDOFF = "kvcake_cache"
-# Older releases (5.0) call ``update(k, v, layer_idx, cache_kwargs)`` with a dict the attention never
-# sees; there the cache leaves ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING`` for the attention,
-# eagerly only (the compiler cannot trace a ContextVar: a KVCakeCache is compileable only where
-# ``KWARGS_HANDOFF``, read off ``Cache.update``'s signature).
-KWARGS_HANDOFF = "cache_kwargs" not in inspect.signature(Cache.update).parameters
+# Models that hand nothing (transformers 5.0-5.23's, GPT-NeoX's: ``adapters.hands_kwargs_to_cache``)
+# get ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING`` for their attention, eagerly only: the
+# compiler cannot trace a ContextVar, so their KVCakeCache is not compileable (``info.hands_kwargs``).
 LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
     "kvcake_pending", default=None
 )
@@ -226,7 +223,7 @@ class KVCakeCache(Cache):
         model_kwargs = kwargs.get("kwargs")
         if isinstance(model_kwargs, dict):  # the dict the model passes on to its attention function
             model_kwargs[HANDOFF] = self
-        else:  # an older release's own cache_kwargs (5.0): the attention reads this back, eagerly
+        else:  # a model that hands nothing (5.0-5.23; see LEGACY_PENDING): its attention reads this back
             LEGACY_PENDING.set((self, layer_idx, keys))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -263,7 +260,7 @@ class KVCakeCache(Cache):
 
     def _plan_sliding(self) -> None:  # with static storage, in a ring (sliding.py; the kwargs hand-off)
         for layer in (x for x in self.layers if isinstance(x, SlidingLayer)):
-            layer.plan = self.static and KWARGS_HANDOFF
+            layer.plan = self.static and self.info.hands_kwargs
 
     def serve(self, static: bool) -> None:
         """Choose how a prefilled cache kept in the dynamic layout (a compressed context) decodes:
@@ -296,8 +293,8 @@ class KVCakeCache(Cache):
     @property
     def is_compileable(self) -> bool:
         """Static storage (the default; sliding layers in their ring) makes a decode step one graph, which
-        ``generate`` compiles as a static cache's; not where models do not hand ``kwargs`` to ``update``."""
-        return KWARGS_HANDOFF and bool(self.static)
+        ``generate`` compiles as a static cache's; not where the model does not hand ``kwargs`` to ``update``."""
+        return self.info.hands_kwargs and bool(self.static)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """(1, 0) where no layer reads the mask: a sliding ring's token; compressed layers all in static storage

@@ -11,7 +11,7 @@ from cuda_helpers import DEVICE, ids
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import kvcake
-from kvcake.cache import KWARGS_HANDOFF
+from shared_checks import KWARGS_HANDOFF
 
 pytestmark = [
     pytest.mark.cuda,
