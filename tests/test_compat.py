@@ -124,3 +124,22 @@ def test_old_release_model_call_with_cache_keyword_is_refused(tiny_llama):
     cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
     with kvcake.enable(tiny_llama), pytest.raises(TypeError, match="does not know the `cache` keyword"):
         tiny_llama(ids(40), cache=cache)
+
+
+def test_a_sliding_layer_hands_transformers_its_window_by_name(monkeypatch):
+    """transformers 5.8.1-5.13.1's ``DynamicSlidingWindowLayer(config=None, sliding_window=None)`` takes a
+    config first (5.0-5.7 and 5.14.1-5.24 the window): given positionally, the window became the config
+    and every hybrid cache failed to build there (50 tests on 5.12.0, 2026-11-29)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from kvcake.sliding import SlidingLayer
+
+    got = {}
+
+    def config_first(self, config=None, sliding_window=None):  # 5.8.1-5.13.1's signature
+        DynamicLayer.__init__(self)
+        got.update(config=config, sliding_window=sliding_window)
+        self.sliding_window, self.cumulative_length = sliding_window, 0
+
+    monkeypatch.setattr(DynamicSlidingWindowLayer, "__init__", config_first)
+    assert SlidingLayer(7).sliding_window == 7 and got == {"config": None, "sliding_window": 7}

@@ -161,7 +161,10 @@ def test_refusals_name_the_problem():
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=16))  # fmt: skip
     with pytest.raises(ValueError, match="nothing to compress|no full-attention layer"):
         KVCakeCache(mistral, "cake", budget=32)
-    chunked = Gemma3TextConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"])
+    chunked = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    # set after construction: 5.17's Gemma 3 config keys its RoPE parameters by layer type and
+    # raises a KeyError for a type it does not know, before kvcake could read it
+    chunked.layer_types = ["chunked_attention", "full_attention"]
     chunked.attention_chunk_size = 8  # as Llama 4 names it
     with pytest.raises(ValueError, match="chunked_attention"):
         layer_windows(chunked, "gemma3_text")

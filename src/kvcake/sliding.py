@@ -41,7 +41,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
     def __init__(self, sliding_window: int, **kwargs) -> None:
         self._seen, self._seen_on_device = 0, False
-        super().__init__(sliding_window, **kwargs)
+        super().__init__(sliding_window=sliding_window, **kwargs)  # by name: 5.8.1-5.13.1 take a config first
         self.plan = False  # decode in the ring (the cache's static storage), from the next step
         self.static: str | None = None  # "ring" while decoding in place
         self.valid: torch.Tensor | None = None  # (B, window) bool: ring slots holding a token
