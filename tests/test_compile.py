@@ -292,9 +292,9 @@ def _two_layer_neox() -> GPTNeoXForCausalLM:
 @pytest.mark.parametrize("build", [_two_layer_llama, _two_layer_neox], ids=["llama", "neox"])
 def test_compile_is_refused_where_the_model_does_not_hand_off_kwargs(build):
     """Where the model's attention hands cache.update nothing (every model of 5.0-5.23; GPT-NeoX's
-    even in 5.24, which KWARGS_HANDOFF, read off the release's Llama, did not see until
-    2026-11-29: its static cache claimed to be compileable and compiled decoding failed inside
-    dynamo on the ContextVar) the cache reads back eagerly only: not compileable, ``compile=True``
+    even in 5.24, which the check before 2026-11-29, read off ``Cache.update``'s signature, did not
+    see: its static cache claimed to be compileable and compiled decoding failed inside dynamo on
+    the ContextVar) the cache reads back eagerly only: not compileable, ``compile=True``
     says what to do instead of failing inside transformers' generate, and eager decoding with a
     covering budget is the full cache's."""
     model = build()

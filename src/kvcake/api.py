@@ -28,7 +28,7 @@ import torch
 import transformers
 from transformers import CompileConfig
 
-from .adapters import cache_keyword, describe_model, hands_kwargs_to_cache, with_cache
+from .adapters import cache_keyword, describe_model, with_cache
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
@@ -170,10 +170,11 @@ def generate(
             raise ValueError(
                 "compile=True compiles the static decode step: drop static=False (or compile=True)"
             )
-        if not hands_kwargs_to_cache(model):
+        info = describe_model(model)
+        if not info.hands_kwargs:
             raise ValueError(
                 f"compile=True needs a model whose attention passes its kwargs to cache.update, as transformers' "
-                f"models do from 5.24 ({describe_model(model).model_type} under the installed transformers "
+                f"models do from 5.24 ({info.model_type} under the installed transformers "
                 f"{transformers.__version__} does not, so the kvcake attention reads its cache back eagerly "
                 "only): upgrade transformers or use compile=False"
             )
