@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -165,16 +166,28 @@ def _config_layer_types(text) -> tuple[list[str], list[dict]]:
     return list(types), kwargs
 
 
-def output_projection(module: torch.nn.Module) -> torch.Tensor:
-    """The attention output projection's weight (hidden, H * d), for CriticalKV's value norms."""
+def projection_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The attention output projection's weight as ``(hidden, H * d)`` (``nn.Linear``'s layout), or
+    None where ``module`` has none under the usual names. GPT-2's ``Conv1D`` stores the transpose
+    (it computes ``x @ W``): a transposed view is returned."""
     for name in _OUTPUT_PROJECTIONS:
         proj = getattr(module, name, None)
         if isinstance(proj, torch.nn.Linear):
             return proj.weight
-    raise ValueError(
-        f"cannot find the output projection of {type(module).__name__} (looked for {_OUTPUT_PROJECTIONS}); "
-        "CriticalKV selection needs it"
-    )
+        if isinstance(proj, Conv1D):
+            return proj.weight.t()
+    return None
+
+
+def output_projection(module: torch.nn.Module) -> torch.Tensor:
+    """The attention output projection's weight (hidden, H * d), for CriticalKV's value norms."""
+    weight = projection_weight(module)
+    if weight is None:
+        raise ValueError(
+            f"cannot find the output projection of {type(module).__name__} (looked for {_OUTPUT_PROJECTIONS} "
+            "as nn.Linear or Conv1D); CriticalKV selection needs it"
+        )
+    return weight
 
 
 # A cache's update, its arguments next: ``cache.update(``, ``past_key_values.update(``, ``layer_past.update(``

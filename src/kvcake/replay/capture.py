@@ -20,9 +20,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["Captured", "attention_modules", "attention_outputs", "capture_queries"]
+from kvcake.adapters import projection_weight
 
-_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+__all__ = ["Captured", "attention_modules", "attention_outputs", "capture_queries"]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -31,9 +31,7 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     found = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and any(
-            isinstance(getattr(module, n, None), torch.nn.Linear) for n in _OUTPUT_PROJECTIONS
-        ):
+        if isinstance(idx, int) and projection_weight(module) is not None:
             found.setdefault(idx, module)
     if not found:
         raise ValueError(f"{type(model).__name__}: found no attention modules (layer_idx + o_proj)")

@@ -1,0 +1,174 @@
+"""Decoder families beyond Llama, each a tiny random model of the installed transformers: a budget
+covering the prompt decodes the stock model's tokens, and every part of a method (CAKE's layer
+budgets, Ada-KV's head budgets, the scorers, CriticalKV's projected value norms, decoding
+evictions, a compressed context) runs on it with the budgets summing exactly.
+
+Families whose config class the installed release lacks are skipped (transformers 5.0, the floor,
+has most of them). Models refused outright are in ``test_hostile.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from transformers import AttentionInterface
+
+import kvcake
+from kvcake.adapters import output_projection
+from kvcake.replay import attention_modules
+
+SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2}  # fmt: skip
+HEAD16 = {**SMALL, "head_dim": 16}
+HYBRID = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+GPT = {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "bos_token_id": 1, "eos_token_id": 2}
+OPT = {"vocab_size": 128, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "word_embed_proj_dim": 64, "pad_token_id": 0}  # fmt: skip
+FALCON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "new_decoder_architecture": True, "num_kv_heads": 2}  # fmt: skip
+
+# family -> (config class name, keyword arguments); all 2 layers, 4 query heads
+FAMILIES = {
+    "qwen2": ("Qwen2Config", SMALL),
+    "qwen3": ("Qwen3Config", HEAD16),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {**SMALL, **MOE, "num_experts": 4, "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", {**HEAD16, **MOE, "num_experts": 4}),
+    "mixtral": (
+        "MixtralConfig",
+        {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "phi3": ("Phi3Config", SMALL),
+    "phi": ("PhiConfig", SMALL),
+    "gemma": ("GemmaConfig", HEAD16),
+    "gemma2-hybrid": (
+        "Gemma2Config",
+        {**HEAD16, **HYBRID, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    ),
+    "cohere": ("CohereConfig", SMALL),
+    "cohere2-hybrid": ("Cohere2Config", {**SMALL, **HYBRID}),
+    "olmo2": ("Olmo2Config", SMALL),
+    "olmo3-hybrid": ("Olmo3Config", {**SMALL, **HYBRID}),
+    "ministral-hybrid": ("MinistralConfig", {**HEAD16, **HYBRID}),
+    "exaone4-hybrid": ("Exaone4Config", {**SMALL, **HYBRID}),
+    "granite": ("GraniteConfig", SMALL),
+    "stablelm": ("StableLmConfig", SMALL),
+    "starcoder2": ("Starcoder2Config", {**SMALL, "sliding_window": None}),
+    "smollm3": ("SmolLM3Config", SMALL),
+    "glm4": ("Glm4Config", HEAD16),
+    "nemotron": ("NemotronConfig", SMALL),
+    "gpt2": ("GPT2Config", GPT),  # Conv1D projections: CriticalKV reads the transposed weight
+    "gptj": ("GPTJConfig", {**GPT, "rotary_dim": 8}),
+    "opt": ("OPTConfig", OPT),
+    "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}),
+    # its own attention code in every release so far: refused when the cache sees it was bypassed
+    "falcon": ("FalconConfig", FALCON),
+}
+# CAKE's layer budgets, Ada-KV's head budgets and its score; CriticalKV's selection over Ada-KV;
+# H2O's prompt attention and its evictions while decoding
+PRESETS = ("cake-adakv", "critical-adakv", "h2o")
+BUDGET = 12
+
+
+def _model(family: str) -> torch.nn.Module:
+    name, kwargs = FAMILIES[family]
+    config_class = getattr(tf, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {tf.__version__} has no {name}")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _calls_the_attention_interface(model: torch.nn.Module) -> bool:
+    """Whether the model's attention runs through transformers' attention interface in the installed
+    release (a probe registered there is called), the extension point kvcake plugs into. Some
+    families moved onto it late (Nemotron after 5.12, GPT-J after 5.22); before, kvcake refuses them."""
+    calls = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        calls.append(module)
+        return torch.zeros_like(query).transpose(1, 2), None  # (B, q, H, d): the call is what counts
+
+    AttentionInterface.register("kvcake_family_probe", probe)
+    configs = [
+        sub.config for sub in model.modules() if hasattr(getattr(sub, "config", None), "_attn_implementation")
+    ]
+    before = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = "kvcake_family_probe"
+        with torch.no_grad(), contextlib.suppress(Exception):  # code of its own may choke on the name
+            model(_ids(8))
+    finally:
+        for config, impl in zip(configs, before, strict=True):
+            config._attn_implementation = impl
+    return bool(calls)
+
+
+def _supported(family: str) -> torch.nn.Module:
+    """The family's model, or the test ends after checking that kvcake refuses it by name."""
+    model = _model(family)
+    if not _calls_the_attention_interface(model):
+        with pytest.raises(
+            RuntimeError, match=rf"this architecture \({model.config.model_type}\) does not call"
+        ):
+            kvcake.generate(model, _ids(40), "cake-adakv", budget=12, window=4, max_new_tokens=2)
+        pytest.skip(
+            f"{family}'s attention does not call the interface in transformers {tf.__version__}: refused"
+        )
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_covering_budget_decodes_the_stock_models_tokens(family):
+    model = _supported(family)
+    x = _ids(40)
+    kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+          "return_dict_in_generate": True}  # fmt: skip
+    with torch.no_grad():
+        stock = model.generate(x, **kw)
+    out, cache = kvcake.generate(model, x, "cake-adakv", budget=64, window=8, **kw)
+    assert torch.equal(out.sequences, stock.sequences)
+    for a, b in zip(out.logits, stock.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (cache.budgets == 40).all()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_part_of_a_method_runs_and_budgets_sum_exactly(family):
+    model = _supported(family)
+    x = _ids(40, seed=1)
+    for preset in PRESETS:
+        out, cache = kvcake.generate(model, x, preset, budget=BUDGET, window=4, max_new_tokens=4, min_new_tokens=4,
+                                     do_sample=False, pad_token_id=0)  # fmt: skip
+        assert out.shape == (1, 44), preset
+        global_layers = 1 if family.endswith("-hybrid") else 2  # a hybrid's sliding layer is not compressed
+        assert cache.budgets.shape == (1, global_layers), preset
+        assert int(cache.budgets.sum()) == BUDGET * global_layers, preset
+    ctx = kvcake.compress(model, x[:, :32], "layer-defensivekv", budget=BUDGET, window=4)
+    assert ctx.generate(x[:, 32:], max_new_tokens=3).shape == (1, 3)
+
+
+def test_gpt2s_conv1d_projection_is_read_in_linears_layout():
+    """GPT-2's ``c_proj`` is a ``Conv1D`` (``x @ W + b``, W stored as (in, out)); CriticalKV's norms
+    need ``nn.Linear``'s (out, in). Before, GPT-2 was refused ("cannot find the output projection"),
+    and the evaluation's replay found no attention modules in it."""
+    model = _model("gpt2")
+    module = next(m for m in model.modules() if type(m).__name__ == "GPT2Attention")
+    assert [m.layer_idx for m in attention_modules(model)] == [0, 1]
+    x = torch.randn(3, 64)
+    expected = module.c_proj(x) - module.c_proj.bias
+    torch.testing.assert_close(x @ output_projection(module).T, expected)
