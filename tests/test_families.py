@@ -3,8 +3,10 @@ covering the prompt decodes the stock model's tokens, and every part of a method
 budgets, Ada-KV's head budgets, the scorers, CriticalKV's projected value norms, decoding
 evictions, a compressed context) runs on it with the budgets summing exactly.
 
-Families whose config class the installed release lacks are skipped (transformers 5.0, the floor,
-has most of them). Models refused outright are in ``test_hostile.py``."""
+Vision-language models (Gemma 3, LLaVA, Qwen2-VL) with an image in the prompt: the language model's
+cache holds the image's tokens like any others. Families whose config class the installed release
+lacks are skipped (transformers 5.0, the floor, has most of them). Models refused outright are in
+``test_hostile.py``."""
 
 from __future__ import annotations
 
@@ -172,3 +174,95 @@ def test_gpt2s_conv1d_projection_is_read_in_linears_layout():
     x = torch.randn(3, 64)
     expected = module.c_proj(x) - module.c_proj.bias
     torch.testing.assert_close(x @ output_projection(module).T, expected)
+
+
+def _gemma3_with_an_image():
+    """A tiny Gemma 3 vision-language model (sliding, full, sliding, full) and a prompt with a
+    4-token image block, which the model's mask lets attend to itself both ways."""
+    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                             boi_token_index=297, eoi_token_index=298)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tf.Gemma3ForConditionalGeneration(config).eval()
+        pixels = torch.randn(1, 3, 28, 28) * 3
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 30], x[0, 31:35], x[0, 35] = 297, 299, 298
+    return model, x, {"pixel_values": pixels, "token_type_ids": (x == 299).long()}
+
+
+def test_gemma3_with_an_image_decodes_in_the_ring():
+    """The default (static) cache decoded no image prompt: transformers builds the sliding layers' mask
+    with the image blocks' ids padded to the mask's columns and indexed by position, and the ring's
+    one column sat at position 0 (IndexError). The prefill keeps the image block's two-way mask: the
+    first token's logits are the stock model's for every method; later steps equal dynamic storage's."""
+    model, x, image = _gemma3_with_an_image()
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+          "return_dict_in_generate": True}  # fmt: skip
+    with torch.no_grad():
+        stock = model.generate(x, **kw, **image)
+        causal = model.generate(x, **kw, pixel_values=image["pixel_values"])
+    assert (stock.logits[0] - causal.logits[0]).abs().max() > 1e-3  # the two-way block matters here
+    out, _ = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw, **image)
+    assert torch.equal(out.sequences, stock.sequences)
+    for preset in ("snapkv", "h2o", "cake-adakv", "critical-adakv"):
+        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw, **image)
+        assert cache.static and (cache.budgets.sum(dim=1) == 24).all(), preset
+        torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
+        dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
+        assert torch.equal(out.sequences, dynamic.sequences), preset
+        for a, b in zip(out.logits, dynamic.logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _llava_with_an_image():
+    text = {**HEAD16, "model_type": "llama", "vocab_size": 300, "num_hidden_layers": 4}
+    vision = {"model_type": "clip_vision_model", "projection_dim": 32, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    model = tf.LlavaForConditionalGeneration(
+        tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=299)
+    )
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 21:25] = 299  # a 2 x 2-patch image
+    return model, x, {"pixel_values": torch.randn(1, 3, 28, 28)}
+
+
+def _qwen2_vl_with_an_image():
+    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}  # fmt: skip
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "in_chans": 3}  # fmt: skip
+    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=299, video_token_id=298,
+                              vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
+    model = tf.Qwen2VLForConditionalGeneration(config)
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 20], x[0, 21:25], x[0, 25] = 297, 299, 296  # 4 x 4 patches merged 2 x 2: 4 tokens, 3-D positions
+    return (
+        model,
+        x,
+        {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])},
+    )
+
+
+@pytest.mark.parametrize("build", [_llava_with_an_image, _qwen2_vl_with_an_image], ids=["llava", "qwen2_vl"])
+def test_vision_language_models_with_an_image(build):
+    """The language model's cache holds the image's tokens like any others: a covering budget decodes
+    the stock model's tokens (Qwen2-VL's multimodal RoPE positions included), a small one runs."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, x, image = build()
+        model.eval()
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+          "return_dict_in_generate": True}  # fmt: skip
+    with torch.no_grad():
+        stock = model.generate(x, **kw, **image)
+    out, _ = kvcake.generate(model, x, "cake-adakv", budget=64, window=4, **kw, **image)
+    assert torch.equal(out.sequences, stock.sequences)
+    for a, b in zip(out.logits, stock.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
+    assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * 4
+    torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own

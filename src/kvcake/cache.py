@@ -297,12 +297,14 @@ class KVCakeCache(Cache):
         return self.info.hands_kwargs and bool(self.static)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        """(1, 0) where no layer reads the mask: a sliding ring's token; compressed layers all in static storage
-        in a compiled step (a growing size would be a graph a step; a StaticCache fixes its own)."""
+        """One column where no layer reads the mask: a sliding ring's token; compressed layers all in static
+        storage in a compiled step (a growing size would be a graph a step; a StaticCache fixes its own).
+        Eagerly the ring's column sits at the token's position (the query offset, read just before), since
+        overlays index tensors by position (Gemma 3's image blocks: ``block_sequence_ids`` padded to it)."""
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length  # (5.0)
         if isinstance(self.layers[layer_idx], SlidingLayer):
             if self.layers[layer_idx].static is not None and q == 1:
-                return 1, 0
+                return 1, 0 if torch.compiler.is_compiling() else self.layers[layer_idx].cumulative_length
         elif torch.compiler.is_compiling() and all(self.layers[i].static for i in self.compressed):
             return 1, 0
         return super().get_mask_sizes(query_length, layer_idx)
