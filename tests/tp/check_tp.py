@@ -4,13 +4,16 @@ Run under ``torchrun --nproc-per-node 2`` (gloo, CPU). Rank 0 saves a tiny rando
 layers, 8 query heads, 4 KV heads); every rank loads it twice, whole and with
 ``tp_plan="auto"`` (2 KV heads per rank), and runs each preset on both, on a batch of two
 prompts (1024 tokens, and 724 left-padded to 1024), budget 64, 8 greedy tokens, with the dynamic
-reference decoding path (``static=False``) and with static storage (the default). Checked per preset and path:
+reference decoding path (``static=False``) and with static storage (the default). Then the same
+for ``HYBRID_PRESETS`` on a tiny Gemma 3 of the same shape whose layers alternate sliding (a
+64-token window, in the ring when static) and full attention. Checked per preset and path:
 
 - greedy tokens equal the one-process run, logits within ``LOGIT_ATOL``;
 - the layer budgets are identical on every rank and equal the one-process budgets;
 - each rank's per-head budgets and kept entries are its heads' slice of the one-process ones
   (Ada-KV's head split decided over all heads), after prefill and after decoding;
-- each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``);
+- each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``; a
+  ring's per-slot flags are whole on every rank);
 - a compressed context (``kvcake.compress``) answers a question with the one-process tokens.
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
@@ -25,26 +28,40 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import kvcake
 from kvcake.method import PRESETS
+from kvcake.sliding import SlidingLayer
 from kvcake.tensor_parallel import HeadSplit
 
 # The tensor-parallel forward sums o_proj's and down_proj's partial products over ranks, so its
 # logits differ from the one-process forward by float32 rounding (measured ~1e-6 here).
 LOGIT_ATOL = 1e-4
 PROMPT, PADDED, BUDGET, NEW_TOKENS = 1024, 300, 64, 8
+# one preset per layer allocator, head allocator and selector, to keep the run short
+HYBRID_PRESETS = ("snapkv", "cake", "adakv", "cake-adakv", "layer-defensivekv")
 logger = logging.getLogger("check_tp")
 
 
-def save_tiny(folder: str) -> None:
+def save_tiny(folder: str, hybrid: bool) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
+    if hybrid:
+        types = ["sliding_attention", "full_attention"] * 2
+        config = Gemma3TextConfig(**shape, head_dim=16, sliding_window=64, layer_types=types)
+        Gemma3ForCausalLM(config).save_pretrained(folder)
+    else:
+        LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
 
 
 def run(model, ids, mask, preset, static):
@@ -63,6 +80,9 @@ def heads_bytes(layer, heads: slice, world: int) -> int:
     capacities) of head_dim keys and values each."""
     if layer.keys is None:
         return 0
+    if isinstance(layer, SlidingLayer):
+        flags = 0 if layer.valid is None else layer.valid.numel()  # (B, window) bools, not per head
+        return (layer.kv_bytes() - flags) // world + flags
     if layer.keys.dim() == 4:
         return layer.kv_bytes() // world
     segments = layer.capacity if layer.static is not None else layer.counts  # (B, H_kv)
@@ -145,31 +165,40 @@ def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int)
     return bad
 
 
+def load_both(rank: int, hybrid: bool):
+    """The tiny model, whole and split with ``tp_plan="auto"``, on every rank (rank 0 saves it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = [os.path.join(tmp, "tiny") if rank == 0 else None]
+        if rank == 0:
+            save_tiny(folder[0], hybrid)
+        dist.broadcast_object_list(folder, src=0)
+        dist.barrier()
+        tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto")
+        full = AutoModelForCausalLM.from_pretrained(folder[0])
+        dist.barrier()  # rank 0's folder is read by every rank before it goes
+    return full, tp
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     logging.getLogger("kvcake").setLevel(logging.ERROR)  # the tiny model's tau fallback warning
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = [os.path.join(tmp, "tiny") if rank == 0 else None]
-        if rank == 0:
-            save_tiny(folder[0])
-        dist.broadcast_object_list(folder, src=0)
-        dist.barrier()
-        tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto")
-        full = AutoModelForCausalLM.from_pretrained(folder[0])
-        dist.barrier()  # rank 0's folder is read by every rank before it goes
     # two prompts, the second left-padded to the first's length (PADDED padding tokens)
     ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     ids[1, :PADDED], mask[1, :PADDED] = 0, 0
     failed = {}
-    for static in (False, True):  # the sort-and-copy decoding path and the preallocated one
-        for preset in PRESETS:
-            bad = check(preset, full, tp, ids, mask, static, rank, world)
-            if bad:
-                failed[f"{preset}{' static' if static else ''}"] = bad
+    for hybrid, presets in ((False, PRESETS), (True, HYBRID_PRESETS)):
+        full, tp = load_both(rank, hybrid)
+        if rank == 0 and hybrid:
+            logger.info("Gemma 3 hybrid (sliding, full, sliding, full):")
+        for static in (False, True):  # the sort-and-copy decoding path and the preallocated one
+            for preset in presets:
+                bad = check(preset, full, tp, ids, mask, static, rank, world)
+                if bad:
+                    failed[f"{'hybrid ' if hybrid else ''}{preset}{' static' if static else ''}"] = bad
     ctx = kvcake.compress(tp, ids, "snapkv", attention_mask=mask, budget=BUDGET)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -185,7 +214,10 @@ def main() -> int:
     if rank == 0:
         for line in problems:
             logger.error("FAIL %s", line)
-        logger.info("%d presets x %d ranks: %s", len(PRESETS), world, "FAILED" if problems else "all equal")
+        logger.info(
+            "%d presets and %d on the hybrid x %d ranks: %s",
+            len(PRESETS), len(HYBRID_PRESETS), world, "FAILED" if problems else "all equal",
+        )  # fmt: skip
     return 1 if problems else 0
 
 
