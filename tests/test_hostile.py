@@ -459,6 +459,14 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
             r"num_beams=2 \(from the generation config\) is not supported",
         ),
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
+        (
+            {"prefill_chunk_size": 16},
+            r"prefill_chunk_size=16 would prefill the 40-token prompt in 3 forwards",
+        ),
+        (
+            {"generation_config": tf.GenerationConfig(prefill_chunk_size=39, max_new_tokens=3)},
+            r"prefill_chunk_size=39 \(from the generation config\) would prefill .* in 2 forwards",
+        ),
         ({"past_key_values": None}, "kvcake.generate makes its own KVCakeCache"),
         ({"cache": None}, "kvcake.generate makes its own KVCakeCache"),
     ],
@@ -466,6 +474,17 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
 def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
     with untouched(tiny_llama), pytest.raises(ValueError, match=match):
         kvcake.generate(tiny_llama, ids(40), "cake", budget=16, window=8, max_new_tokens=3, **kwargs)
+
+
+def test_a_prefill_chunk_covering_the_prompt_is_one_forward(tiny_llama):
+    """Chunked prefill is refused only where it splits the prompt (the refusals above): before, the
+    first chunk alone was compressed, and the rest kept whole (decode=none) or evicted as appended
+    tokens (decode=fixed), silently."""
+    x = ids(40)
+    plain, _ = kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3)
+    whole, cache = kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3,
+                                   prefill_chunk_size=40)  # fmt: skip
+    assert torch.equal(whole, plain) and cache.budgets.tolist() == [[16] * 4]
 
 
 def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):

@@ -88,7 +88,7 @@ def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
         )
 
 
-def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict) -> None:
+def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict, prompt_tokens: int) -> None:
     """Refuse, before any compute, the generation modes a compressed cache cannot serve, whether
     asked for by keyword or through a ``generation_config`` (the model's default included)."""
     for name in ("past_key_values", "cache"):
@@ -112,6 +112,15 @@ def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict) -> Non
                 f"{bad}={shown}{source} is not supported with a compressed cache: it needs to roll the "
                 "cache back or reorder it; decode greedily or by sampling instead"
             )
+    chunk = setting("prefill_chunk_size")  # transformers' chunked prefill (5.x)
+    if chunk is not None and chunk < prompt_tokens:
+        source = "" if "prefill_chunk_size" in generate_kwargs else " (from the generation config)"
+        raise ValueError(
+            f"prefill_chunk_size={chunk}{source} would prefill the {prompt_tokens}-token prompt in "
+            f"{-(-prompt_tokens // chunk)} forwards, and kvcake compresses a prompt in its first forward (its "
+            "scores read the whole prompt's attention): the later chunks would be kept or evicted as appended "
+            "tokens. Drop prefill_chunk_size (or set it to at least the prompt's length)"
+        )
     if setting("use_cache") is False:
         raise ValueError(
             "use_cache=False would feed the whole sequence again at every step into the compressed "
@@ -158,7 +167,7 @@ def generate(
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
-    _check_generate_kwargs(model, generate_kwargs)
+    _check_generate_kwargs(model, generate_kwargs, input_ids.shape[1])
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
     new = generate_kwargs.get("max_new_tokens")
