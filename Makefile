@@ -19,7 +19,7 @@ LOCK := requirements/dev.lock
 FLOOR_LOCK := requirements/floor.lock
 MID_LOCK := requirements/mid.lock
 
-.PHONY: setup demo test test-fast test-cuda test-floor test-mid test-torch-floor test-latest test-tp lock bench-gpu lint format clean
+.PHONY: setup demo test test-fast test-cuda test-floor test-mid test-torch-floor test-latest test-tp lock bench-gpu gpu-wheels lint format clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,18 @@ bench-gpu: $(if $(PY),,setup)
 		PYTHONPATH=src $(or $(PY),$(BIN)/python) -m kvcake.bench gpu --device cuda --lengths $$n --merge \
 			--out bench-gpu --doc docs/benchmarks-gpu.md $(GPU_ARGS) || exit 1; \
 	done
+
+# Wheels for a GPU session, carried to the machine (the device tool's carry=[".whl"]), where
+# scripts/gpu_check.sh installs them over the image's packages (--no-deps, into /tmp/site): the
+# transformers of requirements/dev.lock, since the GPU image's 5.17 does not hand the cache its
+# attention kwargs (compiled kvcake decoding is refused there), and a huggingface_hub that both
+# accept. Pure-Python wheels, about 13 MB; the image's tokenizers, safetensors and regex already
+# satisfy 5.24.
+GPU_WHEELS := $(shell grep -E '^transformers==' $(LOCK)) huggingface_hub==1.33.0
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
+	ls -l .whl
 
 # The lowest versions pyproject.toml declares, in their own environment, so the floor is tested,
 # not claimed. torch's floor has its own target (test-torch-floor): only 2.13.0 is a cheap (CPU,
