@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+import kvcake
 from kvcake import conversion, models
 from kvcake.models import (
     DEFAULT_MODEL,
@@ -70,6 +71,41 @@ def test_local_folder_dtype_and_attention(tiny_folder):
     model, _ = load_model(str(folder), dtype=torch.bfloat16, attn_implementation="eager")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config._attn_implementation == "eager"
+
+
+def test_a_vision_language_folder_loads_through_image_text_to_text(tmp_path, tiny_folder):
+    """LLaVA (Qwen2-VL, ...) has no AutoModelForCausalLM class; kvcake.load_model falls back to
+    AutoModelForImageTextToText, whose text generation kvcake compresses (before: transformers' "Unrecognized
+    configuration class" listing every causal LM)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    text = {**_tiny_config().to_dict(), "model_type": "llama"}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32}  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        llava = LlavaForConditionalGeneration(
+            LlavaConfig(text_config=text, vision_config=vision, image_token_index=127)
+        )
+    llava.save_pretrained(tmp_path / "llava")
+    PreTrainedTokenizerFast.from_pretrained(tiny_folder[0]).save_pretrained(tmp_path / "llava")
+    model, tokenizer = load_model(tmp_path / "llava")
+    assert type(model).__name__ == "LlavaForConditionalGeneration" and not model.training
+    ids = tokenizer("w1 w2 w3 " * 8, return_tensors="pt").input_ids
+    out, cache = kvcake.generate(model, ids, "cake", budget=8, window=4, max_new_tokens=2, min_new_tokens=2)
+    assert out.shape == (1, ids.shape[1] + 2) and (cache.budgets == 8).all()
+
+
+def test_a_folder_that_generates_no_text_is_refused_by_name(tmp_path):
+    from transformers import DistilBertConfig, DistilBertModel
+
+    DistilBertModel(
+        DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=1, n_heads=2)
+    ).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match="DistilBertConfig is neither a causal LM nor an image-text-to-text model"
+    ):
+        load_model(tmp_path)
 
 
 def test_unknown_hub_id_raises_clear_error():

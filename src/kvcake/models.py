@@ -27,8 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from huggingface_hub.errors import HFValidationError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from .conversion import (
     _check_tied_embeddings,
@@ -165,7 +172,8 @@ def load_model(
     cache_dir: str | os.PathLike[str] | None = None,
     local_files_only: bool = False,
 ) -> tuple[PreTrainedModel, Any]:
-    """Load a causal LM and its tokenizer, ready for batched inference.
+    """Load a causal LM (or a vision-language model, for its text generation) and its tokenizer,
+    ready for batched inference.
 
     The model is in eval mode on ``device``; the tokenizer pads on the left (so that the last
     position of every row is a real token during batched generation) and has a pad token (its
@@ -310,8 +318,28 @@ def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _generation_model(source: str | Path, **kwargs) -> PreTrainedModel:
+    """``AutoModelForCausalLM``, or for a vision-language model that has none (LLaVA, Qwen2-VL)
+    ``AutoModelForImageTextToText``, whose text generation kvcake compresses alike."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+    try:
+        return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        kind = str(exc).split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1]
+        raise ValueError(
+            f"{source}: {kind} is neither a causal LM nor an image-text-to-text model in transformers "
+            f"{transformers.__version__}; kvcake compresses the KV cache of text generation (decoder models)"
+        ) from None
+
+
 def _load_folder(folder: Path, kwargs: dict[str, Any]) -> tuple[PreTrainedModel, Any]:
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    model = _generation_model(folder, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     _check_tied_embeddings(model, folder)
     return model, tokenizer
@@ -353,7 +381,7 @@ def _hub_cached(name: str) -> bool:
 def _load_hub(name: str, kwargs: dict[str, Any], *, local_files_only: bool) -> tuple[PreTrainedModel, Any]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local_files_only, **kwargs)
+        model = _generation_model(name, local_files_only=local_files_only, **kwargs)
     except (OSError, HFValidationError) as exc:
         raise FileNotFoundError(
             f"Could not find model {name!r} locally or download it from the Hugging Face Hub "
