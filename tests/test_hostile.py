@@ -270,6 +270,7 @@ def _build(config):
             "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
             "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
+            "gemma3n_text": tf.Gemma3nForCausalLM,
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -324,6 +325,22 @@ UNSUPPORTED = {
             first_k_dense_replace=1,
         ),
         r"deepseek_v3: latent attention \(MLA\) is not supported by kvcake: it has no per-head keys",
+    ),
+    "gemma3n-kv-sharing": (  # its last 2 layers read the keys of the last earlier layer of their type
+        lambda: tf.Gemma3nTextConfig(
+            **{**SMALL, "num_hidden_layers": 4, "intermediate_size": [128] * 4},
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=128,
+            laurel_rank=8,
+            altup_num_inputs=2,
+            activation_sparsity_pattern=[0.0] * 4,
+        ),
+        r"gemma3n_text: its last 2 layers read earlier layers' keys and values \(KV sharing, Gemma 3n\)",
     ),
     "gpt-oss-sinks": (  # a hybrid whose attention adds a learned sink logit per head to the softmax
         lambda: tf.GptOssConfig(

@@ -69,8 +69,8 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
     layer slides (nothing to compress), chunked layers, encoder-decoders (cross-attention),
     latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention logit
-    soft-capping (Gemma 2), attention sinks (GPT-OSS). Sliding layers of a hybrid are reported in
-    ``windows``.
+    soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS).
+    Sliding layers of a hybrid are reported in ``windows``.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -89,6 +89,12 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             f"{mtype}: attention logit soft-capping (attn_logit_softcapping="
             f"{text.attn_logit_softcapping}) is not supported by kvcake: its scores would read "
             "uncapped attention. Gemma 2 uses it; Gemma 3 does not"
+        )
+    if getattr(text, "num_kv_shared_layers", None):  # Gemma 3n; 5.24 also types those layers "dummy"
+        raise ValueError(
+            f"{mtype}: its last {text.num_kv_shared_layers} layers read earlier layers' keys and values (KV "
+            "sharing, Gemma 3n), which kvcake does not support: evicting for one layer would evict for the "
+            "layers that share it, whose attention kvcake does not see"
         )
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         raise ValueError(
@@ -128,6 +134,11 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
             windows.append(None)  # a window beyond every position is full attention
         elif kind == "sliding_attention":
             windows.append(int(window))
+        elif kind == "dummy":  # transformers' name for a layer that reads another layer's cache
+            raise ValueError(
+                f"{mtype}: layer {i} stores no keys and reads an earlier layer's (KV sharing, e.g. Gemma 3n), "
+                "which kvcake does not support: evicting for one layer would evict for the layers that share it"
+            )
         else:
             raise ValueError(
                 f"{mtype}: layer {i} is of type {kind!r}, which kvcake does not support (only "
