@@ -19,7 +19,7 @@ import transformers as tf
 from transformers import AttentionInterface
 
 import kvcake
-from kvcake.adapters import output_projection
+from kvcake.adapters import output_projection, projection_weight
 from kvcake.replay import attention_modules
 
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -266,3 +266,36 @@ def test_vision_language_models_with_an_image(build):
     out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
     assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * 4
     torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own
+
+
+def test_weights_offloaded_by_accelerate(tmp_path):
+    """A model loaded with ``device_map`` offloading a layer to disk (accelerate's hooks load its
+    weights when each module runs): CriticalKV's value norms read the output projection during the
+    attention, before ``o_proj`` runs, where its weight was still on the meta device ("Cannot copy
+    out of meta tensor" for criticalkv, critical-adakv, defensivekv and layer-defensivekv). Its hook
+    now loads it for them: the offloaded model decodes as the one in memory, and the weight goes back
+    to disk."""
+    model = _model("qwen2")
+    model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offloaded = tf.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "model", device_map=device_map, offload_folder=tmp_path / "offload"
+        ).eval()
+    o_proj = offloaded.model.layers[1].self_attn.o_proj
+    assert o_proj.weight.is_meta
+    x = _ids(40, seed=3)
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+          "return_dict_in_generate": True}  # fmt: skip
+    for preset in ("critical-adakv", "layer-defensivekv"):
+        out, _ = kvcake.generate(offloaded, x, preset, budget=12, window=4, **kw)
+        ref, _ = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
+        assert torch.equal(out.sequences, ref.sequences), preset
+        for a, b in zip(out.logits, ref.logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert o_proj.weight.is_meta
+    torch.testing.assert_close(
+        projection_weight(offloaded.model.layers[1].self_attn), model.model.layers[1].self_attn.o_proj.weight
+    )

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
 try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
@@ -177,17 +178,35 @@ def _config_layer_types(text) -> tuple[list[str], list[dict]]:
     return list(types), kwargs
 
 
-def projection_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The attention output projection's weight as ``(hidden, H * d)`` (``nn.Linear``'s layout), or
-    None where ``module`` has none under the usual names. GPT-2's ``Conv1D`` stores the transpose
-    (it computes ``x @ W``): a transposed view is returned."""
+def projection_module(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The attention's output projection (``o_proj`` and the other usual names; ``nn.Linear``, or
+    GPT-2's ``Conv1D``), or None."""
     for name in _OUTPUT_PROJECTIONS:
         proj = getattr(module, name, None)
-        if isinstance(proj, torch.nn.Linear):
-            return proj.weight
-        if isinstance(proj, Conv1D):
-            return proj.weight.t()
+        if isinstance(proj, (torch.nn.Linear, Conv1D)):
+            return proj
     return None
+
+
+def projection_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The output projection's weight as ``(hidden, H * d)`` (``nn.Linear``'s layout), or None.
+    ``Conv1D`` stores the transpose (it computes ``x @ W``): a transposed view is returned. A weight
+    that accelerate offloaded (``device_map`` with ``"cpu"`` or ``"disk"``) is on the meta device until
+    its module runs, after the attention: its hook loads it here, and the tensor returned outlives the
+    hook's offloading the module again."""
+    proj = projection_module(module)
+    if proj is None:
+        return None
+    weight = proj.weight
+    if weight.is_meta:
+        with align_module_device(proj):
+            weight = proj.weight
+        if weight.is_meta:
+            raise ValueError(
+                f"the output projection of {type(module).__name__} is on the meta device and no accelerate "
+                "hook loads it: load the model's weights before compressing"
+            )
+    return weight.t() if isinstance(proj, Conv1D) else weight
 
 
 def output_projection(module: torch.nn.Module) -> torch.Tensor:

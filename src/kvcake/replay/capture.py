@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvcake.adapters import projection_weight
+from kvcake.adapters import projection_module
 
 __all__ = ["Captured", "attention_modules", "attention_outputs", "capture_queries"]
 
@@ -31,7 +31,7 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     found = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and projection_weight(module) is not None:
+        if isinstance(idx, int) and projection_module(module) is not None:
             found.setdefault(idx, module)
     if not found:
         raise ValueError(f"{type(model).__name__}: found no attention modules (layer_idx + o_proj)")
