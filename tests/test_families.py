@@ -299,3 +299,34 @@ def test_weights_offloaded_by_accelerate(tmp_path):
     torch.testing.assert_close(
         projection_weight(offloaded.model.layers[1].self_attn), model.model.layers[1].self_attn.o_proj.weight
     )
+
+
+def test_a_model_loaded_with_flex_attention():
+    """``attn_implementation="flex_attention"``: its mask is a BlockMask, which kvcake read as a
+    tensor (AttributeError: 'BlockMask' object has no attribute 'dim'). Inside ``kvcake.enable`` the
+    model now runs SDPA (flex's CPU kernel with a tensor score mask crashed the process, torch 2.13),
+    so the oracle is the same weights under SDPA; flex is back on exit."""
+    name, kwargs = FAMILIES["qwen2"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        flex = tf.AutoModelForCausalLM.from_config(
+            getattr(tf, name)(**kwargs), attn_implementation="flex_attention"
+        )
+    sdpa = tf.AutoModelForCausalLM.from_config(getattr(tf, name)(**kwargs), attn_implementation="sdpa")
+    sdpa.load_state_dict(flex.state_dict())
+    flex.eval()
+    sdpa.eval()
+    x = _ids(40, seed=4)
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+          "return_dict_in_generate": True}  # fmt: skip
+    with torch.no_grad():
+        stock = sdpa.generate(x, **kw)
+    out, _ = kvcake.generate(flex, x, "cake-adakv", budget=64, window=4, **kw)
+    assert torch.equal(out.sequences, stock.sequences)
+    for a, b in zip(out.logits, stock.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for preset in ("layer-defensivekv", "h2o"):
+        out, cache = kvcake.generate(flex, x, preset, budget=12, window=4, **kw)
+        ref, _ = kvcake.generate(sdpa, x, preset, budget=12, window=4, **kw)
+        assert torch.equal(out.sequences, ref.sequences) and int(cache.budgets.sum()) == 24, preset
+    assert flex.config._attn_implementation == "flex_attention"

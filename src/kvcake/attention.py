@@ -178,7 +178,8 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     """Run ``model`` with the kvcake attention inside the block; restored on exit, errors included.
 
     A KVCakeCache passed as ``cache`` (``past_key_values`` before transformers 5.24) inside the
-    block compresses itself; any other cache (or none) runs exactly as before. ``sdpa``: the SDPA
+    block compresses itself; any other cache (or none) runs exactly as before (a model loaded with
+    ``attn_implementation="flex_attention"`` runs SDPA inside the block, the same attention). ``sdpa``: the SDPA
     backend policy of the block's attention calls (``kvcake.sdpa``; ``"auto"``: flash, then
     memory-efficient, then math on CUDA, SDPA's own choice elsewhere; ``"default"``: SDPA's own
     choice everywhere).
@@ -191,7 +192,9 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     if original.startswith(PREFIX):  # nested: already enabled
         yield model
         return
-    name = register(original)
+    # flex_attention's mask is a BlockMask, which kvcake cannot read (padding, positions), and the CPU
+    # kernel with a tensor mask as score mod crashed the process (torch 2.13): SDPA computes the same
+    name = register("sdpa" if original == "flex_attention" else original)
     try:
         _set_impl(model, name)
         with sdpa_policy(sdpa, input_device(model)):
