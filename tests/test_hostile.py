@@ -504,6 +504,34 @@ def test_a_prefill_chunk_covering_the_prompt_is_one_forward(tiny_llama):
     assert torch.equal(whole, plain) and cache.budgets.tolist() == [[16] * 4]
 
 
+def test_a_cache_implementation_in_the_generation_config_is_set_aside(tiny_llama):
+    """Checkpoints ship generation configs naming a cache (``cache_implementation``), and
+    transformers refuses a cache object beside one ("Passing both `cache_implementation` ... and
+    `cache`"), so kvcake.generate and a context's generate failed for such a model. kvcake's own cache
+    now replaces it for the call; the model's config is left as it was. Passed by keyword, it is
+    refused."""
+    x = ids(40)
+    plain, _ = kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3)
+    answer = kvcake.compress(tiny_llama, x, "snapkv", budget=16, window=8).generate(
+        ids(5, seed=9), max_new_tokens=3
+    )
+    tiny_llama.generation_config.cache_implementation = "static"
+    try:
+        out, cache = kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3)
+        assert torch.equal(out, plain) and cache.budgets.tolist() == [[16] * 4]
+        ctx = kvcake.compress(tiny_llama, x, "snapkv", budget=16, window=8)
+        assert torch.equal(ctx.generate(ids(5, seed=9), max_new_tokens=3), answer)
+        assert tiny_llama.generation_config.cache_implementation == "static"
+        for call in (lambda **kw: kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3, **kw),
+                     lambda **kw: ctx.generate(ids(5, seed=9), max_new_tokens=3, **kw)):  # fmt: skip
+            with pytest.raises(
+                ValueError, match="cache_implementation='dynamic' asks transformers to build its own"
+            ):
+                call(cache_implementation="dynamic")
+    finally:
+        tiny_llama.generation_config.cache_implementation = None
+
+
 def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):
     with (
         untouched(tiny_llama),

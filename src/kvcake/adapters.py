@@ -273,3 +273,19 @@ def with_cache(model: torch.nn.Module, cache) -> dict:
     """``{keyword: cache}`` for ``model(..., **with_cache(model, cache))`` and ``model.generate``,
     spelled the way the installed transformers wants it (see :func:`cache_keyword`)."""
     return {cache_keyword(model): cache}
+
+
+def generate_with_cache(model: torch.nn.Module, cache, generate_kwargs: dict) -> dict:
+    """``generate_kwargs`` plus :func:`with_cache`, for ``model.generate`` with ``cache``. A
+    ``cache_implementation`` in the generation config (the model's, or one passed; checkpoints ship
+    them) is set aside, since transformers refuses a cache object beside one; passed by keyword, it
+    is refused: it asks for transformers' own cache instead of the compressed one."""
+    if generate_kwargs.get("cache_implementation") is not None:
+        raise ValueError(
+            f"cache_implementation={generate_kwargs['cache_implementation']!r} asks transformers to build "
+            "its own cache, but kvcake decodes with its KVCakeCache: drop cache_implementation"
+        )
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if getattr(config, "cache_implementation", None) is not None:
+        generate_kwargs = {**generate_kwargs, "cache_implementation": None}
+    return {**generate_kwargs, **with_cache(model, cache)}

@@ -28,7 +28,7 @@ import torch
 import transformers
 from transformers import CompileConfig
 
-from .adapters import cache_keyword, describe_model, with_cache
+from .adapters import cache_keyword, describe_model, generate_with_cache, with_cache
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
@@ -192,7 +192,7 @@ def generate(
         generate_kwargs["compile_config"] = config
     cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario)
     with enable(model), torch.no_grad():
-        out = model.generate(input_ids, **with_cache(model, cache), **generate_kwargs)
+        out = model.generate(input_ids, **generate_with_cache(model, cache, generate_kwargs))
     return out, cache
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import with_cache
+from .adapters import generate_with_cache, with_cache
 from .attention import enable
 from .cache import KVCakeCache
 
@@ -74,7 +74,7 @@ class CompressedContext:
         cache.reserve(full.shape[1] + new if isinstance(new, int) else None)  # static storage's capacity
         with enable(self.model), torch.no_grad():
             out = self.model.generate(
-                full, attention_mask=mask, **with_cache(self.model, cache), **generate_kwargs
+                full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
             )
         return out[:, full.shape[1] :]
 
