@@ -493,6 +493,25 @@ def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
         kvcake.generate(tiny_llama, ids(40), "cake", budget=16, window=8, max_new_tokens=3, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
+        ({"num_beams": 2}, "num_beams=2 is not supported with a compressed cache"),
+        (
+            {"generation_config": tf.GenerationConfig(num_beams=2, max_new_tokens=3)},
+            r"num_beams=2 \(from the generation config\) is not supported",
+        ),
+    ],
+)
+def test_a_contexts_generate_refuses_the_same_modes_up_front(tiny_llama, kwargs, match):
+    """A compressed context's generate checked none of them: use_cache=False answered, wrongly (the
+    whole sequence fed again into the fork); beam search failed on a batch-size mismatch."""
+    ctx = kvcake.compress(tiny_llama, ids(40), "snapkv", budget=16, window=8)
+    with untouched(tiny_llama), pytest.raises(ValueError, match=match):
+        ctx.generate(ids(5, seed=9), max_new_tokens=3, **kwargs)
+
+
 def test_a_prefill_chunk_covering_the_prompt_is_one_forward(tiny_llama):
     """Chunked prefill is refused only where it splits the prompt (the refusals above): before, the
     first chunk alone was compressed, and the rest kept whole (decode=none) or evicted as appended

@@ -32,7 +32,7 @@ from .adapters import cache_keyword, describe_model, generate_with_cache, with_c
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
-from .context import CompressedContext, check_positions
+from .context import CompressedContext, check_generation, check_positions, generation_setting
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
 from .temperatures import Scenario
@@ -98,21 +98,8 @@ def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict, prompt
                 f"own, call model.generate(..., {cache_keyword(model)}=cache) inside "
                 "`with kvcake.enable(model):`"
             )
-    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
-
-    def setting(name: str):
-        return generate_kwargs[name] if name in generate_kwargs else getattr(config, name, None)
-
-    for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
-        value = setting(bad)
-        if value not in (None, 1):
-            shown = value if isinstance(value, int) else type(value).__name__
-            source = "" if bad in generate_kwargs else " (from the generation config)"
-            raise ValueError(
-                f"{bad}={shown}{source} is not supported with a compressed cache: it needs to roll the "
-                "cache back or reorder it; decode greedily or by sampling instead"
-            )
-    chunk = setting("prefill_chunk_size")  # transformers' chunked prefill (5.x)
+    check_generation(model, generate_kwargs)
+    chunk = generation_setting(model, generate_kwargs, "prefill_chunk_size")  # transformers' chunked prefill
     if chunk is not None and chunk < prompt_tokens:
         source = "" if "prefill_chunk_size" in generate_kwargs else " (from the generation config)"
         raise ValueError(
@@ -120,11 +107,6 @@ def _check_generate_kwargs(model: torch.nn.Module, generate_kwargs: dict, prompt
             f"{-(-prompt_tokens // chunk)} forwards, and kvcake compresses a prompt in its first forward (its "
             "scores read the whole prompt's attention): the later chunks would be kept or evicted as appended "
             "tokens. Drop prefill_chunk_size (or set it to at least the prompt's length)"
-        )
-    if setting("use_cache") is False:
-        raise ValueError(
-            "use_cache=False would feed the whole sequence again at every step into the compressed "
-            "cache: drop use_cache=False (kvcake always decodes with its cache)"
         )
 
 

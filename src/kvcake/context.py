@@ -14,6 +14,34 @@ from .attention import enable
 from .cache import KVCakeCache
 
 
+def generation_setting(model: torch.nn.Module, generate_kwargs: dict, name: str):
+    """``name`` as ``model.generate`` will see it: the keyword, else the generation config passed,
+    else the model's."""
+    if name in generate_kwargs:
+        return generate_kwargs[name]
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, name, None)
+
+
+def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
+    """Refuse, before any compute, the generation modes a compressed cache cannot serve, whether
+    asked for by keyword or through a ``generation_config`` (the model's default included)."""
+    for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
+        value = generation_setting(model, generate_kwargs, bad)
+        if value not in (None, 1):
+            shown = value if isinstance(value, int) else type(value).__name__
+            source = "" if bad in generate_kwargs else " (from the generation config)"
+            raise ValueError(
+                f"{bad}={shown}{source} is not supported with a compressed cache: it needs to roll the "
+                "cache back or reorder it; decode greedily or by sampling instead"
+            )
+    if generation_setting(model, generate_kwargs, "use_cache") is False:
+        raise ValueError(
+            "use_cache=False would feed the whole sequence again at every step into the compressed "
+            "cache: drop use_cache=False (kvcake always decodes with its cache)"
+        )
+
+
 def check_positions(model: torch.nn.Module, prompt_tokens: int, generate_kwargs: dict) -> None:
     """Refuse, before any compute, a prompt whose length plus the tokens asked for passes the
     model's positions (``config.max_position_embeddings``; compression keeps positions)."""
@@ -68,6 +96,7 @@ class CompressedContext:
         """Append ``question_ids`` (B, q) to a fork of the context and generate; returns only the
         new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``."""
         full, mask = self._extend_inputs(question_ids)
+        check_generation(self.model, generate_kwargs)
         check_positions(self.model, full.shape[1], generate_kwargs)
         cache = self.fork()
         new = generate_kwargs.get("max_new_tokens")
