@@ -526,21 +526,25 @@ def test_a_prefill_chunk_covering_the_prompt_is_one_forward(tiny_llama):
 def test_a_cache_implementation_in_the_generation_config_is_set_aside(tiny_llama):
     """Checkpoints ship generation configs naming a cache (``cache_implementation``), and
     transformers refuses a cache object beside one ("Passing both `cache_implementation` ... and
-    `cache`"), so kvcake.generate and a context's generate failed for such a model. kvcake's own cache
-    now replaces it for the call; the model's config is left as it was. Passed by keyword, it is
-    refused."""
+    `cache`"), so kvcake.generate and a context's generate failed for such a model; with
+    ``use_cache=False`` saved in it, kvcake.generate told the user to drop an argument they never
+    passed. Both are now overridden for the call; the model's config is left as it was. Passed by
+    keyword, a cache_implementation is refused (use_cache=False too, above)."""
     x = ids(40)
     plain, _ = kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3)
     answer = kvcake.compress(tiny_llama, x, "snapkv", budget=16, window=8).generate(
         ids(5, seed=9), max_new_tokens=3
     )
-    tiny_llama.generation_config.cache_implementation = "static"
+    config = tiny_llama.generation_config
+    before = config.cache_implementation, config.use_cache
+    config.cache_implementation = "static"
+    config.use_cache = False  # as training with gradient checkpointing saves it
     try:
         out, cache = kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3)
         assert torch.equal(out, plain) and cache.budgets.tolist() == [[16] * 4]
         ctx = kvcake.compress(tiny_llama, x, "snapkv", budget=16, window=8)
         assert torch.equal(ctx.generate(ids(5, seed=9), max_new_tokens=3), answer)
-        assert tiny_llama.generation_config.cache_implementation == "static"
+        assert (config.cache_implementation, config.use_cache) == ("static", False)
         for call in (lambda **kw: kvcake.generate(tiny_llama, x, "snapkv", budget=16, window=8, max_new_tokens=3, **kw),
                      lambda **kw: ctx.generate(ids(5, seed=9), max_new_tokens=3, **kw)):  # fmt: skip
             with pytest.raises(
@@ -548,7 +552,7 @@ def test_a_cache_implementation_in_the_generation_config_is_set_aside(tiny_llama
             ):
                 call(cache_implementation="dynamic")
     finally:
-        tiny_llama.generation_config.cache_implementation = None
+        config.cache_implementation, config.use_cache = before
 
 
 def test_kvcake_generate_refuses_an_assistant(tiny_llama, make_tiny_llama):

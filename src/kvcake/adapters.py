@@ -276,10 +276,11 @@ def with_cache(model: torch.nn.Module, cache) -> dict:
 
 
 def generate_with_cache(model: torch.nn.Module, cache, generate_kwargs: dict) -> dict:
-    """``generate_kwargs`` plus :func:`with_cache`, for ``model.generate`` with ``cache``. A
-    ``cache_implementation`` in the generation config (the model's, or one passed; checkpoints ship
-    them) is set aside, since transformers refuses a cache object beside one; passed by keyword, it
-    is refused: it asks for transformers' own cache instead of the compressed one."""
+    """``generate_kwargs`` plus :func:`with_cache`, for ``model.generate`` with ``cache``. Settings of
+    the generation config (the model's, or one passed) that would bypass the cache are overridden for
+    the call: a ``cache_implementation`` (checkpoints ship them; transformers refuses a cache object
+    beside one) and ``use_cache=False`` (saved by training with gradient checkpointing). Passed by
+    keyword, a ``cache_implementation`` is refused: it asks for transformers' own cache instead."""
     if generate_kwargs.get("cache_implementation") is not None:
         raise ValueError(
             f"cache_implementation={generate_kwargs['cache_implementation']!r} asks transformers to build "
@@ -288,4 +289,6 @@ def generate_with_cache(model: torch.nn.Module, cache, generate_kwargs: dict) ->
     config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
     if getattr(config, "cache_implementation", None) is not None:
         generate_kwargs = {**generate_kwargs, "cache_implementation": None}
+    if "use_cache" not in generate_kwargs and getattr(config, "use_cache", True) is False:
+        generate_kwargs = {**generate_kwargs, "use_cache": True}
     return {**generate_kwargs, **with_cache(model, cache)}

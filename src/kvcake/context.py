@@ -35,7 +35,7 @@ def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
                 f"{bad}={shown}{source} is not supported with a compressed cache: it needs to roll the "
                 "cache back or reorder it; decode greedily or by sampling instead"
             )
-    if generation_setting(model, generate_kwargs, "use_cache") is False:
+    if generate_kwargs.get("use_cache") is False:  # one from a config is overridden (generate_with_cache)
         raise ValueError(
             "use_cache=False would feed the whole sequence again at every step into the compressed "
             "cache: drop use_cache=False (kvcake always decodes with its cache)"
