@@ -94,6 +94,16 @@ def _ids(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+GREEDY = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
+
+
+def _assert_same_decoding(out, ref, label: str = "") -> None:
+    """The same greedy tokens, and every step's logits equal to float rounding (1e-5)."""
+    assert torch.equal(out.sequences, ref.sequences), label
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def _calls_the_attention_interface(model: torch.nn.Module) -> bool:
     """Whether the model's attention runs through transformers' attention interface in the installed
     release (a probe registered there is called), the extension point kvcake plugs into. Some
@@ -138,14 +148,11 @@ def _supported(family: str) -> torch.nn.Module:
 def test_a_covering_budget_decodes_the_stock_models_tokens(family):
     model = _supported(family)
     x = _ids(40)
-    kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "output_logits": True,
-          "return_dict_in_generate": True}  # fmt: skip
+    kw = {"max_new_tokens": 5, **GREEDY}
     with torch.no_grad():
         stock = model.generate(x, **kw)
     out, cache = kvcake.generate(model, x, "cake-adakv", budget=64, window=8, **kw)
-    assert torch.equal(out.sequences, stock.sequences)
-    for a, b in zip(out.logits, stock.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_same_decoding(out, stock)
     assert (cache.budgets == 40).all()
 
 
@@ -200,8 +207,7 @@ def test_gemma3_with_an_image_decodes_in_the_ring():
     one column sat at position 0 (IndexError). The prefill keeps the image block's two-way mask: the
     first token's logits are the stock model's for every method; later steps equal dynamic storage's."""
     model, x, image = _gemma3_with_an_image()
-    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
-          "return_dict_in_generate": True}  # fmt: skip
+    kw = {"max_new_tokens": 4, **GREEDY}
     with torch.no_grad():
         stock = model.generate(x, **kw, **image)
         causal = model.generate(x, **kw, pixel_values=image["pixel_values"])
@@ -213,9 +219,7 @@ def test_gemma3_with_an_image_decodes_in_the_ring():
         assert cache.static and (cache.budgets.sum(dim=1) == 24).all(), preset
         torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
         dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
-        assert torch.equal(out.sequences, dynamic.sequences), preset
-        for a, b in zip(out.logits, dynamic.logits, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        _assert_same_decoding(out, dynamic, preset)
 
 
 def _llava_with_an_image():
@@ -255,14 +259,11 @@ def test_vision_language_models_with_an_image(build):
         torch.manual_seed(0)
         model, x, image = build()
         model.eval()
-    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
-          "return_dict_in_generate": True}  # fmt: skip
+    kw = {"max_new_tokens": 4, **GREEDY}
     with torch.no_grad():
         stock = model.generate(x, **kw, **image)
     out, _ = kvcake.generate(model, x, "cake-adakv", budget=64, window=4, **kw, **image)
-    assert torch.equal(out.sequences, stock.sequences)
-    for a, b in zip(out.logits, stock.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_same_decoding(out, stock)
     out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
     assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * 4
     torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own
@@ -287,14 +288,11 @@ def test_weights_offloaded_by_accelerate(tmp_path):
     o_proj = offloaded.model.layers[1].self_attn.o_proj
     assert o_proj.weight.is_meta
     x = _ids(40, seed=3)
-    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
-          "return_dict_in_generate": True}  # fmt: skip
+    kw = {"max_new_tokens": 4, **GREEDY}
     for preset in ("critical-adakv", "layer-defensivekv"):
         out, _ = kvcake.generate(offloaded, x, preset, budget=12, window=4, **kw)
         ref, _ = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
-        assert torch.equal(out.sequences, ref.sequences), preset
-        for a, b in zip(out.logits, ref.logits, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        _assert_same_decoding(out, ref, preset)
     assert o_proj.weight.is_meta
     torch.testing.assert_close(
         projection_weight(offloaded.model.layers[1].self_attn), model.model.layers[1].self_attn.o_proj.weight
@@ -317,14 +315,11 @@ def test_a_model_loaded_with_flex_attention():
     flex.eval()
     sdpa.eval()
     x = _ids(40, seed=4)
-    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
-          "return_dict_in_generate": True}  # fmt: skip
+    kw = {"max_new_tokens": 4, **GREEDY}
     with torch.no_grad():
         stock = sdpa.generate(x, **kw)
     out, _ = kvcake.generate(flex, x, "cake-adakv", budget=64, window=4, **kw)
-    assert torch.equal(out.sequences, stock.sequences)
-    for a, b in zip(out.logits, stock.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_same_decoding(out, stock)
     for preset in ("layer-defensivekv", "h2o"):
         out, cache = kvcake.generate(flex, x, preset, budget=12, window=4, **kw)
         ref, _ = kvcake.generate(sdpa, x, preset, budget=12, window=4, **kw)

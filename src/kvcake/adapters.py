@@ -275,6 +275,18 @@ def with_cache(model: torch.nn.Module, cache) -> dict:
     return {cache_keyword(model): cache}
 
 
+def generation_config(model: torch.nn.Module, generate_kwargs: dict):
+    """The generation config ``model.generate`` starts from: the one passed, else the model's."""
+    return generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+
+def generation_setting(model: torch.nn.Module, generate_kwargs: dict, name: str):
+    """``name`` as ``model.generate`` will see it: the keyword, else :func:`generation_config`'s."""
+    if name in generate_kwargs:
+        return generate_kwargs[name]
+    return getattr(generation_config(model, generate_kwargs), name, None)
+
+
 def generate_with_cache(model: torch.nn.Module, cache, generate_kwargs: dict) -> dict:
     """``generate_kwargs`` plus :func:`with_cache`, for ``model.generate`` with ``cache``. Settings of
     the generation config (the model's, or one passed) that would bypass the cache are overridden for
@@ -286,7 +298,7 @@ def generate_with_cache(model: torch.nn.Module, cache, generate_kwargs: dict) ->
             f"cache_implementation={generate_kwargs['cache_implementation']!r} asks transformers to build "
             "its own cache, but kvcake decodes with its KVCakeCache: drop cache_implementation"
         )
-    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    config = generation_config(model, generate_kwargs)
     if getattr(config, "cache_implementation", None) is not None:
         generate_kwargs = {**generate_kwargs, "cache_implementation": None}
     if "use_cache" not in generate_kwargs and getattr(config, "use_cache", True) is False:

@@ -28,11 +28,11 @@ import torch
 import transformers
 from transformers import CompileConfig
 
-from .adapters import cache_keyword, describe_model, generate_with_cache, with_cache
+from .adapters import cache_keyword, describe_model, generate_with_cache, generation_setting, with_cache
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
-from .context import CompressedContext, check_generation, check_positions, generation_setting
+from .context import CompressedContext, check_generation, check_positions
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
 from .temperatures import Scenario

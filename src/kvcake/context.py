@@ -9,18 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import generate_with_cache, with_cache
+from .adapters import generate_with_cache, generation_config, generation_setting, with_cache
 from .attention import enable
 from .cache import KVCakeCache
-
-
-def generation_setting(model: torch.nn.Module, generate_kwargs: dict, name: str):
-    """``name`` as ``model.generate`` will see it: the keyword, else the generation config passed,
-    else the model's."""
-    if name in generate_kwargs:
-        return generate_kwargs[name]
-    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return getattr(config, name, None)
 
 
 def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
@@ -50,8 +41,7 @@ def check_positions(model: torch.nn.Module, prompt_tokens: int, generate_kwargs:
     if new is None and generate_kwargs.get("max_length") is not None:
         return _check_total(limit, int(generate_kwargs["max_length"]), prompt_tokens, None)
     if new is None:
-        config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        new = getattr(config, "max_new_tokens", None)
+        new = getattr(generation_config(model, generate_kwargs), "max_new_tokens", None)
     _check_total(limit, prompt_tokens + int(new or 0), prompt_tokens, new)
 
 

@@ -321,21 +321,17 @@ def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
 def _generation_model(source: str | Path, **kwargs) -> PreTrainedModel:
     """``AutoModelForCausalLM``, or for a vision-language model that has none (LLaVA, Qwen2-VL)
     ``AutoModelForImageTextToText``, whose text generation kvcake compresses alike."""
-    try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except ValueError as exc:
-        if "Unrecognized configuration class" not in str(exc):
-            raise
-    try:
-        return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
-    except ValueError as exc:
-        if "Unrecognized configuration class" not in str(exc):
-            raise
-        kind = str(exc).split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1]
-        raise ValueError(
-            f"{source}: {kind} is neither a causal LM nor an image-text-to-text model in transformers "
-            f"{transformers.__version__}; kvcake compresses the KV cache of text generation (decoder models)"
-        ) from None
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            return auto.from_pretrained(source, **kwargs)
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
+                raise
+            kind = str(exc).split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1]
+    raise ValueError(
+        f"{source}: {kind} is neither a causal LM nor an image-text-to-text model in transformers "
+        f"{transformers.__version__}; kvcake compresses the KV cache of text generation (decoder models)"
+    )
 
 
 def _load_folder(folder: Path, kwargs: dict[str, Any]) -> tuple[PreTrainedModel, Any]:
