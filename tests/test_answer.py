@@ -58,6 +58,30 @@ def test_answer_full_equals_plain_generate(tiny_llama, tok, scenario):
     assert kvcake.build_prompt(tok, doc, q).context[0, 0] == tok.convert_tokens_to_ids("<|user|>")
 
 
+@pytest.mark.parametrize("scenario", ["context", "question"])
+def test_return_dict_in_generate(tiny_llama, tok, scenario):
+    """``return_dict_in_generate=True`` failed ("tuple indices must be integers or slices") in a
+    context's generate, which cut the answer off a tensor, and so in ``answer``. A context returns
+    ``model.generate``'s output with the answer's ids as its ``sequences``; ``answer`` its text."""
+    doc, q = document(120), "w3 w4 w5"
+    got = kvcake.answer(tiny_llama, tok, context=doc, question=q, method="full", scenario=scenario,
+                        max_new_tokens=6, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    assert got == reference(tiny_llama, tok, doc, q)
+    prompt = kvcake.build_prompt(tok, doc + "\n\n", q)
+    ctx = kvcake.compress(tiny_llama, prompt.context, "snapkv", budget=16, window=4)
+    plain = ctx.generate(prompt.question, max_new_tokens=4, do_sample=False)
+    out = ctx.generate(prompt.question, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                       output_logits=True)  # fmt: skip
+    assert torch.equal(out.sequences, plain) and len(out.logits) == 4
+
+
+def test_compress_refuses_inputs_it_sets_itself(tiny_llama):
+    ids = torch.randint(10, 100, (1, 40))
+    for name in ("use_cache", "logits_to_keep", "inputs_embeds"):
+        with pytest.raises(TypeError, match=f"got {name}: it prefills its own cache"):
+            kvcake.compress(tiny_llama, ids, "snapkv", budget=16, window=4, **{name: None})
+
+
 def test_answer_compressed_is_text_and_no_op_budget_matches(tiny_llama, tok):
     doc, q = document(120), "w3 w4 w5"
     small = kvcake.answer(tiny_llama, tok, context=doc, question=q, method="snapkv", keep_ratio=0.3,

@@ -11,6 +11,7 @@ lacks are skipped (transformers 5.0, the floor, has most of them). Models refuse
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 
 import pytest
@@ -267,6 +268,82 @@ def test_vision_language_models_with_an_image(build):
     out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
     assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * 4
     torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own
+
+
+def _image_inputs(model, x, image, length: int) -> dict:
+    """``image`` as a processor returns it for ``x[:, :length]``: per-token ids cut to the prompt, and
+    Qwen2-VL's ``mm_token_type_ids`` (1 on an image's tokens) where the model's forward takes them."""
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and "image_grid_thw" in image:
+        image = {**image, "mm_token_type_ids": (x == 299).long()}
+    return {k: v[:, :length] if k.endswith("token_type_ids") else v for k, v in image.items()}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_gemma3_with_an_image, _llava_with_an_image, _qwen2_vl_with_an_image],
+    ids=["gemma3", "llava", "qwen2_vl"],
+)
+def test_a_compressed_context_with_an_image(build, tmp_path):
+    """``kvcake.compress`` takes the model's image inputs (it took none). With a covering budget its
+    follow-ups decode the stock model's tokens for the whole prompt, and teacher-forced logits match.
+    Qwen2-VL places tokens after an image by an offset the model keeps between calls (``rope_deltas``),
+    the last prefill's: the context keeps its own, so a context compressed after it (here a text
+    prompt) does not move its positions, and a saved context keeps it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, x, image = build()
+        model.eval()
+    n = 36  # the image lies in the context; the question is the last 4 tokens
+    with torch.no_grad():
+        stock = model.generate(x, max_new_tokens=4, **GREEDY, **_image_inputs(model, x, image, x.shape[1]))
+    answer = stock.sequences[:, x.shape[1] :]
+    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, **_image_inputs(model, x, image, n))
+    kvcake.compress(model, x[:, 10:30], "snapkv", budget=64, window=4)  # another prompt, no image
+    ctx.save(tmp_path / "ctx.kvc")
+    loaded = kvcake.load_context(model, tmp_path / "ctx.kvc")
+    for context in (ctx, loaded):
+        out = context.generate(x[:, n:], max_new_tokens=4, **GREEDY)
+        assert torch.equal(out.sequences, answer)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(stock.logits), atol=1e-5, rtol=1e-5)
+        logits = context.forward(torch.cat([x[:, n:], answer[:, :3]], 1))[0, -4:]
+        torch.testing.assert_close(logits, torch.stack(stock.logits)[:, 0], atol=1e-5, rtol=1e-5)
+    assert (ctx.rope_deltas is not None) == (build is _qwen2_vl_with_an_image)
+    small = kvcake.compress(
+        model, x[:, :n], "cake-adakv", budget=12, window=4, **_image_inputs(model, x, image, n)
+    )
+    assert int(small.cache.budgets.sum()) == 12 * small.cache.budgets.shape[1]  # per compressed layer
+    assert small.cache.kept_entries() < ctx.cache.kept_entries()
+    small.generate(x[:, n:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_a_padded_batch_of_contexts_with_images_and_multimodal_positions():
+    """Qwen2-VL, two contexts with an image, one left-padded: follow-ups decode the stock model's
+    tokens and logits for the whole prompts (each row's own offset). Teacher forcing is refused
+    there: releases define the offset after padding differently (5.0 over the padded length, 5.24
+    over the tokens), and the model's forward fails on 5.24."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, x, image = _qwen2_vl_with_an_image()
+        model.eval()
+    x = torch.cat([x, torch.cat([torch.zeros(1, 2, dtype=torch.long), x[:, :-2]], 1)])
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    image = {
+        "pixel_values": torch.cat([image["pixel_values"]] * 2),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * 2),
+    }
+    with torch.no_grad():
+        stock = model.generate(
+            x, attention_mask=mask, max_new_tokens=4, **GREEDY, **_image_inputs(model, x, image, 40)
+        )
+    n = 36
+    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, attention_mask=mask[:, :n],
+                          **_image_inputs(model, x, image, n))  # fmt: skip
+    out = ctx.generate(x[:, n:], max_new_tokens=4, **GREEDY)
+    assert torch.equal(out.sequences, stock.sequences[:, 40:])
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(stock.logits), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="padded batch of contexts with multimodal RoPE"):
+        ctx.forward(x[:, n:])
 
 
 def test_weights_offloaded_by_accelerate(tmp_path):

@@ -304,3 +304,10 @@ def generate_with_cache(model: torch.nn.Module, cache, generate_kwargs: dict) ->
     if "use_cache" not in generate_kwargs and getattr(config, "use_cache", True) is False:
         generate_kwargs = {**generate_kwargs, "use_cache": True}
     return {**generate_kwargs, **with_cache(model, cache)}
+
+
+def rope_delta_holders(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that keep multimodal RoPE's position offset between calls (``rope_deltas``, (B, 1):
+    Qwen2-VL and its kin, set by a prefill with images): transformers reads it, not the cache, to
+    place the tokens appended to a filled cache."""
+    return [m for m in model.modules() if "rope_deltas" in vars(m)]

@@ -28,7 +28,14 @@ import torch
 import transformers
 from transformers import CompileConfig
 
-from .adapters import cache_keyword, describe_model, generate_with_cache, generation_setting, with_cache
+from .adapters import (
+    cache_keyword,
+    describe_model,
+    generate_with_cache,
+    generation_setting,
+    rope_delta_holders,
+    with_cache,
+)
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
@@ -191,6 +198,7 @@ def compress(
     keep_ratio: float | None = None,
     scenario: str | None = None,
     static: bool = True,
+    **model_inputs,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
 
@@ -204,7 +212,11 @@ def compress(
     The context holds exactly the kept entries (the dynamic layout, ``kv_bytes()`` is what
     compression kept); with ``static=True`` (the default) each ``.generate`` moves its fork into
     storage preallocated for the question plus ``max_new_tokens``; ``static=False`` decodes in
-    the dynamic reference layout."""
+    the dynamic reference layout.
+
+    ``model_inputs`` go to the model's forward with the context: the images of a vision-language
+    model, as its processor returns them (``pixel_values``, ``image_grid_thw``, ``token_type_ids``,
+    ...). The image's tokens are compressed like the text's; follow-ups are text."""
     scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model)
     ratio = resolve_ratio(ratio, keep_ratio)
@@ -213,13 +225,35 @@ def compress(
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    _check_model_inputs(model_inputs)
+    holders = rope_delta_holders(model)
+    for holder in holders:  # computed from this context's images, not left from an earlier prompt
+        holder.rope_deltas = None
     # prefilled in the dynamic layout (no capacity is reserved for questions not yet asked);
     # the static plans are set for the forks that answer them
     cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False)
     with enable(model), torch.no_grad():
-        out = model(input_ids, attention_mask=attention_mask, **with_cache(model, cache), logits_to_keep=1)
+        out = model(
+            input_ids,
+            attention_mask=attention_mask,
+            **model_inputs,
+            **with_cache(model, cache),
+            logits_to_keep=1,
+        )
     cache.serve(static)
-    return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1])
+    deltas = next((h.rope_deltas for h in holders if h.rope_deltas is not None), None)
+    return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1], deltas)
+
+
+def _check_model_inputs(model_inputs: dict) -> None:
+    taken = sorted(
+        set(model_inputs) & {"cache", "past_key_values", "use_cache", "logits_to_keep", "inputs_embeds"}
+    )
+    if taken:
+        raise TypeError(
+            f"kvcake.compress got {', '.join(taken)}: it prefills its own cache from input_ids and keeps the "
+            "last token's logits; pass only the model's other inputs (images: pixel_values, image_grid_thw, ...)"
+        )
 
 
 SCENARIOS = ("context", "question")
@@ -281,8 +315,9 @@ def answer(
     if scenario == "question":
         ids = prompt.full.to(device)
         out, _ = generate(model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs)
-        new = out[:, ids.shape[1] :]
+        new = getattr(out, "sequences", out)[:, ids.shape[1] :]
     else:
         ctx = compress(model, prompt.context.to(device), method, **sizes)
         new = ctx.generate(prompt.question.to(device), **generate_kwargs)
+    new = getattr(new, "sequences", new)  # return_dict_in_generate=True
     return tokenizer.decode(new[0], skip_special_tokens=True).strip()

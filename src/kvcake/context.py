@@ -4,12 +4,19 @@ It sits below both the API (``compress`` makes one) and storage (``load_context`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import generate_with_cache, generation_config, generation_setting, with_cache
+from .adapters import (
+    generate_with_cache,
+    generation_config,
+    generation_setting,
+    rope_delta_holders,
+    with_cache,
+)
 from .attention import enable
 from .cache import KVCakeCache
 
@@ -60,7 +67,10 @@ class CompressedContext:
     """A compressed prompt that can answer many follow-ups without being changed by them.
 
     Attributes: ``cache`` (the compressed KVCakeCache), ``input_ids`` (B, S) the context's ids,
-    ``attention_mask`` (B, S), ``logits`` (B, vocab) of the context's last token.
+    ``attention_mask`` (B, S), ``logits`` (B, vocab) of the context's last token, ``rope_deltas``
+    (B, 1) or None: the offset of multimodal RoPE positions after the context, on models that keep
+    one between calls (Qwen2-VL: an image's tokens take fewer positions than tokens), handed to the
+    model for each follow-up.
     """
 
     model: torch.nn.Module = field(repr=False)
@@ -68,6 +78,7 @@ class CompressedContext:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     logits: torch.Tensor
+    rope_deltas: torch.Tensor | None = None
 
     def fork(self) -> KVCakeCache:
         """A private copy of the compressed cache, to extend without touching this context."""
@@ -84,28 +95,64 @@ class CompressedContext:
 
     def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
         """Append ``question_ids`` (B, q) to a fork of the context and generate; returns only the
-        new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``."""
+        new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``
+        (with ``return_dict_in_generate=True``, ``model.generate``'s output whose ``sequences`` are
+        the answer's ids)."""
         full, mask = self._extend_inputs(question_ids)
         check_generation(self.model, generate_kwargs)
         check_positions(self.model, full.shape[1], generate_kwargs)
         cache = self.fork()
         new = generate_kwargs.get("max_new_tokens")
         cache.reserve(full.shape[1] + new if isinstance(new, int) else None)  # static storage's capacity
-        with enable(self.model), torch.no_grad():
+        with enable(self.model), torch.no_grad(), self._positions():
             out = self.model.generate(
                 full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
             )
+        if hasattr(out, "sequences"):  # return_dict_in_generate=True: the output, its sequences the answer's
+            out.sequences = out.sequences[:, full.shape[1] :]
+            return out
         return out[:, full.shape[1] :]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, q, vocab) of ``ids`` appended to a fork of the context (teacher forcing)."""
         full, mask = self._extend_inputs(ids)
+        ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork()
-        with enable(self.model), torch.no_grad():
-            out = self.model(
-                ids if ids.dim() == 2 else ids[None], attention_mask=mask, **with_cache(self.model, cache)
-            )
+        with enable(self.model), torch.no_grad(), self._positions():
+            out = self.model(ids, attention_mask=mask, **self._appended_positions(ids, mask),
+                             **with_cache(self.model, cache))  # fmt: skip
         return out.logits
+
+    @contextlib.contextmanager
+    def _positions(self):
+        """The model holds this context's ``rope_deltas`` for the call (it keeps the last prefill's
+        between calls, another prompt's or none), and what it held before afterwards."""
+        holders = rope_delta_holders(self.model)
+        before = [h.rope_deltas for h in holders]
+        for h in holders:
+            h.rope_deltas = self.rope_deltas
+        try:
+            yield
+        finally:
+            for h, deltas in zip(holders, before, strict=True):
+                h.rope_deltas = deltas
+
+    def _appended_positions(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """``position_ids`` (3, B, q) of ``ids`` appended to a context with ``rope_deltas`` (the rule the
+        model's forward applies to appended tokens without a mask: past length + delta; with the mask
+        transformers 5.24 builds them for the whole sequence and fails), else none (the model's own)."""
+        if self.rope_deltas is None:
+            return {}
+        if not bool(mask[:, : self.input_ids.shape[1]].all()):
+            raise ValueError(
+                "forward() on a padded batch of contexts with multimodal RoPE positions (rope_deltas) is not "
+                "supported: transformers releases place the tokens after padding differently there; pass "
+                "the contexts one at a time (generate() has no such limit)"
+            )
+        past = self.input_ids.shape[1]
+        steps = torch.arange(past, past + ids.shape[1], device=ids.device)
+        deltas = self.rope_deltas.to(ids.device)  # (B, 1)
+        return {"position_ids": (steps[None] + deltas).expand(3, -1, -1)}
 
     def save(self, path) -> None:
         from .storage.writer import save_context  # the writer does not import this module

@@ -9,6 +9,7 @@ wrongly (safetensors itself checks the header's structure, not the data).
 Tensors (``l`` is a layer index, ``B`` the batch, ``L`` the layers, ``H_kv`` the KV heads):
 
 * ``context.input_ids`` / ``context.attention_mask`` (B, S), ``context.logits`` (B, vocab);
+  ``context.rope_deltas`` (B, 1) where the model keeps multimodal RoPE's offset (Qwen2-VL);
 * ``layers.l.keys`` / ``layers.l.values``: dense (B, H_kv, N, d) or ragged flattened (T, d);
   ``layers.l.positions`` (same layout, -1 = empty slot); ``layers.l.counts`` (B, H_kv);
   ``layers.l.lengths`` (B * H_kv,) for ragged layers; ``layers.l.scores`` when the cache keeps

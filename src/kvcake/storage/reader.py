@@ -201,6 +201,7 @@ def _rebuild(
         tensors["context.input_ids"].to(input_device(model)),
         tensors["context.attention_mask"].to(input_device(model)),
         tensors["context.logits"].to(output_device(model)),
+        tensors["context.rope_deltas"].to(input_device(model)) if "context.rope_deltas" in tensors else None,
     )
     if tuple(ctx.input_ids.shape) != (batch, meta["context"]["length"]):
         raise ContextFileError("its context ids do not match its description")

@@ -82,6 +82,8 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
         # host: saved from numpy
         "cache.decode_budget": torch.from_numpy(np.ascontiguousarray(cache.decode_budget, dtype=np.int64)),
     }
+    if ctx.rope_deltas is not None:  # multimodal RoPE's offset after the context
+        tensors["context.rope_deltas"] = _host(ctx.rope_deltas)
     for i, stage in enumerate(cache.stage_budgets):
         tensors[f"cache.stage_budgets.{i}"] = _host(stage)
     for name in ("entropy", "variance", "preferences"):
