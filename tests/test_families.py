@@ -346,6 +346,78 @@ def test_a_padded_batch_of_contexts_with_images_and_multimodal_positions():
         ctx.forward(x[:, n:])
 
 
+class _Int8Linear(torch.nn.Linear):
+    """A weight-only int8 linear as quantization libraries store one (bitsandbytes' ``Linear8bitLt``,
+    torchao, quanto): integer codes and a scale per output row, dequantized in its own forward."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        scale = linear.weight.detach().abs().amax(1, keepdim=True) / 127
+        self.weight = torch.nn.Parameter(
+            (linear.weight.detach() / scale).round().to(torch.int8), requires_grad=False
+        )
+        self.register_buffer("scale", scale)
+        if linear.bias is not None:
+            self.bias = linear.bias
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype) * self.scale, self.bias)
+
+    def plain(self) -> torch.nn.Linear:
+        return _linear(self.weight.float() * self.scale, self.bias)
+
+
+class _LoRA(torch.nn.Module):
+    """PEFT's LoRA layer in miniature: not an ``nn.Linear``; its base layer plus ``B A``."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base_layer, self.in_features, self.out_features = base, base.in_features, base.out_features
+        self.lora_a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))
+
+    def plain(self) -> torch.nn.Linear:
+        return _linear(self.base_layer.weight + self.lora_b.weight @ self.lora_a.weight, self.base_layer.bias)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+@pytest.mark.parametrize("kind", [_Int8Linear, _LoRA], ids=["int8", "lora"])
+def test_an_output_projection_that_is_not_a_plain_matrix(kind):
+    """CriticalKV's value norms read the output projection's weight. A quantized one holds codes (read
+    as they were, int8 codes gave norms off by each row's scale, silently: bitsandbytes' 8-bit models); a
+    LoRA layer is no ``nn.Linear`` (refused: "cannot find the output projection"). The weight the
+    module applies is read off the module: the model decodes as one whose projections are plain
+    ``nn.Linear`` holding the dequantized (or merged) matrices."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _model("qwen2")
+        for layer in model.model.layers:
+            layer.self_attn.o_proj = kind(layer.self_attn.o_proj)
+        plain = _model("qwen2")
+        for layer, ours in zip(plain.model.layers, model.model.layers, strict=True):
+            layer.self_attn.o_proj = ours.self_attn.o_proj.plain()
+    x = _ids(40, seed=3)
+    kw = {"max_new_tokens": 4, **GREEDY}
+    for preset in ("critical-adakv", "layer-defensivekv"):
+        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
+        ref, _ = kvcake.generate(plain, x, preset, budget=12, window=4, **kw)
+        _assert_same_decoding(out, ref, preset)
+        assert int(cache.budgets.sum()) == 24
+    module = model.model.layers[0].self_attn
+    torch.testing.assert_close(output_projection(module), plain.model.layers[0].self_attn.o_proj.weight)
+
+
 def test_weights_offloaded_by_accelerate(tmp_path):
     """A model loaded with ``device_map`` offloading a layer to disk (accelerate's hooks load its
     weights when each module runs): CriticalKV's value norms read the output projection during the

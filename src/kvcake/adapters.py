@@ -179,25 +179,34 @@ def _config_layer_types(text) -> tuple[list[str], list[dict]]:
 
 
 def projection_module(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The attention's output projection (``o_proj`` and the other usual names; ``nn.Linear``, or
-    GPT-2's ``Conv1D``), or None."""
+    """The attention's output projection (``o_proj`` and the other usual names): ``nn.Linear`` (or a
+    subclass: quantized ones), GPT-2's ``Conv1D``, or another linear module with ``in_features`` and
+    ``out_features`` (GPTQ/AWQ kernels, PEFT's LoRA layers); or None."""
     for name in _OUTPUT_PROJECTIONS:
         proj = getattr(module, name, None)
-        if isinstance(proj, (torch.nn.Linear, Conv1D)):
+        if isinstance(proj, (torch.nn.Linear, Conv1D)) or (
+            isinstance(proj, torch.nn.Module)
+            and isinstance(getattr(proj, "in_features", None), int)
+            and isinstance(getattr(proj, "out_features", None), int)
+        ):
             return proj
     return None
 
 
-def projection_weight(module: torch.nn.Module) -> torch.Tensor | None:
+def projection_weight(module: torch.nn.Module, like: torch.Tensor | None = None) -> torch.Tensor | None:
     """The output projection's weight as ``(hidden, H * d)`` (``nn.Linear``'s layout), or None.
     ``Conv1D`` stores the transpose (it computes ``x @ W``): a transposed view is returned. A weight
     that accelerate offloaded (``device_map`` with ``"cpu"`` or ``"disk"``) is on the meta device until
     its module runs, after the attention: its hook loads it here, and the tensor returned outlives the
-    hook's offloading the module again."""
+    hook's offloading the module again. A projection whose weight is not a plain matrix (quantized:
+    bitsandbytes, torchao, quanto, GPTQ; PEFT's LoRA) gives the weight it applies
+    (:func:`_applied_weight`), in ``like``'s dtype and on its device."""
     proj = projection_module(module)
     if proj is None:
         return None
-    weight = proj.weight
+    weight = getattr(proj, "weight", None)
+    if not (_plain(weight) and type(proj).forward in (torch.nn.Linear.forward, Conv1D.forward)):
+        return _applied_weight(proj, like)
     if weight.is_meta:
         with align_module_device(proj):
             weight = proj.weight
@@ -209,13 +218,40 @@ def projection_weight(module: torch.nn.Module) -> torch.Tensor | None:
     return weight.t() if isinstance(proj, Conv1D) else weight
 
 
-def output_projection(module: torch.nn.Module) -> torch.Tensor:
+def _plain(weight) -> bool:
+    """A float matrix as it is stored: a tensor or parameter, or a tensor-parallel shard of one (a
+    quantized weight is a subclass holding codes and scales, or integers)."""
+    kinds = (torch.Tensor, torch.nn.Parameter)
+    sharded = callable(getattr(weight, "to_local", None))  # DTensor: tensor_parallel.local_weight reads it
+    return (type(weight) in kinds or sharded) and weight.dtype.is_floating_point
+
+
+def _applied_weight(proj: torch.nn.Module, like: torch.Tensor | None) -> torch.Tensor:
+    """The ``(out, in)`` matrix a linear module applies, read off its output: the identity through it
+    less its output at zero (its bias). What the module computes, dequantized or with its adapters
+    added, up to its own rounding; one ``in x in`` batch through it, once per layer and prefill."""
+    device = (
+        like.device
+        if like is not None
+        else next(
+            (t.device for t in (*proj.parameters(), *proj.buffers()) if not t.is_meta), torch.device("cpu")
+        )
+    )
+    dtype = like.dtype if like is not None else torch.float32
+    eye = torch.eye(proj.in_features, dtype=dtype, device=device)
+    with torch.no_grad():
+        applied = proj(eye) - proj(torch.zeros_like(eye[:1]))
+    return applied.t().to(dtype)
+
+
+def output_projection(module: torch.nn.Module, like: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output projection's weight (hidden, H * d), for CriticalKV's value norms."""
-    weight = projection_weight(module)
+    weight = projection_weight(module, like)
     if weight is None:
         raise ValueError(
             f"cannot find the output projection of {type(module).__name__} (looked for {_OUTPUT_PROJECTIONS} "
-            "as nn.Linear or Conv1D); CriticalKV selection needs it"
+            "as a linear module: nn.Linear, Conv1D, or one with in_features and out_features); CriticalKV "
+            "selection needs it"
         )
     return weight
 

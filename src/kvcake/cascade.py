@@ -87,7 +87,7 @@ def prefill_stage(
     on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
     if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
         # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
-        cache.o_weights[layer_idx] = local_weight(output_projection(module))
+        cache.o_weights[layer_idx] = local_weight(output_projection(module, layer.values))
     stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
     last = g == len(cache.compressed) - 1
     winners = None
