@@ -72,6 +72,38 @@ def test_nothing_reallocates_within_max_cache_len(tiny_llama, spec):
     assert (cache.layer_counts() == ref.layer_counts()).all()
 
 
+def test_the_capacity_follows_how_generate_is_told_to_stop(tiny_llama, monkeypatch):
+    """The capacity is the length ``model.generate`` stops at, however it is told: ``max_new_tokens``
+    or ``max_length`` by keyword, or either from the generation config (``max_new_tokens`` first, as
+    transformers has it). Only the first was read: with the others a decode=none cache reserved 64
+    slots at a time and grew past them (a new shape for a compiled step)."""
+    model = tiny_llama
+    ids, steps = prompt(100, seed=3), GROWTH + 6
+    method = make_method("snapkv,decode=none", budget=24, window=4)
+    config = model.generation_config
+    reserved = []
+    monkeypatch.setattr(KVCakeCache, "reserve", lambda self, n: reserved.append(n))
+    ctx = kvcake.compress(model, ids[:, :90], method)
+    ways = [
+        {"max_new_tokens": steps},
+        {"max_length": 100 + steps},
+        {"max_length": 10, "max_new_tokens": steps},
+    ]
+    held = []  # bytes: room for every token to come, or GROWTH slots at a time past the prompt
+    for kw, saved in [(way, {}) for way in ways] + [
+        ({}, {"max_new_tokens": steps}),
+        ({}, {"max_length": 100 + steps}),
+    ]:
+        monkeypatch.setattr(config, "max_new_tokens", saved.get("max_new_tokens"))
+        monkeypatch.setattr(config, "max_length", saved.get("max_length"))
+        out, cache = kvcake.generate(model, ids, method, do_sample=False, eos_token_id=None, **kw)
+        assert cache.max_cache_len == 100 + steps == out.shape[1], (kw, saved)
+        held.append(cache.kv_bytes())
+        assert held[-1] == held[0], (kw, saved)
+        ctx.generate(ids[:, 90:], do_sample=False, eos_token_id=None, **kw)
+        assert reserved.pop() == 100 + steps, (kw, saved)
+
+
 def test_capacity_is_memory(tiny_llama):
     """decode=none reserves every token up to max_cache_len; decode=fixed a head's budget (+ the
     spare slot), or its entries plus the tokens left when that is less."""

@@ -39,7 +39,7 @@ from .adapters import (
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
-from .context import CompressedContext, check_generation, check_positions
+from .context import CompressedContext, check_generation, check_positions, generation_length
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
 from .temperatures import Scenario
@@ -142,8 +142,9 @@ def generate(
     keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
     ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
     prompt ends with its question), ``"context"`` for a prompt that does not.
-    ``static`` (True by default) decodes in storage preallocated for the prompt plus
-    ``max_new_tokens`` (``KVCakeCache(static=, max_cache_len=)``), so nothing reallocates while
+    ``static`` (True by default) decodes in storage preallocated for the length ``generate`` stops
+    at (``max_new_tokens`` or ``max_length``, by keyword or from the generation config;
+    ``KVCakeCache(static=, max_cache_len=)``), so nothing reallocates while
     decoding; ``static=False`` decodes in the dynamic reference layout.
     ``compile``: None (the default) leaves it to transformers, which compiles the decoding
     forward of a compileable cache (static storage) on CUDA and other accelerators, not on a
@@ -159,8 +160,7 @@ def generate(
     _check_generate_kwargs(model, generate_kwargs, input_ids.shape[1])
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
-    new = generate_kwargs.get("max_new_tokens")
-    room = input_ids.shape[1] + new if isinstance(new, int) else None  # decode storage, preallocated
+    room = generation_length(model, generate_kwargs, input_ids.shape[1])  # decode storage, preallocated
     if compile is False:
         generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
     elif compile is not None:
@@ -211,7 +211,7 @@ def compress(
 
     The context holds exactly the kept entries (the dynamic layout, ``kv_bytes()`` is what
     compression kept); with ``static=True`` (the default) each ``.generate`` moves its fork into
-    storage preallocated for the question plus ``max_new_tokens``; ``static=False`` decodes in
+    storage preallocated for the question plus the tokens to generate; ``static=False`` decodes in
     the dynamic reference layout.
 
     ``model_inputs`` go to the model's forward with the context: the images of a vision-language

@@ -82,7 +82,7 @@ class KVCakeCache(Cache):
         what transformers' ``DynamicLayer`` holds, until their first eviction.
     max_cache_len:
         The capacity in logical tokens, the prompt plus the tokens to generate, as transformers'
-        ``StaticCache`` takes it (:func:`kvcake.generate` passes ``prompt + max_new_tokens``).
+        ``StaticCache`` takes it (:func:`kvcake.generate` passes the length ``generate`` stops at).
         With it nothing reallocates while decoding up to that length: ``decode=none`` reserves
         room for every token to come, ``decode=fixed`` a head's budget or, if fewer, what the
         remaining tokens can fill. Past it, ``decode=none`` storage grows by ``kvcake.step.GROWTH``

@@ -12,7 +12,6 @@ import torch
 
 from .adapters import (
     generate_with_cache,
-    generation_config,
     generation_setting,
     rope_delta_holders,
     with_cache,
@@ -44,12 +43,20 @@ def check_positions(model: torch.nn.Module, prompt_tokens: int, generate_kwargs:
     """Refuse, before any compute, a prompt whose length plus the tokens asked for passes the
     model's positions (``config.max_position_embeddings``; compression keeps positions)."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    new = generate_kwargs.get("max_new_tokens")
-    if new is None and generate_kwargs.get("max_length") is not None:
-        return _check_total(limit, int(generate_kwargs["max_length"]), prompt_tokens, None)
-    if new is None:
-        new = getattr(generation_config(model, generate_kwargs), "max_new_tokens", None)
-    _check_total(limit, prompt_tokens + int(new or 0), prompt_tokens, new)
+    total = generation_length(model, generate_kwargs, prompt_tokens)
+    new = None if total is None else total - prompt_tokens
+    _check_total(limit, prompt_tokens if total is None else total, prompt_tokens, new)
+
+
+def generation_length(model: torch.nn.Module, generate_kwargs: dict, prompt_tokens: int) -> int | None:
+    """The length ``model.generate`` stops at by transformers' rule, a static cache's capacity: the
+    prompt plus ``max_new_tokens`` (by keyword, else from the generation config), else ``max_length``
+    (by keyword, else the config's); None where neither is set (transformers then generates 20)."""
+    new = generation_setting(model, generate_kwargs, "max_new_tokens")
+    if new is not None:
+        return prompt_tokens + int(new)
+    length = generation_setting(model, generate_kwargs, "max_length")  # the library's default is None
+    return None if length is None else max(int(length), prompt_tokens)
 
 
 def _check_total(limit: int | None, total: int, prompt_tokens: int, new: int | None) -> None:
@@ -102,8 +109,9 @@ class CompressedContext:
         check_generation(self.model, generate_kwargs)
         check_positions(self.model, full.shape[1], generate_kwargs)
         cache = self.fork()
-        new = generate_kwargs.get("max_new_tokens")
-        cache.reserve(full.shape[1] + new if isinstance(new, int) else None)  # static storage's capacity
+        cache.reserve(
+            generation_length(self.model, generate_kwargs, full.shape[1])
+        )  # static storage's capacity
         with enable(self.model), torch.no_grad(), self._positions():
             out = self.model.generate(
                 full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
