@@ -230,18 +230,13 @@ def _applied_weight(proj: torch.nn.Module, like: torch.Tensor | None) -> torch.T
     """The ``(out, in)`` matrix a linear module applies, read off its output: the identity through it
     less its output at zero (its bias). What the module computes, dequantized or with its adapters
     added, up to its own rounding; one ``in x in`` batch through it, once per layer and prefill."""
-    device = (
-        like.device
-        if like is not None
-        else next(
-            (t.device for t in (*proj.parameters(), *proj.buffers()) if not t.is_meta), torch.device("cpu")
-        )
-    )
-    dtype = like.dtype if like is not None else torch.float32
-    eye = torch.eye(proj.in_features, dtype=dtype, device=device)
+    if like is None:  # float32, on the device of what the module stores
+        stored = [t for t in (*proj.parameters(), *proj.buffers()) if not t.is_meta]
+        like = torch.empty(0, device=stored[0].device if stored else "cpu")
+    eye = torch.eye(proj.in_features, dtype=like.dtype, device=like.device)
     with torch.no_grad():
         applied = proj(eye) - proj(torch.zeros_like(eye[:1]))
-    return applied.t().to(dtype)
+    return applied.t().to(like.dtype)
 
 
 def output_projection(module: torch.nn.Module, like: torch.Tensor | None = None) -> torch.Tensor:
