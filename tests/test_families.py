@@ -1,17 +1,14 @@
 """Decoder families beyond Llama, each a tiny random model of the installed transformers: a budget
 covering the prompt decodes the stock model's tokens, and every part of a method (CAKE's layer
 budgets, Ada-KV's head budgets, the scorers, CriticalKV's projected value norms, decoding
-evictions, a compressed context) runs on it with the budgets summing exactly.
-
-Vision-language models (Gemma 3, LLaVA, Qwen2-VL) with an image in the prompt: the language model's
-cache holds the image's tokens like any others. Families whose config class the installed release
-lacks are skipped (transformers 5.0, the floor, has most of them). Models refused outright are in
+evictions, a compressed context) runs on it with the budgets summing exactly. Families whose config
+class the installed release lacks are skipped (transformers 5.0, the floor, has most of them).
+Vision-language models are in ``test_vision_language.py``, models refused outright in
 ``test_hostile.py``."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 
 import pytest
@@ -182,168 +179,6 @@ def test_gpt2s_conv1d_projection_is_read_in_linears_layout():
     x = torch.randn(3, 64)
     expected = module.c_proj(x) - module.c_proj.bias
     torch.testing.assert_close(x @ output_projection(module).T, expected)
-
-
-def _gemma3_with_an_image():
-    """A tiny Gemma 3 vision-language model (sliding, full, sliding, full) and a prompt with a
-    4-token image block, which the model's mask lets attend to itself both ways."""
-    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4, "sliding_window": 8,
-            "layer_types": ["sliding_attention", "full_attention"] * 2}  # fmt: skip
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 28, "patch_size": 14}  # fmt: skip
-    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
-                             boi_token_index=297, eoi_token_index=298)  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = tf.Gemma3ForConditionalGeneration(config).eval()
-        pixels = torch.randn(1, 3, 28, 28) * 3
-    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
-    x[0, 30], x[0, 31:35], x[0, 35] = 297, 299, 298
-    return model, x, {"pixel_values": pixels, "token_type_ids": (x == 299).long()}
-
-
-def test_gemma3_with_an_image_decodes_in_the_ring():
-    """The default (static) cache decoded no image prompt: transformers builds the sliding layers' mask
-    with the image blocks' ids padded to the mask's columns and indexed by position, and the ring's
-    one column sat at position 0 (IndexError). The prefill keeps the image block's two-way mask: the
-    first token's logits are the stock model's for every method; later steps equal dynamic storage's."""
-    model, x, image = _gemma3_with_an_image()
-    kw = {"max_new_tokens": 4, **GREEDY}
-    with torch.no_grad():
-        stock = model.generate(x, **kw, **image)
-        causal = model.generate(x, **kw, pixel_values=image["pixel_values"])
-    assert (stock.logits[0] - causal.logits[0]).abs().max() > 1e-3  # the two-way block matters here
-    out, _ = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw, **image)
-    assert torch.equal(out.sequences, stock.sequences)
-    for preset in ("snapkv", "h2o", "cake-adakv", "critical-adakv"):
-        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw, **image)
-        assert cache.static and (cache.budgets.sum(dim=1) == 24).all(), preset
-        torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
-        dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
-        _assert_same_decoding(out, dynamic, preset)
-
-
-def _llava_with_an_image():
-    text = {**HEAD16, "model_type": "llama", "vocab_size": 300, "num_hidden_layers": 4}
-    vision = {"model_type": "clip_vision_model", "projection_dim": 32, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
-    model = tf.LlavaForConditionalGeneration(
-        tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=299)
-    )
-    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
-    x[0, 21:25] = 299  # a 2 x 2-patch image
-    return model, x, {"pixel_values": torch.randn(1, 3, 28, 28)}
-
-
-def _qwen2_vl_with_an_image():
-    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}  # fmt: skip
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "in_chans": 3}  # fmt: skip
-    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=299, video_token_id=298,
-                              vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
-    model = tf.Qwen2VLForConditionalGeneration(config)
-    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
-    x[0, 20], x[0, 21:25], x[0, 25] = 297, 299, 296  # 4 x 4 patches merged 2 x 2: 4 tokens, 3-D positions
-    return (
-        model,
-        x,
-        {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])},
-    )
-
-
-@pytest.mark.parametrize("build", [_llava_with_an_image, _qwen2_vl_with_an_image], ids=["llava", "qwen2_vl"])
-def test_vision_language_models_with_an_image(build):
-    """The language model's cache holds the image's tokens like any others: a covering budget decodes
-    the stock model's tokens (Qwen2-VL's multimodal RoPE positions included), a small one runs."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, x, image = build()
-        model.eval()
-    kw = {"max_new_tokens": 4, **GREEDY}
-    with torch.no_grad():
-        stock = model.generate(x, **kw, **image)
-    out, _ = kvcake.generate(model, x, "cake-adakv", budget=64, window=4, **kw, **image)
-    _assert_same_decoding(out, stock)
-    out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
-    assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * 4
-    torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own
-
-
-def _image_inputs(model, x, image, length: int) -> dict:
-    """``image`` as a processor returns it for ``x[:, :length]``: per-token ids cut to the prompt, and
-    Qwen2-VL's ``mm_token_type_ids`` (1 on an image's tokens) where the model's forward takes them."""
-    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and "image_grid_thw" in image:
-        image = {**image, "mm_token_type_ids": (x == 299).long()}
-    return {k: v[:, :length] if k.endswith("token_type_ids") else v for k, v in image.items()}
-
-
-@pytest.mark.parametrize(
-    "build",
-    [_gemma3_with_an_image, _llava_with_an_image, _qwen2_vl_with_an_image],
-    ids=["gemma3", "llava", "qwen2_vl"],
-)
-def test_a_compressed_context_with_an_image(build, tmp_path):
-    """``kvcake.compress`` takes the model's image inputs (it took none). With a covering budget its
-    follow-ups decode the stock model's tokens for the whole prompt, and teacher-forced logits match.
-    Qwen2-VL places tokens after an image by an offset the model keeps between calls (``rope_deltas``),
-    the last prefill's: the context keeps its own, so a context compressed after it (here a text
-    prompt) does not move its positions, and a saved context keeps it."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, x, image = build()
-        model.eval()
-    n = 36  # the image lies in the context; the question is the last 4 tokens
-    with torch.no_grad():
-        stock = model.generate(x, max_new_tokens=4, **GREEDY, **_image_inputs(model, x, image, x.shape[1]))
-    answer = stock.sequences[:, x.shape[1] :]
-    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, **_image_inputs(model, x, image, n))
-    kvcake.compress(model, x[:, 10:30], "snapkv", budget=64, window=4)  # another prompt, no image
-    ctx.save(tmp_path / "ctx.kvc")
-    loaded = kvcake.load_context(model, tmp_path / "ctx.kvc")
-    for context in (ctx, loaded):
-        out = context.generate(x[:, n:], max_new_tokens=4, **GREEDY)
-        assert torch.equal(out.sequences, answer)
-        torch.testing.assert_close(torch.stack(out.logits), torch.stack(stock.logits), atol=1e-5, rtol=1e-5)
-        logits = context.forward(torch.cat([x[:, n:], answer[:, :3]], 1))[0, -4:]
-        torch.testing.assert_close(logits, torch.stack(stock.logits)[:, 0], atol=1e-5, rtol=1e-5)
-    assert (ctx.rope_deltas is not None) == (build is _qwen2_vl_with_an_image)
-    small = kvcake.compress(
-        model, x[:, :n], "cake-adakv", budget=12, window=4, **_image_inputs(model, x, image, n)
-    )
-    assert int(small.cache.budgets.sum()) == 12 * small.cache.budgets.shape[1]  # per compressed layer
-    assert small.cache.kept_entries() < ctx.cache.kept_entries()
-    small.generate(x[:, n:], max_new_tokens=2, do_sample=False, pad_token_id=0)
-
-
-def test_a_padded_batch_of_contexts_with_images_and_multimodal_positions():
-    """Qwen2-VL, two contexts with an image, one left-padded: follow-ups decode the stock model's
-    tokens and logits for the whole prompts (each row's own offset). Teacher forcing is refused
-    there: releases define the offset after padding differently (5.0 over the padded length, 5.24
-    over the tokens), and the model's forward fails on 5.24."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, x, image = _qwen2_vl_with_an_image()
-        model.eval()
-    x = torch.cat([x, torch.cat([torch.zeros(1, 2, dtype=torch.long), x[:, :-2]], 1)])
-    mask = torch.ones_like(x)
-    mask[1, :2] = 0
-    image = {
-        "pixel_values": torch.cat([image["pixel_values"]] * 2),
-        "image_grid_thw": torch.tensor([[1, 4, 4]] * 2),
-    }
-    with torch.no_grad():
-        stock = model.generate(
-            x, attention_mask=mask, max_new_tokens=4, **GREEDY, **_image_inputs(model, x, image, 40)
-        )
-    n = 36
-    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, attention_mask=mask[:, :n],
-                          **_image_inputs(model, x, image, n))  # fmt: skip
-    out = ctx.generate(x[:, n:], max_new_tokens=4, **GREEDY)
-    assert torch.equal(out.sequences, stock.sequences[:, 40:])
-    torch.testing.assert_close(torch.stack(out.logits), torch.stack(stock.logits), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="padded batch of contexts with multimodal RoPE"):
-        ctx.forward(x[:, n:])
 
 
 class _Int8Linear(torch.nn.Linear):

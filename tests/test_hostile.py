@@ -45,7 +45,7 @@ def untouched(model):
 
 
 def _logits(model):
-    probe = PROBE.clamp(max=model.config.vocab_size - 1)
+    probe = PROBE.clamp(max=model.config.get_text_config().vocab_size - 1)  # (a VLM: its text config)
     extra = {"decoder_input_ids": probe[:, :5]} if model.config.is_encoder_decoder else {}
     with torch.no_grad():
         return model(probe, **extra).logits
@@ -270,7 +270,7 @@ def _build(config):
             "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
             "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-            "gemma3n_text": tf.Gemma3nForCausalLM,
+            "gemma3n_text": tf.Gemma3nForCausalLM, "mllama": tf.MllamaForConditionalGeneration,
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -341,6 +341,32 @@ UNSUPPORTED = {
             activation_sparsity_pattern=[0.0] * 4,
         ),
         r"gemma3n_text: its last 2 layers read earlier layers' keys and values \(KV sharing, Gemma 3n\)",
+    ),
+    "mllama-cross-attention": (  # Llama 3.2 Vision: layer 1 attends to the image's states
+        lambda: tf.MllamaConfig(
+            text_config={
+                **SMALL,
+                "num_hidden_layers": 4,
+                "num_key_value_heads": 2,
+                "cross_attention_layers": [1],
+                "pad_token_id": 0,
+            },
+            vision_config={
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_global_layers": 1,
+                "attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+                "max_num_tiles": 1,
+                "supported_aspect_ratios": [[1, 1]],
+                "intermediate_layers_indices": [0],
+                "vision_output_dim": 64,
+            },  # fmt: skip
+            image_token_index=127,
+        ),
+        r"mllama_text_model: layers \[1\] attend to the image's states, not the prompt \(cross-attention\)",
     ),
     "gpt-oss-sinks": (  # a hybrid whose attention adds a learned sink logit per head to the softmax
         lambda: tf.GptOssConfig(

@@ -68,9 +68,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     """Check that kvcake can compress this model and return its shapes.
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
-    layer slides (nothing to compress), chunked layers, encoder-decoders (cross-attention),
-    latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention logit
-    soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS).
+    layer slides (nothing to compress), chunked layers, encoder-decoders and cross-attention layers
+    (Mllama), latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention
+    logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS).
     Sliding layers of a hybrid are reported in ``windows``.
     """
     config = getattr(model, "config", None)
@@ -80,6 +80,12 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     mtype = getattr(text, "model_type", "unknown")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{mtype}: encoder-decoder models (cross-attention) are not supported by kvcake")
+    if getattr(text, "cross_attention_layers", None):  # Mllama (Llama 3.2 Vision)
+        raise ValueError(
+            f"{mtype}: layers {list(text.cross_attention_layers)} attend to the image's states, not the prompt "
+            "(cross-attention), which kvcake does not support: their cache holds the image's keys, which no "
+            "budget over the prompt applies to; use a DynamicCache for this model"
+        )
     for attr in ("kv_lora_rank", "q_lora_rank"):
         if getattr(text, attr, None):
             raise ValueError(

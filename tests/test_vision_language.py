@@ -1,0 +1,302 @@
+"""Vision-language models with an image in the prompt, each a tiny random model of the installed
+transformers: the language model's cache holds the image's tokens like any others. A budget covering
+the prompt decodes the stock model's tokens and logits, with the prompt compressed whole
+(``kvcake.generate``) or a context with the image compressed before its question
+(``kvcake.compress``); a small budget runs with the budgets summing exactly. Families whose classes
+the installed release lacks are skipped. Mllama (cross-attention layers) is refused
+(``test_hostile.py``)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import transformers as tf
+
+import kvcake
+from test_families import GREEDY, HEAD16, _assert_same_decoding
+
+IMAGE = 299  # the image token of every model here (vocabulary 300)
+
+
+def _ids_with_an_image(start: int, tokens: int) -> torch.Tensor:
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, start : start + tokens] = IMAGE
+    return x
+
+
+def _text(model_type: str) -> dict:
+    return {**HEAD16, "model_type": model_type, "vocab_size": 300, "num_hidden_layers": 4}
+
+
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 56,
+    "patch_size": 14,
+}  # fmt: skip  (4 x 4 patches, merged 2 x 2 into 4 tokens)
+
+
+def _paligemma_with_an_image():
+    """The image first, then the text; a two-way prefix over the image and the context, the question
+    causal (``token_type_ids`` 1), as a compressed context asks it."""
+    vision = {**VISION, "image_size": 28}
+    config = tf.PaliGemmaConfig(text_config={**HEAD16, "vocab_size": 300, "num_hidden_layers": 4},
+                                vision_config=vision, image_token_index=IMAGE, projection_dim=64, hidden_size=64,
+                                vocab_size=300)  # fmt: skip
+    x = _ids_with_an_image(0, 4)
+    x[0, 4] = 1  # BOS after the image, as the processor lays it out
+    types = torch.zeros_like(x)
+    types[0, 36:] = 1
+    return tf.PaliGemmaForConditionalGeneration(config), x, {"pixel_values": torch.randn(1, 3, 28, 28) * 3,
+                                                             "token_type_ids": types}  # fmt: skip
+
+
+def _smolvlm_with_an_image():
+    config = tf.SmolVLMConfig(
+        text_config=_text("llama"), vision_config=VISION, image_token_id=IMAGE, scale_factor=2
+    )
+    return (
+        tf.SmolVLMForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 1, 3, 56, 56)},
+    )
+
+
+def _qwen2_5_vl_with_an_image():
+    text = {**_text("qwen2_5_vl_text"), "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    text.pop("model_type")
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "window_size": 56,
+              "fullatt_block_indexes": [0]}  # fmt: skip
+    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=298,
+                                 vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
+    x = _ids_with_an_image(21, 4)
+    x[0, 20], x[0, 25] = 297, 296
+    image = {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    return tf.Qwen2_5_VLForConditionalGeneration(config), x, image
+
+
+def _mistral3_with_an_image():
+    text = {**_text("mistral"), "sliding_window": None}  # Mistral's default slides every layer (refused)
+    vision = {**VISION, "model_type": "pixtral"}
+    config = tf.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=IMAGE, spatial_merge_size=2
+    )
+    return (
+        tf.Mistral3ForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {
+            "pixel_values": torch.randn(1, 3, 56, 56),
+            "image_sizes": torch.tensor([[56, 56]]),
+        },
+    )
+
+
+def _internvl_with_an_image():
+    vision = {**VISION, "image_size": [56, 56], "patch_size": [14, 14]}
+    config = tf.InternVLConfig(text_config=_text("qwen2"), vision_config=vision, image_token_id=IMAGE,
+                               image_seq_length=4, downsample_ratio=0.5)  # fmt: skip
+    return (
+        tf.InternVLForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 3, 56, 56)},
+    )
+
+
+def _llava_next_with_an_image():
+    """Any-resolution: the base image and one tile, 10 tokens."""
+    vision = {**VISION, "model_type": "clip_vision_model", "projection_dim": 32, "image_size": 28}
+    config = tf.LlavaNextConfig(text_config=_text("llama"), vision_config=vision, image_token_index=IMAGE,
+                                image_grid_pinpoints=[[28, 28], [28, 56]])  # fmt: skip
+    return (
+        tf.LlavaNextForConditionalGeneration(config),
+        _ids_with_an_image(20, 10),
+        {
+            "pixel_values": torch.randn(1, 2, 3, 28, 28),
+            "image_sizes": torch.tensor([[28, 28]]),
+        },
+    )
+
+
+def _gemma3_with_an_image():
+    """A tiny Gemma 3 vision-language model (sliding, full, sliding, full) and a prompt with a
+    4-token image block, which the model's mask lets attend to itself both ways."""
+    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                             boi_token_index=297, eoi_token_index=298)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tf.Gemma3ForConditionalGeneration(config).eval()
+        pixels = torch.randn(1, 3, 28, 28) * 3
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 30], x[0, 31:35], x[0, 35] = 297, 299, 298
+    return model, x, {"pixel_values": pixels, "token_type_ids": (x == 299).long()}
+
+
+def test_gemma3_with_an_image_decodes_in_the_ring():
+    """The default (static) cache decoded no image prompt: transformers builds the sliding layers' mask
+    with the image blocks' ids padded to the mask's columns and indexed by position, and the ring's
+    one column sat at position 0 (IndexError). The prefill keeps the image block's two-way mask: the
+    first token's logits are the stock model's for every method; later steps equal dynamic storage's."""
+    model, x, image = _gemma3_with_an_image()
+    kw = {"max_new_tokens": 4, **GREEDY}
+    with torch.no_grad():
+        stock = model.generate(x, **kw, **image)
+        causal = model.generate(x, **kw, pixel_values=image["pixel_values"])
+    assert (stock.logits[0] - causal.logits[0]).abs().max() > 1e-3  # the two-way block matters here
+    out, _ = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw, **image)
+    assert torch.equal(out.sequences, stock.sequences)
+    for preset in ("snapkv", "h2o", "cake-adakv", "critical-adakv"):
+        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw, **image)
+        assert cache.static and (cache.budgets.sum(dim=1) == 24).all(), preset
+        torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
+        dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
+        _assert_same_decoding(out, dynamic, preset)
+
+
+def _llava_with_an_image():
+    text = {**HEAD16, "model_type": "llama", "vocab_size": 300, "num_hidden_layers": 4}
+    vision = {"model_type": "clip_vision_model", "projection_dim": 32, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    model = tf.LlavaForConditionalGeneration(
+        tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=299)
+    )
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 21:25] = 299  # a 2 x 2-patch image
+    return model, x, {"pixel_values": torch.randn(1, 3, 28, 28)}
+
+
+def _qwen2_vl_with_an_image():
+    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}  # fmt: skip
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "in_chans": 3}  # fmt: skip
+    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=299, video_token_id=298,
+                              vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
+    model = tf.Qwen2VLForConditionalGeneration(config)
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 20], x[0, 21:25], x[0, 25] = 297, 299, 296  # 4 x 4 patches merged 2 x 2: 4 tokens, 3-D positions
+    return (
+        model,
+        x,
+        {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])},
+    )
+
+
+# name -> (builder, the transformers class it needs); Qwen2-VL and Qwen2.5-VL keep rope_deltas
+BUILDERS = {
+    "gemma3": (_gemma3_with_an_image, "Gemma3ForConditionalGeneration"),
+    "llava": (_llava_with_an_image, "LlavaForConditionalGeneration"),
+    "qwen2_vl": (_qwen2_vl_with_an_image, "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": (_qwen2_5_vl_with_an_image, "Qwen2_5_VLForConditionalGeneration"),
+    "paligemma": (_paligemma_with_an_image, "PaliGemmaForConditionalGeneration"),
+    "smolvlm": (_smolvlm_with_an_image, "SmolVLMForConditionalGeneration"),
+    "mistral3": (_mistral3_with_an_image, "Mistral3ForConditionalGeneration"),
+    "internvl": (_internvl_with_an_image, "InternVLForConditionalGeneration"),
+    "llava_next": (_llava_next_with_an_image, "LlavaNextForConditionalGeneration"),
+}
+MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _build(name: str):
+    """``(model, ids, image inputs)`` of a family, seeded, in eval mode; skipped where the installed
+    release lacks its class."""
+    build, cls = BUILDERS[name]
+    if not hasattr(tf, cls):
+        pytest.skip(f"transformers {tf.__version__} has no {cls}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, x, image = build()
+    return model.eval(), x, image
+
+
+@pytest.mark.parametrize("name", [name for name in BUILDERS if name != "gemma3"])
+def test_vision_language_models_with_an_image(name):
+    """The language model's cache holds the image's tokens like any others: a covering budget decodes
+    the stock model's tokens (Qwen2-VL's multimodal RoPE positions included), a small one runs."""
+    model, x, image = _build(name)
+    kw = {"max_new_tokens": 4, **GREEDY}
+    image = _image_inputs(model, x, image, x.shape[1])
+    with torch.no_grad():
+        stock = model.generate(x, **kw, **image)
+    out, _ = kvcake.generate(model, x, "cake-adakv", budget=64, window=4, **kw, **image)
+    _assert_same_decoding(out, stock)
+    out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
+    assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * cache.budgets.shape[1]
+    torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own
+
+
+def _image_inputs(model, x, image, length: int) -> dict:
+    """``image`` as a processor returns it for ``x[:, :length]``: per-token ids cut to the prompt, and
+    Qwen2-VL's ``mm_token_type_ids`` (1 on an image's tokens) where the model's forward takes them."""
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and "image_grid_thw" in image:
+        image = {**image, "mm_token_type_ids": (x == 299).long()}
+    return {k: v[:, :length] if k.endswith("token_type_ids") else v for k, v in image.items()}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_a_compressed_context_with_an_image(name, tmp_path):
+    """``kvcake.compress`` takes the model's image inputs (it took none). With a covering budget its
+    follow-ups decode the stock model's tokens for the whole prompt, and teacher-forced logits match.
+    Qwen2-VL places tokens after an image by an offset the model keeps between calls (``rope_deltas``),
+    the last prefill's: the context keeps its own, so a context compressed after it (here a text
+    prompt) does not move its positions, and a saved context keeps it."""
+    model, x, image = _build(name)
+    n = 36  # the image lies in the context; the question is the last 4 tokens
+    with torch.no_grad():
+        stock = model.generate(x, max_new_tokens=4, **GREEDY, **_image_inputs(model, x, image, x.shape[1]))
+    answer = stock.sequences[:, x.shape[1] :]
+    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, **_image_inputs(model, x, image, n))
+    kvcake.compress(model, x[:, 10:30], "snapkv", budget=64, window=4)  # another prompt, no image
+    ctx.save(tmp_path / "ctx.kvc")
+    loaded = kvcake.load_context(model, tmp_path / "ctx.kvc")
+    for context in (ctx, loaded):
+        out = context.generate(x[:, n:], max_new_tokens=4, **GREEDY)
+        assert torch.equal(out.sequences, answer)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(stock.logits), atol=1e-5, rtol=1e-5)
+        logits = context.forward(torch.cat([x[:, n:], answer[:, :3]], 1))[0, -4:]
+        torch.testing.assert_close(logits, torch.stack(stock.logits)[:, 0], atol=1e-5, rtol=1e-5)
+    assert (ctx.rope_deltas is not None) == (name in MULTIMODAL_ROPE)
+    small = kvcake.compress(
+        model, x[:, :n], "cake-adakv", budget=12, window=4, **_image_inputs(model, x, image, n)
+    )
+    assert int(small.cache.budgets.sum()) == 12 * small.cache.budgets.shape[1]  # per compressed layer
+    assert small.cache.kept_entries() < ctx.cache.kept_entries()
+    small.generate(x[:, n:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_a_padded_batch_of_contexts_with_images_and_multimodal_positions():
+    """Qwen2-VL, two contexts with an image, one left-padded: follow-ups decode the stock model's
+    tokens and logits for the whole prompts (each row's own offset). Teacher forcing is refused
+    there: releases define the offset after padding differently (5.0 over the padded length, 5.24
+    over the tokens), and the model's forward fails on 5.24."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, x, image = _qwen2_vl_with_an_image()
+        model.eval()
+    x = torch.cat([x, torch.cat([torch.zeros(1, 2, dtype=torch.long), x[:, :-2]], 1)])
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    image = {
+        "pixel_values": torch.cat([image["pixel_values"]] * 2),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * 2),
+    }
+    with torch.no_grad():
+        stock = model.generate(
+            x, attention_mask=mask, max_new_tokens=4, **GREEDY, **_image_inputs(model, x, image, 40)
+        )
+    n = 36
+    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, attention_mask=mask[:, :n],
+                          **_image_inputs(model, x, image, n))  # fmt: skip
+    out = ctx.generate(x[:, n:], max_new_tokens=4, **GREEDY)
+    assert torch.equal(out.sequences, stock.sequences[:, 40:])
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(stock.logits), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="padded batch of contexts with multimodal RoPE"):
+        ctx.forward(x[:, n:])
