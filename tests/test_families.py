@@ -26,6 +26,13 @@ SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hi
 HEAD16 = {**SMALL, "head_dim": 16}
 HYBRID = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+SHARED_EXPERT = {
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
 GPT = {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "bos_token_id": 1, "eos_token_id": 2}
 OPT = {"vocab_size": 128, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
        "word_embed_proj_dim": 64, "pad_token_id": 0}  # fmt: skip
@@ -64,6 +71,38 @@ FAMILIES = {
     "smollm3": ("SmolLM3Config", SMALL),
     "glm4": ("Glm4Config", HEAD16),
     "nemotron": ("NemotronConfig", SMALL),
+    "glm4_moe": ("Glm4MoeConfig", {**HEAD16, **MOE, **SHARED_EXPERT}),
+    "ernie4_5": ("Ernie4_5Config", HEAD16),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        {
+            **SMALL,
+            "moe_intermediate_size": 32,
+            "moe_k": 2,
+            "moe_num_experts": 4,
+            "moe_num_shared_experts": 1,
+            "moe_layer_start_index": 1,
+        },
+    ),  # fmt: skip
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", HEAD16),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", {**HEAD16, "num_experts": 4, "moe_topk": 2}),
+    "seed_oss": ("SeedOssConfig", HEAD16),
+    "arcee": ("ArceeConfig", HEAD16),
+    "apertus": ("ApertusConfig", SMALL),
+    "dots1": ("Dots1Config", {**SMALL, **MOE, **SHARED_EXPERT}),
+    "dots1-hybrid": ("Dots1Config", {**SMALL, **MOE, **SHARED_EXPERT, **HYBRID}),
+    "helium": ("HeliumConfig", HEAD16),
+    "granitemoe": ("GraniteMoeConfig", {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32},
+    ),  # fmt: skip
+    "olmoe": ("OlmoeConfig", {**SMALL, "num_experts": 4, "num_experts_per_tok": 2}),
+    "phimoe": (
+        "PhimoeConfig",
+        {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "bitnet": ("BitNetConfig", SMALL),
     "gpt2": ("GPT2Config", GPT),  # Conv1D projections: CriticalKV reads the transposed weight
     "gptj": ("GPTJConfig", {**GPT, "rotary_dim": 8}),
     "opt": ("OPTConfig", OPT),
@@ -152,6 +191,14 @@ def test_a_covering_budget_decodes_the_stock_models_tokens(family):
     out, cache = kvcake.generate(model, x, "cake-adakv", budget=64, window=8, **kw)
     _assert_same_decoding(out, stock)
     assert (cache.budgets == 40).all()
+    # left-padded: kvcake's own attention over the stored entries (the model's kernel above), which
+    # pairs each query head with its KV head by itself
+    batch = torch.cat([x, torch.cat([torch.zeros(1, 3, dtype=torch.long), x[:, :-3]], 1)])
+    mask = (torch.arange(40) >= torch.tensor([[0], [3]])).long()
+    with torch.no_grad():
+        stock = model.generate(batch, attention_mask=mask, **kw)
+    out, _ = kvcake.generate(model, batch, "cake-adakv", budget=64, window=8, attention_mask=mask, **kw)
+    _assert_same_decoding(out, stock, "left-padded")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -166,7 +213,7 @@ def test_every_part_of_a_method_runs_and_budgets_sum_exactly(family):
         assert cache.budgets.shape == (1, global_layers), preset
         assert int(cache.budgets.sum()) == BUDGET * global_layers, preset
     ctx = kvcake.compress(model, x[:, :32], "layer-defensivekv", budget=BUDGET, window=4)
-    assert ctx.generate(x[:, 32:], max_new_tokens=3).shape == (1, 3)
+    assert ctx.generate(x[:, 32:], max_new_tokens=3, min_new_tokens=3).shape == (1, 3)
 
 
 def test_gpt2s_conv1d_projection_is_read_in_linears_layout():

@@ -271,6 +271,7 @@ def _build(config):
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
             "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
             "gemma3n_text": tf.Gemma3nForCausalLM, "mllama": tf.MllamaForConditionalGeneration,
+            "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM,
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -367,6 +368,24 @@ UNSUPPORTED = {
             image_token_index=127,
         ),
         r"mllama_text_model: layers \[1\] attend to the image's states, not the prompt \(cross-attention\)",
+    ),
+    "jetmoe-tiled-heads": (  # 4 query heads: 2 KV heads x 2 experts a token, query head h on KV head h % 2
+        lambda: tf.JetMoeConfig(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            kv_channels=16,
+            intermediate_size=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+        ),  # fmt: skip
+        r"jetmoe: its attention heads are experts: query head h reads KV head h mod H_kv",
+    ),
+    "doge-dynamic-mask": (
+        lambda: tf.DogeConfig(**SMALL, keep_window_size=2048, pad_token_id=0),
+        r"doge: its attention adds a learned bias per head and key to the mask",
     ),
     "gpt-oss-sinks": (  # a hybrid whose attention adds a learned sink logit per head to the softmax
         lambda: tf.GptOssConfig(

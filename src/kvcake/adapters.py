@@ -31,6 +31,13 @@ KNOWN_FAMILIES = {
     "starcoder2", "cohere", "internlm2", "smollm3",
 }  # fmt: skip
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+# Attention that kvcake's attention over the kept entries cannot reproduce, read from the family's code
+_REFUSED_FAMILIES = {
+    "jetmoe": "its attention heads are experts: query head h reads KV head h mod H_kv (tiled), not h // group, and "
+    "the output projection sits inside the experts",
+    "doge": "its attention adds a learned bias per head and key to the mask (dynamic mask attention), which "
+    "kvcake's attention over the kept entries would drop",
+}
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,8 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
     layer slides (nothing to compress), chunked layers, encoder-decoders and cross-attention layers
     (Mllama), latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention
-    logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS).
+    logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS), and
+    the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask).
     Sliding layers of a hybrid are reported in ``windows``.
     """
     config = getattr(model, "config", None)
@@ -80,6 +88,10 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     mtype = getattr(text, "model_type", "unknown")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{mtype}: encoder-decoder models (cross-attention) are not supported by kvcake")
+    if mtype in _REFUSED_FAMILIES:
+        raise ValueError(
+            f"{mtype}: {_REFUSED_FAMILIES[mtype]}, which kvcake does not support; use a DynamicCache for this model"
+        )
     if getattr(text, "cross_attention_layers", None):  # Mllama (Llama 3.2 Vision)
         raise ValueError(
             f"{mtype}: layers {list(text.cross_attention_layers)} attend to the image's states, not the prompt "
