@@ -25,11 +25,6 @@ try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its ca
 except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the config as its caches do
     get_layer_types_and_kwargs = None
 
-# Families whose attention layout we know; others pass the structural checks or are refused.
-KNOWN_FAMILIES = {
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo", "olmo2", "stablelm",
-    "starcoder2", "cohere", "internlm2", "smollm3",
-}  # fmt: skip
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 # Attention that kvcake's attention over the kept entries cannot reproduce, read from the family's code
 _REFUSED_FAMILIES = {
