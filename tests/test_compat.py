@@ -117,6 +117,22 @@ def test_a_cache_keyword_the_attention_got_unused_is_refused(tiny_llama):
         attention(module, q, k, k, None, cache=KVCakeCache(tiny_llama, "snapkv", budget=16, window=8))
 
 
+def test_a_cache_keyword_in_a_module_without_a_layer_is_not_the_models(tiny_llama):
+    """Kosmos-2's ``generate`` hands its keywords, the cache among them, to its vision tower too, whose
+    attention (no ``layer_idx``) is not a decoder layer's: the stock kernel runs there, as without
+    kvcake (it was refused as a stray cache)."""
+    from kvcake.attention import _make_attention
+
+    attention = _make_attention("sdpa")
+    module = torch.nn.Module()  # a vision attention: no layer_idx
+    module.is_causal = False
+    q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(0))
+    cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
+    out, _ = attention(module, q, q, q, None, cache=cache)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.skipif(TAKES_CACHE, reason=f"transformers {tf.__version__} takes cache=")
 def test_old_release_model_call_with_cache_keyword_is_refused(tiny_llama):
     """On a release that takes ``past_key_values=`` only, ``model(ids, cache=kvcake_cache)``

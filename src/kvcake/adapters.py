@@ -300,17 +300,23 @@ def forward_hands_kwargs(cls: type) -> bool | None:
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword under which ``model``'s forward and ``generate`` take a ``Cache``: ``cache``
     where the forward accepts it (transformers >= 5.24, which deprecates the old name for removal
-    in 5.40), else ``past_key_values`` (the 5.0 floor and earlier 5.x)."""
-    return _cache_keyword(type(model))
+    in 5.40), else ``past_key_values`` (the 5.0 floor and earlier 5.x). A forward that names
+    neither (BLIP-2's: its ``generate`` hands the cache to its language model's) defers to the
+    language model's."""
+    keyword = _cache_keyword(type(model))
+    inner = getattr(model, "language_model", None)
+    if keyword is None and isinstance(inner, torch.nn.Module):
+        keyword = _cache_keyword(type(inner))
+    return keyword or "past_key_values"  # the name every 5.x release accepts
 
 
 @functools.cache
-def _cache_keyword(cls: type) -> str:
+def _cache_keyword(cls: type) -> str | None:
     try:
         params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):  # an opaque forward: the name every 5.x release accepts
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    except (TypeError, ValueError):  # an opaque forward
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:

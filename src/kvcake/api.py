@@ -39,7 +39,7 @@ from .adapters import (
 from .attention import enable
 from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
-from .context import CompressedContext, check_generation, check_positions, generation_length
+from .context import CompressedContext, check_answerable, check_generation, check_positions, generation_length
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import build_prompt
 from .temperatures import Scenario
@@ -181,7 +181,7 @@ def generate(
         generate_kwargs["compile_config"] = config
     cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario)
     with enable(model), torch.no_grad():
-        out = model.generate(input_ids, **generate_with_cache(model, cache, generate_kwargs))
+        out = model.generate(input_ids=input_ids, **generate_with_cache(model, cache, generate_kwargs))
     return out, cache
 
 
@@ -219,6 +219,7 @@ def compress(
     ...). The image's tokens are compressed like the text's; follow-ups are text."""
     scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model)
+    check_answerable(model)
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
@@ -234,7 +235,7 @@ def compress(
     cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False)
     with enable(model), torch.no_grad():
         out = model(
-            input_ids,
+            input_ids=input_ids,  # by keyword: BLIP-2's and Kosmos-2's forward take pixel_values first
             attention_mask=attention_mask,
             **model_inputs,
             **with_cache(model, cache),

@@ -98,8 +98,8 @@ def _make_attention(inner_name: str):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        if "cache" in kwargs:
-            _refuse_stray_cache(kwargs)
+        if "cache" in kwargs and isinstance(getattr(module, "layer_idx", None), int):  # a decoder layer's
+            _refuse_stray_cache(kwargs)  # (Kosmos-2's generate hands its kwargs to its vision tower too)
         cache = kwargs.pop(HANDOFF, None)
         layer_idx = getattr(module, "layer_idx", None)
         if cache is None and not torch.compiler.is_compiling():  # an older release's hand-off

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,19 @@ def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
         raise ValueError(
             "use_cache=False would feed the whole sequence again at every step into the compressed "
             "cache: drop use_cache=False (kvcake always decodes with its cache)"
+        )
+
+
+def check_answerable(model: torch.nn.Module) -> None:
+    """Refuse, before any compute, to compress a context for a model whose ``generate`` takes its
+    image at every call (``pixel_values`` required: BLIP-2, InstructBLIP, which encode it again into
+    the language model's inputs): a compressed context's follow-ups have no image to give it."""
+    required = inspect.signature(type(model).generate).parameters.get("pixel_values")
+    if required is not None and required.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{type(model).__name__}.generate encodes its image again at every call (pixel_values is required), "
+            "so a compressed context could not answer a follow-up: compress the whole prompt with "
+            "kvcake.generate(model, input_ids, method, pixel_values=...) instead"
         )
 
 
@@ -114,7 +128,7 @@ class CompressedContext:
         )  # static storage's capacity
         with enable(self.model), torch.no_grad(), self._positions():
             out = self.model.generate(
-                full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
+                input_ids=full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
             )
         if hasattr(out, "sequences"):  # return_dict_in_generate=True: the output, its sequences the answer's
             out.sequences = out.sequences[:, full.shape[1] :]
@@ -127,7 +141,7 @@ class CompressedContext:
         ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork()
         with enable(self.model), torch.no_grad(), self._positions():
-            out = self.model(ids, attention_mask=mask, **self._appended_positions(ids, mask),
+            out = self.model(input_ids=ids, attention_mask=mask, **self._appended_positions(ids, mask),
                              **with_cache(self.model, cache))  # fmt: skip
         return out.logits
 
