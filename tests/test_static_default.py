@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 import kvcake
 from kvcake import KVCakeCache, make_method
@@ -74,9 +75,11 @@ def test_nothing_reallocates_within_max_cache_len(tiny_llama, spec):
 
 def test_the_capacity_follows_how_generate_is_told_to_stop(tiny_llama, monkeypatch):
     """The capacity is the length ``model.generate`` stops at, however it is told: ``max_new_tokens``
-    or ``max_length`` by keyword, or either from the generation config (``max_new_tokens`` first, as
-    transformers has it). Only the first was read: with the others a decode=none cache reserved 64
-    slots at a time and grew past them (a new shape for a compiled step)."""
+    by keyword or from the model's generation config (first, as transformers has it), ``max_length``
+    by keyword or in a generation config passed. Only the first was read: with the others a
+    decode=none cache reserved 64 slots at a time and grew past them (a new shape for a compiled
+    step). A ``max_length`` saved in the model's own config is left unknown: 5.0 counts it after the
+    prompt, later releases from the start."""
     model = tiny_llama
     ids, steps = prompt(100, seed=3), GROWTH + 6
     method = make_method("snapkv,decode=none", budget=24, window=4)
@@ -84,24 +87,28 @@ def test_the_capacity_follows_how_generate_is_told_to_stop(tiny_llama, monkeypat
     reserved = []
     monkeypatch.setattr(KVCakeCache, "reserve", lambda self, n: reserved.append(n))
     ctx = kvcake.compress(model, ids[:, :90], method)
+    passed = GenerationConfig(max_length=100 + steps, do_sample=False, eos_token_id=None, pad_token_id=0)
     ways = [
-        {"max_new_tokens": steps},
-        {"max_length": 100 + steps},
-        {"max_length": 10, "max_new_tokens": steps},
-    ]
+        ({"max_new_tokens": steps}, None),
+        ({"max_length": 100 + steps}, None),
+        ({"max_length": 10, "max_new_tokens": steps}, None),
+        ({"generation_config": passed}, None),
+        ({}, steps),
+    ]  # fmt: skip  (the last: max_new_tokens saved in the model's config)
     held = []  # bytes: room for every token to come, or GROWTH slots at a time past the prompt
-    for kw, saved in [(way, {}) for way in ways] + [
-        ({}, {"max_new_tokens": steps}),
-        ({}, {"max_length": 100 + steps}),
-    ]:
-        monkeypatch.setattr(config, "max_new_tokens", saved.get("max_new_tokens"))
-        monkeypatch.setattr(config, "max_length", saved.get("max_length"))
-        out, cache = kvcake.generate(model, ids, method, do_sample=False, eos_token_id=None, **kw)
-        assert cache.max_cache_len == 100 + steps == out.shape[1], (kw, saved)
+    for kw, saved in ways:
+        monkeypatch.setattr(config, "max_new_tokens", saved)
+        greedy = {} if "generation_config" in kw else {"do_sample": False, "eos_token_id": None}
+        out, cache = kvcake.generate(model, ids, method, **greedy, **kw)
+        assert cache.max_cache_len == 100 + steps == out.shape[1], kw
         held.append(cache.kv_bytes())
-        assert held[-1] == held[0], (kw, saved)
-        ctx.generate(ids[:, 90:], do_sample=False, eos_token_id=None, **kw)
-        assert reserved.pop() == 100 + steps, (kw, saved)
+        assert held[-1] == held[0], kw
+        ctx.generate(ids[:, 90:], **greedy, **kw)
+        assert reserved.pop() == 100 + steps, kw
+    monkeypatch.setattr(config, "max_new_tokens", None)
+    monkeypatch.setattr(config, "max_length", 100 + steps)
+    _, cache = kvcake.generate(model, ids, method, do_sample=False, eos_token_id=None)
+    assert cache.max_cache_len is None
 
 
 def test_capacity_is_memory(tiny_llama):

@@ -65,11 +65,15 @@ def check_positions(model: torch.nn.Module, prompt_tokens: int, generate_kwargs:
 def generation_length(model: torch.nn.Module, generate_kwargs: dict, prompt_tokens: int) -> int | None:
     """The length ``model.generate`` stops at by transformers' rule, a static cache's capacity: the
     prompt plus ``max_new_tokens`` (by keyword, else from the generation config), else ``max_length``
-    (by keyword, else the config's); None where neither is set (transformers then generates 20)."""
+    by keyword or in a ``generation_config`` passed; None otherwise. A ``max_length`` saved in the
+    model's own generation config is left unknown: transformers 5.0 counts it after the prompt,
+    later releases from the start."""
     new = generation_setting(model, generate_kwargs, "max_new_tokens")
     if new is not None:
         return prompt_tokens + int(new)
-    length = generation_setting(model, generate_kwargs, "max_length")  # the library's default is None
+    length = generate_kwargs.get("max_length")
+    if length is None and generate_kwargs.get("generation_config") is not None:
+        length = generate_kwargs["generation_config"].max_length
     return None if length is None else max(int(length), prompt_tokens)
 
 
