@@ -13,6 +13,7 @@ import inspect
 import pytest
 import torch
 import transformers as tf
+from packaging.version import Version
 
 import kvcake
 from test_families import GREEDY, HEAD16, _assert_same_decoding
@@ -230,6 +231,110 @@ def _glm4v_with_an_image():
     return tf.Glm4vForConditionalGeneration(config), x, image
 
 
+def _idefics2_with_an_image():
+    text = {**_text("mistral"), "sliding_window": None}
+    perceiver = {"hidden_size": 64, "resampler_n_latents": 4, "resampler_depth": 1, "resampler_n_heads": 2,
+                 "resampler_head_dim": 16, "num_key_value_heads": 1}  # fmt: skip
+    config = tf.Idefics2Config(
+        text_config=text, vision_config=VISION, perceiver_config=perceiver, image_token_id=IMAGE
+    )
+    return (
+        tf.Idefics2ForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 1, 3, 56, 56)},
+    )
+
+
+def _chameleon_with_an_image():
+    """Images as the tokens of a VQ codebook (16 codes), 4 for a 32 x 32 image."""
+    codes = {
+        "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(code)) + "Z": 200 + code for code in range(16)
+    }
+    vq = {"embed_dim": 32, "num_embeddings": 16, "latent_channels": 32, "resolution": 32, "base_channels": 32,
+          "channel_multiplier": [1, 1, 1, 1, 1], "num_res_blocks": 1}  # fmt: skip
+    text = {k: v for k, v in _text("chameleon").items() if k != "model_type"}
+    config = tf.ChameleonConfig(**text, vq_config=vq, vocabulary_map={"<image>": IMAGE, **codes})
+    return (
+        tf.ChameleonForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 3, 32, 32)},
+    )
+
+
+def _fuyu_with_an_image():
+    """Patches straight into a Persimmon language model (partial rotary, q/k norms)."""
+    text = {"model_type": "persimmon", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    config = tf.FuyuConfig(text_config=text, image_token_id=IMAGE, patch_size=14, image_size=28)
+    return (
+        tf.FuyuForCausalLM(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 4, 3 * 14 * 14)},
+    )
+
+
+def _janus_with_an_image():
+    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+              "projection_dim": 64, "depth": 2, "num_image_tokens": 4, "mlp_ratio": 2.0}  # fmt: skip
+    vq = {"embed_dim": 8, "num_embeddings": 16, "latent_channels": 32, "base_channels": 32, "channel_multiplier": [1, 1],
+          "num_res_blocks": 1, "num_patches": 2, "projection_dim": 64, "image_token_embed_dim": 64}  # fmt: skip
+    config = tf.JanusConfig(
+        text_config=_text("llama"), vision_config=vision, vq_config=vq, image_token_id=IMAGE
+    )
+    return (
+        tf.JanusForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 3, 28, 28)},
+    )
+
+
+def _ovis2_with_an_image():
+    vision = {**VISION, "vocab_size": 64, "hidden_stride": 2, "num_visual_indicator_tokens": 5}
+    config = tf.Ovis2Config(text_config=_text("qwen2"), vision_config=vision, image_token_id=IMAGE,
+                            visual_indicator_token_ids=[290, 291, 292, 293, 294], hidden_size=64, vocab_size=300)  # fmt: skip
+    x = _ids_with_an_image(21, 4)
+    x[0, 20], x[0, 25] = 290, 291
+    return tf.Ovis2ForConditionalGeneration(config), x, {"pixel_values": torch.randn(1, 3, 56, 56)}
+
+
+def _aria_with_an_image():
+    text = {k: v for k, v in _text("aria_text").items() if k != "model_type"}
+    text |= {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}
+    config = tf.AriaConfig(text_config=text, vision_config={**VISION, "model_type": "idefics3_vision"},
+                           image_token_index=IMAGE, projector_patch_to_query_dict={16: 4})  # fmt: skip
+    return (
+        tf.AriaForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 3, 56, 56)},
+    )
+
+
+def _deepseek_vl_with_an_image():
+    vision = {**VISION, "model_type": "siglip_vision_model", "image_size": 28}
+    config = tf.DeepseekVLConfig(text_config=_text("llama"), vision_config=vision, image_token_id=IMAGE)
+    return (
+        tf.DeepseekVLForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 3, 28, 28)},
+    )
+
+
+def _cohere2_vision_with_an_image():
+    """A hybrid language model (sliding, full, sliding, full): only the full layers are compressed."""
+    text = {
+        **_text("cohere2"),
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }
+    config = tf.Cohere2VisionConfig(text_config=text, vision_config={**VISION, "model_type": "siglip_vision_model"},
+                                    image_token_id=IMAGE, downsample_factor=2, alignment_intermediate_size=64)  # fmt: skip
+    return (
+        tf.Cohere2VisionForConditionalGeneration(config),
+        _ids_with_an_image(21, 4),
+        {"pixel_values": torch.randn(1, 3, 56, 56)},
+    )
+
+
 def _blip2_with_an_image():
     """BLIP-2 (an OPT language model): the image's 4 query tokens first. Its ``forward`` and
     ``generate`` take ``pixel_values`` first, and its ``generate`` requires them at every call."""
@@ -244,7 +349,8 @@ def _blip2_with_an_image():
     return tf.Blip2ForConditionalGeneration(config), x, {"pixel_values": torch.randn(1, 3, 28, 28)}
 
 
-# name -> (builder, the transformers class it needs); MULTIMODAL_ROPE's keep rope_deltas
+# name -> (builder, the transformers class it needs[, the first release its inputs fit]); MULTIMODAL_ROPE's
+# keep rope_deltas
 BUILDERS = {
     "gemma3": (_gemma3_with_an_image, "Gemma3ForConditionalGeneration"),
     "llava": (_llava_with_an_image, "LlavaForConditionalGeneration"),
@@ -257,6 +363,14 @@ BUILDERS = {
     "llava_next": (_llava_next_with_an_image, "LlavaNextForConditionalGeneration"),
     "qwen3_vl": (_qwen3_vl_with_an_image, "Qwen3VLForConditionalGeneration"),
     "glm4v": (_glm4v_with_an_image, "Glm4vForConditionalGeneration"),
+    "idefics2": (_idefics2_with_an_image, "Idefics2ForConditionalGeneration"),
+    "chameleon": (_chameleon_with_an_image, "ChameleonForConditionalGeneration"),
+    "fuyu": (_fuyu_with_an_image, "FuyuForCausalLM", "5.24"),  # before: patches as image_patches
+    "janus": (_janus_with_an_image, "JanusForConditionalGeneration"),
+    "ovis2": (_ovis2_with_an_image, "Ovis2ForConditionalGeneration"),
+    "aria": (_aria_with_an_image, "AriaForConditionalGeneration", "5.24"),  # before: its vision config a dict
+    "deepseek_vl": (_deepseek_vl_with_an_image, "DeepseekVLForConditionalGeneration"),
+    "cohere2_vision": (_cohere2_vision_with_an_image, "Cohere2VisionForConditionalGeneration"),
     "blip2": (_blip2_with_an_image, "Blip2ForConditionalGeneration"),  # kvcake.generate only
 }
 MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
@@ -265,9 +379,11 @@ MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
 def _build(name: str):
     """``(model, ids, image inputs)`` of a family, seeded, in eval mode; skipped where the installed
     release lacks its class."""
-    build, cls = BUILDERS[name]
+    build, cls, *since = BUILDERS[name]
     if not hasattr(tf, cls):
         pytest.skip(f"transformers {tf.__version__} has no {cls}")
+    if since and Version(tf.__version__) < Version(since[0]):
+        pytest.skip(f"these inputs fit {cls} from transformers {since[0]}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model, x, image = build()
