@@ -228,6 +228,18 @@ def test_gpt2s_conv1d_projection_is_read_in_linears_layout():
     torch.testing.assert_close(x @ output_projection(module).T, expected)
 
 
+def _decodes_as(model: torch.nn.Module, ref: torch.nn.Module) -> list:
+    """``model`` decodes as ``ref`` with the presets that read the output projection during the
+    attention (CriticalKV's value norms: ``critical-adakv``, ``layer-defensivekv``); ``model``'s caches."""
+    x, kw, caches = _ids(40, seed=3), {"max_new_tokens": 4, **GREEDY}, []
+    for preset in ("critical-adakv", "layer-defensivekv"):
+        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
+        ref_out, _ = kvcake.generate(ref, x, preset, budget=12, window=4, **kw)
+        _assert_same_decoding(out, ref_out, preset)
+        caches.append(cache)
+    return caches
+
+
 class _Int8Linear(torch.nn.Linear):
     """A weight-only int8 linear as quantization libraries store one (bitsandbytes' ``Linear8bitLt``,
     torchao, quanto): integer codes and a scale per output row, dequantized in its own forward."""
@@ -289,12 +301,7 @@ def test_an_output_projection_that_is_not_a_plain_matrix(kind):
         plain = _model("qwen2")
         for layer, ours in zip(plain.model.layers, model.model.layers, strict=True):
             layer.self_attn.o_proj = ours.self_attn.o_proj.plain()
-    x = _ids(40, seed=3)
-    kw = {"max_new_tokens": 4, **GREEDY}
-    for preset in ("critical-adakv", "layer-defensivekv"):
-        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
-        ref, _ = kvcake.generate(plain, x, preset, budget=12, window=4, **kw)
-        _assert_same_decoding(out, ref, preset)
+    for cache in _decodes_as(model, plain):
         assert int(cache.budgets.sum()) == 24
     module = model.model.layers[0].self_attn
     torch.testing.assert_close(output_projection(module), plain.model.layers[0].self_attn.o_proj.weight)
@@ -318,12 +325,7 @@ def test_weights_offloaded_by_accelerate(tmp_path):
         ).eval()
     o_proj = offloaded.model.layers[1].self_attn.o_proj
     assert o_proj.weight.is_meta
-    x = _ids(40, seed=3)
-    kw = {"max_new_tokens": 4, **GREEDY}
-    for preset in ("critical-adakv", "layer-defensivekv"):
-        out, _ = kvcake.generate(offloaded, x, preset, budget=12, window=4, **kw)
-        ref, _ = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
-        _assert_same_decoding(out, ref, preset)
+    _decodes_as(offloaded, model)
     assert o_proj.weight.is_meta
     torch.testing.assert_close(
         projection_weight(offloaded.model.layers[1].self_attn), model.model.layers[1].self_attn.o_proj.weight

@@ -67,6 +67,18 @@ def _smolvlm_with_an_image():
     )
 
 
+def _grid_image(patch: int) -> tuple[torch.Tensor, dict]:
+    """Ids with a 4-token image between its start and end tokens (297, 296), and its patches as the
+    Qwen2-VL family's processors give them: a 4 x 4 grid of ``patch``-pixel patches, two frames
+    deep, merged 2 x 2 into the 4 tokens (3-D positions)."""
+    x = _ids_with_an_image(21, 4)
+    x[0, 20], x[0, 25] = 297, 296
+    return x, {
+        "pixel_values": torch.randn(16, 3 * 2 * patch * patch),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+    }
+
+
 def _qwen2_5_vl_with_an_image():
     text = {**_text("qwen2_5_vl_text"), "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
     text.pop("model_type")
@@ -75,9 +87,7 @@ def _qwen2_5_vl_with_an_image():
               "fullatt_block_indexes": [0]}  # fmt: skip
     config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=298,
                                  vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
-    x = _ids_with_an_image(21, 4)
-    x[0, 20], x[0, 25] = 297, 296
-    image = {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    x, image = _grid_image(14)
     return tf.Qwen2_5_VLForConditionalGeneration(config), x, image
 
 
@@ -182,13 +192,7 @@ def _qwen2_vl_with_an_image():
     config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=299, video_token_id=298,
                               vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
     model = tf.Qwen2VLForConditionalGeneration(config)
-    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
-    x[0, 20], x[0, 21:25], x[0, 25] = 297, 299, 296  # 4 x 4 patches merged 2 x 2: 4 tokens, 3-D positions
-    return (
-        model,
-        x,
-        {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])},
-    )
+    return model, *_grid_image(14)
 
 
 def _qwen3_vl_with_an_image():
@@ -205,9 +209,7 @@ def _qwen3_vl_with_an_image():
               "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}  # fmt: skip
     config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=298,
                               vision_start_token_id=297, vision_end_token_id=296)  # fmt: skip
-    x = _ids_with_an_image(21, 4)
-    x[0, 20], x[0, 25] = 297, 296
-    image = {"pixel_values": torch.randn(16, 3 * 2 * 16 * 16), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    x, image = _grid_image(16)
     return tf.Qwen3VLForConditionalGeneration(config), x, image
 
 
@@ -225,9 +227,7 @@ def _glm4v_with_an_image():
     config = tf.Glm4vConfig(text_config=text | {"rope_parameters": rope}, vision_config=vision, image_token_id=IMAGE,
                             video_token_id=298, image_start_token_id=297, image_end_token_id=296,
                             video_start_token_id=295, video_end_token_id=294)  # fmt: skip
-    x = _ids_with_an_image(21, 4)
-    x[0, 20], x[0, 25] = 297, 296
-    image = {"pixel_values": torch.randn(16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    x, image = _grid_image(14)
     return tf.Glm4vForConditionalGeneration(config), x, image
 
 
