@@ -38,6 +38,7 @@ LAYERS = {
         "budget",
         "dense",
         "ragged",
+        "sequences",
         "storage.format",
         "tensor_parallel",
     ],

@@ -512,13 +512,12 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
     "kwargs,match",
     [
         (
-            {"num_beams": 2},
-            "num_beams=2 is not supported with a compressed cache: .*decode greedily or by sampling",
+            {"prompt_lookup_num_tokens": 3},
+            "prompt_lookup_num_tokens=3 is not supported with a compressed cache: .*by beam search instead",
         ),
-        ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3 is not supported"),
         (
-            {"generation_config": tf.GenerationConfig(num_beams=2, max_new_tokens=3)},
-            r"num_beams=2 \(from the generation config\) is not supported",
+            {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
+            r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
         ),
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
         (
@@ -542,16 +541,19 @@ def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
     "kwargs,match",
     [
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
-        ({"num_beams": 2}, "num_beams=2 is not supported with a compressed cache"),
         (
-            {"generation_config": tf.GenerationConfig(num_beams=2, max_new_tokens=3)},
-            r"num_beams=2 \(from the generation config\) is not supported",
+            {"prompt_lookup_num_tokens": 3},
+            "prompt_lookup_num_tokens=3 is not supported with a compressed cache",
+        ),
+        (
+            {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
+            r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
         ),
     ],
 )
 def test_a_contexts_generate_refuses_the_same_modes_up_front(tiny_llama, kwargs, match):
     """A compressed context's generate checked none of them: use_cache=False answered, wrongly (the
-    whole sequence fed again into the fork); beam search failed on a batch-size mismatch."""
+    whole sequence fed again into the fork). Beam search is served (tests/test_beams.py)."""
     ctx = kvcake.compress(tiny_llama, ids(40), "snapkv", budget=16, window=8)
     with untouched(tiny_llama), pytest.raises(ValueError, match=match):
         ctx.generate(ids(5, seed=9), max_new_tokens=3, **kwargs)
@@ -617,15 +619,13 @@ _CROP_REFUSED = "a compressed KV cache cannot be cropped|requires a cache that c
 
 
 @pytest.mark.parametrize("spec", ["cake", "adakv"])  # a dense and a ragged cache
-@pytest.mark.parametrize("mode", ["beams", "beam-sample", "assistant", "prompt-lookup"])
+@pytest.mark.parametrize("mode", ["assistant", "prompt-lookup"])
 def test_model_generate_with_a_kvcake_cache_refuses_rollbacks(tiny_llama, make_tiny_llama, spec, mode):
     kwargs = {
-        "beams": {"num_beams": 2},
-        "beam-sample": {"num_beams": 2, "do_sample": True},
         "assistant": {"assistant_model": make_tiny_llama()},
         "prompt-lookup": {"prompt_lookup_num_tokens": 3},
     }[mode]
-    match = "beam search is not supported with a compressed KV cache" if "beam" in mode else _CROP_REFUSED
+    match = _CROP_REFUSED
     prompt = ids(40)
     cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
     assert not cache.is_croppable

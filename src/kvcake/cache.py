@@ -11,10 +11,10 @@ Flow for one layer ``l`` of the prompt's forward (prefill):
    before it stores anything); so the cache never holds more than the total budget plus one
    full layer.
 
-Later forwards (decoding, or a question appended to a compressed context) append to each
-layer and attend over what it physically holds, with logical positions; with the ``fixed``
-decoding policy each layer and head is evicted back to its budget every step (``decoding.py``).
-The cache itself keeps the layers, the ``Cache`` interface and the byte bookkeeping.
+Later forwards (decoding, or a question appended to a compressed context) append to each layer
+and attend over what it physically holds, with logical positions; with the ``fixed`` decoding
+policy each layer and head is evicted back to its budget every step (``decoding.py``). The cache
+keeps the layers, the ``Cache`` interface (beam search's reorder: ``sequences.py``) and the bytes.
 
 The cache reports the *logical* length (tokens seen), so transformers derives RoPE positions
 and the 2-D padding mask in logical columns; the attention maps them onto the physical
@@ -41,6 +41,7 @@ from .cascade import SequenceBudgets
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
+from .sequences import repeat_sequences, select_sequences
 from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
 from .tensor_parallel import HeadSplit, find_split
@@ -230,6 +231,8 @@ class KVCakeCache(Cache):
         self.layers[self.compressed[0]].crop(tokens_to_remove)
 
     is_croppable = False  # a property of transformers' Cache; a class attribute, as KVCakeLayer's
+    reorder_cache = batch_select_indices = select_sequences  # beam search; a batch cut or repeated,
+    batch_repeat_interleave = repeat_sequences  # every per-sequence budget following (sequences.py)
 
     @property
     def max_cache_len(self) -> int | None:
@@ -391,8 +394,3 @@ def _check_capacity(max_cache_len: int | None) -> None:
             f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
             f"(or None when unknown), got {max_cache_len!r}"
         )
-
-
-def new_cache(model: torch.nn.Module, method: Method | str = "cake", **budget_kwargs) -> KVCakeCache:
-    """Shorthand for ``KVCakeCache(model, method, **budget_kwargs)``."""
-    return KVCakeCache(model, method, **budget_kwargs)

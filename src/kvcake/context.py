@@ -22,16 +22,18 @@ from .cache import KVCakeCache
 
 
 def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
-    """Refuse, before any compute, the generation modes a compressed cache cannot serve, whether
-    asked for by keyword or through a ``generation_config`` (the model's default included)."""
-    for bad in ("num_beams", "assistant_model", "prompt_lookup_num_tokens"):
+    """Refuse, before any compute, the generation modes a compressed cache cannot serve (rollbacks:
+    assisted and prompt-lookup decoding), whether asked for by keyword or through a
+    ``generation_config`` (the model's default included). Beam search reorders the cache
+    (``kvcake.sequences``)."""
+    for bad in ("assistant_model", "prompt_lookup_num_tokens"):
         value = generation_setting(model, generate_kwargs, bad)
         if value not in (None, 1):
             shown = value if isinstance(value, int) else type(value).__name__
             source = "" if bad in generate_kwargs else " (from the generation config)"
             raise ValueError(
                 f"{bad}={shown}{source} is not supported with a compressed cache: it needs to roll the "
-                "cache back or reorder it; decode greedily or by sampling instead"
+                "cache back (evicted entries are gone); decode greedily, by sampling or by beam search instead"
             )
     if generate_kwargs.get("use_cache") is False:  # one from a config is overridden (generate_with_cache)
         raise ValueError(
@@ -75,6 +77,13 @@ def generation_length(model: torch.nn.Module, generate_kwargs: dict, prompt_toke
     if length is None and generate_kwargs.get("generation_config") is not None:
         length = generate_kwargs["generation_config"].max_length
     return None if length is None else max(int(length), prompt_tokens)
+
+
+def generation_rows(model: torch.nn.Module, generate_kwargs: dict) -> int:
+    """How many rows ``model.generate`` runs per sequence of the batch: its ``num_beams`` beams or its
+    ``num_return_sequences`` samples, whichever is more (transformers' ``expand_size``)."""
+    beams = generation_setting(model, generate_kwargs, "num_beams") or 1
+    return max(int(beams), int(generation_setting(model, generate_kwargs, "num_return_sequences") or 1))
 
 
 def _check_total(limit: int | None, total: int, prompt_tokens: int, new: int | None) -> None:
@@ -130,7 +139,9 @@ class CompressedContext:
         cache.reserve(
             generation_length(self.model, generate_kwargs, full.shape[1])
         )  # static storage's capacity
-        with enable(self.model), torch.no_grad(), self._positions():
+        rows = generation_rows(self.model, generate_kwargs)
+        cache.batch_repeat_interleave(rows)  # generate repeats each sequence for its beams or samples
+        with enable(self.model), torch.no_grad(), self._positions(rows):
             out = self.model.generate(
                 input_ids=full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
             )
@@ -150,13 +161,15 @@ class CompressedContext:
         return out.logits
 
     @contextlib.contextmanager
-    def _positions(self):
+    def _positions(self, rows: int = 1):
         """The model holds this context's ``rope_deltas`` for the call (it keeps the last prefill's
-        between calls, another prompt's or none), and what it held before afterwards."""
+        between calls, another prompt's or none), each repeated for ``rows`` beams or samples, and
+        what it held before afterwards."""
         holders = rope_delta_holders(self.model)
         before = [h.rope_deltas for h in holders]
+        deltas = None if self.rope_deltas is None else self.rope_deltas.repeat_interleave(rows, dim=0)
         for h in holders:
-            h.rope_deltas = self.rope_deltas
+            h.rope_deltas = deltas
         try:
             yield
         finally:

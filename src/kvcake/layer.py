@@ -22,6 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .dense import dense_attention
 from .ragged import RaggedMeta, first_rows, kept_indices, pad_probs, ragged_attention, ranked_rows, to_device
+from .sequences import host_rows, select_dense, select_ragged
 from .step import GROWTH, LAYOUTS
 from .step.common import catch_up_counts, mark_static
 
@@ -151,41 +152,38 @@ class KVCakeLayer(CacheLayerMixin):
             "decoding and other rollbacks need the full cache (use a plain DynamicCache)"
         )
 
+    # Beam search, and a batch repeated or cut: the cache's own budgets follow in KVCakeCache's
+    # (``kvcake.sequences.select_sequences``); these keep one layer consistent on its own.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # Refused for every layout (README: no beam search): per-sequence budgets are not reordered.
-        raise NotImplementedError(
-            "beam search is not supported with a compressed KV cache (kvcake): use greedy decoding "
-            "or sampling (num_beams=1), or a plain DynamicCache for beam search"
-        )
+        if self.keys is not None:
+            self.select_rows(*host_rows(beam_idx, self.batch))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.keys is None:
-            return
-        if self.static is not None:
-            self.step.to_dynamic(self)
-        if self.layout == "ragged":
-            raise NotImplementedError("expanding a ragged cache over the batch is not supported")
-        for name in ("keys", "values", "positions", "scores", "norms"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.repeat_interleave(repeats, dim=0))
-        self.counts = np.repeat(self.counts, repeats, axis=0)
-        self.batch *= repeats
+        if self.keys is not None:
+            self.select_rows(*host_rows(torch.arange(self.batch).repeat_interleave(repeats), self.batch))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.keys is None:
-            return
-        if self.static is not None:
-            self.step.to_dynamic(self)
-        if self.layout == "ragged":
-            raise NotImplementedError("selecting sequences of a ragged cache is not supported")
-        idx = indices.to(self.keys.device)
-        for name in ("keys", "values", "positions", "scores", "norms"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, idx))
-        self.counts = self.counts[indices.cpu().numpy()]
-        self.batch = len(self.counts)
+        if self.keys is not None:
+            self.select_rows(*host_rows(indices, self.batch))
+
+    def select_rows(self, rows: torch.Tensor, host: np.ndarray) -> None:
+        """Keep the sequences ``rows`` (B',) int64 (``host``: the same as numpy) in that order, every
+        per-sequence tensor, count and budget of the layer (``kvcake.sequences``)."""
+        static = self.static is not None
+        if not (static and len(host) == self.batch and self.step.permute(self, rows, host)):  # in place
+            if static:  # the reference layout, laid out again below
+                self.step.to_dynamic(self)
+            if self.layout == "dense":
+                select_dense(self, rows)
+            else:
+                select_ragged(self, rows, host)
+        self.counts, self.batch = self.counts[host], len(host)
+        if self.static_plan is not None and self.static_plan[0] is not None:
+            self.static_plan = (self.static_plan[0][host], self.static_plan[1])
+        if self.static == "fixed":
+            self.static_budget_host = self.static_budget_host[host]
+        elif static and self.static is None:
+            self.to_static()  # laid out again now, not inside the next (maybe compiled) step
 
     # -- static storage ----------------------------------------------------------------------
     def to_static(self) -> None:

@@ -123,15 +123,22 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.static, self.valid, self.seen = None, None, None
         self.cumulative_length = 0
 
-    reorder_cache = KVCakeLayer.reorder_cache  # refused, as for the compressed layers (the ring's flags too)
+    # beam search, a batch repeated or cut (``kvcake.sequences``), as for the compressed layers
+    reorder_cache = KVCakeLayer.reorder_cache
+    batch_repeat_interleave = KVCakeLayer.batch_repeat_interleave
+    batch_select_indices = KVCakeLayer.batch_select_indices
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
+    def select_rows(self, rows: torch.Tensor, host: np.ndarray) -> None:
+        """Keep the sequences ``rows`` (B',) in that order: in place in the ring where the batch keeps
+        its size (its addresses held), else in transformers' layout (the ring is laid out again at
+        the next step, from the model's mask)."""
+        if self.static is not None and len(host) == self.batch:
+            for t in (self.keys, self.values, self.valid):
+                t.copy_(t.index_select(0, rows.to(t.device)))
+            return
         self.to_dynamic()
-        super().batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.to_dynamic()
-        super().batch_select_indices(indices)
+        self.keys = self.keys.index_select(0, rows.to(self.keys.device))
+        self.values = self.values.index_select(0, rows.to(self.values.device))
 
     # -- the ring ------------------------------------------------------------------------------
     def _slots(self, n: int) -> torch.Tensor:

@@ -10,8 +10,9 @@ sequence the same width) and ``ragged.py`` (every head its own segment). In both
 lays the layer out, ``append`` writes the new token's entry (one in-place write per stored
 tensor), ``attend`` runs the new token's attention over what the layer holds (the fused kernel,
 or two batched matmuls around a softmax where the policy scores the entries), ``evict``
-(``decode=fixed``) scores the entries and frees one victim slot per head, and ``to_dynamic``
-turns the layer back into the reference layout (multi-token appends, batch reordering).
+(``decode=fixed``) scores the entries and frees one victim slot per head, ``permute`` reorders
+the batch in place (beam search, ``kvcake.sequences``), and ``to_dynamic`` turns the layer back
+into the reference layout (multi-token appends, a batch resized).
 ``common.py`` holds what does not depend on the layout. A layer's calls go through ``layer.step``
 (``KVCakeLayer.step``: ``LAYOUTS[layer.layout]``, fixed while the layer is static): no step
 branches on the layout.

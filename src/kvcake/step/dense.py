@@ -120,6 +120,22 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
         layer.scores.scatter_(2, free, 0.0)  # the next token's sum starts at 0
 
 
+# per sequence, (B, ...): what ``permute`` moves (``free``/``under`` for decode=fixed only); the
+# rest of the layout (``used_dev``, ``pos_zero``, ``steps``) is the same for every row
+PER_SEQUENCE = ("keys", "values", "positions", "scores", "bias", "newest", "free", "under")
+
+
+def permute(layer, rows: torch.Tensor, host: np.ndarray) -> bool:
+    """Beam search's reorder (``kvcake.sequences``; as many ``rows`` (B,) as the batch holds):
+    row ``i`` of every per-sequence buffer becomes row ``rows[i]``'s, written into itself, so
+    the addresses a compiled step holds stay (``common.mark_static``). Always in place (True)."""
+    for name in PER_SEQUENCE:  # what this layout holds
+        t = getattr(layer, name, None)
+        if t is not None:
+            t.copy_(t.index_select(0, rows.to(t.device)))
+    return True
+
+
 def to_dynamic(layer) -> None:
     """Back to the reference layout: position order, empty slots on the left, as wide as the
     head with the most entries."""

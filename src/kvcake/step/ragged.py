@@ -169,6 +169,38 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
         layer.seq_used.copy_(torch.minimum(layer.seq_used, layer.seq_room))
 
 
+# What ``permute`` moves: per slot (T_cap + 1,), per segment (S,), per head (B, H_kv, 1), and flat
+# slot indices per head (B, H_kv, 1). The rest (``pad_*``, ``cu_k``, ``next_end``, ``zero``, ``empty``,
+# ``pos_zero``, ``steps``) depends on the capacities only, which a permutation in place keeps.
+PER_SLOT = ("keys", "values", "positions", "scores", "bias")
+PER_SEGMENT = ("seq_used", "seq_room")
+PER_HEAD = ("newest", "under")
+SLOT_INDICES = ("next", "free")
+
+
+def permute(layer, rows: torch.Tensor, host: np.ndarray) -> bool:
+    """Beam search's reorder (``kvcake.sequences``; as many ``rows`` (B,) as the batch holds), in
+    place where each row takes one of the same capacities and counts (beams of one prompt do): a
+    new segment's slots are its source segment's, every buffer written into itself, so the
+    addresses a compiled step holds stay (``common.mark_static``). False (nothing done) where the
+    rows differ: the layer is laid out anew instead."""
+    counts = layer.counts
+    if not (np.array_equal(layer.capacity[host], layer.capacity) and np.array_equal(counts[host], counts)):
+        return False
+    meta, hkv, dev = layer.meta, layer.kv_heads, layer.keys.device
+    source = (rows.to(dev)[:, None] * hkv + torch.arange(hkv, device=dev)).reshape(-1)  # (S,) segments
+    start = meta.offsets[:-1]  # (S,) each segment's first slot
+    slots = torch.arange(layer.keys.shape[0], device=dev)  # (T_cap + 1,): the dummy slot stays
+    slots[: meta.seg.numel()] = start.index_select(0, source).index_select(0, meta.seg) + meta.local
+    shift = (start.index_select(0, source) - start).reshape(*counts.shape, 1)  # (B, H_kv, 1)
+    for names, index in ((PER_SLOT, slots), (PER_SEGMENT, source), (PER_HEAD, rows), (SLOT_INDICES, rows)):
+        for name in names:  # what this layout holds (``free``/``under``: decode=fixed; ``next``: none)
+            t = getattr(layer, name, None)
+            if t is not None:
+                t.copy_(t.index_select(0, index.to(t.device)) - (shift if names is SLOT_INDICES else 0))
+    return True
+
+
 def to_dynamic(layer) -> None:
     """Back to the reference layout: compact segments, entries in position order."""
     entries = in_position_order(layer)

@@ -1,0 +1,127 @@
+"""The sequences of a compressed cache chosen by row: beam search's reorder, a batch repeated or cut.
+
+transformers' beam search runs the prompt once per beam (each prompt's row repeated), then after
+every step hands the cache ``beam_idx``, for each row the row whose sequence it continues
+(``Cache.reorder_cache``); ``batch_repeat_interleave`` and ``batch_select_indices`` repeat and
+cut rows the same way (a compressed context asked with several beams or samples repeats its
+rows). A compressed cache holds more per sequence than its keys and values, and all of it
+follows the rows (:func:`select_sequences`, ``rows`` (B',) int64):
+
+* the cache's budgets: ``decode_budget`` (B, L_g, H_kv), which ``decode=fixed`` evicts back to,
+  and what prefill decided them from (layer budgets, preferences and their statistics, the
+  sequence budgets ``seq``, a recorded history);
+* a compressed layer's entries (keys, values, positions, scores, norms), its host counts and its
+  static plan's budgets (``KVCakeLayer.select_rows``). The dynamic reference layout gathers a
+  dense layer's tensors by row (:func:`select_dense`) and a ragged layer's segments as wholes,
+  each row's ``H_kv`` segments in order (:func:`select_ragged`). Static dense storage is permuted
+  in place where the batch keeps its size (``step.dense.permute``: the buffers a compiled step
+  or a CUDA graph holds keep their addresses); otherwise, and for static ragged storage, whose
+  rows may own different capacities, the layer goes back to the reference layout, is selected
+  there and is laid out again at once;
+* a sliding layer's window, in place in its ring (``SlidingLayer.select_rows``).
+
+Beams of one prompt hold the same budgets (the same prompt, compressed alike) and diverge only in
+what decoding keeps (``decode=fixed``) and generates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .ragged import RaggedMeta
+
+# per entry, as the dynamic layout holds them: (B, H_kv, N, ...) dense, (T, ...) ragged
+ENTRY_TENSORS = ("keys", "values", "positions", "scores", "norms")
+
+
+def host_rows(rows, batch: int) -> tuple[torch.Tensor, np.ndarray]:
+    """``rows`` checked against a batch of ``batch`` sequences: (the indices as an int64 tensor, on the
+    host as numpy). One read of the device where they live there (beam search's indices do)."""
+    if not isinstance(rows, torch.Tensor):
+        rows = torch.as_tensor(rows)
+    if rows.dim() != 1 or rows.is_floating_point() or rows.dtype == torch.bool:
+        raise ValueError(
+            f"rows must be a 1-D tensor of integer row indices (beam search's beam_idx), got "
+            f"{tuple(rows.shape)} {rows.dtype}"
+        )
+    host = rows.detach().cpu().numpy().astype(np.int64)
+    if host.size == 0 or host.min() < 0 or host.max() >= batch:
+        raise ValueError(
+            f"row indices must lie in [0, {batch}) for a cache holding {batch} sequences, and be at least "
+            f"one: got {host.tolist()}"
+        )
+    return rows.long(), host
+
+
+def repeat_sequences(cache, repeats: int) -> None:
+    """Repeat each sequence of ``cache`` ``repeats`` times in place of it (``torch.repeat_interleave``'s
+    order): :func:`select_sequences` of ``arange(B).repeat_interleave(repeats)``."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    counted = [layer.counts for layer in cache.layers if layer.keys is not None and layer.counts is not None]
+    if counted:
+        select_sequences(cache, torch.arange(counted[0].shape[0]).repeat_interleave(repeats))
+
+
+def select_sequences(cache, rows) -> None:
+    """Keep the sequences ``rows`` (B',) of ``cache``'s batch, in that order, repeats allowed:
+    beam search's ``beam_idx``, ``arange(B).repeat_interleave(k)`` to repeat each k times. Every
+    layer and every per-sequence budget follows (module docstring). An empty cache has nothing to
+    choose; a cache whose prefill has not finished is refused (its stage state is per row)."""
+    held = [layer for layer in cache.layers if layer.keys is not None]
+    if not held:
+        return
+    if not cache.prefilled:
+        raise RuntimeError(
+            "this KVCakeCache's prefill did not finish, so its sequences cannot be reordered or "
+            "repeated: make a new KVCakeCache"
+        )
+    batch = next(layer for layer in held if layer.counts is not None).counts.shape[0]
+    rows, host = host_rows(rows, batch)
+    _select_budgets(cache, rows, host)
+    for layer in cache.layers:
+        layer.select_rows(rows, host)
+    cache._layer_bytes = None  # the running total is counted again (a repeat adds bytes)
+    for lid in range(len(cache.layers)):
+        cache._track_bytes(lid)
+
+
+def _select_budgets(cache, rows: torch.Tensor, host: np.ndarray) -> None:
+    """The cache's per-sequence state (``KVCakeCache.__init__``) by row; prefill-only state is gone
+    once prefill ends."""
+    if cache.decode_budget is not None:
+        cache.decode_budget = cache.decode_budget[host]
+
+    def take(t):
+        return None if t is None else t.index_select(0, rows.to(t.device))
+
+    cache.budgets = take(cache.budgets)
+    for name in ("stage_budgets", "preferences", "entropy", "variance"):
+        setattr(cache, name, [take(t) for t in getattr(cache, name)])
+    if cache.seq is not None:
+        cache.seq = dataclasses.replace(
+            cache.seq, **{f.name: take(getattr(cache.seq, f.name)) for f in dataclasses.fields(cache.seq)}
+        )
+    cache.history = [(stage, lid, take(kept)) for stage, lid, kept in cache.history]
+
+
+def select_dense(layer, rows: torch.Tensor) -> None:
+    """A dense layer of the dynamic layout: every per-entry tensor (B, H_kv, N, ...) by row."""
+    for name in ENTRY_TENSORS:
+        t = getattr(layer, name)
+        if t is not None:
+            setattr(layer, name, t.index_select(0, rows.to(t.device)))
+
+
+def select_ragged(layer, rows: torch.Tensor, host: np.ndarray) -> None:
+    """A ragged layer of the dynamic layout: the segments of each row in ``rows`` (its ``H_kv``
+    segments ``b * H_kv + h``), whole and in order, into a new flattened layout."""
+    hkv, dev = layer.kv_heads, layer.keys.device
+    counts = layer.counts[host]  # (B', H_kv) host
+    meta = RaggedMeta.from_counts(counts, dev)
+    source = (rows.to(dev)[:, None] * hkv + torch.arange(hkv, device=dev)).reshape(-1)  # (B' * H_kv,)
+    start = layer.meta.offsets.index_select(0, source)  # each new segment's first row, where it was
+    layer.keep_rows(start.index_select(0, meta.seg) + meta.local, meta)  # (T',) rows of the old layout
