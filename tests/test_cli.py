@@ -117,6 +117,32 @@ def test_generate_question_aware(tiny_dir, capsys, monkeypatch):
     )
 
 
+def test_beam_search_from_the_command_line(tiny_dir, capsys, monkeypatch):
+    """--num-beams prints the answer once found (transformers streams no beam search): the whole
+    prompt kept, the stock beams' answer; a compressed document answers in generate and chat."""
+    import torch
+
+    from kvcake import load_model
+    from kvcake.cli.common import _prompt_ids, _use_chat
+
+    prompt = "w1 w2 w3 " * 30
+    code, out, err = call(capsys, monkeypatch, ["generate", *model_args(tiny_dir), "--prompt", prompt, "--method",
+                                                "full", "--num-beams", "3", "--max-new-tokens", "6"])  # fmt: skip
+    assert code == 0, err
+    model, tokenizer = load_model(str(tiny_dir))
+    ids = _prompt_ids(tokenizer, prompt, _use_chat(tokenizer, None))
+    with torch.no_grad():
+        stock = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3,
+                               do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert out.strip() == tokenizer.decode(stock[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    assert "answer (beam search)" in err and "first token" not in err
+    doc = ["--context-file", str(tiny_dir / "doc.txt"), *model_args(tiny_dir), *SMALL, "--num-beams", "2"]
+    code, out, err = call(capsys, monkeypatch, ["generate", *doc, "--question", "w1 w2"])
+    assert code == 0 and out.strip() and set(out.split()) <= set(WORDS), err
+    code, chat, err = call(capsys, monkeypatch, ["chat", *doc], stdin="w1 w2\nw1 w2\n")
+    assert code == 0 and chat.splitlines() == [out.strip()] * 2, err
+
+
 def test_help_lists_every_command_with_examples(capsys, monkeypatch):
     code, out, _ = call(capsys, monkeypatch, ["--help"])
     assert code == 0
@@ -221,6 +247,7 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--sample", "--temperature", "0"], "--temperature must be positive"),
         (["generate", "--prompt", "w1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
+        (["generate", "--prompt", "w1", "--num-beams", "0"], "--num-beams must be at least 1, got 0"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--compile"], "--compile applies to --prompt"),
         (["generate", "--prompt", "w1", "--compile", "--dynamic"], "drop --dynamic"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],

@@ -68,13 +68,15 @@ def _check_generation(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be positive, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.num_beams < 1:
+        raise ValueError(f"--num-beams must be at least 1, got {args.num_beams}")
 
 
 def _gen_kwargs(args: argparse.Namespace, tokenizer) -> dict:
     """``generate`` keywords: greedy, or sampling with the temperature/top-p given (else the model's
     generation config's); the seed is set here."""
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": bool(args.sample),
-           "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+           "num_beams": args.num_beams, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
     if args.sample:
         gen.update(
             {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
@@ -85,17 +87,34 @@ def _gen_kwargs(args: argparse.Namespace, tokenizer) -> dict:
 
 
 class _Streamer:
-    """Prints new tokens as whole words (transformers' ``TextStreamer``) and times them."""
+    """Prints new tokens as whole words (transformers' ``TextStreamer``) and times them. With beams
+    (``gen['num_beams'] > 1``: transformers streams no beam search) it prints the answer once
+    ``finish`` is given it, and times nothing per token."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, gen: dict | None = None) -> None:
         from transformers import TextStreamer
 
         self.first: float | None = None
         self.last: float | None = None
         self.count = 0
+        self.streams = (gen or {}).get("num_beams", 1) == 1
+        self.tokenizer = tokenizer
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         streamer.on_finalized_text = self._write
         self._inner = streamer
+
+    def kwargs(self) -> dict:
+        """What ``generate`` takes to stream: this streamer, or nothing with beams."""
+        return {"streamer": self} if self.streams else {}
+
+    def finish(self, answer_ids: torch.Tensor) -> None:
+        """With beams, print the first sequence's answer (B, n) ids; streamed, it is printed already."""
+        if not self.streams:
+            self._write(self.tokenizer.decode(answer_ids[0], skip_special_tokens=True), stream_end=True)
+
+    def label(self, elapsed: float) -> str:
+        """The time to the first token, or with beams to the whole answer (nothing streamed earlier)."""
+        return f"first token {elapsed:.2f} s" if self.streams else f"answer (beam search) {elapsed:.2f} s"
 
     @staticmethod
     def _write(text: str, stream_end: bool = False) -> None:
@@ -220,9 +239,10 @@ def _tau_line(cache) -> str:
 
 def _answer(ctx, tokenizer, question: str, chat: bool, gen: dict) -> tuple[torch.Tensor, _Streamer, float]:
     q_ids = _question_ids(tokenizer, question, chat).to(ctx.input_ids.device)
-    streamer = _Streamer(tokenizer)
+    streamer = _Streamer(tokenizer, gen)
     start = time.perf_counter()
-    out = ctx.generate(q_ids, streamer=streamer, **gen)
+    out = ctx.generate(q_ids, **streamer.kwargs(), **gen)
+    streamer.finish(out)
     return out, streamer, start
 
 

@@ -63,7 +63,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         gen = _gen_kwargs(args, tokenizer)
         out, streamer, start = _answer(ctx, tokenizer, args.question, chat, gen)
         first = (streamer.first or time.perf_counter()) - start
-        _report(f"{cache_summary(ctx.cache, 'context')} | {prefill} | question + first token {first:.2f} s | "
+        _report(f"{cache_summary(ctx.cache, 'context')} | {prefill} | question + {streamer.label(first)} | "
                 f"{out.shape[1]} new tokens, decode {_fmt_rate(streamer)}")  # fmt: skip
         return 0
     from ..api import generate
@@ -73,15 +73,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     gen = _gen_kwargs(args, tokenizer)
     ids = _prompt_ids(tokenizer, args.prompt, _use_chat(tokenizer, args.chat_template)).to(args.device)
     method = _method(args, ids.shape[1], "question")
-    streamer = _Streamer(tokenizer)
+    streamer = _Streamer(tokenizer, gen)
     start = time.perf_counter()
     scenario = _scenario(args, "question", "--prompt: the prompt is compressed with its question")
-    out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), streamer=streamer,
+    out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), **streamer.kwargs(),
                           progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
                           scenario=scenario, static=not args.dynamic, compile=True if args.compile else None,
                           **gen)  # fmt: skip
+    streamer.finish(out[:, ids.shape[1] :])
     first = (streamer.first or time.perf_counter()) - start
-    _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + first token {first:.2f} s "
+    _report(f"{cache_summary(cache, 'cache')} | prefill {ids.shape[1]} tokens + {streamer.label(first)} "
             f"({_rate(ids.shape[1], first)}) | {out.shape[1] - ids.shape[1]} new tokens, decode "
             f"{_fmt_rate(streamer)}")  # fmt: skip
     return 0

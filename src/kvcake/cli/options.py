@@ -75,6 +75,9 @@ def _generation_args(parser: argparse.ArgumentParser) -> None:
         help="nucleus sampling threshold (default: the model's generation config)",
     )
     g.add_argument("--seed", type=int, default=None, help="random seed for --sample (default: not seeded)")
+    g.add_argument("--num-beams", type=int, default=1,
+                   help="beam search over this many beams (default: 1, no beams); the answer is printed "
+                        "once found, not streamed")  # fmt: skip
     g.add_argument("--dynamic", action="store_true",
                    help="decode in the dynamic reference layout, which reallocates as it goes "
                         "(KVCakeCache(static=False)), not in storage preallocated for the answer (default)")  # fmt: skip
