@@ -270,7 +270,7 @@ def _build(config):
             "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
             "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-            "gemma3n_text": tf.Gemma3nForCausalLM, "mllama": tf.MllamaForConditionalGeneration,
+            "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM,
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
@@ -342,32 +342,6 @@ UNSUPPORTED = {
             activation_sparsity_pattern=[0.0] * 4,
         ),
         r"gemma3n_text: its last 2 layers read earlier layers' keys and values \(KV sharing, Gemma 3n\)",
-    ),
-    "mllama-cross-attention": (  # Llama 3.2 Vision: layer 1 attends to the image's states
-        lambda: tf.MllamaConfig(
-            text_config={
-                **SMALL,
-                "num_hidden_layers": 4,
-                "num_key_value_heads": 2,
-                "cross_attention_layers": [1],
-                "pad_token_id": 0,
-            },
-            vision_config={
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_global_layers": 1,
-                "attention_heads": 2,
-                "image_size": 28,
-                "patch_size": 14,
-                "max_num_tiles": 1,
-                "supported_aspect_ratios": [[1, 1]],
-                "intermediate_layers_indices": [0],
-                "vision_output_dim": 64,
-            },  # fmt: skip
-            image_token_index=127,
-        ),
-        r"mllama_text_model: layers \[1\] attend to the image's states, not the prompt \(cross-attention\)",
     ),
     "jetmoe-tiled-heads": (  # 4 query heads: 2 KV heads x 2 experts a token, query head h on KV head h % 2
         lambda: tf.JetMoeConfig(

@@ -3,8 +3,8 @@ transformers: the language model's cache holds the image's tokens like any other
 the prompt decodes the stock model's tokens and logits, with the prompt compressed whole
 (``kvcake.generate``) or a context with the image compressed before its question
 (``kvcake.compress``); a small budget runs with the budgets summing exactly. Families whose classes
-the installed release lacks are skipped. Mllama (cross-attention layers) is refused
-(``test_hostile.py``)."""
+the installed release lacks are skipped. Mllama's cross-attention layers hold the image's states
+uncompressed (``kvcake.cross``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import transformers as tf
 from packaging.version import Version
 
 import kvcake
+from kvcake.adapters import TOKEN_INPUTS
+from kvcake.cross import CrossLayer
 from test_families import GREEDY, HEAD16, _assert_same_decoding
 
 IMAGE = 299  # the image token of every model here (vocabulary 300)
@@ -349,6 +351,29 @@ def _blip2_with_an_image():
     return tf.Blip2ForConditionalGeneration(config), x, {"pixel_values": torch.randn(1, 3, 28, 28)}
 
 
+def _mllama_with_an_image():
+    """Mllama (Llama 3.2 Vision): layers 1 and 3 attend to the image's states (cross-attention, their
+    cache the image's tokens, never compressed), the others to the prompt. One image of two tiles, the
+    second padding; ``cross_attention_mask`` (B, S, images, tiles) has a row per token: the text before
+    the image token sees no tile, the rest the first. The gates of the cross layers are 1 (0 at
+    initialisation: the image would change nothing)."""
+    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 5, "cross_attention_layers": [1, 3]}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+              "attention_heads": 2, "image_size": 28, "patch_size": 14, "max_num_tiles": 2,
+              "supported_aspect_ratios": [[1, 1], [1, 2]], "intermediate_layers_indices": [0],
+              "vision_output_dim": 64}  # fmt: skip
+    model = tf.MllamaForConditionalGeneration(tf.MllamaConfig(text_config=text, vision_config=vision,
+                                                              image_token_index=IMAGE))  # fmt: skip
+    for name, p in model.named_parameters():
+        if name.endswith("_gate"):
+            p.data.fill_(1.0)
+    x = _ids_with_an_image(5, 1)
+    tiles = torch.zeros(1, 40, 1, 2, dtype=torch.long)
+    tiles[:, 5:, 0, 0] = 1
+    return model, x, {"pixel_values": torch.randn(1, 1, 2, 3, 28, 28), "aspect_ratio_ids": torch.tensor([[1]]),
+                      "aspect_ratio_mask": torch.tensor([[[1, 0]]]), "cross_attention_mask": tiles}  # fmt: skip
+
+
 # name -> (builder, the transformers class it needs[, the first release its inputs fit]); MULTIMODAL_ROPE's
 # keep rope_deltas
 BUILDERS = {
@@ -372,6 +397,7 @@ BUILDERS = {
     "deepseek_vl": (_deepseek_vl_with_an_image, "DeepseekVLForConditionalGeneration"),
     "cohere2_vision": (_cohere2_vision_with_an_image, "Cohere2VisionForConditionalGeneration"),
     "blip2": (_blip2_with_an_image, "Blip2ForConditionalGeneration"),  # kvcake.generate only
+    "mllama": (_mllama_with_an_image, "MllamaForConditionalGeneration"),
 }
 MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
 
@@ -411,7 +437,9 @@ def _image_inputs(model, x, image, length: int) -> dict:
     Qwen2-VL's ``mm_token_type_ids`` (1 on an image's tokens) where the model's forward takes them."""
     if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and "image_grid_thw" in image:
         image = {**image, "mm_token_type_ids": (x == 299).long()}
-    return {k: v[:, :length] if k.endswith("token_type_ids") else v for k, v in image.items()}
+    return {
+        k: v[:, :length] if k.endswith("token_type_ids") or k in TOKEN_INPUTS else v for k, v in image.items()
+    }
 
 
 @pytest.mark.parametrize("name", [name for name in BUILDERS if name != "blip2"])
@@ -485,3 +513,54 @@ def test_a_context_is_refused_where_generate_needs_the_image_at_every_call():
     model, x, image = _build("blip2")
     with pytest.raises(ValueError, match=r"Blip2ForConditionalGeneration.generate encodes its image again"):
         kvcake.compress(model, x[:, :36], "snapkv", budget=64, window=4, **image)
+
+
+def test_mllama_keeps_the_image_states_of_its_cross_attention_layers_whole():
+    """Mllama was refused. Its cross-attention layers (1 and 3) hold the image's keys and values as a
+    DynamicCache holds them, bit for bit, counted apart (``KVBytes.cross``); only the self-attention
+    layers are compressed (budgets summing exactly over 3 layers), static storage decoding as the
+    dynamic reference, the prefill's logits the stock model's."""
+    model, x, image = _build("mllama")
+    kw = {"max_new_tokens": 4, **GREEDY}
+    with torch.no_grad():
+        stock = model.generate(input_ids=x, **kw, **image)
+        full = tf.DynamicCache(config=model.config)
+        model(input_ids=x, **image, **kvcake.with_cache(model, full))
+    for preset in ("snapkv", "h2o", "cake", "critical-adakv"):
+        out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw, **image)
+        assert cache.compressed == (0, 2, 4) and cache.budgets.tolist() == [[12, 12, 12]], preset
+        torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
+        dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
+        _assert_same_decoding(out, dynamic, preset)
+        for i in (1, 3):
+            assert isinstance(cache.layers[i], CrossLayer)
+            assert torch.equal(cache.layers[i].keys, full.layers[i].keys)
+            assert torch.equal(cache.layers[i].values, full.layers[i].values)
+        parts = cache.kv_bytes_parts()
+        assert parts.cross == sum(cache.layers[i].kv_bytes() for i in (1, 3)) > 0
+        assert parts.total == cache.kv_bytes()
+
+
+def test_mllama_without_an_image_and_with_beams(tmp_path):
+    """A text-only prompt leaves the cross-attention layers empty (the model skips them): covering,
+    the stock tokens, and a context of it saves and loads. Beam search reorders the image's states
+    with the rest."""
+    model, x, image = _build("mllama")
+    kw = {"max_new_tokens": 4, **GREEDY}
+    text = x[:, 10:]
+    with torch.no_grad():
+        stock = model.generate(input_ids=text, **kw)
+    out, cache = kvcake.generate(model, text, "snapkv", budget=64, window=4, **kw)
+    _assert_same_decoding(out, stock)
+    assert cache.kv_bytes_parts().cross == 0
+    ctx = kvcake.compress(model, text[:, :26], "snapkv", budget=12, window=4)
+    ctx.save(tmp_path / "text.kvc")
+    loaded = kvcake.load_context(model, tmp_path / "text.kvc")
+    assert torch.equal(
+        loaded.generate(text[:, 26:], **kw).sequences, ctx.generate(text[:, 26:], **kw).sequences
+    )
+    beams = {"max_new_tokens": 4, "num_beams": 3, "do_sample": False}
+    with torch.no_grad():
+        stock = model.generate(input_ids=x, **beams, **image)
+    out, _ = kvcake.generate(model, x, "cake", budget=64, window=4, **beams, **image)
+    assert torch.equal(out, stock)

@@ -49,6 +49,8 @@ class ModelInfo:
     windows: tuple[int | None, ...] = ()
     # Whether the attention hands its kwargs to ``cache.update`` (:func:`hands_kwargs_to_cache`).
     hands_kwargs: bool = False
+    # Cross-attention layers (Mllama): they hold the image's keys, never compressed (``cross.py``).
+    cross: tuple[int, ...] = ()
 
     @property
     def groups(self) -> int:
@@ -57,9 +59,8 @@ class ModelInfo:
     @property
     def compressed_layers(self) -> tuple[int, ...]:
         """Indices of the full-attention layers, the only ones kvcake compresses."""
-        if not self.windows:
-            return tuple(range(self.num_layers))
-        return tuple(i for i, w in enumerate(self.windows) if w is None)
+        windows = self.windows or (None,) * self.num_layers
+        return tuple(i for i, w in enumerate(windows) if w is None and i not in self.cross)
 
     @property
     def hybrid(self) -> bool:
@@ -70,11 +71,11 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     """Check that kvcake can compress this model and return its shapes.
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
-    layer slides (nothing to compress), chunked layers, encoder-decoders and cross-attention layers
-    (Mllama), latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention
+    layer slides (nothing to compress), chunked layers, encoder-decoders, latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention
     logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS), and
     the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask).
-    Sliding layers of a hybrid are reported in ``windows``.
+    Sliding layers of a hybrid are reported in ``windows``, cross-attention layers (Mllama, which
+    attend to the image's states) in ``cross``: neither is compressed.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -86,12 +87,6 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     if mtype in _REFUSED_FAMILIES:
         raise ValueError(
             f"{mtype}: {_REFUSED_FAMILIES[mtype]}, which kvcake does not support; use a DynamicCache for this model"
-        )
-    if getattr(text, "cross_attention_layers", None):  # Mllama (Llama 3.2 Vision)
-        raise ValueError(
-            f"{mtype}: layers {list(text.cross_attention_layers)} attend to the image's states, not the prompt "
-            "(cross-attention), which kvcake does not support: their cache holds the image's keys, which no "
-            "budget over the prompt applies to; use a DynamicCache for this model"
         )
     for attr in ("kv_lora_rank", "q_lora_rank"):
         if getattr(text, attr, None):
@@ -122,8 +117,16 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
     num_kv = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
     return ModelInfo(
-        mtype, text.num_hidden_layers, num_heads, num_kv, head_dim, windows, hands_kwargs_to_cache(model)
+        mtype,
+        text.num_hidden_layers,
+        num_heads,
+        num_kv,
+        head_dim,
+        windows,
+        hands_kwargs_to_cache(model),
+        cross,
     )
 
 
@@ -361,3 +364,16 @@ def rope_delta_holders(model: torch.nn.Module) -> list[torch.nn.Module]:
     Qwen2-VL and its kin, set by a prefill with images): transformers reads it, not the cache, to
     place the tokens appended to a filled cache."""
     return [m for m in model.modules() if "rope_deltas" in vars(m)]
+
+
+# Model inputs with a row per token (dim 1) that a model reads again for the tokens appended after
+# them, extending it by repeating its last row (Mllama's generate does so for each new token): a
+# compressed context keeps them for its follow-ups. Mllama's ``cross_attention_mask`` (B, S, images,
+# tiles): which of the image's tiles each token attends.
+TOKEN_INPUTS = ("cross_attention_mask",)
+
+
+def extend_token_input(t: torch.Tensor, q: int) -> torch.Tensor:
+    """A :data:`TOKEN_INPUTS` tensor (B, S, ...) for ``q`` more tokens: (B, S + q, ...), each new row
+    the last one."""
+    return torch.cat([t, t[:, -1:].expand(-1, q, *t.shape[2:])], dim=1)

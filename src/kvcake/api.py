@@ -29,6 +29,7 @@ import transformers
 from transformers import CompileConfig
 
 from .adapters import (
+    TOKEN_INPUTS,
     cache_keyword,
     describe_model,
     generate_with_cache,
@@ -226,7 +227,7 @@ def compress(
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    _check_model_inputs(model_inputs)
+    _check_model_inputs(model_inputs, input_ids.shape)
     holders = rope_delta_holders(model)
     for holder in holders:  # computed from this context's images, not left from an earlier prompt
         holder.rope_deltas = None
@@ -243,10 +244,18 @@ def compress(
         )
     cache.serve(static)
     deltas = next((h.rope_deltas for h in holders if h.rope_deltas is not None), None)
-    return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1], deltas)
+    kept = {name: model_inputs[name] for name in TOKEN_INPUTS if model_inputs.get(name) is not None}
+    return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1], deltas, kept)
 
 
-def _check_model_inputs(model_inputs: dict) -> None:
+def _check_model_inputs(model_inputs: dict, ids_shape: torch.Size) -> None:
+    for name in TOKEN_INPUTS:  # a row per token of the context, which its follow-ups extend
+        t = model_inputs.get(name)
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != tuple(ids_shape)):
+            raise ValueError(
+                f"{name} must have a row per token of the context, (B, S, ...) = {tuple(ids_shape)}, got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
     taken = sorted(
         set(model_inputs) & {"cache", "past_key_values", "use_cache", "logits_to_keep", "inputs_embeds"}
     )

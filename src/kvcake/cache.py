@@ -38,6 +38,7 @@ from . import cascade, decoding
 from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
+from .cross import CrossLayer
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
@@ -120,8 +121,9 @@ class KVCakeCache(Cache):
         self.model_type = self.info.model_type
         from .layer import KVCakeLayer
 
-        windows = self.info.windows or (None,) * self.info.num_layers
-        super().__init__(layers=[KVCakeLayer() if w is None else SlidingLayer(w) for w in windows])
+        windows, cross = self.info.windows or (None,) * self.info.num_layers, self.info.cross
+        super().__init__(layers=[CrossLayer() if i in cross else KVCakeLayer() if w is None else SlidingLayer(w)
+                                 for i, w in enumerate(windows)])  # fmt: skip
         self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
         self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None
@@ -175,7 +177,7 @@ class KVCakeCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         held = layer.keys, layer.values  # a static step (and the ring) writes into them
-        if isinstance(layer, SlidingLayer):  # never compressed; decoded in a ring (sliding.py)
+        if isinstance(layer, (SlidingLayer, CrossLayer)):  # never compressed (sliding.py, cross.py)
             if self._waiting:  # the previous layer's stage or eviction
                 self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)

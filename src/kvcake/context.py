@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters import (
+    extend_token_input,
     generate_with_cache,
     generation_setting,
     rope_delta_holders,
@@ -104,7 +105,10 @@ class CompressedContext:
     ``attention_mask`` (B, S), ``logits`` (B, vocab) of the context's last token, ``rope_deltas``
     (B, 1) or None: the offset of multimodal RoPE positions after the context, on models that keep
     one between calls (Qwen2-VL: an image's tokens take fewer positions than tokens), handed to the
-    model for each follow-up.
+    model for each follow-up; ``token_inputs``: the context's inputs with a row per token that the
+    model reads again for later tokens (``adapters.TOKEN_INPUTS``: Mllama's ``cross_attention_mask``,
+    (B, S, images, tiles)), handed to it for each follow-up with a row per appended token (the
+    context's last, as the model's own generate extends it).
     """
 
     model: torch.nn.Module = field(repr=False)
@@ -113,6 +117,7 @@ class CompressedContext:
     attention_mask: torch.Tensor
     logits: torch.Tensor
     rope_deltas: torch.Tensor | None = None
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def fork(self) -> KVCakeCache:
         """A private copy of the compressed cache, to extend without touching this context."""
@@ -143,8 +148,9 @@ class CompressedContext:
         cache.batch_repeat_interleave(rows)  # generate repeats each sequence for its beams or samples
         with enable(self.model), torch.no_grad(), self._positions(rows):
             out = self.model.generate(
-                input_ids=full, attention_mask=mask, **generate_with_cache(self.model, cache, generate_kwargs)
-            )
+                input_ids=full, attention_mask=mask, **self._token_inputs(full.shape[1]),
+                **generate_with_cache(self.model, cache, generate_kwargs),
+            )  # fmt: skip
         if hasattr(out, "sequences"):  # return_dict_in_generate=True: the output, its sequences the answer's
             out.sequences = out.sequences[:, full.shape[1] :]
             return out
@@ -157,7 +163,7 @@ class CompressedContext:
         cache = self.fork()
         with enable(self.model), torch.no_grad(), self._positions():
             out = self.model(input_ids=ids, attention_mask=mask, **self._appended_positions(ids, mask),
-                             **with_cache(self.model, cache))  # fmt: skip
+                             **self._token_inputs(full.shape[1], ids.shape[1]), **with_cache(self.model, cache))  # fmt: skip
         return out.logits
 
     @contextlib.contextmanager
@@ -175,6 +181,20 @@ class CompressedContext:
         finally:
             for h, deltas in zip(holders, before, strict=True):
                 h.rope_deltas = deltas
+
+    def _token_inputs(self, length: int, appended: int | None = None) -> dict:
+        """``token_inputs`` over ``length`` tokens: the context's rows, then its last for each appended.
+        For a forward of ``appended`` tokens, their ``cache_position`` too where the model's forward
+        takes one: transformers 5.0's Mllama picks the tokens' rows by it (later releases by the
+        cache's length, or take the rows as they are)."""
+        out = {k: extend_token_input(t, length - t.shape[1]) for k, t in self.token_inputs.items()}
+        if (
+            out
+            and appended is not None
+            and "cache_position" in inspect.signature(self.model.forward).parameters
+        ):
+            out["cache_position"] = torch.arange(length - appended, length, device=self.input_ids.device)
+        return out
 
     def _appended_positions(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
         """``position_ids`` (3, B, q) of ``ids`` appended to a context with ``rope_deltas`` (the rule the

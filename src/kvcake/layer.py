@@ -160,7 +160,8 @@ class KVCakeLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.keys is not None:
-            self.select_rows(*host_rows(torch.arange(self.batch).repeat_interleave(repeats), self.batch))
+            rows = torch.arange(self.batch).repeat_interleave(repeats)  # host: moved where used
+            self.select_rows(*host_rows(rows, self.batch))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.keys is not None:

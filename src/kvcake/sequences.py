@@ -41,7 +41,7 @@ def host_rows(rows, batch: int) -> tuple[torch.Tensor, np.ndarray]:
     """``rows`` checked against a batch of ``batch`` sequences: (the indices as an int64 tensor, on the
     host as numpy). One read of the device where they live there (beam search's indices do)."""
     if not isinstance(rows, torch.Tensor):
-        rows = torch.as_tensor(rows)
+        rows = torch.as_tensor(rows)  # host: moved to each tensor's device where it is used
     if rows.dim() != 1 or rows.is_floating_point() or rows.dtype == torch.bool:
         raise ValueError(
             f"rows must be a 1-D tensor of integer row indices (beam search's beam_idx), got "
@@ -63,7 +63,7 @@ def repeat_sequences(cache, repeats: int) -> None:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     counted = [layer.counts for layer in cache.layers if layer.keys is not None and layer.counts is not None]
     if counted:
-        select_sequences(cache, torch.arange(counted[0].shape[0]).repeat_interleave(repeats))
+        select_sequences(cache, torch.arange(counted[0].shape[0]).repeat_interleave(repeats))  # host rows
 
 
 def select_sequences(cache, rows) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from .cross import CrossLayer
 from .layer import KVCakeLayer
 
 
@@ -215,18 +216,21 @@ class KVBytes:
 
     sliding: held by the sliding-window layers (at most their window); compressed: held by the
     full-attention layers kvcake compresses; full: what transformers' ``DynamicCache`` would
-    hold for the same tokens (sliding layers at their window, global layers every token).
-    ``entries`` / ``full_entries``: the same totals in (sequence, layer, KV head, token) entries."""
+    hold for the same tokens (sliding layers at their window, global layers every token, the
+    image's states of cross-attention layers as they are); cross: held by the cross-attention
+    layers (Mllama: the image's states, never compressed). ``entries`` / ``full_entries``: the
+    same totals in (sequence, layer, KV head, token) entries."""
 
     sliding: int
     compressed: int
     full: int
     entries: int = 0
     full_entries: int = 0
+    cross: int = 0
 
     @property
     def total(self) -> int:
-        return self.sliding + self.compressed
+        return self.sliding + self.compressed + self.cross
 
     @property
     def fraction(self) -> float:
@@ -236,13 +240,17 @@ class KVBytes:
 
 def kv_bytes_parts(cache: Cache) -> KVBytes:
     """Split a KVCakeCache's bytes into sliding and compressed layers, against the full cache."""
-    sliding = compressed = full = entries = full_entries = 0
+    sliding = compressed = full = entries = full_entries = cross = 0
     for layer in cache.layers:
         if layer.keys is None:
             continue
         held = layer.kv_bytes()
         entries += layer.entries()
-        if isinstance(layer, SlidingLayer):
+        if isinstance(layer, CrossLayer):
+            cross += held  # a cross-attention layer (cross.py): the image's states, as a full cache's
+            full += held
+            full_entries += layer.entries()
+        elif isinstance(layer, SlidingLayer):
             sliding += held
             full += layer.dynamic_bytes()  # a DynamicCache's window - 1 entries
             full_entries += layer.dynamic_entries()
@@ -255,7 +263,7 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
             )
             full += n * entry
             full_entries += n
-    return KVBytes(sliding, compressed, full, entries, full_entries)
+    return KVBytes(sliding, compressed, full, entries, full_entries, cross)
 
 
 def visible_keys(mask, batch: int, n_keys: int) -> torch.Tensor | None:

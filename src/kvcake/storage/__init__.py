@@ -10,6 +10,10 @@ Tensors (``l`` is a layer index, ``B`` the batch, ``L`` the layers, ``H_kv`` the
 
 * ``context.input_ids`` / ``context.attention_mask`` (B, S), ``context.logits`` (B, vocab);
   ``context.rope_deltas`` (B, 1) where the model keeps multimodal RoPE's offset (Qwen2-VL);
+  ``context.token_inputs.<name>`` (B, S, ...), the context's inputs with a row per token that its
+  follow-ups extend (Mllama's ``cross_attention_mask``);
+* ``layers.l.keys`` / ``layers.l.values`` of a cross-attention layer (Mllama): the image's states,
+  (B, H_kv, image tokens, d), none where the prompt had no image (layout ``cross``);
 * ``layers.l.keys`` / ``layers.l.values``: dense (B, H_kv, N, d) or ragged flattened (T, d);
   ``layers.l.positions`` (same layout, -1 = empty slot); ``layers.l.counts`` (B, H_kv);
   ``layers.l.lengths`` (B * H_kv,) for ragged layers; ``layers.l.scores`` when the cache keeps

@@ -17,12 +17,13 @@ import torch
 from ..cache import KVCakeCache
 from ..cascade import SequenceBudgets
 from ..context import CompressedContext
+from ..cross import CrossLayer, restore_cross
 from ..devices import input_device, layer_devices, output_device
 from ..method import _rebuild_method
 from ..ragged import RaggedMeta
 from ..sliding import SlidingLayer, restore_sliding
 from .format import _DIGEST_KEY, _MAX_HEADER, _META_KEY, ContextFileError, _digest, _read_header
-from .writer import _model_meta
+from .writer import TOKEN_INPUTS_PREFIX, _model_meta
 
 logger = logging.getLogger("kvcake.storage")
 
@@ -139,6 +140,17 @@ def _rebuild(
         raise ContextFileError(f"it has {len(layers_meta)} layers, the model {info.num_layers}")
     for lid, (layer, lm) in enumerate(zip(cache.layers, layers_meta, strict=True)):
         prefix, device = f"layers.{lid}.", devices[lid]
+        if lm["layout"] == "cross" or isinstance(layer, CrossLayer):  # Mllama: the image's states, whole
+            keys, values = tensors.get(prefix + "keys"), tensors.get(prefix + "values")
+            if lm["layout"] != "cross":
+                err = "not cross-attention"
+            elif not lm.get("empty") and (keys is None or values is None):
+                err = "its keys are missing"
+            else:
+                err = restore_cross(layer, keys, values, lm, device)
+            if err:
+                raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
+            continue
         keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
         if lm["layout"] == "sliding" or isinstance(layer, SlidingLayer):
             err = (
@@ -202,7 +214,9 @@ def _rebuild(
         tensors["context.attention_mask"].to(input_device(model)),
         tensors["context.logits"].to(output_device(model)),
         tensors["context.rope_deltas"].to(input_device(model)) if "context.rope_deltas" in tensors else None,
-    )
+        {name.removeprefix(TOKEN_INPUTS_PREFIX): t.to(input_device(model))
+         for name, t in tensors.items() if name.startswith(TOKEN_INPUTS_PREFIX)},
+    )  # fmt: skip
     if tuple(ctx.input_ids.shape) != (batch, meta["context"]["length"]):
         raise ContextFileError("its context ids do not match its description")
     return ctx

@@ -18,10 +18,13 @@ import torch
 from ..adapters import describe_model
 from ..cache import KVCakeCache
 from ..cascade import SequenceBudgets
+from ..cross import CrossLayer, cross_entry
 from ..method import method_spec
 from ..sliding import SlidingLayer, sliding_entry
 from ..version import __version__
 from .format import _CHUNK, _DIGEST_KEY, _META_KEY, FORMAT_NAME, FORMAT_VERSION, _digest
+
+TOKEN_INPUTS_PREFIX = "context.token_inputs."  # + the input's name (CompressedContext.token_inputs)
 
 logger = logging.getLogger("kvcake.storage")
 
@@ -84,6 +87,8 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
     }
     if ctx.rope_deltas is not None:  # multimodal RoPE's offset after the context
         tensors["context.rope_deltas"] = _host(ctx.rope_deltas)
+    for name, t in ctx.token_inputs.items():  # a row per token, which follow-ups extend (Mllama)
+        tensors[TOKEN_INPUTS_PREFIX + name] = _host(t)
     for i, stage in enumerate(cache.stage_budgets):
         tensors[f"cache.stage_budgets.{i}"] = _host(stage)
     for name in ("entropy", "variance", "preferences"):
@@ -96,10 +101,15 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
     layers_meta = []
     kv_dtype = None
     for lid, layer in enumerate(cache.layers):
+        prefix = f"layers.{lid}."
+        if isinstance(layer, CrossLayer):  # Mllama: the image's states, or nothing (a text-only prompt)
+            layers_meta.append(cross_entry(layer))
+            if not layers_meta[-1]["empty"]:
+                tensors[prefix + "keys"], tensors[prefix + "values"] = _host(layer.keys), _host(layer.values)
+            continue
         if layer.keys is None:
             raise ValueError(f"layer {lid} of the cache is empty: nothing to save")
         kv_dtype = layer.keys.dtype
-        prefix = f"layers.{lid}."
         tensors[prefix + "keys"] = _host(layer.keys)
         tensors[prefix + "values"] = _host(layer.values)
         if isinstance(layer, SlidingLayer):  # hybrid models: kept as transformers holds it
