@@ -14,7 +14,9 @@ for ``HYBRID_PRESETS`` on a tiny Gemma 3 of the same shape whose layers alternat
   (Ada-KV's head split decided over all heads), after prefill and after decoding;
 - each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``; a
   ring's per-slot flags are whole on every rank);
-- a compressed context (``kvcake.compress``) answers a question with the one-process tokens.
+- a compressed context (``kvcake.compress``) answers a question with the one-process tokens;
+- beam search (three beams, static storage) gives the one-process tokens, for ``HYBRID_PRESETS``
+  on both models.
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
@@ -72,6 +74,15 @@ def run(model, ids, mask, preset, static):
             output_scores=True, return_dict_in_generate=True, pad_token_id=0,
         )  # fmt: skip
     return out, cache
+
+
+def beam_search(model, ids, mask, preset) -> torch.Tensor:
+    """Three beams a prompt, static storage (permuted in place at every step): the new tokens."""
+    cache = kvcake.KVCakeCache(model, kvcake.make_method(preset, budget=BUDGET))
+    with kvcake.enable(model), torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **kvcake.with_cache(model, cache), max_new_tokens=NEW_TOKENS,
+                             num_beams=3, do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[:, ids.shape[1] :]
 
 
 def heads_bytes(layer, heads: slice, world: int) -> int:
@@ -199,6 +210,12 @@ def main() -> int:
                 bad = check(preset, full, tp, ids, mask, static, rank, world)
                 if bad:
                     failed[f"{'hybrid ' if hybrid else ''}{preset}{' static' if static else ''}"] = bad
+        for preset in HYBRID_PRESETS:  # beam search: each rank reorders its heads' rows alike
+            beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
+            if not torch.equal(*beams):
+                failed[f"{'hybrid ' if hybrid else ''}{preset} beams"] = [
+                    f"{beams[1].tolist()} vs {beams[0].tolist()}"
+                ]
     ctx = kvcake.compress(tp, ids, "snapkv", attention_mask=mask, budget=BUDGET)
     with tempfile.TemporaryDirectory() as tmp:
         try:
