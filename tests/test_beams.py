@@ -267,3 +267,11 @@ def test_kvcake_generate_searches_beams(tiny_llama, spec):
                                      for s in (True, False))  # fmt: skip
     assert torch.equal(static, dynamic) and static.shape == (4, 48)
     assert torch.equal(cache.budgets[0], cache.budgets[2]) and torch.equal(cache.budgets[3], cache.budgets[5])
+
+
+def test_compile_with_beams_is_refused(tiny_llama):
+    """transformers compiles the forward of greedy and sampled decoding only: compile=True with beams
+    would decode eagerly while saying it compiles."""
+    with pytest.raises(ValueError, match="beam search runs the model's forward eagerly"):
+        kvcake.generate(tiny_llama, _prompts()[0], "snapkv", budget=12, window=4, max_new_tokens=2, num_beams=2,
+                        compile=True)  # fmt: skip

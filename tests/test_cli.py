@@ -248,6 +248,7 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
         (["generate", "--prompt", "w1", "--num-beams", "0"], "--num-beams must be at least 1, got 0"),
+        (["generate", "--prompt", "w1", "--num-beams", "2", "--compile"], "beam search runs eagerly: drop --compile"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--compile"], "--compile applies to --prompt"),
         (["generate", "--prompt", "w1", "--compile", "--dynamic"], "drop --dynamic"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],

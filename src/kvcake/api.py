@@ -169,6 +169,11 @@ def generate(
             raise ValueError(
                 "compile=True compiles the static decode step: drop static=False (or compile=True)"
             )
+        if (generation_setting(model, generate_kwargs, "num_beams") or 1) > 1:
+            raise ValueError(
+                "compile=True compiles greedy and sampled decoding; transformers' beam search runs the model's "
+                "forward eagerly, so nothing would be compiled: drop compile=True (or num_beams)"
+            )
         info = describe_model(model)
         if not info.hands_kwargs:
             raise ValueError(

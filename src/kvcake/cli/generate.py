@@ -58,6 +58,10 @@ def _run_generate(args: argparse.Namespace) -> int:
                          "(--context-file, --load) decodes eagerly: drop --compile")  # fmt: skip
     if args.compile and args.dynamic:
         raise ValueError("--compile compiles the static decode step: drop --dynamic (or --compile)")
+    if args.compile and args.num_beams > 1:
+        raise ValueError(
+            "--compile compiles greedy and sampled decoding; beam search runs eagerly: drop --compile"
+        )
     if args.prompt is None:
         model, tokenizer, ctx, chat, prefill = _context_from_args(args)
         gen = _gen_kwargs(args, tokenizer)
