@@ -174,3 +174,24 @@ def test_keep_ratio_one_says_what_decoding_does(tiny_llama, caplog):
         _, cache = kvcake.generate(tiny_llama, ids, "full", max_new_tokens=4, do_sample=False)
     assert "nothing is evicted" not in caplog.text
     assert cache.kv_bytes_parts().entries == cache.kv_bytes_parts().full_entries
+
+
+def test_transformers_pipeline_with_a_kvcake_cache(tiny_llama, tok):
+    """transformers' text-generation pipeline with a KVCakeCache per call inside kvcake.enable (the
+    README's recipe): a budget covering the prompt gives the stock reply, a small one compresses (its
+    budgets) and replies."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=tiny_llama, tokenizer=tok)
+    chat = [{"role": "user", "content": document(120)}]
+    kw = {"max_new_tokens": 6, "do_sample": False}
+    stock = pipe(chat, **kw)[0]["generated_text"][-1]["content"]
+    with kvcake.enable(tiny_llama):
+        covered = kvcake.KVCakeCache(tiny_llama, "snapkv", budget=4096)
+        reply = pipe(chat, **kw, **kvcake.with_cache(tiny_llama, covered))[0]["generated_text"][-1]["content"]
+        small = kvcake.KVCakeCache(tiny_llama, "snapkv", budget=24, window=8)
+        compressed = pipe(chat, **kw, **kvcake.with_cache(tiny_llama, small))[0]["generated_text"][-1][
+            "content"
+        ]
+    assert reply == stock and compressed.split()
+    assert small.budgets.tolist() == [[24] * 4] and small.kv_bytes() < covered.kv_bytes()
