@@ -374,6 +374,21 @@ def _mllama_with_an_image():
                       "aspect_ratio_mask": torch.tensor([[[1, 0]]]), "cross_attention_mask": tiles}  # fmt: skip
 
 
+def _kosmos2_with_an_image():
+    """Kosmos-2: the image's 4 latent queries at positions 1-4 (``image_embeds_position_mask``, a row per
+    token). Its forward expands a 2-D padding mask itself: no compiled decode (``info.own_masks``)."""
+    text = {"vocab_size": 300, "embed_dim": 64, "layers": 4, "attention_heads": 4, "ffn_dim": 128,
+            "max_position_embeddings": 512}  # fmt: skip
+    config = tf.Kosmos2Config(
+        text_config=text, vision_config={**VISION, "image_size": 28}, latent_query_num=4
+    )
+    x = _ids_with_an_image(1, 4)
+    places = torch.zeros_like(x)
+    places[0, 1:5] = 1
+    return tf.Kosmos2ForConditionalGeneration(config), x, {"pixel_values": torch.randn(1, 3, 28, 28),
+                                                          "image_embeds_position_mask": places}  # fmt: skip
+
+
 # name -> (builder, the transformers class it needs[, the first release its inputs fit]); MULTIMODAL_ROPE's
 # keep rope_deltas
 BUILDERS = {
@@ -398,6 +413,7 @@ BUILDERS = {
     "cohere2_vision": (_cohere2_vision_with_an_image, "Cohere2VisionForConditionalGeneration"),
     "blip2": (_blip2_with_an_image, "Blip2ForConditionalGeneration"),  # kvcake.generate only
     "mllama": (_mllama_with_an_image, "MllamaForConditionalGeneration"),
+    "kosmos2": (_kosmos2_with_an_image, "Kosmos2ForConditionalGeneration"),
 }
 MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
 
@@ -437,12 +453,13 @@ def _image_inputs(model, x, image, length: int) -> dict:
     Qwen2-VL's ``mm_token_type_ids`` (1 on an image's tokens) where the model's forward takes them."""
     if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and "image_grid_thw" in image:
         image = {**image, "mm_token_type_ids": (x == 299).long()}
+    per_token = (*TOKEN_INPUTS, "image_embeds_position_mask")
     return {
-        k: v[:, :length] if k.endswith("token_type_ids") or k in TOKEN_INPUTS else v for k, v in image.items()
+        k: v[:, :length] if k.endswith("token_type_ids") or k in per_token else v for k, v in image.items()
     }
 
 
-@pytest.mark.parametrize("name", [name for name in BUILDERS if name != "blip2"])
+@pytest.mark.parametrize("name", [name for name in BUILDERS if name not in ("blip2", "kosmos2")])
 def test_a_compressed_context_with_an_image(name, tmp_path):
     """``kvcake.compress`` takes the model's image inputs (it took none). With a covering budget its
     follow-ups decode the stock model's tokens for the whole prompt, and teacher-forced logits match.
@@ -457,7 +474,8 @@ def test_a_compressed_context_with_an_image(name, tmp_path):
         )
     answer = stock.sequences[:, x.shape[1] :]
     ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, **_image_inputs(model, x, image, n))
-    kvcake.compress(model, x[:, 10:30], "snapkv", budget=64, window=4)  # another prompt, no image
+    if name in MULTIMODAL_ROPE:  # another prompt, no image (Kosmos-2's forward takes none without one)
+        kvcake.compress(model, x[:, 10:30], "snapkv", budget=64, window=4)
     ctx.save(tmp_path / "ctx.kvc")
     loaded = kvcake.load_context(model, tmp_path / "ctx.kvc")
     for context in (ctx, loaded):
@@ -564,3 +582,30 @@ def test_mllama_without_an_image_and_with_beams(tmp_path):
         stock = model.generate(input_ids=x, **beams, **image)
     out, _ = kvcake.generate(model, x, "cake", budget=64, window=4, **beams, **image)
     assert torch.equal(out, stock)
+
+
+def test_kosmos2_decodes_in_static_storage_and_answers_a_context():
+    """Kosmos-2 needed static=False: its forward expands a 2-D padding mask itself and failed on the
+    4-D mask generate builds for a compileable cache (as with transformers' StaticCache). Its cache now
+    decodes in static storage eagerly (``info.own_masks``: not compileable; compile=True refused). A
+    context's follow-ups: its generate takes the cache alone from transformers 5.24 (before, it encodes
+    the image at every call); its forward always wants an image, so teacher forcing is refused."""
+    model, x, image = _build("kosmos2")
+    kw = {"max_new_tokens": 4, **GREEDY}
+    with torch.no_grad():
+        stock = model.generate(input_ids=x, **kw, **image)
+    out, cache = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw, **image)
+    _assert_same_decoding(out, stock)
+    assert cache.static and not cache.is_compileable
+    small, _ = kvcake.generate(model, x, "cake-adakv", budget=12, window=4, **kw, **image)
+    dynamic, _ = kvcake.generate(model, x, "cake-adakv", budget=12, window=4, static=False, **kw, **image)
+    _assert_same_decoding(small, dynamic)
+    with pytest.raises(ValueError, match="kosmos_2_text_model builds its masks from a 2-D padding mask"):
+        kvcake.generate(model, x, "snapkv", budget=12, window=4, max_new_tokens=2, compile=True, **image)
+    n = 36
+    ctx = kvcake.compress(model, x[:, :n], "snapkv", budget=64, window=4, **_image_inputs(model, x, image, n))
+    with pytest.raises(ValueError, match="kosmos_2_text_model's forward encodes an image at every call"):
+        ctx.forward(x[:, n:])
+    if Version(tf.__version__) >= Version("5.24"):
+        answer = ctx.generate(x[:, n:], **kw)
+        assert torch.equal(answer.sequences, stock.sequences[:, x.shape[1] :])

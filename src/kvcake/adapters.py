@@ -33,6 +33,14 @@ _REFUSED_FAMILIES = {
     "doge": "its attention adds a learned bias per head and key to the mask (dynamic mask attention), which "
     "kvcake's attention over the kept entries would drop",
 }
+# Models whose forward expands a 2-D padding mask itself and fails on the 4-D mask ``generate`` builds
+# for a compileable cache (transformers' own StaticCache fails there too): their KVCakeCache decodes
+# in static storage, eagerly, and is not compileable. Kosmos-2 (transformers 5.24: "too many values
+# to unpack" in its ``_expand_mask``).
+_OWN_MASKS = ("kosmos_2_text_model",)
+# Models whose forward encodes an image at every call (its ``generate`` does not): a compressed
+# context's generate answers text follow-ups, its teacher forcing (``forward``) cannot. Kosmos-2.
+IMAGE_IN_EVERY_FORWARD = ("kosmos_2_text_model",)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,9 @@ class ModelInfo:
     hands_kwargs: bool = False
     # Cross-attention layers (Mllama): they hold the image's keys, never compressed (``cross.py``).
     cross: tuple[int, ...] = ()
+    # Whether the model builds its masks from a 2-D padding mask only (``_OWN_MASKS``): ``generate``
+    # hands a compileable cache's model a 4-D mask, which such a model cannot take.
+    own_masks: bool = False
 
     @property
     def groups(self) -> int:
@@ -127,6 +138,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         windows,
         hands_kwargs_to_cache(model),
         cross,
+        mtype in _OWN_MASKS,
     )
 
 

@@ -175,6 +175,11 @@ def generate(
                 "forward eagerly, so nothing would be compiled: drop compile=True (or num_beams)"
             )
         info = describe_model(model)
+        if info.own_masks:
+            raise ValueError(
+                f"compile=True: {info.model_type} builds its masks from a 2-D padding mask and cannot take the 4-D "
+                "mask transformers gives a compiled decode (its StaticCache fails there too): use compile=False"
+            )
         if not info.hands_kwargs:
             raise ValueError(
                 f"compile=True needs a model whose attention passes its kwargs to cache.update, as transformers' "

@@ -298,8 +298,9 @@ class KVCakeCache(Cache):
     @property
     def is_compileable(self) -> bool:
         """Static storage (the default; sliding layers in their ring) makes a decode step one graph, which
-        ``generate`` compiles as a static cache's; not where the model does not hand ``kwargs`` to ``update``."""
-        return self.info.hands_kwargs and bool(self.static)
+        ``generate`` compiles as a static cache's; not where the model does not hand ``kwargs`` to ``update``
+        or takes no 4-D mask (``info.own_masks``: Kosmos-2), whose static storage decodes eagerly."""
+        return self.info.hands_kwargs and not self.info.own_masks and bool(self.static)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """One column where no layer reads the mask: a sliding ring's token; compressed layers all in static

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters import (
+    IMAGE_IN_EVERY_FORWARD,
+    describe_model,
     extend_token_input,
     generate_with_cache,
     generation_setting,
@@ -158,6 +160,11 @@ class CompressedContext:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, q, vocab) of ``ids`` appended to a fork of the context (teacher forcing)."""
+        if (mtype := describe_model(self.model).model_type) in IMAGE_IN_EVERY_FORWARD:
+            raise ValueError(
+                f"{mtype}'s forward encodes an image at every call, so a context's text follow-up cannot be "
+                "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
+            )
         full, mask = self._extend_inputs(ids)
         ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork()
