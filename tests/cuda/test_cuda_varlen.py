@@ -88,3 +88,34 @@ def test_static_ragged_decoding_through_the_kernel(on_device, name):
     if DEVICE.type == "cuda" and varlen._torch_varlen_seqused():
         assert expected == "torch-varlen"
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["adakv", "cake-adakv"])
+def test_beams_reorder_the_kernels_segments_in_place(on_device, name):
+    """Beam search over static ragged layers on the kernel's route: three beams of one prompt fed
+    different tokens, reordered (1, 2, 1), then a step: each beam's segments and the kernel's
+    per-segment counts (``seq_used``) follow its row in place (``step.ragged.permute``), so the step
+    equals a cache fed the reordered beams' tokens from the start, bf16."""
+    model = on_device(torch.bfloat16)
+    prompt = ids(160, seed=5).to(DEVICE).expand(3, -1)
+    fed = torch.tensor([[5, 6], [7, 8], [9, 10]], device=DEVICE)
+    rows = torch.tensor([1, 2, 1], device=DEVICE)
+
+    def decode(tokens, reorder):
+        cache = KVCakeCache(model, make_method(name, budget=40, window=8))
+        with kvcake.enable(model), torch.no_grad():
+            model(prompt, **with_cache(model, cache))
+            for i in range(tokens.shape[1]):
+                model(tokens[:, i : i + 1], **with_cache(model, cache))
+            if reorder:
+                cache.reorder_cache(rows)
+            out = model(torch.full((3, 1), 11, device=DEVICE), **with_cache(model, cache))
+        return out.logits[:, -1].float(), cache
+
+    reordered, cache = decode(fed, True)
+    expected, _ = decode(fed[rows], False)
+    layers = [layer for layer in cache.layers if getattr(layer, "static", None) is not None]
+    assert layers and {layer.varlen_route for layer in layers} == {
+        varlen.choose_route(DEVICE, torch.bfloat16, seqused=True)
+    }
+    torch.testing.assert_close(reordered, expected, atol=1e-2, rtol=1e-2)
