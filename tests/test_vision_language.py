@@ -609,3 +609,20 @@ def test_kosmos2_decodes_in_static_storage_and_answers_a_context():
     if Version(tf.__version__) >= Version("5.24"):
         answer = ctx.generate(x[:, n:], **kw)
         assert torch.equal(answer.sequences, stock.sequences[:, x.shape[1] :])
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_vl", "paligemma", "mllama"])
+def test_beam_search_with_an_image(name):
+    """Beams over a prompt with an image (generate repeats the image's inputs per beam): covering, the
+    stock beams (Gemma 3's ring, Qwen2-VL's positions, PaliGemma's prefix, Mllama's image states);
+    small budgets, static storage as the dynamic reference."""
+    model, x, image = _build(name)
+    image = _image_inputs(model, x, image, x.shape[1])
+    kw = {"max_new_tokens": 4, "num_beams": 3, "do_sample": False}
+    with torch.no_grad():
+        stock = model.generate(input_ids=x, **kw, **image)
+    out, _ = kvcake.generate(model, x, "cake", budget=64, window=4, **kw, **image)
+    assert torch.equal(out, stock)
+    small = [kvcake.generate(model, x, "cake-adakv", budget=12, window=4, static=s, **kw, **image)[0]
+             for s in (True, False)]  # fmt: skip
+    assert torch.equal(*small)
