@@ -66,6 +66,23 @@ def test_local_folder_loads_ready_for_batched_inference(tiny_folder):
     assert model_fingerprint(model) == model_fingerprint(reference)
 
 
+def test_from_pretrained_keywords_reach_transformers(tiny_folder):
+    """load_model passed nothing else to from_pretrained: a model to spread with device_map (or to
+    quantize) had to be loaded by hand. The keywords go through; the model stays where device_map puts
+    it, and a device= beside it, or the dtype under transformers' older name, is refused."""
+    folder, reference = tiny_folder
+    model, _ = load_model(folder, device_map="cpu", use_cache=False)  # a config override: visible
+    assert model.config.use_cache is False and not model.training
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    with pytest.raises(ValueError, match="device='cpu' and device_map= both place the model: drop device="):
+        load_model(folder, device="cpu", device_map="cpu")
+    with pytest.raises(TypeError, match="load_model sets torch_dtype itself: pass dtype="):
+        load_model(folder, torch_dtype=torch.float16)
+
+
 def test_local_folder_dtype_and_attention(tiny_folder):
     folder, _ = tiny_folder
     model, _ = load_model(str(folder), dtype=torch.bfloat16, attn_implementation="eager")

@@ -167,10 +167,11 @@ def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     *,
     dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
     local_files_only: bool = False,
+    **from_pretrained: Any,
 ) -> tuple[PreTrainedModel, Any]:
     """Load a causal LM (or a vision-language model, for its text generation) and its tokenizer,
     ready for batched inference.
@@ -197,7 +198,8 @@ def load_model(
         Floating-point dtype of the parameters. Converted GGUF models are cached in float32 and
         cast on load.
     device:
-        Device to move the model to, e.g. ``"cpu"`` or ``"cuda:0"``.
+        Device to move the model to, e.g. ``"cpu"`` (the default) or ``"cuda:0"``; leave it unset
+        when ``device_map`` or ``quantization_config`` places the model.
     attn_implementation:
         transformers attention backend: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"`` or
         any name registered with ``transformers.AttentionInterface``.
@@ -207,6 +209,10 @@ def load_model(
     local_files_only:
         For Hub ids: only look in the local Hugging Face cache and never contact the Hub
         (which, unreachable, otherwise costs about a minute of retries before failing).
+    from_pretrained:
+        Passed on to transformers' ``from_pretrained``: ``device_map="auto"`` to spread a model
+        over the GPUs (and CPU) it fits, ``quantization_config``, ``revision``, ... The model is
+        then left where they place it.
 
     Returns
     -------
@@ -228,7 +234,12 @@ def load_model(
         raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    device = check_device(device)
+    if own := sorted(set(from_pretrained) & {"torch_dtype", "pretrained_model_name_or_path"}):
+        raise TypeError(f"load_model sets {', '.join(own)} itself: pass dtype= and name_or_path instead")
+    placed = [k for k in ("device_map", "quantization_config") if from_pretrained.get(k) is not None]
+    if placed and device is not None:
+        raise ValueError(f"device={device!r} and {placed[0]}= both place the model: drop device=")
+    device = None if placed else check_device("cpu" if device is None else device)
     if not isinstance(attn_implementation, str) or not attn_implementation:
         raise TypeError(f"attn_implementation must be a non-empty str, got {attn_implementation!r}")
     if not isinstance(local_files_only, bool):
@@ -237,7 +248,7 @@ def load_model(
         raise TypeError(f"cache_dir must be a str, a path or None, got {type(cache_dir).__name__}")
 
     start = time.perf_counter()
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    kwargs: dict[str, Any] = {**from_pretrained, "dtype": dtype, "attn_implementation": attn_implementation}
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     builtin = resolve_builtin(name)
     path = Path(name).expanduser()
@@ -264,7 +275,8 @@ def load_model(
                 raise
             model, tokenizer = _load_hub(name, kwargs, local_files_only=False)
 
-    model.to(device)
+    if device is not None:
+        model.to(device)
     model.eval()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
