@@ -30,19 +30,25 @@ class CrossLayer(DynamicLayer):
     plan = False  # nothing to hand the kvcake attention: the model's kernel attends the image
 
     @property
+    def held(self) -> bool:
+        """Whether the layer holds the image's states (transformers' lazy initialisation leaves an
+        empty 1-D tensor; a text-only prompt, nothing)."""
+        return self.keys is not None and self.keys.dim() == 4
+
+    @property
     def batch(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
+        return self.keys.shape[0] if self.held else 0
 
     @property
     def counts(self) -> np.ndarray | None:
         """(B, H_kv) image entries held per sequence and KV head; None while empty."""
-        if self.keys is None or self.keys.dim() != 4:
+        if not self.held:
             return None
         b, hkv, n = self.keys.shape[:3]
         return np.full((b, hkv), n, dtype=np.int64)
 
     def kv_bytes(self) -> int:
-        if self.keys is None or self.keys.dim() != 4:
+        if not self.held:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
@@ -57,7 +63,7 @@ class CrossLayer(DynamicLayer):
 
     def select_rows(self, rows: torch.Tensor, host: np.ndarray) -> None:
         """Keep the sequences ``rows`` (B',) in that order."""
-        if self.keys is None or self.keys.dim() != 4:
+        if not self.held:
             return
         self.keys = self.keys.index_select(0, rows.to(self.keys.device))
         self.values = self.values.index_select(0, rows.to(self.values.device))
@@ -65,7 +71,7 @@ class CrossLayer(DynamicLayer):
 
 def cross_entry(layer: CrossLayer) -> dict:
     """The JSON facts a saved context keeps for a cross-attention layer (its keys/values alongside)."""
-    return {"layout": "cross", "empty": layer.kv_bytes() == 0}
+    return {"layout": "cross", "empty": not layer.held}
 
 
 def restore_cross(layer, keys, values, entry: dict, device) -> str | None:

@@ -22,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .dense import dense_attention
 from .ragged import RaggedMeta, first_rows, kept_indices, pad_probs, ragged_attention, ranked_rows, to_device
-from .sequences import host_rows, select_dense, select_ragged
+from .sequences import host_rows, repeated_rows, select_dense, select_ragged
 from .step import GROWTH, LAYOUTS
 from .step.common import catch_up_counts, mark_static
 
@@ -160,8 +160,7 @@ class KVCakeLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.keys is not None:
-            rows = torch.arange(self.batch).repeat_interleave(repeats)  # host: moved where used
-            self.select_rows(*host_rows(rows, self.batch))
+            self.select_rows(*host_rows(repeated_rows(self.batch, repeats), self.batch))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.keys is not None:

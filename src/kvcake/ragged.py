@@ -163,6 +163,11 @@ def position_rows(meta: RaggedMeta, positions: torch.Tensor, length: int) -> tor
     return torch.argsort(meta.seg * (length + 1) + positions)
 
 
+def row_segments(rows: torch.Tensor, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The segments (``b * H_kv + h``) of each sequence in ``rows`` (B',), in order: (B' * H_kv,)."""
+    return (rows.to(device)[:, None] * kv_heads + torch.arange(kv_heads, device=device)).reshape(-1)
+
+
 def pad_probs(probs: torch.Tensor, meta: RaggedMeta, batch: int, kv_heads: int) -> torch.Tensor:
     """Ragged attention probabilities (T, G, q) as (B, H_kv * G, q, N) over the padded view
     (``N = meta.max_len``), 0 on the padding."""

@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .ragged import RaggedMeta
+from .ragged import RaggedMeta, row_segments
 
 # per entry, as the dynamic layout holds them: (B, H_kv, N, ...) dense, (T, ...) ragged
 ENTRY_TENSORS = ("keys", "values", "positions", "scores", "norms")
@@ -56,30 +56,42 @@ def host_rows(rows, batch: int) -> tuple[torch.Tensor, np.ndarray]:
     return rows.long(), host
 
 
-def repeat_sequences(cache, repeats: int) -> None:
-    """Repeat each sequence of ``cache`` ``repeats`` times in place of it (``torch.repeat_interleave``'s
-    order): :func:`select_sequences` of ``arange(B).repeat_interleave(repeats)``."""
+def repeated_rows(batch: int, repeats: int) -> torch.Tensor:
+    """The rows that repeat each of ``batch`` sequences ``repeats`` times in place of it
+    (``torch.repeat_interleave``'s order), on the host: (batch * repeats,)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    counted = [layer.counts for layer in cache.layers if layer.keys is not None and layer.counts is not None]
-    if counted:
-        select_sequences(cache, torch.arange(counted[0].shape[0]).repeat_interleave(repeats))  # host rows
+    return torch.arange(batch).repeat_interleave(repeats)  # host: moved where used
+
+
+def repeat_sequences(cache, repeats: int) -> None:
+    """Repeat each sequence of ``cache`` ``repeats`` times: :func:`select_sequences` of
+    :func:`repeated_rows`."""
+    batch = _held_batch(cache)
+    rows = repeated_rows(batch or 0, repeats)  # checked even for an empty cache
+    if batch is not None:
+        select_sequences(cache, rows)
+
+
+def _held_batch(cache) -> int | None:
+    """The batch the cache's layers hold, or None while they hold nothing."""
+    counted = (layer.counts for layer in cache.layers if layer.keys is not None)
+    return next((c.shape[0] for c in counted if c is not None), None)
 
 
 def select_sequences(cache, rows) -> None:
     """Keep the sequences ``rows`` (B',) of ``cache``'s batch, in that order, repeats allowed:
-    beam search's ``beam_idx``, ``arange(B).repeat_interleave(k)`` to repeat each k times. Every
-    layer and every per-sequence budget follows (module docstring). An empty cache has nothing to
-    choose; a cache whose prefill has not finished is refused (its stage state is per row)."""
-    held = [layer for layer in cache.layers if layer.keys is not None]
-    if not held:
+    beam search's ``beam_idx``, :func:`repeated_rows` to repeat each. Every layer and every
+    per-sequence budget follows (module docstring). An empty cache has nothing to choose; a cache
+    whose prefill has not finished is refused (its stage state is per row)."""
+    batch = _held_batch(cache)
+    if batch is None:
         return
     if not cache.prefilled:
         raise RuntimeError(
             "this KVCakeCache's prefill did not finish, so its sequences cannot be reordered or "
             "repeated: make a new KVCakeCache"
         )
-    batch = next(layer for layer in held if layer.counts is not None).counts.shape[0]
     rows, host = host_rows(rows, batch)
     _select_budgets(cache, rows, host)
     for layer in cache.layers:
@@ -119,9 +131,7 @@ def select_dense(layer, rows: torch.Tensor) -> None:
 def select_ragged(layer, rows: torch.Tensor, host: np.ndarray) -> None:
     """A ragged layer of the dynamic layout: the segments of each row in ``rows`` (its ``H_kv``
     segments ``b * H_kv + h``), whole and in order, into a new flattened layout."""
-    hkv, dev = layer.kv_heads, layer.keys.device
-    counts = layer.counts[host]  # (B', H_kv) host
-    meta = RaggedMeta.from_counts(counts, dev)
-    source = (rows.to(dev)[:, None] * hkv + torch.arange(hkv, device=dev)).reshape(-1)  # (B' * H_kv,)
+    meta = RaggedMeta.from_counts(layer.counts[host], layer.keys.device)  # (B', H_kv) host counts
+    source = row_segments(rows, layer.kv_heads, layer.keys.device)  # (B' * H_kv,)
     start = layer.meta.offsets.index_select(0, source)  # each new segment's first row, where it was
     layer.keep_rows(start.index_select(0, meta.seg) + meta.local, meta)  # (T',) rows of the old layout

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ragged import RaggedMeta, kept_indices, to_device
+from ..ragged import RaggedMeta, kept_indices, row_segments, to_device
 from ..varlen import choose_route, varlen_attention
 from .common import (
     FILLS,
@@ -187,12 +187,13 @@ def permute(layer, rows: torch.Tensor, host: np.ndarray) -> bool:
     counts = layer.counts
     if not (np.array_equal(layer.capacity[host], layer.capacity) and np.array_equal(counts[host], counts)):
         return False
-    meta, hkv, dev = layer.meta, layer.kv_heads, layer.keys.device
-    source = (rows.to(dev)[:, None] * hkv + torch.arange(hkv, device=dev)).reshape(-1)  # (S,) segments
+    meta, dev = layer.meta, layer.keys.device
     start = meta.offsets[:-1]  # (S,) each segment's first slot
+    source = row_segments(rows, layer.kv_heads, dev)  # (S,) each new segment's source
+    moved = start.index_select(0, source)  # (S,) the source's first slot
     slots = torch.arange(layer.keys.shape[0], device=dev)  # (T_cap + 1,): the dummy slot stays
-    slots[: meta.seg.numel()] = start.index_select(0, source).index_select(0, meta.seg) + meta.local
-    shift = (start.index_select(0, source) - start).reshape(*counts.shape, 1)  # (B, H_kv, 1)
+    slots[: meta.seg.numel()] = moved.index_select(0, meta.seg) + meta.local
+    shift = (moved - start).reshape(*counts.shape, 1)  # (B, H_kv, 1)
     for names, index in ((PER_SLOT, slots), (PER_SEGMENT, source), (PER_HEAD, rows), (SLOT_INDICES, rows)):
         for name in names:  # what this layout holds (``free``/``under``: decode=fixed; ``next``: none)
             t = getattr(layer, name, None)

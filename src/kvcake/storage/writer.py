@@ -104,7 +104,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
         prefix = f"layers.{lid}."
         if isinstance(layer, CrossLayer):  # Mllama: the image's states, or nothing (a text-only prompt)
             layers_meta.append(cross_entry(layer))
-            if not layers_meta[-1]["empty"]:
+            if layer.held:
                 tensors[prefix + "keys"], tensors[prefix + "values"] = _host(layer.keys), _host(layer.values)
             continue
         if layer.keys is None:
