@@ -39,6 +39,7 @@ LAYERS = {
         "dense",
         "ragged",
         "sequences",
+        "fp8",
         "storage.format",
         "tensor_parallel",
     ],

@@ -131,6 +131,7 @@ def generate(
     scenario: str | None = None,
     static: bool = True,
     compile: bool | CompileConfig | None = None,
+    kv_dtype: str | None = None,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
@@ -152,6 +153,8 @@ def generate(
     CPU; ``True`` compiles it on any device (``torch.compile(fullgraph=True)``, CUDA graphs
     through ``mode="reduce-overhead"`` on CUDA; on a CPU inductor is often slower than eager),
     a ``CompileConfig`` chooses the options; ``False`` decodes eagerly everywhere.
+    ``kv_dtype="fp8"`` stores the kept entries in float8 from the end of the prompt (one byte per
+    element, read back in the model's dtype: ``kvcake.fp8``); None keeps the model's dtype.
     """
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model)
@@ -190,7 +193,8 @@ def generate(
         config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # transformers compiles on accelerators only by default
         generate_kwargs["compile_config"] = config
-    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario)
+    cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario,
+                        kv_dtype=kv_dtype)  # fmt: skip
     with enable(model), torch.no_grad():
         out = model.generate(input_ids=input_ids, **generate_with_cache(model, cache, generate_kwargs))
     return out, cache
@@ -209,6 +213,7 @@ def compress(
     keep_ratio: float | None = None,
     scenario: str | None = None,
     static: bool = True,
+    kv_dtype: str | None = None,
     **model_inputs,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
@@ -223,7 +228,8 @@ def compress(
     The context holds exactly the kept entries (the dynamic layout, ``kv_bytes()`` is what
     compression kept); with ``static=True`` (the default) each ``.generate`` moves its fork into
     storage preallocated for the question plus the tokens to generate; ``static=False`` decodes in
-    the dynamic reference layout.
+    the dynamic reference layout. ``kv_dtype="fp8"``: the context's kept entries in float8 (as in
+    :func:`generate`), saved so by ``save_context``.
 
     ``model_inputs`` go to the model's forward with the context: the images of a vision-language
     model, as its processor returns them (``pixel_values``, ``image_grid_thw``, ``token_type_ids``,
@@ -243,7 +249,7 @@ def compress(
         holder.rope_deltas = None
     # prefilled in the dynamic layout (no capacity is reserved for questions not yet asked);
     # the static plans are set for the forks that answer them
-    cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False)
+    cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False, kv_dtype=kv_dtype)
     with enable(model), torch.no_grad():
         out = model(
             input_ids=input_ids,  # by keyword: BLIP-2's and Kosmos-2's forward take pixel_values first
@@ -293,6 +299,7 @@ def answer(
     window: int = 32,
     chat: bool | None = None,
     max_new_tokens: int = 64,
+    kv_dtype: str | None = None,
     **generate_kwargs,
 ) -> str:
     """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
@@ -316,6 +323,8 @@ def answer(
         A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
         default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
         in both scenarios: README "Which method").
+    kv_dtype:
+        ``"fp8"``: the kept entries in float8 (:func:`generate`); None: the model's dtype.
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``).
     """
@@ -331,7 +340,13 @@ def answer(
     generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs}
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     check_positions(model, prompt.full.shape[1], generate_kwargs)
-    sizes = {"budget": budget, "keep_ratio": keep_ratio, "ratio": ratio, "window": window}
+    sizes = {
+        "budget": budget,
+        "keep_ratio": keep_ratio,
+        "ratio": ratio,
+        "window": window,
+        "kv_dtype": kv_dtype,
+    }
     if scenario == "question":
         ids = prompt.full.to(device)
         out, _ = generate(model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs)

@@ -39,6 +39,7 @@ from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
+from .fp8 import check_kv_dtype
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
@@ -47,10 +48,9 @@ from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # no
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
 from .tensor_parallel import HeadSplit, find_split
 
-# The key under which ``update`` hands the cache to the kvcake attention function: attention modules
-# call ``cache.update(k, v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)``
-# with that same dict: it reaches that layer's attention call and no other, as Python state the
-# compiler traces (a ContextVar, read in every attention call, is not).
+# The key under which ``update`` hands the cache to the kvcake attention: modules call ``cache.update(k,
+# v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)`` with that same dict: it
+# reaches that layer's attention and no other, as state the compiler traces (a ContextVar is not).
 HANDOFF = "kvcake_cache"
 # Models that hand nothing (transformers 5.0-5.23's, GPT-NeoX's: ``adapters.hands_kwargs_to_cache``)
 # get ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING`` for their attention, eagerly only: the
@@ -90,15 +90,17 @@ class KVCakeCache(Cache):
         remaining tokens can fill. Past it, ``decode=none`` storage grows by ``kvcake.step.GROWTH``
         slots and a ``decode=fixed`` head keeps evicting at its reserved capacity. None (unknown):
         ``decode=none`` reserves ``kvcake.step.GROWTH`` slots at a time, ``decode=fixed`` its budget.
+    kv_dtype:
+        None (the default): the kept entries in the model's dtype. ``"fp8"``: in float8 from the end
+        of the prompt on, one byte per element, read back in the model's dtype (``kvcake.fp8``).
 
     Memory: ``kv_bytes()`` (and the peaks) count the buffers the cache holds, so with static
     storage they include the reserved capacity (empty slots are memory too); a
     :class:`~kvcake.context.CompressedContext` keeps its cache in the dynamic layout, exactly
     the kept entries, and reserves capacity only when it is asked a question.
 
-    Use it inside :func:`kvcake.attention.kvcake_attention` (or through the helpers in
-    ``kvcake.api``), e.g. ``with kvcake.enable(model): model.generate(ids, cache=cache)`` (spelled
-    ``past_key_values=cache`` before transformers 5.24).
+    Use it inside :func:`kvcake.enable` (or through ``kvcake.api``): ``with kvcake.enable(model):
+    model.generate(ids, cache=cache)`` (``past_key_values=cache`` before transformers 5.24).
     """
 
     def __init__(
@@ -111,9 +113,11 @@ class KVCakeCache(Cache):
         static: bool = True,
         scenario: str | Scenario | None = None,
         max_cache_len: int | None = None,
+        kv_dtype: str | None = None,
         **budget_kwargs,
     ) -> None:
         self.scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
+        self.kv_dtype = check_kv_dtype(kv_dtype)  # how the kept entries are stored after the prompt
         self.info: ModelInfo = describe_model(model)
         if budget_kwargs and isinstance(method, Method):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
@@ -145,10 +149,9 @@ class KVCakeCache(Cache):
         self.pending_norms: PendingNorms | None = None
         self.stage_at_scoring = False  # whether the stage running now runs as its layer is scored
         self.prefilled = False
-        self.peak_kv_bytes = self.prefill_peak_kv_bytes = 0
+        self.peak_kv_bytes = self.prefill_peak_kv_bytes = self._held_bytes = 0
         self._unconsumed: int | None = None
         self._layer_bytes: list[int] | None = None
-        self._held_bytes = 0
         # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N) on the
         # CPU, -1 = empty, in the layer's order: best first while ranked): the cascade's tests.
         self.record = record
@@ -157,16 +160,15 @@ class KVCakeCache(Cache):
         self.progress = progress  # True: a bar over the layers during prefill (long prompts on a CPU)
         self._bar = None
         self.tau: TauChoice | None = None  # CAKE's temperatures, once the budget is known (temperatures.py)
-        self._fingerprint = (
-            model_fingerprint(model) if isinstance(self.method.layers, CakeAllocator) else None
-        )
-        self._model_name = model_name(model) if self._fingerprint is not None else None  # for warnings
+        cake = isinstance(self.method.layers, CakeAllocator)  # its temperatures: per model
+        self._fingerprint = model_fingerprint(model) if cake else None
+        self._model_name = model_name(model) if cake else None  # for warnings
         self.static = bool(static)  # see the class docstring; False: the dynamic reference
         self._plan_sliding()
         _check_capacity(max_cache_len)
         self._max_cache_len = max_cache_len
-        # Tensor-parallel model: this process holds a block of each layer's KV heads; CAKE's
-        # preferences and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
+        # Tensor parallelism: this process holds a block of each layer's KV heads; CAKE's preferences
+        # and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
         self.split: HeadSplit | None = find_split(model)
 
     @property
@@ -276,9 +278,8 @@ class KVCakeCache(Cache):
         self.plan_static(lay_out=False)
 
     def reserve(self, max_cache_len: int | None) -> None:
-        """Set the capacity (see the class docstring) before decoding, e.g. of a fork of a
-        compressed context once its question's length and ``max_new_tokens`` are known. Layers
-        already in static storage keep theirs until they next leave it (a multi-token append)."""
+        """Set the capacity (class docstring) before decoding, e.g. a context's fork's once its question
+        and ``max_new_tokens`` are known. Static layers keep theirs until a multi-token append."""
         _check_capacity(max_cache_len)
         self._max_cache_len = max_cache_len
         if self.prefilled:

@@ -32,6 +32,7 @@ from . import pending_norms
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .devices import HostRead
+from .fp8 import encode_layer
 from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
@@ -383,5 +384,8 @@ def finish_prefill(cache: Cache) -> None:
         layer.norms = None
         if not keep_scores:
             layer.scores = None
+        if cache.kv_dtype is not None:  # the kept entries in 8 bits from now on (fp8.py)
+            encode_layer(layer)
+            cache._track_bytes(lid)
     cache.plan_static(lay_out=True)  # now, so that no decode step (compiled or not) converts a layer
     cache.prefilled = True

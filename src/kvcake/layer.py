@@ -21,7 +21,17 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .dense import dense_attention
-from .ragged import RaggedMeta, first_rows, kept_indices, pad_probs, ragged_attention, ranked_rows, to_device
+from .fp8 import readable, writable
+from .ragged import (
+    RaggedMeta,
+    append_segments,
+    first_rows,
+    kept_indices,
+    pad_probs,
+    ragged_attention,
+    ranked_rows,
+    to_device,
+)
 from .sequences import host_rows, repeated_rows, select_dense, select_ragged
 from .step import GROWTH, LAYOUTS
 from .step.common import catch_up_counts, mark_static
@@ -53,6 +63,7 @@ class KVCakeLayer(CacheLayerMixin):
         # decode=fixed / None, max_cache_len or None), or None to stay dynamic (static=False).
         self.static: str | None = None
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # stored in float8 (fp8.py)
 
     @property
     def length(self) -> int:
@@ -97,7 +108,7 @@ class KVCakeLayer(CacheLayerMixin):
             self.to_static()  # after its first eviction (after a multi-token append, the attention laid it out)
         if self.static is not None:  # in place, positions on the device: no host int
             seen = None if torch.compiler.is_compiling() else self.length  # read back before ``newest`` moves
-            self.step.append(self, key_states, value_states)
+            self.step.append(self, *writable(self, key_states, value_states))
             if seen is None:  # compiling: written, never read, in the graph (``length``)
                 self._length_on_device = True
             else:
@@ -113,6 +124,7 @@ class KVCakeLayer(CacheLayerMixin):
             self.plain = valid is None or bool(valid.all())
             return self.keys, self.values
         add = np.full((b, hkv), q, dtype=np.int64)
+        key_states, value_states = writable(self, key_states, value_states)
         if self.layout == "dense":
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
@@ -123,9 +135,12 @@ class KVCakeLayer(CacheLayerMixin):
                 self.plain = False
                 add = valid.sum(-1, keepdim=True).expand(b, hkv).cpu().numpy().astype(np.int64)
         else:
-            self._append_ragged(key_states, value_states, pos)
+            append_segments(self, key_states, value_states, pos)
         self.counts = self.counts + add
-        return self.keys, self.values
+        return (
+            readable(self, self.keys, self.values) if self.plain else (self.keys, self.values)
+        )  # (plain: the
+        # model's kernel reads them; else the kvcake attention reads the layer, ``attend``)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # logical columns (the attention maps them through ``positions``); 5.0 passes cache_position
@@ -138,10 +153,10 @@ class KVCakeLayer(CacheLayerMixin):
             return self.newest.reshape(-1)[0] + 1  # StaticLayer's (its cumulative_length)
         return self.length
 
-    def get_max_length(self) -> int:
+    def get_max_length(self) -> int:  # (``get_max_cache_shape``: its name in 5.0)
         return -1
 
-    get_max_cache_shape = get_max_length  # its name in older transformers 5.x (5.0)
+    get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
         self.__init__()
@@ -331,35 +346,6 @@ class KVCakeLayer(CacheLayerMixin):
         self.keep_rows(first_rows(self.meta, meta), meta)
         self.counts = counts.astype(np.int64)
 
-    def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Every segment gets the ``q`` new entries at its end: one scatter into a new buffer."""
-        b, hkv, q, d = k.shape
-        m = self.meta
-        n_seg = b * hkv
-        new_len = m.lengths + q
-        new_meta = RaggedMeta.from_lengths(new_len, m.max_len + q, m.seg.numel() + n_seg * q)
-        old_dest = new_meta.offsets[m.seg] + m.local  # (T,)
-        seg_new = torch.arange(n_seg, device=k.device).repeat_interleave(q)
-        new_dest = (
-            new_meta.offsets[seg_new] + m.lengths[seg_new] + torch.arange(q, device=k.device).repeat(n_seg)
-        )
-        total = int(new_meta.offsets[-1]) if n_seg else 0
-
-        def put(old, new, fill):
-            if old is None:
-                return None
-            out = torch.full((total, *old.shape[1:]), fill, dtype=old.dtype, device=old.device)
-            out[old_dest] = old
-            out[new_dest] = new
-            return out
-
-        self.keys = put(self.keys, k.reshape(n_seg * q, d), 0.0)
-        self.values = put(self.values, v.reshape(n_seg * q, d), 0.0)
-        self.positions = put(self.positions, pos.reshape(n_seg * q), -1)
-        self.scores = put(self.scores, torch.zeros(n_seg * q, device=k.device), 0.0)
-        self.norms = None
-        self.meta = new_meta
-
     # -- attention over what the layer holds ---------------------------------------------------
     def attend(
         self, query: torch.Tensor, scaling: float, return_probs: bool
@@ -375,12 +361,20 @@ class KVCakeLayer(CacheLayerMixin):
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         if self.layout == "ragged":
             out, probs = ragged_attention(
-                query, self.keys, self.values, self.positions, self.meta, qpos, scaling, return_probs
+                query,
+                *readable(self, self.keys, self.values),
+                self.positions,
+                self.meta,
+                qpos,
+                scaling,
+                return_probs,
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
                 probs = pad_probs(probs, self.meta, b, self.kv_heads)
             return out, probs
-        return dense_attention(query, self.keys, self.values, self.positions, qpos, scaling, return_probs)
+        return dense_attention(
+            query, *readable(self, self.keys, self.values), self.positions, qpos, scaling, return_probs
+        )
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values actually held: empty dense slots and the reserved capacity

@@ -176,3 +176,32 @@ def pad_probs(probs: torch.Tensor, meta: RaggedMeta, batch: int, kv_heads: int) 
     padded[meta.seg, meta.local] = probs
     padded = padded.reshape(batch, kv_heads, meta.max_len, g, q).permute(0, 1, 3, 4, 2)
     return padded.reshape(batch, kv_heads * g, q, meta.max_len)
+
+
+def append_segments(layer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    """A ragged ``layer``'s append (``KVCakeLayer.update``): every segment gets the ``q`` new
+    entries (k, v: (B, H_kv, q, d), pos: (B, H_kv, q)) at its end, one scatter into a new buffer."""
+    b, hkv, q, d = k.shape
+    m = layer.meta
+    n_seg = b * hkv
+    new_len = m.lengths + q
+    new_meta = RaggedMeta.from_lengths(new_len, m.max_len + q, m.seg.numel() + n_seg * q)
+    old_dest = new_meta.offsets[m.seg] + m.local  # (T,)
+    seg_new = torch.arange(n_seg, device=k.device).repeat_interleave(q)
+    new_dest = new_meta.offsets[seg_new] + m.lengths[seg_new] + torch.arange(q, device=k.device).repeat(n_seg)
+    total = int(new_meta.offsets[-1]) if n_seg else 0
+
+    def put(old, new, fill):
+        if old is None:
+            return None
+        out = torch.full((total, *old.shape[1:]), fill, dtype=old.dtype, device=old.device)
+        out[old_dest] = old
+        out[new_dest] = new
+        return out
+
+    layer.keys = put(layer.keys, k.reshape(n_seg * q, d), 0.0)
+    layer.values = put(layer.values, v.reshape(n_seg * q, d), 0.0)
+    layer.positions = put(layer.positions, pos.reshape(n_seg * q), -1)
+    layer.scores = put(layer.scores, torch.zeros(n_seg * q, device=k.device), 0.0)
+    layer.norms = None
+    layer.meta = new_meta

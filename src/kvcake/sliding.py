@@ -257,10 +257,8 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
         else:
             compressed += held
             n = layer.batch * layer.kv_heads * layer.length
-            entry = (
-                layer.keys.shape[-1] * layer.keys.element_size()
-                + layer.values.shape[-1] * layer.values.element_size()
-            )
+            entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.dtype.itemsize  # the model's
+            # dtype: a full cache's entry, whatever the compressed layer stores (fp8.py)
             full += n * entry
             full_entries += n
     return KVBytes(sliding, compressed, full, entries, full_entries, cross)

@@ -17,7 +17,7 @@ from .common import (
     _report,
     cache_summary,
 )
-from .options import _generation_args, _layout_args, _method_args
+from .options import _generation_args, _layout_args, _method_args, _storage_args
 
 logger = logging.getLogger("kvcake.cli")
 
@@ -29,6 +29,7 @@ def _configure_chat(p: argparse.ArgumentParser) -> None:
     _method_args(p)
     _layout_args(p)
     _generation_args(p)
+    _storage_args(p)
 
 
 def _run_chat(args: argparse.Namespace) -> int:

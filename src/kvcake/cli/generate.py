@@ -23,7 +23,7 @@ from .common import (
     _use_chat,
     cache_summary,
 )
-from .options import _generation_args, _layout_args, _load, _method, _method_args
+from .options import _generation_args, _layout_args, _load, _method, _method_args, _storage_args
 
 
 def _configure_generate(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,7 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     _method_args(p)
     _layout_args(p)
     _generation_args(p)
+    _storage_args(p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -83,6 +84,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), **streamer.kwargs(),
                           progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
                           scenario=scenario, static=not args.dynamic, compile=True if args.compile else None,
+                          kv_dtype=args.kv_dtype,
                           **gen)  # fmt: skip
     streamer.finish(out[:, ids.shape[1] :])
     first = (streamer.first or time.perf_counter()) - start

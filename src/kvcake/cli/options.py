@@ -10,6 +10,7 @@ import time
 import torch
 
 from ..budget import DEFAULT_KEEP_RATIO, default_budget
+from ..fp8 import FORMATS
 
 logger = logging.getLogger("kvcake.cli")
 
@@ -50,6 +51,12 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
                    help="which set of calibrated CAKE temperatures to use (default: question with --prompt, "
                         "context with --context-file)")  # fmt: skip
     parser.set_defaults(default_method=default_method)
+
+
+def _storage_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-dtype", choices=FORMATS, default=None,
+                        help="store the kept entries in float8 from the end of the prompt, one byte per element "
+                             "(kvcake.fp8; default: the model's dtype)")  # fmt: skip
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:

@@ -6,13 +6,14 @@ import argparse
 from pathlib import Path
 
 from .common import _context_from_args, _report, cache_summary
-from .options import _layout_args, _method_args
+from .options import _layout_args, _method_args, _storage_args
 
 
 def _configure_save(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-file", required=True, help="the document to compress")
     p.add_argument("--out", required=True, help="the file to write (e.g. doc.kvc), replaced atomically")
     _method_args(p)
+    _storage_args(p)
     _layout_args(p)
 
 

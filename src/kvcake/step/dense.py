@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..fp8 import readable
 from .common import (
     FILLS,
     GROWTH,
@@ -55,7 +56,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
             out = filled(t, width, FILLS[name])
             out[:, :, :n] = t
             setattr(layer, name, out)
-    layer.bias = None if layer.full else bias(layer.positions, layer.keys.dtype)  # (B, H_kv, 1, C)
+    layer.bias = None if layer.full else bias(layer.positions, layer.dtype)  # (B, H_kv, 1, C)
     finish(layer, budget)
     if budget is None:
         layer.used_dev = torch.full((1,), n, device=layer.keys.device)  # (1,) next free column
@@ -96,12 +97,13 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
     CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
     (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32."""
-    out, _ = fused_attention(query, layer.keys, layer.values, layer.bias, scaling)
+    keys, values = readable(layer, layer.keys, layer.values)  # (float8 storage decoded: fp8.py)
+    out, _ = fused_attention(query, keys, values, layer.bias, scaling)
     if not return_probs:
         return out, None
-    b, hkv, c, d = layer.keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
+    b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
     mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
-    return out, attention_probs(query, layer.keys.reshape(b * hkv, c, d), mask, scaling)
+    return out, attention_probs(query, keys.reshape(b * hkv, c, d), mask, scaling)
 
 
 def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:

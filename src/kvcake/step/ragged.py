@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..fp8 import readable
 from ..ragged import RaggedMeta, kept_indices, row_segments, to_device
 from ..varlen import choose_route, varlen_attention
 from .common import (
@@ -83,17 +84,17 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     layer.capacity = cap
     if layer.full:  # no slot inside a segment is empty when the layer attends: only the padding
         layer.bias = None
-        layer.pad_bias = bias(torch.where(inside, 0, -1), layer.keys.dtype)  # (B*H_kv, 1, M)
+        layer.pad_bias = bias(torch.where(inside, 0, -1), layer.dtype)  # (B*H_kv, 1, M)
     else:
-        layer.bias = bias(layer.positions, layer.keys.dtype).reshape(-1)  # (T_cap + 1,)
-    layer.zero = torch.zeros((), dtype=layer.keys.dtype, device=dev)  # what index_put_ writes
+        layer.bias = bias(layer.positions, layer.dtype).reshape(-1)  # (T_cap + 1,)
+    layer.zero = torch.zeros((), dtype=layer.dtype, device=dev)  # what index_put_ writes in the mask
     layer.empty = torch.full((), -1, device=dev)
     # The attention without probabilities goes to a variable-length kernel where this device
     # has one that skips each segment's unused tail (``seqused``), decided once per layout.
     # The stored entries of a segment are a prefix of its slots whenever the layer attends (a
     # victim's slot is the next token's), so ``seq_used`` (S,) counts them: +1 per append,
     # at most ``cap - 1`` after an eviction (the free slot). Kept only on that route.
-    layer.varlen_route = choose_route(dev, layer.keys.dtype, seqused=True)
+    layer.varlen_route = choose_route(dev, layer.dtype, seqused=True)
     if layer.varlen_route != "reference":
         layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
         layer.seq_used = to_device(counts.reshape(-1), dev, torch.int32)  # (S,)
@@ -135,16 +136,18 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     if not return_probs and layer.varlen_route != "reference":
         # each segment's stored prefix, read in place: no gather, no padding, no mask
         out = varlen_attention(
-            query, layer.keys, layer.values, layer.cu_k, layer.pad_index.shape[1], scaling,
+            query, *readable(layer, layer.keys, layer.values), layer.cu_k, layer.pad_index.shape[1], scaling,
             seqused=layer.seq_used, route=layer.varlen_route,
         )  # fmt: skip
         return out, None  # (B, 1, H, d)
     if not return_probs:  # gathered (B, H_kv, M, d), mask (B, H_kv, 1, M)
         b, hkv = layer.batch, layer.kv_heads
-        keys, values = layer.keys[layer.pad_heads], layer.values[layer.pad_heads]
+        keys, values = readable(layer, layer.keys[layer.pad_heads], layer.values[layer.pad_heads])
         mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]
         return fused_attention(query, keys, values, mask, scaling)
-    keys, values = layer.keys[layer.pad_index], layer.values[layer.pad_index]  # (B*H_kv, M, d)
+    keys, values = readable(
+        layer, layer.keys[layer.pad_index], layer.values[layer.pad_index]
+    )  # (B*H_kv, M, d)
     mask = layer.pad_bias if layer.bias is None else layer.bias[layer.pad_rows]  # (B*H_kv, 1, M)
     return attention_with_probs(query, keys, values, mask, scaling)
 

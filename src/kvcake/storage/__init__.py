@@ -17,7 +17,9 @@ Tensors (``l`` is a layer index, ``B`` the batch, ``L`` the layers, ``H_kv`` the
 * ``layers.l.keys`` / ``layers.l.values``: dense (B, H_kv, N, d) or ragged flattened (T, d);
   ``layers.l.positions`` (same layout, -1 = empty slot); ``layers.l.counts`` (B, H_kv);
   ``layers.l.lengths`` (B * H_kv,) for ragged layers; ``layers.l.scores`` when the cache keeps
-  its eviction scores while decoding (H2O with the ``fixed`` policy);
+  its eviction scores while decoding (H2O with the ``fixed`` policy); with float8 storage
+  (``kv_dtype="fp8"``, ``kvcake.fp8``) the keys and values are its bits (uint8) and
+  ``layers.l.key_scale`` / ``layers.l.value_scale`` (0-d, the model's dtype) decode them;
 * ``cache.budgets`` (B, L), ``cache.decode_budget`` (B, L, H_kv), ``cache.stage_budgets.i``
   (B, i + 1) for the cascade's stages, ``cache.entropy`` / ``cache.variance`` /
   ``cache.preferences`` (L, B) for CAKE allocation, ``cache.seq.*`` (B,) the per-sequence
@@ -26,7 +28,8 @@ Tensors (``l`` is a layer index, ``B`` the batch, ``L`` the layers, ``H_kv`` the
 The JSON holds the format version, the library version, the model (fingerprint, type, shapes,
 dtype), the method (``Method.describe()``, a composed ``spec`` string that ``make_method``
 rebuilds exactly, and its budget, ratio and window), each layer's layout and logical length,
-the final budgets, and a free ``extra`` dict for the caller (the CLI keeps its prompt layout
+the final budgets, the storage of the kept entries (``cache.kv_storage``: null or ``"fp8"``,
+and each layer's ``fp8`` flag), and a free ``extra`` dict for the caller (the CLI keeps its prompt layout
 there).
 
 Writing is atomic: the bytes go to a temporary file in the target's folder, which is fsynced

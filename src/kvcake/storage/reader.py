@@ -126,7 +126,10 @@ def _rebuild(
         raise ContextFileError(
             f"its method rebuilds as {method.describe()!r}, not the saved {m['describe']!r}"
         )
-    cache = KVCakeCache(model, method, static=False)
+    try:
+        cache = KVCakeCache(model, method, static=False, kv_dtype=meta["cache"].get("kv_storage"))
+    except ValueError as err:
+        raise ContextFileError(f"its storage cannot be rebuilt: {err}") from None
     if cache.split is not None:
         raise ValueError(
             "a .kvc file holds every KV head; this model is split over tensor-parallel ranks: load the "
@@ -188,7 +191,18 @@ def _rebuild(
         layer.counts = counts.numpy().astype(np.int64)
         layer.layout, layer.plain, layer.length = lm["layout"], bool(lm["plain"]), int(lm["length"])
         layer.batch, layer.kv_heads = batch, info.num_kv_heads
-        layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
+        layer.dtype, layer.device = model.dtype, layer.keys.device
+        if (cache.kv_dtype == "fp8") != bool(lm.get("fp8")) or (keys.dtype == torch.uint8) != bool(
+            lm.get("fp8")
+        ):
+            raise ContextFileError(
+                f"layer {lid}: its float8 storage does not match the cache's ({cache.kv_dtype})"
+            )
+        layer.kv_scales = None
+        if lm.get("fp8"):
+            layer.kv_scales = tuple(
+                tensors[prefix + n].to(device, layer.dtype) for n in ("key_scale", "value_scale")
+            )
         layer.is_initialized = True
     c = meta["cache"]
     cache.budgets = tensors["cache.budgets"]

@@ -109,7 +109,8 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             continue
         if layer.keys is None:
             raise ValueError(f"layer {lid} of the cache is empty: nothing to save")
-        kv_dtype = layer.keys.dtype
+        # the model's dtype (a compressed layer may store float8 bits: fp8.py)
+        kv_dtype = layer.keys.dtype if isinstance(layer, SlidingLayer) else layer.dtype
         tensors[prefix + "keys"] = _host(layer.keys)
         tensors[prefix + "values"] = _host(layer.values)
         if isinstance(layer, SlidingLayer):  # hybrid models: kept as transformers holds it
@@ -121,7 +122,9 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
         if layer.scores is not None:
             tensors[prefix + "scores"] = _host(layer.scores)
         entry = {"layout": layer.layout, "plain": bool(layer.plain), "length": int(layer.length),
-                 "has_scores": layer.scores is not None}  # fmt: skip
+                 "has_scores": layer.scores is not None, "fp8": layer.kv_scales is not None}  # fmt: skip
+        if layer.kv_scales is not None:
+            tensors[prefix + "key_scale"], tensors[prefix + "value_scale"] = map(_host, layer.kv_scales)
         if layer.layout == "ragged":
             tensors[prefix + "lengths"] = _host(layer.meta.lengths)
             entry["max_len"] = int(layer.meta.max_len)
@@ -149,6 +152,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             "num_stages": len(cache.stage_budgets),
             "kv_bytes": int(cache.kv_bytes()),
             "kept_entries": int(cache.kept_entries()),
+            "kv_storage": cache.kv_dtype,  # None: the model's dtype; "fp8" (fp8.py)
         },
         "budgets": cache.budgets.tolist(),
         "layers": layers_meta,

@@ -1,0 +1,87 @@
+"""Kept entries stored in 8 bits (``kv_dtype="fp8"``): the bytes of each kept entry halved again.
+
+Compression keeps fewer entries; this stores each kept entry's key and value in float8 (e4m3fn,
+the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the model's dtype takes
+2 (bfloat16, float16) or 4 (float32). The attention reads them back in the model's dtype.
+
+* **When.** At the end of the prompt (after its last stage: the cascade is unchanged and computes
+  in the model's dtype, its peak included), every compressed layer's kept keys and values are
+  encoded; each later token's entry is encoded as it is written.
+* **Scale.** One per layer for its keys and one for its values, from the prompt's kept entries:
+  their largest magnitude maps to half of e4m3's largest value (448), so later entries up to
+  twice as large fit exactly as well; larger ones saturate (torch's conversion clamps to 448).
+  Within the range, e4m3 keeps 3 mantissa bits: a relative error of at most 1/16 per element.
+* **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
+  (appends, evictions, beam reorders, saving) then runs on any device: some of them
+  (``index_copy_``, ``scatter_``, ``gather``, ``masked_fill``) have no float8 kernel on a CPU.
+  The attention decodes what it reads (viewed as float8, converted to the model's dtype, times
+  the scale) just before its kernel: a transient copy of one layer at a time.
+* **Which layers.** The compressed ones. Sliding-window layers (Gemma 3) and cross-attention layers
+  (Mllama) keep the model's dtype: never compressed, bounded by their window or by the image.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("fp8",)  # kv_dtype values; None: the model's own dtype
+FP8 = torch.float8_e4m3fn
+HEADROOM = 2.0  # the prompt's largest magnitude maps to 448 / HEADROOM
+
+
+def check_kv_dtype(kv_dtype) -> str | None:
+    """``kv_dtype`` as kvcake names it: None (the model's dtype) or ``"fp8"``; also taken:
+    ``torch.float8_e4m3fn`` and its name. Anything else is refused naming the choices."""
+    if kv_dtype is None or kv_dtype in FORMATS:
+        return kv_dtype
+    if kv_dtype is FP8 or kv_dtype in ("float8_e4m3fn", "torch.float8_e4m3fn"):
+        return "fp8"
+    raise ValueError(
+        f"kv_dtype must be None (keep the model's dtype) or 'fp8' (float8 e4m3, one byte per element), "
+        f"got {kv_dtype!r}"
+    )
+
+
+def scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0-d scale (in ``dtype``) that maps ``t``'s largest magnitude to 448 / HEADROOM (1 for zeros)."""
+    amax = t.detach().abs().amax().float()
+    scale = torch.where(amax > 0, amax * HEADROOM / torch.finfo(FP8).max, torch.ones_like(amax))
+    return scale.to(dtype)
+
+
+def encode(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float8 bits (``torch.uint8``, same shape) of ``t / scale``."""
+    return (t.float() / scale.float()).to(FP8).view(torch.uint8)
+
+
+def decode(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``bits`` (uint8 from :func:`encode`) back in ``scale``'s dtype: float8 value times scale."""
+    return bits.view(FP8).to(scale.dtype) * scale
+
+
+def encode_layer(layer) -> None:
+    """Store a compressed layer's kept keys and values in float8 from now on (``layer.kv_scales``
+    (key scale, value scale) set; its appends are encoded by ``writable``)."""
+    if layer.kv_scales is not None or layer.keys is None:
+        return
+    if layer.static is not None:
+        raise RuntimeError(
+            "encode_layer expects the dynamic layout (the end of the prompt, before static storage)"
+        )
+    scales = scale_of(layer.keys, layer.dtype), scale_of(layer.values, layer.dtype)
+    layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
+    layer.kv_scales = scales
+
+
+def readable(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys``/``values`` read from ``layer``'s storage (or gathered from it) in the model's dtype."""
+    if layer.kv_scales is None:
+        return keys, values
+    return decode(keys, layer.kv_scales[0]), decode(values, layer.kv_scales[1])
+
+
+def writable(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New entries (the model's dtype) as ``layer`` stores them."""
+    if layer.kv_scales is None:
+        return keys, values
+    return encode(keys, layer.kv_scales[0]), encode(values, layer.kv_scales[1])

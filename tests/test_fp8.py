@@ -1,0 +1,213 @@
+"""Kept entries stored in float8 (``kv_dtype="fp8"``, ``kvcake.fp8``).
+
+What must hold: the prompt is compressed exactly as without it (same kept positions, same
+budgets); each stored entry is the model-dtype entry rounded to float8 with its layer's scale (bit
+for bit); the bytes held are one per element; decoding follows the model-dtype cache within
+float8's rounding, static storage equals the dynamic reference, a compiled step is one graph;
+saved contexts, beams and hybrid models keep it; bad values are refused naming the choices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcake
+from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake.adapters import with_cache
+from kvcake.fp8 import FP8, HEADROOM, decode, encode
+from kvcake.sliding import SlidingLayer
+from test_cli import call, model_args, tiny_dir  # noqa: F401 (tiny_dir: the CLI's tiny model folder)
+from test_compile import _GraphCounter, _two_layer_llama, needs_kwargs_handoff
+
+STEPS = 8
+
+
+def _prompt(length: int = 80, batch: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :12] = 0  # left padding on the second sequence
+    return ids, mask
+
+
+def _decode(model, spec, kv_dtype, static=True, batch=1, step=None, budget=24):
+    """Prefill, then ``STEPS`` single-token steps of the same tokens whatever the logits (so that
+    runs compare step by step); -> (logits (STEPS + 1, B, V), cache)."""
+    ids, mask = _prompt(batch=batch)
+    fed = torch.randint(3, 128, (batch, STEPS), generator=torch.Generator().manual_seed(7))
+    cache = KVCakeCache(model, make_method(spec, budget=budget, window=4), static=static,
+                        max_cache_len=ids.shape[1] + STEPS, kv_dtype=kv_dtype)  # fmt: skip
+    step = step or model.forward
+    with kvcake.enable(model), torch.no_grad():
+        out = model(ids, attention_mask=mask, **with_cache(model, cache))
+        logits = [out.logits[:, -1]]
+        for i in range(STEPS):
+            tok = fed[:, i : i + 1]
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            out = step(tok, attention_mask=mask, **with_cache(model, cache),
+                       position_ids=mask.cumsum(-1)[:, -1:] - 1)  # fmt: skip
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits), cache
+
+
+def _prefilled(model, spec, kv_dtype, budget=24):
+    ids, mask = _prompt(batch=2)
+    cache = KVCakeCache(model, make_method(spec, budget=budget, window=4), static=False, kv_dtype=kv_dtype)
+    with kvcake.enable(model), torch.no_grad():
+        model(ids, attention_mask=mask, **with_cache(model, cache))
+    return cache
+
+
+@pytest.mark.parametrize("spec", list(PRESETS))
+def test_the_prompt_is_compressed_alike_and_stored_as_its_entries_rounded_to_float8(tiny_llama, spec):
+    ref, fp8 = _prefilled(tiny_llama, spec, None), _prefilled(tiny_llama, spec, "fp8")
+    torch.testing.assert_close(fp8.budgets, ref.budgets, rtol=0, atol=0)
+    for lid in ref.compressed:
+        a, b = ref.layers[lid], fp8.layers[lid]
+        assert torch.equal(a.positions, b.positions) and (a.counts == b.counts).all()
+        assert b.keys.dtype == torch.uint8 and b.values.dtype == torch.uint8 and b.dtype == a.dtype
+        for held, stored, scale in ((a.keys, b.keys, b.kv_scales[0]), (a.values, b.values, b.kv_scales[1])):
+            # the scale maps the prompt's largest kept magnitude to 448 / HEADROOM
+            torch.testing.assert_close(scale * torch.finfo(FP8).max / HEADROOM, held.abs().amax())
+            assert torch.equal(stored, encode(held, scale))  # bit for bit
+            rel = (decode(stored, scale) - held).abs() / held.abs().clamp_min(scale * 2**-6)
+            assert float(rel.max()) <= 1 / 16 + 1e-6  # e4m3: 3 mantissa bits, round to nearest
+        # one byte per element, where the model's float32 takes four
+        assert b.kv_bytes() * 4 == a.kv_bytes()
+    parts = fp8.kv_bytes_parts()
+    assert parts.full == ref.kv_bytes_parts().full  # the full cache's bytes: the model's dtype
+    assert parts.compressed * 4 == ref.kv_bytes_parts().compressed
+
+
+@pytest.mark.parametrize("spec", list(PRESETS))
+def test_decoding_follows_the_model_dtype_cache_and_static_equals_the_reference(tiny_llama, spec):
+    ref, _ = _decode(tiny_llama, spec, None, batch=2)
+    static, cache = _decode(tiny_llama, spec, "fp8", batch=2)
+    dynamic, _ = _decode(tiny_llama, spec, "fp8", static=False, batch=2)
+    assert torch.equal(static[0], ref[0])  # the prompt's forward computes in the model's dtype
+    # float8's rounding: over every step where nothing is evicted while decoding; with decode=fixed
+    # the first step (a victim chosen by slightly different attention may differ afterwards)
+    steps = STEPS + 1 if cache.method.decode == "none" else 2
+    assert float((static - ref)[:steps].abs().amax() / ref.abs().amax()) < 0.05
+    torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        assert layer.keys.dtype == torch.uint8 and (layer.static is not None or layer.plain)
+
+
+def test_a_covering_budget_stores_the_whole_prompt_in_float8(tiny_llama):
+    """Nothing evicted (plain layers, read by the model's own kernel): the entries are still held in
+    float8 and handed to the kernel decoded."""
+    ref, ref_cache = _decode(tiny_llama, "snapkv", None, budget=200)
+    got, cache = _decode(tiny_llama, "snapkv", "fp8", budget=200)
+    assert all(cache.layers[lid].plain for lid in cache.compressed)
+    assert cache.kv_bytes() * 4 == ref_cache.kv_bytes()
+    assert torch.equal(got[0], ref[0]) and float((got - ref).abs().amax() / ref.abs().amax()) < 0.05
+
+
+def test_a_later_entry_past_the_range_saturates(tiny_llama):
+    cache = _prefilled(tiny_llama, "snapkv", "fp8")
+    layer = cache.layers[cache.compressed[0]]
+    scale = layer.kv_scales[0]
+    big = torch.full((2, layer.kv_heads, 1, layer.keys.shape[-1]), 1e4) * scale
+    stored = encode(big, scale)
+    assert torch.equal(decode(stored, scale), torch.full_like(big, 448.0) * scale)  # clamped, no nan/inf
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
+def test_a_float8_decode_step_compiles_whole(spec):
+    model = _two_layer_llama()
+    torch._dynamo.reset()
+    counter = _GraphCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True)
+    compiled, _ = _decode(model, spec, "fp8", batch=2, step=step)
+    eager, _ = _decode(model, spec, "fp8", batch=2)
+    assert counter.graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_generate_compress_and_answer_take_kv_dtype(tiny_llama, tmp_path):
+    ids, _ = _prompt(length=60)
+    out, cache = kvcake.generate(tiny_llama, ids, "snapkv", budget=24, window=4, max_new_tokens=5,
+                                 kv_dtype="fp8")  # fmt: skip
+    assert cache.kv_dtype == "fp8" and out.shape[0] == 1 and out.shape[1] > 60
+    assert all(cache.layers[lid].keys.dtype == torch.uint8 for lid in cache.compressed)
+    # beams reorder float8 storage like any other (sequences.py moves bytes)
+    beams, _ = kvcake.generate(tiny_llama, ids, "cake", budget=24, window=4, max_new_tokens=5, num_beams=3,
+                               kv_dtype="fp8")  # fmt: skip
+    beams_dynamic, _ = kvcake.generate(tiny_llama, ids, "cake", budget=24, window=4, max_new_tokens=5,
+                                       num_beams=3, kv_dtype="fp8", static=False)  # fmt: skip
+    assert torch.equal(beams, beams_dynamic)
+    # a compressed context keeps its float8 entries, saved and loaded as they are
+    ctx = kvcake.compress(tiny_llama, ids, "adakv", budget=24, window=4, kv_dtype="fp8")
+    question = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(5))
+    answer = ctx.generate(question, max_new_tokens=6)
+    ctx.save(tmp_path / "doc.kvc")
+    loaded = kvcake.load_context(tiny_llama, tmp_path / "doc.kvc")
+    assert loaded.cache.kv_dtype == "fp8" and loaded.cache.kv_bytes() == ctx.cache.kv_bytes()
+    for lid in ctx.cache.compressed:
+        a, b = ctx.cache.layers[lid], loaded.cache.layers[lid]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.kv_scales[0], b.kv_scales[0])
+    assert torch.equal(loaded.generate(question, max_new_tokens=6), answer)
+
+
+def test_hybrid_models_store_their_global_layers_in_float8(tiny_gemma3, tmp_path):
+    ctx = kvcake.compress(tiny_gemma3, _prompt(length=60)[0], "cake", budget=24, window=4, kv_dtype="fp8")
+    question = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(5))
+    ctx.save(tmp_path / "hybrid.kvc")
+    loaded = kvcake.load_context(tiny_gemma3, tmp_path / "hybrid.kvc")
+    assert torch.equal(loaded.generate(question, max_new_tokens=6), ctx.generate(question, max_new_tokens=6))
+    ref, ref_cache = _decode(tiny_gemma3, "cake", None)
+    got, cache = _decode(tiny_gemma3, "cake", "fp8")
+    for layer in cache.layers:
+        assert layer.keys.dtype == (torch.float32 if isinstance(layer, SlidingLayer) else torch.uint8)
+    parts, ref_parts = cache.kv_bytes_parts(), ref_cache.kv_bytes_parts()
+    assert parts.sliding == ref_parts.sliding and parts.compressed * 4 == ref_parts.compressed
+    assert float((got - ref)[:2].abs().amax() / ref.abs().amax()) < 0.05  # (cake: decode=fixed, as above)
+
+
+@pytest.mark.parametrize("bad", ["int8", "fp16", torch.float16, 8])
+def test_other_storage_types_are_refused_naming_the_choices(tiny_llama, bad):
+    with pytest.raises(ValueError, match=r"kv_dtype must be None \(keep the model's dtype\) or 'fp8'"):
+        KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype=bad)
+    with pytest.raises(ValueError, match="kv_dtype must be"):
+        kvcake.generate(
+            tiny_llama, _prompt()[0], "snapkv", budget=24, window=4, max_new_tokens=2, kv_dtype=bad
+        )
+
+
+def test_the_names_of_float8_are_taken(tiny_llama):
+    for name in ("fp8", "float8_e4m3fn", torch.float8_e4m3fn):
+        assert KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype=name).kv_dtype == "fp8"
+
+
+def test_the_command_line_stores_in_float8(tiny_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
+    small = [
+        *model_args(tiny_dir),
+        "--method",
+        "snapkv",
+        "--budget",
+        "24",
+        "--window",
+        "8",
+        "--max-new-tokens",
+        "4",
+    ]
+    code, _, err = call(
+        capsys, monkeypatch, ["generate", *small, "--prompt", "w1 w2 w3 " * 20, "--kv-dtype", "fp8"]
+    )
+    assert code == 0, err
+    assert "(kept entries in fp8)" in err
+    kvc = str(tmp_path / "doc.kvc")
+    code, _, err = call(capsys, monkeypatch, ["save", *small[:-2], "--context-file", str(tiny_dir / "doc.txt"),
+                                              "--out", kvc, "--kv-dtype", "fp8"])  # fmt: skip
+    assert code == 0, err and "(kept entries in fp8)" in err
+    code, _, err = call(
+        capsys, monkeypatch, ["generate", "--load", kvc, "--question", "w3", "--kv-dtype", "fp8"]
+    )
+    assert code == 2 and "--kv-dtype" in err
+    code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1", "--kv-dtype", "int8"])
+    assert code == 2 and "invalid choice: 'int8'" in err
