@@ -249,6 +249,17 @@ def test_decode_bench(models, tmp_path, capsys):
     assert all(r["compiled_s"] is None for r in result["rows"])  # compile off by default
 
 
+def test_decode_bench_takes_float8_rows(models, tmp_path):
+    """``snapkv+fp8``: SnapKV storing its kept entries in float8 (``kvcake.fp8``), a row of its own
+    for each policy, the same entries in a quarter of float32's bytes."""
+    result = bench.bench_decode(models, lengths=(64,), methods=("snapkv", "snapkv+fp8"), budgets=(BUDGET,),
+                                steps=1, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,
+                                out=tmp_path)  # fmt: skip
+    rows = {(r["method"], r["policy"]): r for r in result["rows"]}
+    for policy in ("none", "fixed"):
+        assert rows[("snapkv+fp8", policy)]["kv_bytes"] * 4 == rows[("snapkv", policy)]["kv_bytes"]
+
+
 def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, monkeypatch):
     """``compile``: a compiled step per cache (fullgraph; the ``eager`` backend here, to capture
     without inductor's minutes) timed beside the eager one, the presets' own decoding policies

@@ -180,3 +180,15 @@ def test_machine_description_names_the_library_version_without_installed_metadat
     info = describe_machine(torch.device("cpu"), torch.float32, "sdpa")
     assert info["kvcake"] == __version__
     assert info["transformers"] is None  # the others still read metadata
+
+
+def test_a_float8_row_beside_its_method():
+    """``snapkv+fp8`` is SnapKV with its kept entries in float8 (``kvcake.fp8``): its own row, the
+    same entries in a quarter of float32's bytes; ``nope+fp8`` is refused as ``nope`` is."""
+    settings = GpuSettings(**TINY, methods=("snapkv", "snapkv+fp8"), compile=False)
+    result = run_gpu(settings, device=torch.device("cpu"), dtype=torch.float32)
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert rows["snapkv+fp8"]["kv_mib"] == pytest.approx(rows["snapkv"]["kv_mib"] / 4)
+    assert rows["snapkv+fp8"]["eager_ms"] > 0
+    with pytest.raises(ValueError, match="unknown"):
+        GpuSettings(**TINY, methods=("nope+fp8",))

@@ -54,3 +54,22 @@ def test_the_sync_counter_sees_indexing_with_a_boolean_mask():
         t[torch.tensor([0, 2])]  # integer indices: no read back
     assert counter.ops[BOOLEAN_INDEX] == 2
     assert sum(v for k, v in counter.ops.items() if k in SYNCING) == 2
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
+def test_float8_storage_adds_a_handful_of_ops_and_no_sync(tiny_llama, spec):
+    """``kv_dtype="fp8"`` (``kvcake.fp8``), per layer and step: the new entry's key and value
+    divided by their scales and converted (4), the two buffers converted back (2), the query and
+    the output scaled (2, ``fp8.folded``), and 8 views (uint8 <-> float8, no kernel): 16 more ops
+    than the same cache in the model's dtype (float32 here), and no sync."""
+    plain = step_ops(
+        tiny_llama, KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True), 2
+    )
+    fp8 = step_ops(
+        tiny_llama,
+        KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True, kv_dtype="fp8"),
+        2,
+    )
+    assert {k: v for k, v in fp8.items() if k in SYNCING} == {k: v for k, v in plain.items() if k in SYNCING}
+    extra = (sum(fp8.values()) - sum(plain.values())) / tiny_llama.config.num_hidden_layers
+    assert 0 < extra <= 16

@@ -14,8 +14,10 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
   (appends, evictions, beam reorders, saving) then runs on any device: some of them
   (``index_copy_``, ``scatter_``, ``gather``, ``masked_fill``) have no float8 kernel on a CPU.
-  The attention decodes what it reads (viewed as float8, converted to the model's dtype, times
-  the scale) just before its kernel: a transient copy of one layer at a time.
+  The kvcake attention converts what it reads to the model's dtype just before its kernel (a
+  transient copy of one layer at a time) and applies the scales to the new token's rows instead
+  (``folded``); a layer read by the model's own kernel (nothing evicted) gets its entries
+  decoded whole (``readable``).
 * **Which layers.** The compressed ones. Sliding-window layers (Gemma 3) and cross-attention layers
   (Mllama) keep the model's dtype: never compressed, bounded by their window or by the image.
 """
@@ -78,6 +80,22 @@ def readable(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Ten
     if layer.kv_scales is None:
         return keys, values
     return decode(keys, layer.kv_scales[0]), decode(values, layer.kv_scales[1])
+
+
+def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """The attention's inputs over stored (or gathered) entries, float8 read back without its
+    scales: ``(query, keys, values, value_scale)``. The key scale moves to the query (``q . (s k) =
+    (s q) . k``) and the value scale to the output (returned; None: nothing to apply), so a step
+    converts each buffer once and multiplies only the new token's rows."""
+    if layer.kv_scales is None:
+        return query, keys, values, None
+    key_scale, value_scale = layer.kv_scales
+    return query * key_scale, keys.view(FP8).to(layer.dtype), values.view(FP8).to(layer.dtype), value_scale
+
+
+def scaled(out: torch.Tensor, value_scale: torch.Tensor | None) -> torch.Tensor:
+    """An attention output over ``folded`` values, their scale applied (None: as it is)."""
+    return out if value_scale is None else out * value_scale
 
 
 def writable(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .dense import dense_attention
-from .fp8 import readable, writable
+from .fp8 import folded, readable, scaled, writable
 from .ragged import (
     RaggedMeta,
     append_segments,
@@ -359,22 +359,16 @@ class KVCakeLayer(CacheLayerMixin):
         if self.static is not None:  # one new token over static storage
             return self.step.attend(self, query, scaling, return_probs)
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
+        query, keys, values, value_scale = folded(self, query, self.keys, self.values)  # (float8: fp8.py)
         if self.layout == "ragged":
             out, probs = ragged_attention(
-                query,
-                *readable(self, self.keys, self.values),
-                self.positions,
-                self.meta,
-                qpos,
-                scaling,
-                return_probs,
+                query, keys, values, self.positions, self.meta, qpos, scaling, return_probs
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
                 probs = pad_probs(probs, self.meta, b, self.kv_heads)
-            return out, probs
-        return dense_attention(
-            query, *readable(self, self.keys, self.values), self.positions, qpos, scaling, return_probs
-        )
+        else:
+            out, probs = dense_attention(query, keys, values, self.positions, qpos, scaling, return_probs)
+        return scaled(out, value_scale), probs
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values actually held: empty dense slots and the reserved capacity

@@ -157,12 +157,22 @@ class BenchCache(KVCakeCache):
         setattr(self, timer, getattr(self, timer) + time.perf_counter() - t0)
 
 
+FP8_SUFFIX = "+fp8"  # a bench method name ending so stores its kept entries in float8 (kvcake.fp8)
+
+
+def storage_spec(name: str) -> tuple[str, str | None]:
+    """(method spec, ``kv_dtype``) of a bench method name: ``snapkv+fp8`` is SnapKV in float8."""
+    return (name.removesuffix(FP8_SUFFIX), "fp8") if name.endswith(FP8_SUFFIX) else (name, None)
+
+
 def build_cache(
-    model: torch.nn.Module, spec: str, budget: int, window: int = 32, static: bool = True,
+    model: torch.nn.Module, name: str, budget: int, window: int = 32, static: bool = True,
     max_cache_len: int | None = None,
 ) -> BenchCache:  # fmt: skip
+    """The bench cache of method ``name`` (``storage_spec``: a spec, maybe ``+fp8``)."""
+    spec, kv_dtype = storage_spec(name)
     method = make_method(spec, budget=budget, window=window)
-    return BenchCache(model, method, static=static, max_cache_len=max_cache_len)
+    return BenchCache(model, method, static=static, max_cache_len=max_cache_len, kv_dtype=kv_dtype)
 
 
 def shared_prefill(

@@ -94,6 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--methods", type=_names, default=None,
                    help="method presets or composed specs, comma-separated (';' if a spec has commas); "
+                        "a name ending in +fp8 stores its kept entries in float8 (snapkv+fp8: kvcake.fp8); "
                         "the full cache is always included")  # fmt: skip
     p.add_argument("--budget", type=int, default=None, help="average KV entries per layer (memory, prefill)")
     p.add_argument("--budgets", type=_ints, default=None, help="budgets for the decode bench, e.g. 128,512")

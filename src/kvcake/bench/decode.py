@@ -24,7 +24,7 @@ import torch
 
 from ..adapters import with_cache
 from .bandwidth import measure as measure_bandwidth
-from .caches import static_copy
+from .caches import FP8_SUFFIX, static_copy, storage_spec
 from .common import (
     BenchCache,
     BenchModels,
@@ -75,8 +75,11 @@ def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, 
 
 
 def _spec(method: str, policy: str) -> str:
-    """A decode config's method spec: ``preset`` keeps the method's own decoding policy."""
-    return method if policy == "preset" else f"{method},decode={policy}"
+    """A decode config's method spec: ``preset`` keeps the method's own decoding policy (a ``+fp8``
+    name keeps its suffix last: ``caches.storage_spec``)."""
+    spec, kv_dtype = storage_spec(method)
+    spec = spec if policy == "preset" else f"{spec},decode={policy}"
+    return spec + (FP8_SUFFIX if kv_dtype else "")
 
 
 def run_decode(

@@ -34,7 +34,7 @@ from ..attention import enable
 from ..cache import KVCakeCache, cache_kv_bytes
 from ..method import PRESETS, make_method
 from ..sdpa import fastest, sdpa_policy
-from .caches import greedy_step
+from .caches import greedy_step, storage_spec
 from .output import fmt, markdown_table, median
 from .probes import Clock, PeakMemory
 from .shapes import random_model
@@ -68,7 +68,7 @@ class GpuSettings:
         if self.rounds < 1 or self.steps < 1:
             raise ValueError(f"rounds and steps must be at least 1, got {self.rounds} and {self.steps}")
         for spec in self.methods:  # a bad spec fails before any model is built
-            make_method(spec, budget=self.budget, window=self.window)
+            make_method(storage_spec(spec)[0], budget=self.budget, window=self.window)
 
 
 @dataclass
@@ -94,9 +94,9 @@ class _Runner:
         capacity = n + WARMUP_STEPS * 2 + 2 * s.steps  # the prompt, then the eager and the compiled steps
         if name == FULL_STATIC:
             return StaticCache(config=self.model.config, max_cache_len=capacity)
-        return KVCakeCache(
-            self.model, make_method(name, budget=s.budget, window=s.window), max_cache_len=capacity
-        )
+        spec, kv_dtype = storage_spec(name)  # (``snapkv+fp8``: float8 storage)
+        return KVCakeCache(self.model, make_method(spec, budget=s.budget, window=s.window),
+                           max_cache_len=capacity, kv_dtype=kv_dtype)  # fmt: skip
 
     def context(self, name: str):
         stack = contextlib.ExitStack()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..fp8 import readable
+from ..fp8 import folded, scaled
 from ..ragged import RaggedMeta, kept_indices, row_segments, to_device
 from ..varlen import choose_route, varlen_attention
 from .common import (
@@ -135,21 +135,20 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     ``kvcake.ragged.ragged_attention_reference``."""
     if not return_probs and layer.varlen_route != "reference":
         # each segment's stored prefix, read in place: no gather, no padding, no mask
-        out = varlen_attention(
-            query, *readable(layer, layer.keys, layer.values), layer.cu_k, layer.pad_index.shape[1], scaling,
-            seqused=layer.seq_used, route=layer.varlen_route,
-        )  # fmt: skip
-        return out, None  # (B, 1, H, d)
-    if not return_probs:  # gathered (B, H_kv, M, d), mask (B, H_kv, 1, M)
+        query, keys, values, value_scale = folded(layer, query, layer.keys, layer.values)  # (float8: fp8.py)
+        out = varlen_attention(query, keys, values, layer.cu_k, layer.pad_index.shape[1], scaling,
+                               seqused=layer.seq_used, route=layer.varlen_route)  # fmt: skip
+        return scaled(out, value_scale), None  # (B, 1, H, d)
+    rows = layer.pad_index if return_probs else layer.pad_heads  # gathered (B*H_kv, M, d) / (B, H_kv, M, d)
+    query, keys, values, value_scale = folded(layer, query, layer.keys[rows], layer.values[rows])
+    if not return_probs:  # mask (B, H_kv, 1, M)
         b, hkv = layer.batch, layer.kv_heads
-        keys, values = readable(layer, layer.keys[layer.pad_heads], layer.values[layer.pad_heads])
         mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]
-        return fused_attention(query, keys, values, mask, scaling)
-    keys, values = readable(
-        layer, layer.keys[layer.pad_index], layer.values[layer.pad_index]
-    )  # (B*H_kv, M, d)
-    mask = layer.pad_bias if layer.bias is None else layer.bias[layer.pad_rows]  # (B*H_kv, 1, M)
-    return attention_with_probs(query, keys, values, mask, scaling)
+        out, probs = fused_attention(query, keys, values, mask, scaling)
+    else:
+        mask = layer.pad_bias if layer.bias is None else layer.bias[layer.pad_rows]  # (B*H_kv, 1, M)
+        out, probs = attention_with_probs(query, keys, values, mask, scaling)
+    return scaled(out, value_scale), probs
 
 
 def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
