@@ -15,7 +15,7 @@ import torch
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
 from kvcake.adapters import with_cache
-from kvcake.fp8 import FP8, HEADROOM, decode, encode
+from kvcake.fp8 import FP8, HEADROOM, decode, encode, store
 from kvcake.sliding import SlidingLayer
 from test_cli import call, model_args, tiny_dir  # noqa: F401 (tiny_dir: the CLI's tiny model folder)
 from test_compile import _GraphCounter, _two_layer_llama, needs_kwargs_handoff
@@ -211,3 +211,20 @@ def test_the_command_line_stores_in_float8(tiny_dir, tmp_path, capsys, monkeypat
     assert code == 2 and "--kv-dtype" in err
     code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1", "--kv-dtype", "int8"])
     assert code == 2 and "invalid choice: 'int8'" in err
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv", "cake"])
+def test_storing_a_compressed_cache_afterwards_equals_storing_it_at_the_prompts_end(tiny_llama, spec):
+    """``fp8.store`` (what the evaluation does after replaying a recorded prefill) holds the same
+    bits, scales and positions as ``kv_dtype="fp8"``."""
+    later = _prefilled(tiny_llama, spec, None)
+    store(later)
+    direct = _prefilled(tiny_llama, spec, "fp8")
+    assert later.kv_dtype == "fp8" and later.kv_bytes() == direct.kv_bytes()
+    for lid in direct.compressed:
+        a, b = later.layers[lid], direct.layers[lid]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.positions, b.positions)
+        assert all(torch.equal(x, y) for x, y in zip(a.kv_scales, b.kv_scales, strict=True))
+    with pytest.raises(ValueError, match="takes a cache whose prompt was compressed"):
+        store(KVCakeCache(tiny_llama, "snapkv", budget=24, window=4))

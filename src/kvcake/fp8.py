@@ -31,6 +31,15 @@ FP8 = torch.float8_e4m3fn
 HEADROOM = 2.0  # the prompt's largest magnitude maps to 448 / HEADROOM
 
 
+SUFFIX = "+fp8"  # a method name ending so, in the benches and the evaluation: stored in float8
+
+
+def storage_spec(name: str) -> tuple[str, str | None]:
+    """(method spec, ``kv_dtype``) of a bench or evaluation method name: ``snapkv+fp8`` is SnapKV with
+    its kept entries in float8, ``snapkv`` SnapKV in the model's dtype."""
+    return (name.removesuffix(SUFFIX), "fp8") if name.endswith(SUFFIX) else (name, None)
+
+
 def check_kv_dtype(kv_dtype) -> str | None:
     """``kv_dtype`` as kvcake names it: None (the model's dtype) or ``"fp8"``; also taken:
     ``torch.float8_e4m3fn`` and its name. Anything else is refused naming the choices."""
@@ -59,6 +68,19 @@ def encode(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def decode(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``bits`` (uint8 from :func:`encode`) back in ``scale``'s dtype: float8 value times scale."""
     return bits.view(FP8).to(scale.dtype) * scale
+
+
+def store(cache) -> None:
+    """Store a prefilled cache's kept entries in float8 from now on: what ``kv_dtype="fp8"`` does at
+    the end of the prompt (the prompt compresses alike either way), for a cache compressed without
+    it (the evaluation replays one recorded prefill into every method's cache, then stores)."""
+    if not cache.prefilled:
+        raise ValueError("store() takes a cache whose prompt was compressed (kv_dtype='fp8' does it then)")
+    cache.compact()  # the dynamic layout, which encode_layer takes; static layers return at their next step
+    cache.kv_dtype = "fp8"
+    for lid in cache.compressed:
+        encode_layer(cache.layers[lid])
+        cache._track_bytes(lid)
 
 
 def encode_layer(layer) -> None:

@@ -272,3 +272,19 @@ def test_a_calibration_that_changes_one_scenarios_set_reruns_only_that_scenarios
     old = {(r["scenario"], r["method"]): r["tau"] for r in first.records}
     assert label[("question", "cake")] == old[("question", "cake")] != label[("context", "cake")]
     assert label[("context", "cake")] != old[("context", "cake")] and label[("context", "full")] is None
+
+
+@pytest.mark.parametrize("prefill", ["shared", "direct"])
+def test_a_float8_method_is_measured_beside_its_model_dtype_self(tiny_llama, tokenizer, tmp_path, prefill):
+    """``snapkv+fp8``: SnapKV with its kept entries in float8 (``kvcake.fp8``), in both scenarios: the
+    replayed prefill stored afterwards (``fp8.store``) or ``kv_dtype="fp8"`` directly; a quarter of
+    float32's bytes, a KL of its own."""
+    res = run_eval(tiny_llama, tokenizer, methods="full,snapkv,snapkv+fp8", out=tmp_path / "r.jsonl",
+                   prefill=prefill, report=False, **TINY)  # fmt: skip
+    rows = {(r["method"], r["scenario"], r["sample"]): r for r in res.records}
+    assert sum(m == "snapkv+fp8" for m, _, _ in rows) == 4  # 2 scenarios x 2 samples
+    for (method, scenario, sample), r in rows.items():
+        if method == "snapkv+fp8":
+            plain = rows[("snapkv", scenario, sample)]
+            assert r["kv_bytes"] * 4 == plain["kv_bytes"]
+            assert r["kl"] is not None and r["kl"] != plain["kl"]

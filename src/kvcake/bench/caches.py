@@ -13,6 +13,7 @@ from transformers import DynamicCache, StaticCache
 
 from ..adapters import cache_keyword, with_cache
 from ..cache import KVCakeCache, cache_kv_bytes
+from ..fp8 import storage_spec
 from ..method import Method, make_method
 from .probes import Clock
 
@@ -155,14 +156,6 @@ class BenchCache(KVCakeCache):
             self._timing_now.discard(timer)
         self.clock.sync()
         setattr(self, timer, getattr(self, timer) + time.perf_counter() - t0)
-
-
-FP8_SUFFIX = "+fp8"  # a bench method name ending so stores its kept entries in float8 (kvcake.fp8)
-
-
-def storage_spec(name: str) -> tuple[str, str | None]:
-    """(method spec, ``kv_dtype``) of a bench method name: ``snapkv+fp8`` is SnapKV in float8."""
-    return (name.removesuffix(FP8_SUFFIX), "fp8") if name.endswith(FP8_SUFFIX) else (name, None)
 
 
 def build_cache(

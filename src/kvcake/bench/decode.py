@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from ..adapters import with_cache
+from ..fp8 import SUFFIX, storage_spec
 from .bandwidth import measure as measure_bandwidth
-from .caches import FP8_SUFFIX, static_copy, storage_spec
+from .caches import static_copy
 from .common import (
     BenchCache,
     BenchModels,
@@ -79,7 +80,7 @@ def _spec(method: str, policy: str) -> str:
     name keeps its suffix last: ``caches.storage_spec``)."""
     spec, kv_dtype = storage_spec(method)
     spec = spec if policy == "preset" else f"{spec},decode={policy}"
-    return spec + (FP8_SUFFIX if kv_dtype else "")
+    return spec + (SUFFIX if kv_dtype else "")
 
 
 def run_decode(

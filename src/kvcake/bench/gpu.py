@@ -32,9 +32,10 @@ from transformers import DynamicCache, StaticCache
 from ..adapters import with_cache
 from ..attention import enable
 from ..cache import KVCakeCache, cache_kv_bytes
+from ..fp8 import storage_spec
 from ..method import PRESETS, make_method
 from ..sdpa import fastest, sdpa_policy
-from .caches import greedy_step, storage_spec
+from .caches import greedy_step
 from .output import fmt, markdown_table, median
 from .probes import Clock, PeakMemory
 from .shapes import random_model

@@ -14,6 +14,7 @@ from kvcake.eval.fidelity import Fidelity, cache_bytes, compare, replay_compress
 from kvcake.eval.questions import ContextGroup, Question
 from kvcake.eval.records import FULL, fidelity_fields, round_sig
 from kvcake.eval.reference import GroupRef, answer_tokens, continue_greedy
+from kvcake.fp8 import storage_spec, store
 from kvcake.method import make_method
 from kvcake.replay import ScoreMemo
 
@@ -63,15 +64,18 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
             by_setting.setdefault(
                 (cell["method"], cell["budget"], cell["ratio"], cell["scenario"]), []
             ).append(cell)
-    for (spec, budget, ratio, sc), todo in by_setting.items():
+    for (name, budget, ratio, sc), todo in by_setting.items():
+        spec, kv_dtype = storage_spec(name)  # ``cake+fp8``: CAKE, its kept entries in float8
         method = make_method(spec, budget=budget, ratio=ratio, window=window)
         if sc == "context":
             t0 = time.perf_counter()
             if shared:
                 ctx = replay_compress(model, method, ref.captured, ref.cache, ctx_ids, ref.logits, chunks=1,
                                       memo=memo, scenario="context")  # fmt: skip
+                if kv_dtype:
+                    store(ctx.cache)  # as kv_dtype="fp8" stores it at the end of the prompt
             else:
-                ctx = kvcake.compress(model, ctx_ids, method)
+                ctx = kvcake.compress(model, ctx_ids, method, kv_dtype=kv_dtype)
             compress_s = time.perf_counter() - t0
             kv = ctx.cache.kv_bytes()
             full_bytes = cache_bytes(ref.cache)
@@ -96,7 +100,7 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                              generate_s=generate_s, fidelity_s=fid_s)  # fmt: skip
             if before is not None and _cache_digest(ctx.cache) != before:
                 raise RuntimeError(
-                    f"{spec}: answering changed the compressed context (a bug in fork/generate)"
+                    f"{name}: answering changed the compressed context (a bug in fork/generate)"
                 )
         else:
             for cell in todo:
@@ -107,18 +111,28 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                 if shared:
                     qctx = replay_compress(model, method, qref.captured, qref.cache, full_ids, qref.logits,
                                            memo=memo, scenario="question")  # fmt: skip
+                    if kv_dtype:
+                        store(qctx.cache)
                     compress_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     tokens = continue_greedy(model, qctx.fork(), full_ids, qctx.logits, q.max_new_tokens)
                     generate_s = time.perf_counter() - t0
                 else:
                     out, _ = kvcake.generate(
-                        model, full_ids, method, max_new_tokens=q.max_new_tokens, do_sample=False
+                        model,
+                        full_ids,
+                        method,
+                        max_new_tokens=q.max_new_tokens,
+                        do_sample=False,
+                        kv_dtype=kv_dtype,
                     )
                     tokens = out[0, full_ids.shape[1] :]
                     generate_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    qctx = kvcake.compress(model, full_ids, method, scenario="question")  # kv_bytes, fidelity
+                    qctx = kvcake.compress(
+                        model, full_ids, method, scenario="question", kv_dtype=kv_dtype
+                    )  # (bytes,
+                    # fidelity)
                     compress_s = time.perf_counter() - t0
                 kv = qctx.cache.kv_bytes()
                 full_bytes = cache_bytes(qref.cache)

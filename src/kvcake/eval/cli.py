@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="presets or composed specs, comma-separated ('full' = uncompressed baseline); a part "
                         "with '=' continues the previous spec (cake,select=critical); ';' separates "
-                        "explicitly (default: full,snapkv,cake)")  # fmt: skip
+                        "explicitly; a name ending in +fp8 keeps its entries in float8 (cake+fp8: kvcake.fp8) "
+                        "(default: full,snapkv,cake)")  # fmt: skip
     p.add_argument("--budgets", type=_ints, default=None, help="average KV entries per layer, e.g. 128,512")
     p.add_argument(
         "--ratios", type=_floats, default=None, help="kept fractions of the prompt, e.g. 0.1,0.25,0.5"

@@ -64,6 +64,7 @@ from kvcake.eval.records import (
     runs_log_path,
 )
 from kvcake.eval.reference import full_reference
+from kvcake.fp8 import storage_spec
 from kvcake.method import make_method
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import method_tau_label
@@ -204,9 +205,9 @@ def run_eval(
         raise ValueError("give at least one method")
     settings = _budget_settings(budgets, ratios)
     compressed = [m for m in method_specs if m != FULL]
-    for spec in compressed:  # fail on a bad spec before any work
+    for name in compressed:  # fail on a bad spec before any work (``cake+fp8``: fp8.storage_spec)
         for b, r in settings:
-            make_method(spec, budget=b, ratio=r, window=window)
+            make_method(storage_spec(name)[0], budget=b, ratio=r, window=window)
     if model is None:
         model_name = model_name or kvcake.DEFAULT_MODEL
         model, tokenizer = kvcake.load_model(model_name)
@@ -217,7 +218,7 @@ def run_eval(
     shared = prefill == "shared"
     # CAKE's temperatures in force (source + hash of the scenario's set): a calibration that changes
     # a scenario's set reruns that scenario's cells
-    taus = {(spec, sc): method_tau_label(model, make_method(spec, ratio=0.5), sc)
+    taus = {(spec, sc): method_tau_label(model, make_method(storage_spec(spec)[0], ratio=0.5), sc)
             for spec in compressed for sc in scenarios}  # fmt: skip
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
