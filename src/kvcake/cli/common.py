@@ -152,7 +152,7 @@ def cache_summary(cache, label: str) -> str:
     line = (f"{label}: {cache.method.name} kept {p.entries:,} of {p.full_entries:,} KV entries "
             f"({100 * p.entries / p.full_entries:.1f}%), {_fmt_bytes(p.total)} vs {_fmt_bytes(p.full)} full "
             f"({100 * p.fraction:.1f}%)")  # fmt: skip
-    if getattr(cache, "kv_dtype", None):
+    if cache.kv_dtype:
         line += f" (kept entries in {cache.kv_dtype})"
     if p.sliding:
         line += (f"; sliding layers {_fmt_bytes(p.sliding)} (their window), "

@@ -129,10 +129,8 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                     tokens = out[0, full_ids.shape[1] :]
                     generate_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    qctx = kvcake.compress(
-                        model, full_ids, method, scenario="question", kv_dtype=kv_dtype
-                    )  # (bytes,
-                    # fidelity)
+                    # its bytes and fidelity
+                    qctx = kvcake.compress(model, full_ids, method, scenario="question", kv_dtype=kv_dtype)
                     compress_s = time.perf_counter() - t0
                 kv = qctx.cache.kv_bytes()
                 full_bytes = cache_bytes(qref.cache)

@@ -192,14 +192,13 @@ def _rebuild(
         layer.layout, layer.plain, layer.length = lm["layout"], bool(lm["plain"]), int(lm["length"])
         layer.batch, layer.kv_heads = batch, info.num_kv_heads
         layer.dtype, layer.device = model.dtype, layer.keys.device
-        if (cache.kv_dtype == "fp8") != bool(lm.get("fp8")) or (keys.dtype == torch.uint8) != bool(
-            lm.get("fp8")
-        ):
+        fp8 = bool(lm.get("fp8"))
+        if fp8 != (cache.kv_dtype == "fp8") or fp8 != (keys.dtype == torch.uint8):
             raise ContextFileError(
                 f"layer {lid}: its float8 storage does not match the cache's ({cache.kv_dtype})"
             )
         layer.kv_scales = None
-        if lm.get("fp8"):
+        if fp8:
             layer.kv_scales = tuple(
                 tensors[prefix + n].to(device, layer.dtype) for n in ("key_scale", "value_scale")
             )
