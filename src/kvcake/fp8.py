@@ -10,6 +10,8 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
 * **Scale.** One per layer for its keys and one for its values, from the prompt's kept entries:
   their largest magnitude maps to half of e4m3's largest value (448), so later entries up to
   twice as large fit exactly as well; larger ones saturate (torch's conversion clamps to 448).
+  On a tensor-parallel model the largest magnitude is taken over every rank's heads, so each rank
+  stores its heads exactly as one process holding them all would.
   Within the range, e4m3 keeps 3 mantissa bits: a relative error of at most 1/16 per element.
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
   (appends, evictions, beam reorders, saving) then runs on any device: some of them
@@ -53,11 +55,15 @@ def check_kv_dtype(kv_dtype) -> str | None:
     )
 
 
-def scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0-d scale (in ``dtype``) that maps ``t``'s largest magnitude to 448 / HEADROOM (1 for zeros)."""
-    amax = t.detach().abs().amax().float()
-    scale = torch.where(amax > 0, amax * HEADROOM / torch.finfo(FP8).max, torch.ones_like(amax))
-    return scale.to(dtype)
+def scales_of(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, split=None):
+    """(key scale, value scale), 0-d in ``dtype``: each maps its tensor's largest magnitude to 448 /
+    HEADROOM (1 for zeros). With a ``HeadSplit``, the largest over every rank's tensors (one
+    all-gather of the two magnitudes; the same scales on every rank)."""
+    amax = torch.stack([keys.detach().abs().amax(), values.detach().abs().amax()]).float()
+    if split is not None:
+        amax = split.gather(amax).amax(0)
+    scales = torch.where(amax > 0, amax * HEADROOM / torch.finfo(FP8).max, torch.ones_like(amax)).to(dtype)
+    return scales[0], scales[1]
 
 
 def encode(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -79,20 +85,21 @@ def store(cache) -> None:
     cache.compact()  # the dynamic layout, which encode_layer takes; static layers return at their next step
     cache.kv_dtype = "fp8"
     for lid in cache.compressed:
-        encode_layer(cache.layers[lid])
+        encode_layer(cache.layers[lid], cache.split)
         cache._track_bytes(lid)
 
 
-def encode_layer(layer) -> None:
+def encode_layer(layer, split=None) -> None:
     """Store a compressed layer's kept keys and values in float8 from now on (``layer.kv_scales``
-    (key scale, value scale) set; its appends are encoded by ``writable``)."""
+    (key scale, value scale) set; its appends are encoded by ``writable``). ``split``: the cache's
+    ``HeadSplit`` on a tensor-parallel model (the scales are taken over every rank), else None."""
     if layer.kv_scales is not None or layer.keys is None:
         return
     if layer.static is not None:
         raise RuntimeError(
             "encode_layer expects the dynamic layout (the end of the prompt, before static storage)"
         )
-    scales = scale_of(layer.keys, layer.dtype), scale_of(layer.values, layer.dtype)
+    scales = scales_of(layer.keys, layer.values, layer.dtype, split)
     layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
     layer.kv_scales = scales
 

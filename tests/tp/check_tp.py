@@ -16,7 +16,10 @@ for ``HYBRID_PRESETS`` on a tiny Gemma 3 of the same shape whose layers alternat
   ring's per-slot flags are whole on every rank);
 - a compressed context (``kvcake.compress``) answers a question with the one-process tokens;
 - beam search (three beams, static storage) gives the one-process tokens, for ``HYBRID_PRESETS``
-  on both models.
+  on both models;
+- with the kept entries in float8 (``kv_dtype="fp8"``, static storage), for ``HYBRID_PRESETS`` on
+  both models: all of the above but the context, and every layer's key and value scales equal
+  the one-process ones (taken over every rank's heads).
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
@@ -46,6 +49,10 @@ from kvcake.tensor_parallel import HeadSplit
 # The tensor-parallel forward sums o_proj's and down_proj's partial products over ranks, so its
 # logits differ from the one-process forward by float32 rounding (measured ~1e-6 here).
 LOGIT_ATOL = 1e-4
+# With the kept entries in float8, an element whose tensor-parallel value differs by that rounding
+# can round to the neighbouring float8 value (1/16 apart): measured up to 3.1e-4 on the logits.
+# The scales (one per layer, from the largest magnitude over every rank) differ by the rounding.
+FP8_LOGIT_ATOL, SCALE_RTOL = 1e-3, 1e-5
 PROMPT, PADDED, BUDGET, NEW_TOKENS = 1024, 300, 64, 8
 # one preset per layer allocator, head allocator and selector, to keep the run short
 HYBRID_PRESETS = ("snapkv", "cake", "adakv", "cake-adakv", "layer-defensivekv")
@@ -66,8 +73,9 @@ def save_tiny(folder: str, hybrid: bool) -> None:
         LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
 
 
-def run(model, ids, mask, preset, static):
-    cache = kvcake.KVCakeCache(model, kvcake.make_method(preset, budget=BUDGET), static=static)
+def run(model, ids, mask, preset, static, kv_dtype=None):
+    method = kvcake.make_method(preset, budget=BUDGET)
+    cache = kvcake.KVCakeCache(model, method, static=static, kv_dtype=kv_dtype)
     with kvcake.enable(model), torch.no_grad():
         out = model.generate(
             ids, attention_mask=mask, **kvcake.with_cache(model, cache), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -125,10 +133,10 @@ def context_answer(model, ids, mask, preset) -> torch.Tensor:
     return ctx.generate(question, max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
-def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int) -> list[str]:
+def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int, kv_dtype=None) -> list[str]:
     bad = []
-    ref, ref_cache = run(full, ids, mask, preset, static)
-    out, cache = run(tp, ids, mask, preset, static)
+    ref, ref_cache = run(full, ids, mask, preset, static, kv_dtype)
+    out, cache = run(tp, ids, mask, preset, static, kv_dtype)
     if cache.split is None or cache.split.world != world:
         bad.append(f"the split was not found from the model ({cache.split})")
     if not torch.equal(out.sequences, ref.sequences):
@@ -136,8 +144,9 @@ def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int)
             f"tokens differ: {out.sequences[0, -NEW_TOKENS:].tolist()} vs {ref.sequences[0, -NEW_TOKENS:].tolist()}"
         )
     diff = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
-    if diff > LOGIT_ATOL:
-        bad.append(f"logits differ by {diff:.2e} > {LOGIT_ATOL}")
+    atol = LOGIT_ATOL if kv_dtype is None else FP8_LOGIT_ATOL
+    if diff > atol:
+        bad.append(f"logits differ by {diff:.2e} > {atol}")
     budgets = cache.budgets
     every = [torch.empty_like(budgets) for _ in range(world)]
     dist.all_gather(every, budgets)  # its own collective, not kvcake's
@@ -161,6 +170,27 @@ def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int)
         bad.append(
             f"rank holds {cache.kv_bytes()} bytes, its heads' share of the one-process cache is {share}"
         )
+    if kv_dtype is not None:
+        missing = [lid for lid in cache.compressed if cache.layers[lid].kv_scales is None]
+        if missing:
+            bad.append(f"compressed layers {missing} are not stored in float8")
+        differ = [
+            lid for lid in cache.compressed if lid not in missing and not torch.allclose(
+                torch.stack(cache.layers[lid].kv_scales), torch.stack(ref_cache.layers[lid].kv_scales), rtol=SCALE_RTOL, atol=0
+            )
+        ]  # fmt: skip
+        if rank == 0:
+            logger.info(
+                "%-15s float8: logits %.1e | KV bytes/rank %d of %d",
+                preset,
+                diff,
+                cache.kv_bytes(),
+                ref_cache.kv_bytes(),
+            )
+        if differ:
+            bad.append(
+                f"float8 scales of layers {differ} differ from the one-process ones by more than {SCALE_RTOL}"
+            )
     if not static:
         answer, ref_answer = context_answer(tp, ids, mask, preset), context_answer(full, ids, mask, preset)
         if not torch.equal(answer, ref_answer):
@@ -210,6 +240,10 @@ def main() -> int:
                 bad = check(preset, full, tp, ids, mask, static, rank, world)
                 if bad:
                     failed[f"{'hybrid ' if hybrid else ''}{preset}{' static' if static else ''}"] = bad
+        for preset in HYBRID_PRESETS:  # float8 storage: the scales over every rank's heads
+            bad = check(preset, full, tp, ids, mask, True, rank, world, kv_dtype="fp8")
+            if bad:
+                failed[f"{'hybrid ' if hybrid else ''}{preset} fp8"] = bad
         for preset in HYBRID_PRESETS:  # beam search: each rank reorders its heads' rows alike
             beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
             if not torch.equal(*beams):
