@@ -288,3 +288,48 @@ def test_a_float8_method_is_measured_beside_its_model_dtype_self(tiny_llama, tok
             plain = rows[("snapkv", scenario, sample)]
             assert r["kv_bytes"] * 4 == plain["kv_bytes"]
             assert r["kl"] is not None and r["kl"] != plain["kl"]
+
+
+def test_the_float8_section_pairs_each_method_with_its_model_dtype_self(tiny_llama, tokenizer, tmp_path):
+    """The results page's float8 section: one row per scenario and ratio for ``snapkv+fp8`` beside
+    ``snapkv``, means over the prompts both have; nothing without a ``+fp8`` method or its base."""
+    from kvcake.eval.fp8_section import fp8_section
+    from kvcake.eval.tables import mean_of
+
+    res = run_eval(tiny_llama, tokenizer, methods="full,snapkv,snapkv+fp8", out=tmp_path / "r.jsonl",
+                   report=False, **TINY)  # fmt: skip
+    rows = [line for line in fp8_section(res.records).splitlines() if line.startswith("| `snapkv`")]
+    assert len(rows) == 2  # question-aware and context-only, ratio 0.5
+    for line, scenario in zip(rows, ("question", "context"), strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        of = [r for r in res.records if r["scenario"] == scenario]
+        kl = {m: mean_of(r["kl"] for r in of if r["method"] == m)[0] for m in ("snapkv", "snapkv+fp8")}
+        below = sum(
+            f["kl"] <= p["kl"] for f in of for p in of
+            if f["method"] == "snapkv+fp8" and p["method"] == "snapkv" and f["seed"] == p["seed"]
+        )  # fmt: skip
+        assert cells[2:6] == ["0.5", f"{kl['snapkv']:.4g}", f"{kl['snapkv+fp8']:.4g}", f"{below}/2"]
+        fraction = {
+            m: mean_of(r["kv_fraction"] for r in of if r["method"] == m)[0] for m in ("snapkv", "snapkv+fp8")
+        }
+        assert cells[8:] == [f"{fraction['snapkv']:.3f}", f"{fraction['snapkv+fp8']:.3f}"]
+        assert fraction["snapkv+fp8"] == pytest.approx(fraction["snapkv"] / 4)  # float32 model
+    assert fp8_section([r for r in res.records if r["method"] != "snapkv"]) == ""
+    assert fp8_section([r for r in res.records if r["method"] != "snapkv+fp8"]) == ""
+
+
+def test_a_page_with_float8_methods_has_their_section(make_tiny_llama, tokenizer, tmp_path):
+    """``--doc`` with a ``+fp8`` method and its base writes the float8 section on the page."""
+    from kvcake.eval import cli
+
+    folder = tmp_path / "model"
+    make_tiny_llama().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    args = ["--model", str(folder), "--methods", "full,snapkv,snapkv+fp8", "--ratios", "0.5", "--tasks",
+            "niah_single", "--lengths", "90", "--samples", "1", "--haystack", "noise", "--window", "4",
+            "--max-new-tokens", "2", "--fidelity-tokens", "2", "--scenario", "context", "--out",
+            str(tmp_path / "r.jsonl"), "--no-progress", "--doc", str(tmp_path / "results.md")]  # fmt: skip
+    assert cli.main(args) == 0
+    page = (tmp_path / "results.md").read_text()
+    assert '## Kept entries in float8 (`kv_dtype="fp8"`)' in page
+    assert "| `snapkv` | context-only | 0.5 |" in page

@@ -222,7 +222,7 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
              "holds without its worst prompt |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method, ref, sc, only, factor in KL_TARGETS:
         for ratio in ratios if only is None else [r for r in ratios if r in only]:
-            value, reference, prompts, margin, without = _pair(records, method, ref, sc, ratio, "kl", factor)
+            value, reference, prompts, margin, without = paired(records, method, ref, sc, ratio, "kl", factor)
             times = "" if factor == 1.0 else f"{factor:g} x "
             ok = verdict(
                 value, reference, value is not None and reference is not None and value <= factor * reference
@@ -231,13 +231,13 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
                          f"{_num(reference)} | {ok} | {prompts} | {margin} | {without} |")  # fmt: skip
     for method, ref, sc, ratio in SHOWN_ONLY:
         if ratio in ratios:
-            value, reference, prompts, margin, without = _pair(records, method, ref, sc, ratio, "kl")
+            value, reference, prompts, margin, without = paired(records, method, ref, sc, ratio, "kl")
             gap = "-" if value is None or reference is None else f"no target: {value / reference:.2f} x"
             lines.append(f"| `{method}` kl vs `{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
                          f"{_num(reference)} | {gap} | {prompts} | {margin} | {without} |")  # fmt: skip
     for sc in ("question", "context"):
         for ratio in ratios:
-            value, reference, prompts, margin, without = _pair(
+            value, reference, prompts, margin, without = paired(
                 records, "cake", "snapkv", sc, ratio, "score", slack=SCORE_SLACK
             )
             holds = value is not None and reference is not None and value >= reference - SCORE_SLACK
@@ -247,7 +247,7 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _pair(
+def paired(
     records: Sequence[dict[str, Any]],
     method: str,
     ref: str,
@@ -298,8 +298,8 @@ def _below_table(records: Sequence[dict[str, Any]], scenario: str, ref: str) -> 
         "| method | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |",
         "|---" * (len(ratios) + 1) + "|",
     ]
-    for method in (m for m in ABLATION if m != ref):  # _pair's count of prompts where KL <= ref's
-        row = [_pair(records, method, ref, scenario, ratio, "kl")[2] for ratio in ratios]
+    for method in (m for m in ABLATION if m != ref):  # paired's count of prompts where KL <= ref's
+        row = [paired(records, method, ref, scenario, ratio, "kl")[2] for ratio in ratios]
         lines.append(f"| `{method}` | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

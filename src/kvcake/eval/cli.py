@@ -178,16 +178,22 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.tau_sweep:
         _run_sweep(args, s, result.path)
+    from kvcake.eval.fp8_section import fp8_section
+
+    stored = fp8_section(result.records)  # "" without +fp8 methods
     if s["ablation"]:
         from kvcake.eval.ablation import run_section
 
-        s["notes"] = (
-            f"{run_section(s, args, command, Path(str(s['doc'])) if s['doc'] else None, args.report_only, result.records)}\n\n{s['notes']}"
+        sections = run_section(
+            s, args, command, Path(str(s["doc"])) if s["doc"] else None, args.report_only, result.records
         )
+        s["notes"] = "\n\n".join(part for part in (sections, stored, s["notes"]) if part)
     elif s["targets"] and s["doc"]:  # a part of the results suite: the targets on its own cells
         from kvcake.eval.ablation import targets_section
 
-        s["notes"] = targets_section(result.records)
+        s["notes"] = "\n\n".join(part for part in (targets_section(result.records), stored) if part)
+    elif stored:
+        s["notes"] = "\n\n".join(part for part in (stored, s["notes"]) if part)
     if s["doc"]:
         from kvcake.eval.report import render_page
         from kvcake.eval.section import keep_sections, write_section

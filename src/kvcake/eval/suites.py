@@ -15,10 +15,12 @@ SYNTHETIC_SUITE_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 
 # the methods in issue 24's targets (the full cache is every KL's reference)
 TARGET_METHODS = ("full", "snapkv", "pyramidkv", "cake", "adakv", "cake-adakv")
+# on the default model's page, these also with their kept entries in float8 (kvcake.fp8)
+FP8_METHODS = ("snapkv+fp8", "cake+fp8", "adakv+fp8", "layer-defensivekv+fp8")
 
 SUITES: dict[str, dict[str, object]] = {
     "results": {
-        "methods": None,  # filled below: the full cache and every preset
+        "methods": None,  # filled below: the full cache and every preset, and FP8_METHODS
         "ratios": (0.1, 0.25, 0.5),
         "tasks": SYNTHETIC_SUITE_TASKS,
         "lengths": (2048, 4096),
@@ -90,7 +92,7 @@ def resolve(args: argparse.Namespace) -> dict[str, object]:
 
     suite = dict(SUITES[args.suite]) if args.suite else {}
     if args.suite in ("results", "results-gemma3"):
-        suite["methods"] = ("full", *PRESETS)
+        suite["methods"] = ("full", *PRESETS, *(FP8_METHODS if args.suite == "results" else ()))
     # Options that change what a suite measures or where it goes: with any of them the run is a
     # part of the suite (one variant on its prompts, a subset of its cells), so it writes neither
     # the suite's page nor its CAKE ablation cells; an explicit --doc writes a page of its cells
