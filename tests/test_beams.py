@@ -63,6 +63,19 @@ def test_beam_search_in_static_storage_decodes_as_the_reference(tiny_llama, spec
     assert caches[0].layers[0].batch == 6 and caches[0].decode_budget.shape[0] == 6
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_beam_search_over_float8_entries_decodes_as_the_reference(tiny_llama, spec):
+    """Kept entries in float8 (uint8 bits, reordered like any entry): static storage decodes the
+    beams the dynamic reference layout does, and the entries stay float8 bits."""
+    ids, mask = _prompts(pad=5)
+    caches = [
+        KVCakeCache(tiny_llama, spec, budget=12, window=4, static=s, kv_dtype="fp8") for s in (True, False)
+    ]
+    static, dynamic = (_beams(tiny_llama, ids, mask, c) for c in caches)
+    assert torch.equal(static, dynamic)
+    assert all(caches[0].layers[lid].keys.dtype == torch.uint8 for lid in caches[0].compressed)
+
+
 def test_beam_search_on_a_hybrid_model_is_stocks(tiny_gemma3):
     """Gemma 3's sliding layers decode in a ring (permuted in place); its global layers are covered."""
     ids, mask = _prompts(n=30, pad=3)
