@@ -228,3 +228,21 @@ def test_storing_a_compressed_cache_afterwards_equals_storing_it_at_the_prompts_
         assert all(torch.equal(x, y) for x, y in zip(a.kv_scales, b.kv_scales, strict=True))
     with pytest.raises(ValueError, match="takes a cache whose prompt was compressed"):
         store(KVCakeCache(tiny_llama, "snapkv", budget=24, window=4))
+
+
+def test_a_device_without_float8_conversions_is_refused_naming_the_fix(tiny_llama, monkeypatch):
+    """torch's MPS backend has no float8 (pytorch#148420): a cache asking for it on such a device is
+    refused at construction, naming the device and the fix, not at the end of the prompt."""
+    from kvcake import fp8
+
+    assert fp8._conversion_problem("cpu") is None  # the probe itself, on this machine's CPU
+    said = "Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that dtype."
+    monkeypatch.setattr(fp8, "_conversion_problem", lambda device: said)
+    with pytest.raises(
+        ValueError, match=r"cannot convert to on cpu \(Trying to convert .*\): leave kv_dtype unset"
+    ):
+        KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype="fp8")
+    cache = _prefilled(tiny_llama, "snapkv", None)  # not asked: not probed
+    with pytest.raises(ValueError, match="cannot convert to on cpu"):
+        fp8.store(cache)  # the evaluation's way, afterwards
+    assert cache.kv_dtype is None

@@ -117,7 +117,7 @@ class KVCakeCache(Cache):
         **budget_kwargs,
     ) -> None:
         self.scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
-        self.kv_dtype = check_kv_dtype(kv_dtype)  # how the kept entries are stored after the prompt
+        self.kv_dtype = check_kv_dtype(kv_dtype, model)  # how the kept entries are stored after the prompt
         self.info: ModelInfo = describe_model(model)
         if budget_kwargs and isinstance(method, Method):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")

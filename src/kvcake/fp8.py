@@ -26,6 +26,8 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FORMATS = ("fp8",)  # kv_dtype values; None: the model's own dtype
@@ -42,17 +44,45 @@ def storage_spec(name: str) -> tuple[str, str | None]:
     return (name.removesuffix(SUFFIX), "fp8") if name.endswith(SUFFIX) else (name, None)
 
 
-def check_kv_dtype(kv_dtype) -> str | None:
+def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None:
     """``kv_dtype`` as kvcake names it: None (the model's dtype) or ``"fp8"``; also taken:
-    ``torch.float8_e4m3fn`` and its name. Anything else is refused naming the choices."""
+    ``torch.float8_e4m3fn`` and its name. Anything else is refused naming the choices, and so is
+    float8 for a ``model`` on a device whose torch backend cannot convert to it (MPS: pytorch#148420)."""
     if kv_dtype is None or kv_dtype in FORMATS:
-        return kv_dtype
-    if kv_dtype is FP8 or kv_dtype in ("float8_e4m3fn", "torch.float8_e4m3fn"):
-        return "fp8"
-    raise ValueError(
-        f"kv_dtype must be None (keep the model's dtype) or 'fp8' (float8 e4m3, one byte per element), "
-        f"got {kv_dtype!r}"
-    )
+        name = kv_dtype
+    elif kv_dtype is FP8 or kv_dtype in ("float8_e4m3fn", "torch.float8_e4m3fn"):
+        name = "fp8"
+    else:
+        raise ValueError(
+            f"kv_dtype must be None (keep the model's dtype) or 'fp8' (float8 e4m3, one byte per element), "
+            f"got {kv_dtype!r}"
+        )
+    if name is not None and model is not None:
+        check_devices({p.device for p in model.parameters()})
+    return name
+
+
+def check_devices(devices) -> None:
+    """Refuse float8 storage on a device whose torch backend cannot convert to float8 (ValueError
+    naming the device, torch's reason and the fix)."""
+    for device in sorted({str(d) for d in devices} - {"meta"}):
+        problem = _conversion_problem(device)
+        if problem is not None:
+            raise ValueError(
+                f"kv_dtype='fp8' stores the kept entries in float8, which torch {torch.__version__} cannot "
+                f"convert to on {device} ({problem}): leave kv_dtype unset there (the model's dtype), or run "
+                "the model on CUDA or the CPU"
+            )
+
+
+@functools.cache
+def _conversion_problem(device: str) -> str | None:
+    """Why a tensor on ``device`` cannot be converted to float8 and back, or None (tried once per device)."""
+    try:
+        torch.zeros(1, device=device).to(FP8).to(torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError) as exc:
+        return " ".join(str(exc).split())
+    return None
 
 
 def scales_of(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, split=None):
@@ -82,6 +112,9 @@ def store(cache) -> None:
     it (the evaluation replays one recorded prefill into every method's cache, then stores)."""
     if not cache.prefilled:
         raise ValueError("store() takes a cache whose prompt was compressed (kv_dtype='fp8' does it then)")
+    check_devices(
+        cache.layers[lid].keys.device for lid in cache.compressed if cache.layers[lid].keys is not None
+    )
     cache.compact()  # the dynamic layout, which encode_layer takes; static layers return at their next step
     cache.kv_dtype = "fp8"
     for lid in cache.compressed:
