@@ -5,7 +5,9 @@
 #   2. the GPU page (docs/benchmarks-gpu.md): every preset at LENGTHS, eager steps (--no-compile);
 #   3. the compiled step (CUDA graphs) of a few caches at one length, on a page of its own in $OUT
 #      (compiling an 8B model takes about a minute per cache, too long for every preset);
-#   4. where the slow prefills spend their time (scripts/gpu_profile.py; PROFILE_METHODS="" skips it).
+#   4. float8 storage beside the model's dtype (FP8_METHODS at FP8_LENGTH, eager), a page of its own in
+#      $OUT (FP8_METHODS="" skips it);
+#   5. where the slow prefills spend their time (scripts/gpu_profile.py; PROFILE_METHODS="" skips it).
 # Usage, from the repository root on the GPU machine:
 #   scripts/gpu_check.sh
 #   LENGTHS="8k 32k 128k" ROUNDS=3 TEST_LIMIT=400 COMPILED_METHODS=snapkv,cake scripts/gpu_check.sh
@@ -25,6 +27,9 @@ BENCH_LIMIT="${BENCH_LIMIT:-240}"  # per length
 COMPILED_LENGTH="${COMPILED_LENGTH:-8k}"
 COMPILED_METHODS="${COMPILED_METHODS-snapkv,adakv}"
 COMPILED_LIMIT="${COMPILED_LIMIT:-300}"
+FP8_LENGTH="${FP8_LENGTH:-32k}"
+FP8_METHODS="${FP8_METHODS-snapkv,snapkv+fp8,adakv,adakv+fp8}"
+FP8_LIMIT="${FP8_LIMIT:-180}"
 PROFILE_LENGTH="${PROFILE_LENGTH:-32k}"
 PROFILE_METHODS="${PROFILE_METHODS-criticalkv,h2o,cake}"
 PROFILE_LIMIT="${PROFILE_LIMIT:-120}"
@@ -56,6 +61,11 @@ if [ -n "$COMPILED_METHODS" ]; then
     TORCH_LOGS="${COMPILED_TORCH_LOGS-recompiles,cudagraphs}" timeout "$COMPILED_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$COMPILED_LENGTH" --rounds 1 \
         --methods "$COMPILED_METHODS" --out bench-gpu-compiled --doc "$OUT/benchmarks-gpu-compiled.md" 2>&1 \
         | tee "$OUT/bench-compiled.log" | tail -25
+fi
+if [ -n "$FP8_METHODS" ]; then  # the same step with the kept entries in float8: its conversion's cost
+    timeout "$FP8_LIMIT" "$PY" -m kvcake.bench gpu --device cuda --lengths "$FP8_LENGTH" --rounds "$ROUNDS" \
+        --methods "$FP8_METHODS" --no-compile --out bench-gpu-fp8 --doc "$OUT/benchmarks-gpu-fp8.md" 2>&1 \
+        | tee "$OUT/bench-fp8.log" | tail -25
 fi
 if [ -n "$PROFILE_METHODS" ]; then
     timeout "$PROFILE_LIMIT" "$PY" scripts/gpu_profile.py --length "$PROFILE_LENGTH" --methods "$PROFILE_METHODS" 2>&1 \
