@@ -197,3 +197,33 @@ def test_targets_report_their_margin_and_whether_one_prompt_decides_them():
         line for line in targets_markdown(records).splitlines() if "score >=" in line and "context" in line
     ]
     assert score and all("| 3/3 | +10 (0) | yes |" in line for line in score)
+
+
+def test_a_report_only_page_shows_the_suites_own_command():
+    """``--report-only`` shows the command that computed the cells: for a suite its own last command,
+    not a part's (``--methods``) nor the ablation's run line; without a suite the last run's."""
+    from kvcake.eval.ablation import RUN_TAG
+    from kvcake.eval.cli import page_command
+
+    suite = "python -m kvcake.eval --suite results --threads 1"
+    runs = [
+        {"command": suite},
+        {"command": suite + RUN_TAG},
+        {"command": "python -m kvcake.eval --methods cake"},
+    ]
+    assert page_command(runs, suite=True) == suite
+    assert page_command(runs, suite=False) == "python -m kvcake.eval --methods cake"
+    assert page_command(runs[1:], suite=True) == "python -m kvcake.eval --methods cake"  # no suite line left
+
+
+def test_the_results_suite_adds_the_float8_rows_of_four_methods():
+    import argparse
+
+    from kvcake.eval.cli import add_arguments
+    from kvcake.eval.suites import FP8_METHODS, resolve
+    from kvcake.method import PRESETS
+
+    parser = add_arguments(argparse.ArgumentParser())
+    assert resolve(parser.parse_args(["--suite", "results"]))["methods"] == ("full", *PRESETS, *FP8_METHODS)
+    assert resolve(parser.parse_args(["--suite", "results-gemma3"]))["methods"] == ("full", *PRESETS)
+    assert all(m.endswith("+fp8") and m.removesuffix("+fp8") in PRESETS for m in FP8_METHODS)

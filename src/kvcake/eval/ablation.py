@@ -33,6 +33,7 @@ ABLATION: dict[str, str] = {
 ABLATION_LENGTHS = (2048, 4096)
 ABLATION_SAMPLES = 6
 BUDGET_FIGURE = "eval_results_cake_budgets.png"
+RUN_TAG = "  # CAKE ablation cells"  # ends the command logged for the ablation's cells (its runs log line)
 
 
 def ablation_markdown(
@@ -143,7 +144,7 @@ def run_section(
         scenario=settings["scenario"], seed=args.seed, haystack=args.haystack, needle_style=args.needle_style,
         max_new_tokens=args.max_new_tokens, fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens,
         window=args.window, out=settings["out"], prefill=args.prefill, progress=not args.no_progress,
-        command=command + "  # CAKE ablation cells", compute=not report_only, report=False,
+        command=command + RUN_TAG, compute=not report_only, report=False,
     )  # fmt: skip
     out = Path(str(settings["out"]))
     figure = budget_chart(model, tokenizer, out.parent / BUDGET_FIGURE, tuple(settings["ratios"]))

@@ -202,11 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         doc.parent.mkdir(parents=True, exist_ok=True)
         runs = load_records(runs_log_path(result.path))
         if args.report_only and runs and runs[-1].get("command"):
-            command = runs[-1]["command"]  # the page shows the command that computed the cells
-            if args.suite:  # ... or the suite's own command, where some runs computed parts of it
-                command = next(
-                    (r["command"] for r in reversed(runs) if "--suite" in str(r.get("command"))), command
-                )
+            command = page_command(runs, bool(args.suite))
         page = render_page(
             result.records,
             figures=result.plots,
@@ -224,6 +220,18 @@ def _run(args: argparse.Namespace) -> int:
             doc.write_text(keep_sections(doc, page))
         print(f"wrote {doc}", flush=True)
     return 0
+
+
+def page_command(runs: list[dict], suite: bool) -> str:
+    """The command a ``--report-only`` page shows: the last run's (the one that computed the cells),
+    or for a suite its own last command, where later runs computed parts of it (not its ablation's)."""
+    from kvcake.eval.ablation import RUN_TAG
+
+    last = str(runs[-1]["command"])
+    if not suite:
+        return last
+    commands = (str(r.get("command")) for r in reversed(runs))
+    return next((c for c in commands if "--suite" in c and not c.endswith(RUN_TAG)), last)
 
 
 def _more_samples(result, model, tokenizer, model_name, s: dict[str, object], common: dict):
