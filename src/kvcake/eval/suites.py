@@ -31,7 +31,8 @@ SUITES: dict[str, dict[str, object]] = {
         "intro": WHICH_METHOD
         + "\n"
         + (
-            "Every kvcake preset at three kept ratios (0.1, 0.25, 0.5 of each prompt), and the full cache, on the "
+            "Every kvcake preset at three kept ratios (0.1, 0.25, 0.5 of each prompt), and the full cache (four "
+            "presets also with their kept entries in float8, `+fp8`: section *Kept entries in float8*), on the "
             "synthetic suite of `kvcake.eval.tasks` with the default model (SmolLM2-135M-Instruct: 30 layers, "
             "9 query and 3 KV heads), in both scenarios. Three tasks that the full cache mostly solves on this "
             "model: `niah_single` and `niah_multikey` with the needles in the *restated* wording (with RULER's "
