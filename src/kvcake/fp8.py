@@ -10,9 +10,9 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
 * **Scale.** One per layer for its keys and one for its values, from the prompt's kept entries:
   their largest magnitude maps to half of e4m3's largest value (448), so later entries up to
   twice as large fit exactly as well; larger ones saturate (torch's conversion clamps to 448).
+  Within the range, e4m3 keeps 3 mantissa bits: a relative error of at most 1/16 per element.
   On a tensor-parallel model the largest magnitude is taken over every rank's heads, so each rank
   stores its heads exactly as one process holding them all would.
-  Within the range, e4m3 keeps 3 mantissa bits: a relative error of at most 1/16 per element.
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
   (appends, evictions, beam reorders, saving) then runs on any device: some of them
   (``index_copy_``, ``scatter_``, ``gather``, ``masked_fill``) have no float8 kernel on a CPU.
