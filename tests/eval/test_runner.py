@@ -292,28 +292,39 @@ def test_a_float8_method_is_measured_beside_its_model_dtype_self(tiny_llama, tok
 
 def test_the_float8_section_pairs_each_method_with_its_model_dtype_self(tiny_llama, tokenizer, tmp_path):
     """The results page's float8 section: one row per scenario and ratio for ``snapkv+fp8`` beside
-    ``snapkv``, means over the prompts both have; nothing without a ``+fp8`` method or its base."""
+    ``snapkv``, means over the prompts both have, and beside ``snapkv`` at half the ratio where the
+    run has it; nothing without a ``+fp8`` method or its base."""
     from kvcake.eval.fp8_section import fp8_section
     from kvcake.eval.tables import mean_of
 
     res = run_eval(tiny_llama, tokenizer, methods="full,snapkv,snapkv+fp8", out=tmp_path / "r.jsonl",
-                   report=False, **TINY)  # fmt: skip
+                   report=False, **{**TINY, "ratios": (0.25, 0.5)})  # fmt: skip
     rows = [line for line in fp8_section(res.records).splitlines() if line.startswith("| `snapkv`")]
-    assert len(rows) == 2  # question-aware and context-only, ratio 0.5
-    for line, scenario in zip(rows, ("question", "context"), strict=True):
+    assert len(rows) == 4  # question-aware and context-only, ratios 0.25 and 0.5
+    for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
+        scenario = {"question-aware": "question", "context-only": "context"}[cells[1]]
+        ratio = float(cells[2])
         of = [r for r in res.records if r["scenario"] == scenario]
-        kl = {m: mean_of(r["kl"] for r in of if r["method"] == m)[0] for m in ("snapkv", "snapkv+fp8")}
-        below = sum(
-            f["kl"] <= p["kl"] for f in of for p in of
-            if f["method"] == "snapkv+fp8" and p["method"] == "snapkv" and f["seed"] == p["seed"]
-        )  # fmt: skip
-        assert cells[2:6] == ["0.5", f"{kl['snapkv']:.4g}", f"{kl['snapkv+fp8']:.4g}", f"{below}/2"]
-        fraction = {
-            m: mean_of(r["kv_fraction"] for r in of if r["method"] == m)[0] for m in ("snapkv", "snapkv+fp8")
+        at = {
+            m: [r for r in of if r["method"] == m and r["ratio"] == ratio] for m in ("snapkv", "snapkv+fp8")
         }
-        assert cells[8:] == [f"{fraction['snapkv']:.3f}", f"{fraction['snapkv+fp8']:.3f}"]
-        assert fraction["snapkv+fp8"] == pytest.approx(fraction["snapkv"] / 4)  # float32 model
+        kl = {m: mean_of(r["kl"] for r in rs)[0] for m, rs in at.items()}
+        below = sum(
+            f["kl"] <= p["kl"] for f in at["snapkv+fp8"] for p in at["snapkv"] if f["seed"] == p["seed"]
+        )
+        assert cells[3:6] == [f"{kl['snapkv']:.4g}", f"{kl['snapkv+fp8']:.4g}", f"{below}/2"]
+        fraction = {m: mean_of(r["kv_fraction"] for r in rs)[0] for m, rs in at.items()}
+        assert cells[8:10] == [f"{fraction['snapkv']:.3f}", f"{fraction['snapkv+fp8']:.3f}"]
+        assert fraction["snapkv+fp8"] == pytest.approx(
+            fraction["snapkv"] / 4, rel=1e-3
+        )  # float32; records round
+        half = [r for r in of if r["method"] == "snapkv" and r["ratio"] == ratio / 2]
+        if not half:  # no snapkv cell at 0.125
+            assert cells[10:] == ["-", "-"]
+            continue
+        below = sum(f["kl"] <= p["kl"] for f in at["snapkv+fp8"] for p in half if f["seed"] == p["seed"])
+        assert cells[10:] == [f"{mean_of(r['kl'] for r in half)[0]:.4g}", f"{below}/2"]
     assert fp8_section([r for r in res.records if r["method"] != "snapkv"]) == ""
     assert fp8_section([r for r in res.records if r["method"] != "snapkv+fp8"]) == ""
 

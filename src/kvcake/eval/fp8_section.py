@@ -23,7 +23,9 @@ INTRO = (
     "float8 row's KL is at or below the other's, *score* is the task score (x100), *bytes* the KV bytes "
     "kept over the full cache's. The model runs in float32 here, so float8 holds a quarter of its bytes "
     "(half of bfloat16's, the dtype users serve in); `scripts/fp8_kl.py` measures the default model in "
-    "bfloat16."
+    "bfloat16. *Half the ratio* is the same method in the model's dtype keeping half as many entries: "
+    "in a bfloat16 model the same bytes as the float8 row; its KL (on the prompts both have) and on how "
+    "many prompts float8 is at or below it."
 )
 
 
@@ -37,8 +39,9 @@ def fp8_section(records: Sequence[dict[str, Any]]) -> str:
     lines = [
         INTRO,
         "",
-        "| method | scenario | ratio | KL | KL, float8 | float8 at or below | score | score, float8 | bytes | bytes, float8 |",
-        "|---" * 10 + "|",
+        "| method | scenario | ratio | KL | KL, float8 | float8 at or below | score | score, float8 | bytes | bytes, float8 "
+        "| KL, half the ratio | float8 at or below it |",
+        "|---" * 12 + "|",
     ]
     for fp8, base in pairs:
         for sc in scenarios_in(records):
@@ -49,8 +52,31 @@ def fp8_section(records: Sequence[dict[str, Any]]) -> str:
                 row = [f"`{base}`", SCENARIO_TITLES[sc], f"{ratio:g}", _num(kl), _num(kl_fp8), below]
                 row += [_num(score, 100, 0), _num(score_fp8, 100, 0)]
                 row += [_num(_bytes(records, m, sc, ratio), 1, 3) for m in (base, fp8)]
+                row += _against_half(records, fp8, base, sc, ratio)
                 lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _against_half(
+    records: Sequence[dict[str, Any]], fp8: str, base: str, scenario: str, ratio: float
+) -> list[str]:
+    """[``base``'s mean KL at ``ratio / 2``, on how many prompts ``fp8`` at ``ratio`` is at or below
+    it], over the prompts both have; ``-`` where ``base`` has no cell at half the ratio."""
+    mine, half = (
+        _kl_by_prompt(records, fp8, scenario, ratio),
+        _kl_by_prompt(records, base, scenario, ratio / 2),
+    )
+    common = sorted(set(mine) & set(half))
+    if not common:
+        return ["-", "-"]
+    below = sum(mine[k] <= half[k] for k in common)
+    return [_num(sum(half[k] for k in common) / len(common)), f"{below}/{len(common)}"]
+
+
+def _kl_by_prompt(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float) -> dict:
+    return {(r["task"], r["length"], r["seed"]): r["kl"] for r in records
+            if r["method"] == method and r["scenario"] == scenario and r.get("kl") is not None
+            and r.get("ratio") is not None and abs(r["ratio"] - ratio) < 1e-9}  # fmt: skip
 
 
 def _bytes(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float) -> float | None:
