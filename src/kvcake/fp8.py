@@ -137,11 +137,11 @@ def encode_layer(layer, split=None) -> None:
     layer.kv_scales = scales
 
 
-def readable(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys``/``values`` read from ``layer``'s storage (or gathered from it) in the model's dtype."""
+def readable(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s stored keys and values in the model's dtype (decoded whole where in float8)."""
     if layer.kv_scales is None:
-        return keys, values
-    return decode(keys, layer.kv_scales[0]), decode(values, layer.kv_scales[1])
+        return layer.keys, layer.values
+    return decode(layer.keys, layer.kv_scales[0]), decode(layer.values, layer.kv_scales[1])
 
 
 def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):

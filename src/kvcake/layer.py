@@ -137,10 +137,8 @@ class KVCakeLayer(CacheLayerMixin):
         else:
             append_segments(self, key_states, value_states, pos)
         self.counts = self.counts + add
-        return (
-            readable(self, self.keys, self.values) if self.plain else (self.keys, self.values)
-        )  # (plain: the
-        # model's kernel reads them; else the kvcake attention reads the layer, ``attend``)
+        # plain: the model's kernel reads the entries (decoded); else the kvcake attention reads the layer
+        return readable(self) if self.plain else (self.keys, self.values)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # logical columns (the attention maps them through ``positions``); 5.0 passes cache_position
