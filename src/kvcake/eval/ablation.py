@@ -228,14 +228,14 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
             ok = verdict(
                 value, reference, value is not None and reference is not None and value <= factor * reference
             )
-            lines.append(f"| `{method}` kl <= {times}`{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
-                         f"{_num(reference)} | {ok} | {prompts} | {margin} | {without} |")  # fmt: skip
+            lines.append(f"| `{method}` kl <= {times}`{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {number(value)} | "
+                         f"{number(reference)} | {ok} | {prompts} | {margin} | {without} |")  # fmt: skip
     for method, ref, sc, ratio in SHOWN_ONLY:
         if ratio in ratios:
             value, reference, prompts, margin, without = paired(records, method, ref, sc, ratio, "kl")
             gap = "-" if value is None or reference is None else f"no target: {value / reference:.2f} x"
-            lines.append(f"| `{method}` kl vs `{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {_num(value)} | "
-                         f"{_num(reference)} | {gap} | {prompts} | {margin} | {without} |")  # fmt: skip
+            lines.append(f"| `{method}` kl vs `{ref}` | {SCENARIO_TITLES[sc]} | {ratio:g} | {number(value)} | "
+                         f"{number(reference)} | {gap} | {prompts} | {margin} | {without} |")  # fmt: skip
     for sc in ("question", "context"):
         for ratio in ratios:
             value, reference, prompts, margin, without = paired(
@@ -243,7 +243,7 @@ def targets_markdown(records: Sequence[dict[str, Any]]) -> str:
             )
             holds = value is not None and reference is not None and value >= reference - SCORE_SLACK
             lines.append(f"| `cake` score >= `snapkv` - {SCORE_SLACK * 100:g} | {SCENARIO_TITLES[sc]} | {ratio:g} | "
-                         f"{_num(value, 100)} | {_num(reference, 100)} | {verdict(value, reference, holds)} | "
+                         f"{number(value, 100)} | {number(reference, 100)} | {verdict(value, reference, holds)} | "
                          f"{prompts} | {margin} | {without} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -263,7 +263,10 @@ def paired(
     method at or below ``factor`` x the reference, for scores at least the reference less
     ``slack``); the mean margin by which it holds (negative: missed) with its standard error
     over the prompts; and whether the mean still holds without the prompt it misses most by."""
-    a, b = _cells(records, method, scenario, ratio, metric), _cells(records, ref, scenario, ratio, metric)
+    a, b = (
+        by_prompt(records, method, scenario, ratio, metric),
+        by_prompt(records, ref, scenario, ratio, metric),
+    )
     common = sorted(set(a) & set(b))
     if not common:
         return None, None, "-", "-", "-"
@@ -284,7 +287,9 @@ def paired(
     )
 
 
-def _cells(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float, metric: str) -> dict:
+def by_prompt(
+    records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float, metric: str
+) -> dict:
     """``metric`` of ``method``'s cells in ``scenario`` at ``ratio``, by prompt (task, length, seed)."""
     return {(r["task"], r["length"], r["seed"]): r[metric] for r in records
             if r["method"] == method and r["scenario"] == scenario and r.get("ratio") == ratio
@@ -305,5 +310,8 @@ def _below_table(records: Sequence[dict[str, Any]], scenario: str, ref: str) -> 
     return "\n".join(lines)
 
 
-def _num(value: float | None, scale: float = 1.0) -> str:
-    return "-" if value is None else f"{value * scale:.4g}"
+def number(value: float | None, scale: float = 1.0, digits: int | None = None) -> str:
+    """``value * scale`` for a page's table: 4 significant digits, or ``digits`` decimals; ``-`` for None."""
+    if value is None:
+        return "-"
+    return f"{value * scale:.{digits}f}" if digits is not None else f"{value * scale:.4g}"

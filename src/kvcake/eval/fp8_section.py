@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcake.eval.ablation import paired
+from kvcake.eval.ablation import by_prompt, number, paired
 from kvcake.eval.tables import SCENARIO_TITLES, mean_of, scenarios_in
 from kvcake.fp8 import SUFFIX, storage_spec
 
@@ -49,9 +49,9 @@ def fp8_section(records: Sequence[dict[str, Any]]) -> str:
             for ratio in ratios:
                 kl_fp8, kl, below, _, _ = paired(records, fp8, base, sc, ratio, "kl")
                 score_fp8, score, _, _, _ = paired(records, fp8, base, sc, ratio, "score")
-                row = [f"`{base}`", SCENARIO_TITLES[sc], f"{ratio:g}", _num(kl), _num(kl_fp8), below]
-                row += [_num(score, 100, 0), _num(score_fp8, 100, 0)]
-                row += [_num(_bytes(records, m, sc, ratio), 1, 3) for m in (base, fp8)]
+                row = [f"`{base}`", SCENARIO_TITLES[sc], f"{ratio:g}", number(kl), number(kl_fp8), below]
+                row += [number(score, 100, 0), number(score_fp8, 100, 0)]
+                row += [number(_bytes(records, m, sc, ratio), 1, 3) for m in (base, fp8)]
                 row += _against_half(records, fp8, base, sc, ratio)
                 lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -63,20 +63,14 @@ def _against_half(
     """[``base``'s mean KL at ``ratio / 2``, on how many prompts ``fp8`` at ``ratio`` is at or below
     it], over the prompts both have; ``-`` where ``base`` has no cell at half the ratio."""
     mine, half = (
-        _kl_by_prompt(records, fp8, scenario, ratio),
-        _kl_by_prompt(records, base, scenario, ratio / 2),
+        by_prompt(records, fp8, scenario, ratio, "kl"),
+        by_prompt(records, base, scenario, ratio / 2, "kl"),
     )
     common = sorted(set(mine) & set(half))
     if not common:
         return ["-", "-"]
     below = sum(mine[k] <= half[k] for k in common)
-    return [_num(sum(half[k] for k in common) / len(common)), f"{below}/{len(common)}"]
-
-
-def _kl_by_prompt(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float) -> dict:
-    return {(r["task"], r["length"], r["seed"]): r["kl"] for r in records
-            if r["method"] == method and r["scenario"] == scenario and r.get("kl") is not None
-            and r.get("ratio") is not None and abs(r["ratio"] - ratio) < 1e-9}  # fmt: skip
+    return [number(sum(half[k] for k in common) / len(common)), f"{below}/{len(common)}"]
 
 
 def _bytes(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float) -> float | None:
@@ -84,9 +78,3 @@ def _bytes(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio:
     return mean_of(
         r.get("kv_fraction") for r in records if r["method"] == method and r["scenario"] == scenario and r.get("ratio") == ratio
     )[0]  # fmt: skip
-
-
-def _num(value: float | None, scale: float = 1.0, digits: int | None = None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * scale:.{digits}f}" if digits is not None else f"{value * scale:.4g}"
