@@ -22,13 +22,38 @@ import torch
 
 import kvcake
 from kvcake.haystack import resolve_haystack
+from kvcake.replay.teacher import kl_per_token
 
 
 def kl(full: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over positions of KL(softmax(full) || softmax(other)); logits (n, V)."""
-    p = torch.log_softmax(full.float(), -1)
-    q = torch.log_softmax(other.float(), -1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
+    return kl_per_token(torch.log_softmax(full.float(), -1), torch.log_softmax(other.float(), -1))
+
+
+def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    """The passages' options, shared with ``scripts/fp8_recent.py``."""
+    parser.add_argument("--samples", type=int, default=6)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--continuation", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer): the default model in ``--dtype``, ``--threads`` set."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return kvcake.load_model(dtype=getattr(torch, args.dtype))
+
+
+def passages(tok, args: argparse.Namespace):
+    """``--samples`` pairs (context ids (1, length), the next ``--continuation`` ids (1, n)): passage
+    ``i`` of the Paul Graham essays starts at document ``i``."""
+    haystack = resolve_haystack("paul_graham")
+    for i in range(args.samples):
+        text = " ".join(haystack.words(4 * (args.length + args.continuation), start=i))
+        ids = tok(text, return_tensors="pt").input_ids[:, : args.length + args.continuation]
+        yield ids[:, : args.length], ids[:, args.length :]
 
 
 def predictions(model, ids: torch.Tensor, cont: torch.Tensor, method: str, keep: float | None, kv_dtype):
@@ -43,26 +68,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="snapkv,cake,adakv,layer-defensivekv")
     parser.add_argument("--keep-ratios", default="0.25,0.5")
-    parser.add_argument("--samples", type=int, default=6)
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--continuation", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--threads", type=int, default=None)
+    add_sample_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tok = kvcake.load_model(dtype=getattr(torch, args.dtype))
-    haystack = resolve_haystack("paul_graham")
+    model, tok = load(args)
     ratios = [float(r) for r in args.keep_ratios.split(",")]
     runs = [("full", None, "fp8")] + [
         (m, r, kv) for m in args.methods.split(",") for r in ratios for kv in (None, "fp8")
     ]
     kls: dict[tuple, list[float]] = {run: [] for run in runs}
     held: dict[tuple, list[int]] = {run: [] for run in runs}
-    for i in range(args.samples):
-        text = " ".join(haystack.words(4 * (args.length + args.continuation), start=i))
-        ids = tok(text, return_tensors="pt").input_ids[:, : args.length + args.continuation]
-        ctx_ids, cont = ids[:, : args.length], ids[:, args.length :]
+    for ctx_ids, cont in passages(tok, args):
         reference, full_bytes = predictions(model, ctx_ids, cont, "full", None, None)
         for run in runs:
             logits, n_bytes = predictions(model, ctx_ids, cont, *run)

@@ -23,20 +23,16 @@ import argparse
 import copy
 
 import torch
+from fp8_kl import add_sample_arguments, kl, load, passages  # this folder's (python3 scripts/fp8_recent.py)
 from transformers import DynamicCache
 
 import kvcake
-from kvcake.fp8 import FP8, HEADROOM
-from kvcake.haystack import resolve_haystack
-
-
-def scale_of(t: torch.Tensor) -> torch.Tensor:
-    return t.abs().amax().float() * HEADROOM / torch.finfo(FP8).max
+from kvcake.fp8 import decode, encode, scales_of
 
 
 def rounded(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``t`` through float8 and back, in its own dtype."""
-    return ((t.float() / scale).to(FP8).float() * scale).to(t.dtype)
+    """``t`` through kvcake's float8 encoding and back (``scale`` in float32), in its own dtype."""
+    return decode(encode(t, scale), scale).to(t.dtype)
 
 
 class RecentExact(DynamicCache):
@@ -46,7 +42,7 @@ class RecentExact(DynamicCache):
         super().__init__()
         self.layers = copy.deepcopy(layers)
         self.recent = recent
-        self.scales = [(scale_of(layer.keys), scale_of(layer.values)) for layer in self.layers]
+        self.scales = [scales_of(layer.keys, layer.values, torch.float32) for layer in self.layers]
 
     def update(self, keys, values, layer_idx, *args, **kwargs):
         k, v = super().update(keys, values, layer_idx, *args, **kwargs)
@@ -58,30 +54,16 @@ class RecentExact(DynamicCache):
                 torch.cat([rounded(v[..., :old, :], sv), v[..., old:, :]], -2))  # fmt: skip
 
 
-def kl(full: torch.Tensor, other: torch.Tensor) -> float:
-    p, q = torch.log_softmax(full.float(), -1), torch.log_softmax(other.float(), -1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=6)
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--continuation", type=int, default=32)
     parser.add_argument("--recent", default="0,8,32,128", help="R values: entries kept exact")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--threads", type=int, default=None)
+    add_sample_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tok = kvcake.load_model(dtype=getattr(torch, args.dtype))
-    haystack = resolve_haystack("paul_graham")
+    model, tok = load(args)
     recents = [int(r) for r in args.recent.split(",")]
     kls: dict[str, list[float]] = {"kvcake": [], **{f"recent {r}": [] for r in recents}}
-    for i in range(args.samples):
-        text = " ".join(haystack.words(4 * (args.length + args.continuation), start=i))
-        ids = tok(text, return_tensors="pt").input_ids[:, : args.length + args.continuation]
-        ctx_ids, cont = ids[:, : args.length], ids[:, args.length : -1]
+    for i, (ctx_ids, following) in enumerate(passages(tok, args)):
+        cont = following[:, :-1]  # fed; its logits predict the rest
         with torch.no_grad():
             cache = DynamicCache()
             first = model(ctx_ids, past_key_values=cache).logits[0, -1:]
