@@ -2,9 +2,12 @@
 
 What must hold: the prompt is compressed exactly as without it (same kept positions, same
 budgets); each stored entry is the model-dtype entry rounded to float8 with its layer's scale (bit
-for bit); the bytes held are one per element; decoding follows the model-dtype cache within
-float8's rounding, static storage equals the dynamic reference, a compiled step is one graph;
-saved contexts, beams and hybrid models keep it; bad values are refused naming the choices.
+for bit, the scale a power of two); the bytes held are one per element, plus the last ``RECENT``
+tokens' entries in the model's dtype, which the attention reads instead (with every token among
+them, float8 storage decodes bit for bit as the model's dtype); decoding follows the model-dtype
+cache within float8's rounding, static storage equals the dynamic reference, a compiled step is
+one graph; saved contexts, beams and hybrid models keep it; bad values are refused naming the
+choices.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import torch
 
 import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake import fp8 as fp8_module
 from kvcake.adapters import with_cache
-from kvcake.fp8 import FP8, HEADROOM, decode, encode, store
+from kvcake.fp8 import FP8, HEADROOM, RECENT, decode, encode, recent_bytes, store
 from kvcake.sliding import SlidingLayer
 from test_cli import call, model_args, tiny_dir  # noqa: F401 (tiny_dir: the CLI's tiny model folder)
 from test_compile import _GraphCounter, _two_layer_llama, needs_kwargs_handoff
@@ -68,17 +72,32 @@ def test_the_prompt_is_compressed_alike_and_stored_as_its_entries_rounded_to_flo
         a, b = ref.layers[lid], fp8.layers[lid]
         assert torch.equal(a.positions, b.positions) and (a.counts == b.counts).all()
         assert b.keys.dtype == torch.uint8 and b.values.dtype == torch.uint8 and b.dtype == a.dtype
-        for held, stored, scale in ((a.keys, b.keys, b.kv_scales[0]), (a.values, b.values, b.kv_scales[1])):
-            # the scale maps the prompt's largest kept magnitude to 448 / HEADROOM
-            torch.testing.assert_close(scale * torch.finfo(FP8).max / HEADROOM, held.abs().amax())
+        pos = a.padded_positions()  # (B, H_kv, N), -1 on a ragged layer's padding
+        latest = pos >= a.length - RECENT  # the last RECENT tokens' kept entries
+        rings = (
+            (a.keys, b.keys, b.kv_scales[0], b.recent_keys),
+            (a.values, b.values, b.kv_scales[1], b.recent_values),
+        )
+        for held, stored, scale, ring in rings:
+            # a power of two that maps the prompt's largest kept magnitude into (224, 448] / HEADROOM
+            ratio = float(held.abs().amax() / scale)
+            assert torch.finfo(FP8).max / HEADROOM / 2 < ratio <= torch.finfo(FP8).max / HEADROOM
+            assert float(torch.log2(scale)).is_integer()
             assert torch.equal(stored, encode(held, scale))  # bit for bit
             rel = (decode(stored, scale) - held).abs() / held.abs().clamp_min(scale * 2**-6)
             assert float(rel.max()) <= 1 / 16 + 1e-6  # e4m3: 3 mantissa bits, round to nearest
-        # one byte per element, where the model's float32 takes four
-        assert b.kv_bytes() * 4 == a.kv_bytes()
+            # the latest entries also exactly, unscaled, each in its head's ring slot position % RECENT
+            slot = (pos % RECENT).unsqueeze(-1).expand(*pos.shape, ring.shape[-1])
+            assert torch.equal(ring.gather(2, slot)[latest] * scale, a.padded(held, 0)[latest])
+        assert torch.equal(b.recent_positions.gather(2, pos % RECENT)[latest], pos[latest])
+        assert int((b.recent_positions >= 0).sum()) == int(latest.sum())  # and nothing else
+        # one byte per element, where the model's float32 takes four, and the rings in float32
+        assert recent_bytes(b) == 2 * b.batch * b.kv_heads * RECENT * b.keys.shape[-1] * 4
+        assert (b.kv_bytes() - recent_bytes(b)) * 4 == a.kv_bytes()
     parts = fp8.kv_bytes_parts()
     assert parts.full == ref.kv_bytes_parts().full  # the full cache's bytes: the model's dtype
-    assert parts.compressed * 4 == ref.kv_bytes_parts().compressed
+    rings = sum(recent_bytes(fp8.layers[lid]) for lid in fp8.compressed)
+    assert (parts.compressed - rings) * 4 == ref.kv_bytes_parts().compressed
 
 
 @pytest.mark.parametrize("spec", list(PRESETS))
@@ -97,14 +116,63 @@ def test_decoding_follows_the_model_dtype_cache_and_static_equals_the_reference(
         assert layer.keys.dtype == torch.uint8 and (layer.static is not None or layer.plain)
 
 
-def test_a_covering_budget_stores_the_whole_prompt_in_float8(tiny_llama):
+@pytest.mark.parametrize("spec", list(PRESETS))
+@pytest.mark.parametrize("static", [True, False])
+def test_with_every_token_held_exactly_float8_decodes_as_the_model_dtype(
+    tiny_llama, spec, static, monkeypatch
+):
+    """A ring as long as the prompt and the steps: every entry the attention reads is its exact
+    copy, and the power-of-two scales moved onto the query and the output round nothing."""
+    monkeypatch.setattr(fp8_module, "RECENT", 128)
+    ref, _ = _decode(tiny_llama, spec, None, static=static, batch=2)
+    got, cache = _decode(tiny_llama, spec, "fp8", static=static, batch=2)
+    assert all(cache.layers[lid].keys.dtype == torch.uint8 for lid in cache.compressed)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+@pytest.mark.parametrize("static", [True, False])
+def test_the_attention_reads_the_last_tokens_exactly_and_the_rest_in_float8(
+    tiny_llama, spec, static, monkeypatch
+):
+    """A ring shorter than the steps (it wraps twice): after decoding, what the attention reads of
+    each entry is the model-dtype cache's entry exactly for the last ``RECENT`` tokens and rounded
+    to float8 for every older one (a token whose slot was reused is read in float8 again). The
+    first layer: its entries are the tokens' own in both caches (later layers' differ by float8's
+    effect on the layers below)."""
+    monkeypatch.setattr(fp8_module, "RECENT", 3)
+    _, ref = _decode(tiny_llama, spec, None, static=False)
+    _, cache = _decode(tiny_llama, spec, "fp8", static=static)
+    cache.compact()  # the dynamic layout, position order (static storage is laid out anew)
+    a, b = ref.layers[0], cache.layers[0]
+    assert 0 in cache.compressed and torch.equal(a.positions, b.positions)
+    latest = b.positions >= b.length - 3
+    assert int(latest.sum()) == 3 * b.batch * b.kv_heads  # decode=none: every new token is kept
+    for held, stored, scale, pick in (
+        (a.keys, b.keys, b.kv_scales[0], 0),
+        (a.values, b.values, b.kv_scales[1], 1),
+    ):
+        unscaled = stored.view(FP8).to(b.dtype)
+        read = (
+            fp8_module.exact_recent(b, unscaled, unscaled, b.positions, fp8_module.ring_base(b))[pick] * scale
+        )
+        assert torch.equal(read[latest], held[latest])
+        assert torch.equal(read[~latest], decode(encode(held, scale), scale)[~latest])
+
+
+def test_a_covering_budget_stores_the_whole_prompt_in_float8(tiny_llama, monkeypatch):
     """Nothing evicted (plain layers, read by the model's own kernel): the entries are still held in
     float8 and handed to the kernel decoded."""
     ref, ref_cache = _decode(tiny_llama, "snapkv", None, budget=200)
     got, cache = _decode(tiny_llama, "snapkv", "fp8", budget=200)
     assert all(cache.layers[lid].plain for lid in cache.compressed)
-    assert cache.kv_bytes() * 4 == ref_cache.kv_bytes()
+    rings = sum(recent_bytes(cache.layers[lid]) for lid in cache.compressed)
+    assert (cache.kv_bytes() - rings) * 4 == ref_cache.kv_bytes()
     assert torch.equal(got[0], ref[0]) and float((got - ref).abs().amax() / ref.abs().amax()) < 0.05
+    monkeypatch.setattr(
+        fp8_module, "RECENT", 128
+    )  # every token held exactly too: decoded as the model's dtype
+    assert torch.equal(_decode(tiny_llama, "snapkv", "fp8", budget=200)[0], ref)
 
 
 def test_a_later_entry_past_the_range_saturates(tiny_llama):
@@ -165,7 +233,8 @@ def test_hybrid_models_store_their_global_layers_in_float8(tiny_gemma3, tmp_path
     for layer in cache.layers:
         assert layer.keys.dtype == (torch.float32 if isinstance(layer, SlidingLayer) else torch.uint8)
     parts, ref_parts = cache.kv_bytes_parts(), ref_cache.kv_bytes_parts()
-    assert parts.sliding == ref_parts.sliding and parts.compressed * 4 == ref_parts.compressed
+    rings = sum(recent_bytes(cache.layers[lid]) for lid in cache.compressed)
+    assert parts.sliding == ref_parts.sliding and (parts.compressed - rings) * 4 == ref_parts.compressed
     assert float((got - ref)[:2].abs().amax() / ref.abs().amax()) < 0.05  # (cake: decode=fixed, as above)
 
 

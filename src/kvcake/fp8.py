@@ -8,9 +8,19 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
   in the model's dtype, its peak included), every compressed layer's kept keys and values are
   encoded; each later token's entry is encoded as it is written.
 * **Scale.** One per layer for its keys and one for its values, from the prompt's kept entries:
-  their largest magnitude maps to half of e4m3's largest value (448), so later entries up to
-  twice as large fit exactly as well; larger ones saturate (torch's conversion clamps to 448).
-  Within the range, e4m3 keeps 3 mantissa bits: a relative error of at most 1/16 per element.
+  a power of two that maps their largest magnitude into (112, 224], at most half of e4m3's largest
+  value (448), so later entries at least twice as large fit exactly as well; larger ones saturate
+  (torch's conversion clamps to 448). Within the range, e4m3 keeps 3 mantissa bits: a relative
+  error of at most 1/16 per element. A power of two divides and multiplies any float exactly, so
+  moving the scale onto the query and the output (``folded``) rounds nothing.
+* **The recent entries exact.** The entries of the last ``RECENT`` tokens are held a second time
+  in the model's dtype, and the attention reads those instead of their float8 bits: the tokens
+  about to be generated attend most to the ones just before them, where float8's error costs
+  most (``scripts/fp8_recent.py``: keeping the last 32 exact cut the KL to the model's dtype about
+  threefold). They are looked up by token position (a ring of ``RECENT`` slots per KV head), so
+  no eviction, re-layout or reorder has to keep track of where they are stored; an evicted entry's
+  copy is simply never read. With every token in the window, float8 storage decodes exactly as
+  the model's dtype.
   On a tensor-parallel model the largest magnitude is taken over every rank's heads, so each rank
   stores its heads exactly as one process holding them all would.
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
@@ -32,7 +42,12 @@ import torch
 
 FORMATS = ("fp8",)  # kv_dtype values; None: the model's own dtype
 FP8 = torch.float8_e4m3fn
-HEADROOM = 2.0  # the prompt's largest magnitude maps to 448 / HEADROOM
+HEADROOM = 2.0  # the prompt's largest magnitude maps to at most 448 / HEADROOM (a power-of-two scale)
+# Tokens whose entries are also held in the model's dtype: the attention reads them exactly
+# (default model, bfloat16, every entry of 2,048-token passages kept: KL 0.0134 with none, 0.0116,
+# 0.0042, 0.0024 with 8, 32, 128 exact; ``scripts/fp8_recent.py``, 2026-11-29). 32 is where most of
+# the gain is: 32 bfloat16 entries are the bytes of 64 in float8.
+RECENT = 32
 
 
 SUFFIX = "+fp8"  # a method name ending so, in the benches and the evaluation: stored in float8
@@ -86,13 +101,14 @@ def _conversion_problem(device: str) -> str | None:
 
 
 def scales_of(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, split=None):
-    """(key scale, value scale), 0-d in ``dtype``: each maps its tensor's largest magnitude to 448 /
-    HEADROOM (1 for zeros). With a ``HeadSplit``, the largest over every rank's tensors (one
-    all-gather of the two magnitudes; the same scales on every rank)."""
+    """(key scale, value scale), 0-d in ``dtype``: each the power of two that maps its tensor's
+    largest magnitude into (224, 448] / HEADROOM (1 for zeros). With a ``HeadSplit``, the largest
+    over every rank's tensors (one all-gather of the two magnitudes; the same scales on every rank)."""
     amax = torch.stack([keys.detach().abs().amax(), values.detach().abs().amax()]).float()
     if split is not None:
         amax = split.gather(amax).amax(0)
-    scales = torch.where(amax > 0, amax * HEADROOM / torch.finfo(FP8).max, torch.ones_like(amax)).to(dtype)
+    fitted = torch.exp2(torch.ceil(torch.log2(amax * HEADROOM / torch.finfo(FP8).max)))
+    scales = torch.where(amax > 0, fitted, torch.ones_like(amax)).to(dtype)
     return scales[0], scales[1]
 
 
@@ -124,8 +140,9 @@ def store(cache) -> None:
 
 def encode_layer(layer, split=None) -> None:
     """Store a compressed layer's kept keys and values in float8 from now on (``layer.kv_scales``
-    (key scale, value scale) set; its appends are encoded by ``writable``). ``split``: the cache's
-    ``HeadSplit`` on a tensor-parallel model (the scales are taken over every rank), else None."""
+    (key scale, value scale) set; its appends are encoded by ``writable``), the last ``RECENT``
+    tokens' entries also exactly (``remember``). ``split``: the cache's ``HeadSplit`` on a
+    tensor-parallel model (the scales are taken over every rank), else None."""
     if layer.kv_scales is not None or layer.keys is None:
         return
     if layer.static is not None:
@@ -133,26 +150,136 @@ def encode_layer(layer, split=None) -> None:
             "encode_layer expects the dynamic layout (the end of the prompt, before static storage)"
         )
     scales = scales_of(layer.keys, layer.values, layer.dtype, split)
-    layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
     layer.kv_scales = scales
+    b, h, dev = layer.batch, layer.kv_heads, layer.keys.device
+    hold_recent(
+        layer,
+        torch.zeros(b, h, RECENT, layer.keys.shape[-1], dtype=layer.dtype, device=dev),
+        torch.zeros(b, h, RECENT, layer.values.shape[-1], dtype=layer.dtype, device=dev),
+        torch.full((b, h, RECENT), -1, device=dev),
+    )  # fmt: skip (-1: no token's yet)
+    remember(layer, layer.keys, layer.values, layer.positions, ring_base(layer))
+    layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
+
+
+RECENT_TENSORS = ("recent_keys", "recent_values", "recent_positions")  # (B, H_kv, RECENT, ...) each
+
+
+def hold_recent(layer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    """Give ``layer`` its rings of recent entries: ``keys``, ``values`` (B, H_kv, RECENT, d) unscaled in
+    the model's dtype, ``positions`` (B, H_kv, RECENT) the token of each slot (-1: none)."""
+    layer.recent_keys, layer.recent_values, layer.recent_positions = keys, values, positions
+    b, h = positions.shape[:2]
+    ring = positions.shape[-1]  # RECENT when the ring was made
+    layer.recent_base = torch.arange(b * h, device=positions.device).reshape(b, h, 1) * ring  # (B, H_kv, 1)
+
+
+def ring_base(layer, segments: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Where each entry's ring starts in the flat rings (B * H_kv * RECENT), for entries held by the
+    KV heads ``segments`` (``b * H_kv + h``: a ragged layout's ``meta.seg``); None: a dense layout
+    (B, H_kv, N), ``layer.recent_base`` (B, H_kv, 1). None without float8 storage."""
+    if layer.recent_base is None:
+        return None
+    if segments is None and layer.layout == "ragged" and layer.static is None:
+        segments = layer.meta.seg
+    return layer.recent_base if segments is None else segments * layer.recent_positions.shape[-1]
+
+
+def _ring(layer, positions: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """Flat indices into the rings of entries at ``positions`` whose rings start at ``base``
+    (:func:`ring_base`; broadcast to ``positions``; None: ``layer.recent_base``). An empty slot
+    (position -1) reads its ring's last slot: a match there is masked by the attention anyway."""
+    base = layer.recent_base if base is None else base
+    return base + positions.remainder(layer.recent_positions.shape[-1])
+
+
+def remember(layer, keys, values, positions, base=None) -> None:
+    """Hold the entries of the last ``RECENT`` tokens among ``keys``, ``values`` (the model's
+    dtype, (..., d)) at ``positions`` (...,) exactly, unscaled as ``folded`` reads them (the scale
+    is a power of two: exact). Where the layout's shape changes (the prompt, multi-token appends);
+    a decode step writes its token with :func:`remember_step`."""
+    if layer.recent_keys is None:
+        return
+    latest = positions >= max(layer.length - layer.recent_positions.shape[-1], 0)  # no two share a slot
+    at = _ring(layer, positions, base)[latest]  # (M,) host sync: not a step
+    key_scale, value_scale = layer.kv_scales
+    for ring, new, scale in (
+        (layer.recent_keys, keys, key_scale),
+        (layer.recent_values, values, value_scale),
+    ):
+        ring.view(-1, ring.shape[-1]).index_put_((at,), new[latest] / scale)
+    layer.recent_positions.view(-1).index_put_((at,), positions[latest])
+
+
+def remember_step(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A static decode step's token (keys, values (B, H_kv, 1, d), the model's dtype, at
+    ``layer.newest``) into its ring slot, in place: no host read."""
+    if layer.recent_keys is None:
+        return
+    at = _ring(layer, layer.newest, None)  # (B, H_kv, 1)
+    key_scale, value_scale = layer.kv_scales
+    layer.recent_keys.view(-1, keys.shape[-1]).index_put_((at,), keys / key_scale)
+    layer.recent_values.view(-1, values.shape[-1]).index_put_((at,), values / value_scale)
+    layer.recent_positions.view(-1).index_put_((at,), layer.newest)
+
+
+def exact_recent(layer, keys, values, positions, base=None):
+    """``keys``, ``values`` (..., d), float8 read back unscaled, with the entries of the tokens
+    held exactly (``remember``) in their place: matched by position (an evicted or overwritten
+    token's copy is not matched). ``positions``, ``base``: as :func:`_ring`."""
+    if layer.recent_keys is None:
+        return keys, values
+    at = _ring(layer, positions, base)
+    held = (layer.recent_positions.view(-1)[at] == positions).unsqueeze(-1)  # (..., 1)
+    exact_keys = layer.recent_keys.view(-1, keys.shape[-1])[at]
+    exact_values = layer.recent_values.view(-1, values.shape[-1])[at]
+    return torch.where(held, exact_keys, keys), torch.where(held, exact_values, values)
+
+
+def select_recent(layer, rows: torch.Tensor) -> None:
+    """Beam search and batch changes: the recent entries follow their sequences ``rows`` (B',),
+    in place where the batch keeps its size (a compiled step holds their addresses)."""
+    if layer.recent_keys is None:
+        return
+    rings = [getattr(layer, name) for name in RECENT_TENSORS]
+    picked = [t.index_select(0, rows.to(t.device)) for t in rings]
+    if picked[0].shape == rings[0].shape:
+        for t, p in zip(rings, picked, strict=True):
+            t.copy_(p)
+    else:
+        hold_recent(layer, *picked)
+
+
+def recent_bytes(layer) -> int:
+    """Bytes of the recent entries held exactly (0 without float8 storage)."""
+    if layer.recent_keys is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (layer.recent_keys, layer.recent_values))
 
 
 def readable(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layer``'s stored keys and values in the model's dtype (decoded whole where in float8)."""
+    """``layer``'s stored keys and values in the model's dtype (decoded whole where in float8;
+    a dense layout's, as a layer read by the model's own kernel holds them)."""
     if layer.kv_scales is None:
         return layer.keys, layer.values
-    return decode(layer.keys, layer.kv_scales[0]), decode(layer.values, layer.kv_scales[1])
+    key_scale, value_scale = layer.kv_scales
+    keys, values = exact_recent(layer, layer.keys.view(FP8).to(layer.dtype),
+                                layer.values.view(FP8).to(layer.dtype), layer.positions)  # fmt: skip
+    return keys * key_scale, values * value_scale
 
 
-def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions, base=None):
     """The attention's inputs over stored (or gathered) entries, float8 read back without its
     scales: ``(query, keys, values, value_scale)``. The key scale moves to the query (``q . (s k) =
     (s q) . k``) and the value scale to the output (returned; None: nothing to apply), so a step
-    converts each buffer once and multiplies only the new token's rows."""
+    converts each buffer once and multiplies only the new token's rows. ``positions`` (and
+    ``base``, see :func:`_ring`) of the entries: the recent ones are read exactly."""
     if layer.kv_scales is None:
         return query, keys, values, None
     key_scale, value_scale = layer.kv_scales
-    return query * key_scale, keys.view(FP8).to(layer.dtype), values.view(FP8).to(layer.dtype), value_scale
+    keys, values = exact_recent(layer, keys.view(FP8).to(layer.dtype), values.view(FP8).to(layer.dtype),
+                                positions, base)  # fmt: skip
+    return query * key_scale, keys, values, value_scale
 
 
 def scaled(out: torch.Tensor, value_scale: torch.Tensor | None) -> torch.Tensor:

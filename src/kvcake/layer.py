@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import fp8
 from .dense import dense_attention
 from .fp8 import folded, readable, scaled, writable
 from .ragged import (
@@ -64,6 +65,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.static: str | None = None
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # stored in float8 (fp8.py)
+        self.recent_keys = self.recent_values = self.recent_positions = self.recent_base = None  # (fp8.py)
 
     @property
     def length(self) -> int:
@@ -109,6 +111,7 @@ class KVCakeLayer(CacheLayerMixin):
         if self.static is not None:  # in place, positions on the device: no host int
             seen = None if torch.compiler.is_compiling() else self.length  # read back before ``newest`` moves
             self.step.append(self, *writable(self, key_states, value_states))
+            fp8.remember_step(self, key_states, value_states)  # float8: the token exactly too (fp8.py)
             if seen is None:  # compiling: written, never read, in the graph (``length``)
                 self._length_on_device = True
             else:
@@ -124,6 +127,7 @@ class KVCakeLayer(CacheLayerMixin):
             self.plain = valid is None or bool(valid.all())
             return self.keys, self.values
         add = np.full((b, hkv), q, dtype=np.int64)
+        fp8.remember(self, key_states, value_states, pos)  # float8: the latest tokens exactly too (fp8.py)
         key_states, value_states = writable(self, key_states, value_states)
         if self.layout == "dense":
             self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -183,6 +187,7 @@ class KVCakeLayer(CacheLayerMixin):
         """Keep the sequences ``rows`` (B',) int64 (``host``: the same as numpy) in that order, every
         per-sequence tensor, count and budget of the layer (``kvcake.sequences``)."""
         static = self.static is not None
+        fp8.select_recent(self, rows)  # (float8: fp8.py)
         if not (static and len(host) == self.batch and self.step.permute(self, rows, host)):  # in place
             if static:  # the reference layout, laid out again below
                 self.step.to_dynamic(self)
@@ -357,7 +362,9 @@ class KVCakeLayer(CacheLayerMixin):
         if self.static is not None:  # one new token over static storage
             return self.step.attend(self, query, scaling, return_probs)
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
-        query, keys, values, value_scale = folded(self, query, self.keys, self.values)  # (float8: fp8.py)
+        query, keys, values, value_scale = folded(
+            self, query, self.keys, self.values, self.positions, fp8.ring_base(self)
+        )  # (float8: fp8.py)
         if self.layout == "ragged":
             out, probs = ragged_attention(
                 query, keys, values, self.positions, self.meta, qpos, scaling, return_probs
@@ -373,7 +380,8 @@ class KVCakeLayer(CacheLayerMixin):
         of static storage included (they are allocated memory)."""
         if self.keys is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        held = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return held + fp8.recent_bytes(self)  # (float8: its recent entries also in the model's dtype)
 
     def entries(self) -> int:
         """Kept (valid) entries, summed over sequences and KV heads."""

@@ -42,6 +42,7 @@ from transformers import (
 )
 
 import kvcake
+from kvcake.fp8 import recent_bytes
 from kvcake.method import PRESETS
 from kvcake.sliding import SlidingLayer
 from kvcake.tensor_parallel import HeadSplit
@@ -106,7 +107,8 @@ def heads_bytes(layer, heads: slice, world: int) -> int:
         return layer.kv_bytes() // world
     segments = layer.capacity if layer.static is not None else layer.counts  # (B, H_kv)
     slots = int(segments[:, heads].sum()) + (layer.static is not None)  # + every static ragged
-    return slots * layer.keys.shape[-1] * 2 * layer.keys.element_size()  # layer's one empty slot
+    # layer's one empty slot; float8: each head's ring of recent entries (B, H_kv, RECENT, d) too
+    return slots * layer.keys.shape[-1] * 2 * layer.keys.element_size() + recent_bytes(layer) // world
 
 
 def exchanged_in_prefill(model, ids, mask, preset) -> tuple[int, int]:

@@ -97,7 +97,9 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
     CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
     (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32."""
-    query, keys, values, value_scale = folded(layer, query, layer.keys, layer.values)  # (float8: fp8.py)
+    query, keys, values, value_scale = folded(
+        layer, query, layer.keys, layer.values, layer.positions
+    )  # (fp8.py)
     out, _ = fused_attention(query, keys, values, layer.bias, scaling)
     out = scaled(out, value_scale)
     if not return_probs:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..fp8 import folded, scaled
+from ..fp8 import folded, ring_base, scaled
 from ..ragged import RaggedMeta, kept_indices, row_segments, to_device
 from ..varlen import choose_route, varlen_attention
 from .common import (
@@ -82,6 +82,8 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     layer.pad_heads, layer.pad_rows4 = pad_index.reshape(b, h, m), pad_index.reshape(b, h, 1, m)
     layer.meta = meta
     layer.capacity = cap
+    # where each slot's ring of recent entries starts (its segment's; the dummy's: the first), float8: fp8.py
+    layer.slot_base = ring_base(layer, torch.cat([meta.seg, meta.seg.new_zeros(1)]))
     if layer.full:  # no slot inside a segment is empty when the layer attends: only the padding
         layer.bias = None
         layer.pad_bias = bias(torch.where(inside, 0, -1), layer.dtype)  # (B*H_kv, 1, M)
@@ -135,12 +137,17 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     ``kvcake.ragged.ragged_attention_reference``."""
     if not return_probs and layer.varlen_route != "reference":
         # each segment's stored prefix, read in place: no gather, no padding, no mask
-        query, keys, values, value_scale = folded(layer, query, layer.keys, layer.values)  # (float8: fp8.py)
+        query, keys, values, value_scale = folded(
+            layer, query, layer.keys, layer.values, layer.positions, layer.slot_base
+        )  # (float8: fp8.py)
         out = varlen_attention(query, keys, values, layer.cu_k, layer.pad_index.shape[1], scaling,
                                seqused=layer.seq_used, route=layer.varlen_route)  # fmt: skip
         return scaled(out, value_scale), None  # (B, 1, H, d)
     rows = layer.pad_index if return_probs else layer.pad_heads  # gathered (B*H_kv, M, d) / (B, H_kv, M, d)
-    query, keys, values, value_scale = folded(layer, query, layer.keys[rows], layer.values[rows])
+    pos = base = None  # float8: the gathered entries' positions and rings (fp8.py)
+    if layer.recent_base is not None:
+        pos, base = layer.positions[rows], layer.recent_base.reshape(*rows.shape[:-1], 1)
+    query, keys, values, value_scale = folded(layer, query, layer.keys[rows], layer.values[rows], pos, base)
     if not return_probs:  # mask (B, H_kv, 1, M)
         b, hkv = layer.batch, layer.kv_heads
         mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]

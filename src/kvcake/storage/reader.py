@@ -19,6 +19,7 @@ from ..cascade import SequenceBudgets
 from ..context import CompressedContext
 from ..cross import CrossLayer, restore_cross
 from ..devices import input_device, layer_devices, output_device
+from ..fp8 import RECENT_TENSORS, hold_recent
 from ..method import _rebuild_method
 from ..ragged import RaggedMeta
 from ..sliding import SlidingLayer, restore_sliding
@@ -202,6 +203,12 @@ def _rebuild(
             layer.kv_scales = tuple(
                 tensors[prefix + n].to(device, layer.dtype) for n in ("key_scale", "value_scale")
             )
+            recent = [tensors.get(prefix + n) for n in RECENT_TENSORS]
+            if recent[0] is not None:  # (older files hold none: every entry is read in float8)
+                ring = recent[2].shape[-1]
+                if any(tuple(t.shape[:3]) != (batch, info.num_kv_heads, ring) for t in recent):
+                    raise ContextFileError(f"layer {lid}: its recent entries do not fit the model")
+                hold_recent(layer, *(t.to(device) for t in recent))
         layer.is_initialized = True
     c = meta["cache"]
     cache.budgets = tensors["cache.budgets"]

@@ -19,6 +19,7 @@ from ..adapters import describe_model
 from ..cache import KVCakeCache
 from ..cascade import SequenceBudgets
 from ..cross import CrossLayer, cross_entry
+from ..fp8 import RECENT_TENSORS
 from ..method import method_spec
 from ..sliding import SlidingLayer, sliding_entry
 from ..version import __version__
@@ -125,6 +126,8 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
                  "has_scores": layer.scores is not None, "fp8": layer.kv_scales is not None}  # fmt: skip
         if layer.kv_scales is not None:
             tensors[prefix + "key_scale"], tensors[prefix + "value_scale"] = map(_host, layer.kv_scales)
+            for name in RECENT_TENSORS:  # the latest tokens' entries, exactly (fp8.remember)
+                tensors[prefix + name] = _host(getattr(layer, name))
         if layer.layout == "ragged":
             tensors[prefix + "lengths"] = _host(layer.meta.lengths)
             entry["max_len"] = int(layer.meta.max_len)
