@@ -1,5 +1,5 @@
-"""Where float8's error comes from: what keeping the most recent entries in the model's dtype would
-save (a measurement for a design kvcake does not ship yet; README, "Kept entries in 8 bits").
+"""Where float8's error comes from: what keeping the most recent entries in the model's dtype saves
+(kvcake keeps the last ``kvcake.fp8.RECENT`` tokens' so; README, "Kept entries in 8 bits").
 
     PYTHONPATH=src python3 scripts/fp8_recent.py --samples 6 --recent 0,8,32,128
 
@@ -10,11 +10,12 @@ the next-token distributions, mean over those positions and the samples, against
 in the model's dtype, for:
 
 - ``kvcake``: ``kvcake.compress(model, ids, "full", kv_dtype="fp8")``, what kvcake ships (every
-  entry in float8, the continuation's own entries encoded as they are written);
+  entry in float8, the continuation's own entries encoded as they are written, the last
+  ``RECENT`` tokens' entries also held in the model's dtype and read instead);
 - ``recent R``: an emulation on transformers' ``DynamicCache``: the entries are held exactly and the
-  attention reads every entry but the most recent R rounded to float8 (kvcake's per-layer scales:
-  the prompt's largest magnitude at 448 / HEADROOM). ``recent 0`` is kvcake's rounding of every
-  entry (it differs from ``kvcake`` by the bfloat16 rounding of the scale and of the decoded values).
+  attention reads every entry but the most recent R rounded to float8 (kvcake's per-layer scales,
+  ``kvcake.fp8.scales_of``). ``recent 0`` is float8 without the ring; ``recent 32`` is what kvcake
+  ships, computed another way (the two agree up to the order of the float operations).
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ HEADROOM = 2.0  # the prompt's largest magnitude maps to at most 448 / HEADROOM 
 # 0.0042, 0.0024 with 8, 32, 128 exact; ``scripts/fp8_recent.py``, 2026-11-29). 32 is where most of
 # the gain is: 32 bfloat16 entries are the bytes of 64 in float8.
 RECENT = 32
+# a layer's rings: keys, values (B, H_kv, RECENT, d) and the token of each slot (B, H_kv, RECENT)
+RECENT_TENSORS = ("recent_keys", "recent_values", "recent_positions")
 
 
 SUFFIX = "+fp8"  # a method name ending so, in the benches and the evaluation: stored in float8
@@ -152,17 +154,12 @@ def encode_layer(layer, split=None) -> None:
     scales = scales_of(layer.keys, layer.values, layer.dtype, split)
     layer.kv_scales = scales
     b, h, dev = layer.batch, layer.kv_heads, layer.keys.device
-    hold_recent(
-        layer,
-        torch.zeros(b, h, RECENT, layer.keys.shape[-1], dtype=layer.dtype, device=dev),
-        torch.zeros(b, h, RECENT, layer.values.shape[-1], dtype=layer.dtype, device=dev),
-        torch.full((b, h, RECENT), -1, device=dev),
-    )  # fmt: skip (-1: no token's yet)
+    ring = (b, h, RECENT)  # -1: no token's entry in the slot yet
+    hold_recent(layer, torch.zeros(*ring, layer.keys.shape[-1], dtype=layer.dtype, device=dev),
+                torch.zeros(*ring, layer.values.shape[-1], dtype=layer.dtype, device=dev),
+                torch.full(ring, -1, device=dev))  # fmt: skip
     remember(layer, layer.keys, layer.values, layer.positions, ring_base(layer))
     layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
-
-
-RECENT_TENSORS = ("recent_keys", "recent_values", "recent_positions")  # (B, H_kv, RECENT, ...) each
 
 
 def hold_recent(layer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -175,9 +172,11 @@ def hold_recent(layer, keys: torch.Tensor, values: torch.Tensor, positions: torc
 
 
 def ring_base(layer, segments: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Where each entry's ring starts in the flat rings (B * H_kv * RECENT), for entries held by the
-    KV heads ``segments`` (``b * H_kv + h``: a ragged layout's ``meta.seg``); None: a dense layout
-    (B, H_kv, N), ``layer.recent_base`` (B, H_kv, 1). None without float8 storage."""
+    """Where the ring of each entry's KV head starts in the flat rings (B * H_kv * RECENT), to add to
+    the entries' slots (:func:`_ring`): for entries of the KV heads ``segments`` (``b * H_kv + h``,
+    any shape); without them, the layer's own entries: a dense layout's (B, H_kv, N) by
+    ``layer.recent_base`` (B, H_kv, 1), a dynamic ragged layout's (T,) by its ``meta.seg``. None
+    without float8 storage."""
     if layer.recent_base is None:
         return None
     if segments is None and layer.layout == "ragged" and layer.static is None:
@@ -203,10 +202,8 @@ def remember(layer, keys, values, positions, base=None) -> None:
     latest = positions >= max(layer.length - layer.recent_positions.shape[-1], 0)  # no two share a slot
     at = _ring(layer, positions, base)[latest]  # (M,) host sync: not a step
     key_scale, value_scale = layer.kv_scales
-    for ring, new, scale in (
-        (layer.recent_keys, keys, key_scale),
-        (layer.recent_values, values, value_scale),
-    ):
+    rings = ((layer.recent_keys, keys, key_scale), (layer.recent_values, values, value_scale))
+    for ring, new, scale in rings:
         ring.view(-1, ring.shape[-1]).index_put_((at,), new[latest] / scale)
     layer.recent_positions.view(-1).index_put_((at,), positions[latest])
 
