@@ -160,6 +160,25 @@ def test_the_attention_reads_the_last_tokens_exactly_and_the_rest_in_float8(
         assert torch.equal(read[~latest], decode(encode(held, scale), scale)[~latest])
 
 
+def test_without_a_ring_every_entry_is_read_in_float8(tiny_llama, monkeypatch, tmp_path):
+    """``RECENT = 0``: no ring, one byte per element and nothing else; decoding as with the ring up
+    to float8's rounding (static equals dynamic)."""
+    monkeypatch.setattr(fp8_module, "RECENT", 0)
+    ref, ref_cache = _decode(tiny_llama, "snapkv", None)
+    got, cache = _decode(tiny_llama, "snapkv", "fp8")
+    dynamic, _ = _decode(tiny_llama, "snapkv", "fp8", static=False)
+    assert all(cache.layers[lid].recent_keys is None for lid in cache.compressed)
+    assert cache.kv_bytes() * 4 == ref_cache.kv_bytes()
+    assert float((got - ref).abs().amax() / ref.abs().amax()) < 0.05
+    torch.testing.assert_close(got, dynamic, rtol=1e-5, atol=1e-5)
+    ctx = kvcake.compress(tiny_llama, _prompt(length=60)[0], "adakv", budget=24, window=4, kv_dtype="fp8")
+    ctx.save(tmp_path / "no_ring.kvc")  # a context without rings saves and loads as such
+    loaded = kvcake.load_context(tiny_llama, tmp_path / "no_ring.kvc")
+    assert all(loaded.cache.layers[lid].recent_keys is None for lid in loaded.cache.compressed)
+    question = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(loaded.generate(question, max_new_tokens=6), ctx.generate(question, max_new_tokens=6))
+
+
 def test_a_covering_budget_stores_the_whole_prompt_in_float8(tiny_llama, monkeypatch):
     """Nothing evicted (plain layers, read by the model's own kernel): the entries are still held in
     float8 and handed to the kernel decoded."""

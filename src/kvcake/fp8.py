@@ -153,13 +153,18 @@ def encode_layer(layer, split=None) -> None:
         )
     scales = scales_of(layer.keys, layer.values, layer.dtype, split)
     layer.kv_scales = scales
-    b, h, dev = layer.batch, layer.kv_heads, layer.keys.device
-    ring = (b, h, RECENT)  # -1: no token's entry in the slot yet
+    if RECENT > 0:  # (0: no ring, every entry read in float8)
+        _start_rings(layer)
+    layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
+
+
+def _start_rings(layer) -> None:
+    """Rings for a layer about to be encoded, holding its last ``RECENT`` tokens' entries."""
+    ring, dev = (layer.batch, layer.kv_heads, RECENT), layer.keys.device  # position -1: an empty slot
     hold_recent(layer, torch.zeros(*ring, layer.keys.shape[-1], dtype=layer.dtype, device=dev),
                 torch.zeros(*ring, layer.values.shape[-1], dtype=layer.dtype, device=dev),
                 torch.full(ring, -1, device=dev))  # fmt: skip
     remember(layer, layer.keys, layer.values, layer.positions, ring_base(layer))
-    layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
 
 
 def hold_recent(layer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

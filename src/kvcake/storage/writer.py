@@ -126,7 +126,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
                  "has_scores": layer.scores is not None, "fp8": layer.kv_scales is not None}  # fmt: skip
         if layer.kv_scales is not None:
             tensors[prefix + "key_scale"], tensors[prefix + "value_scale"] = map(_host, layer.kv_scales)
-            for name in RECENT_TENSORS:  # the latest tokens' entries, exactly (fp8.remember)
+            for name in RECENT_TENSORS if layer.recent_keys is not None else ():  # (fp8.remember)
                 tensors[prefix + name] = _host(getattr(layer, name))
         if layer.layout == "ragged":
             tensors[prefix + "lengths"] = _host(layer.meta.lengths)
