@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import bench
+from kvcake import bench, fp8
 from kvcake.adapters import with_cache
 from kvcake.bench import cli, step_counts
 from kvcake.bench import decode as bench_decode_module
@@ -249,9 +249,11 @@ def test_decode_bench(models, tmp_path, capsys):
     assert all(r["compiled_s"] is None for r in result["rows"])  # compile off by default
 
 
-def test_decode_bench_takes_float8_rows(models, tmp_path):
+def test_decode_bench_takes_float8_rows(models, tmp_path, monkeypatch):
     """``snapkv+fp8``: SnapKV storing its kept entries in float8 (``kvcake.fp8``), a row of its own
-    for each policy, the same entries in a quarter of float32's bytes."""
+    for each policy, the same entries in a quarter of float32's bytes (without the rings of recent
+    entries, ``RECENT = 0``: their bytes are ``tests/test_fp8.py``'s)."""
+    monkeypatch.setattr(fp8, "RECENT", 0)
     result = bench.bench_decode(models, lengths=(64,), methods=("snapkv", "snapkv+fp8"), budgets=(BUDGET,),
                                 steps=1, rounds=1, warmup=1, window=WINDOW, bandwidth_bytes=2**20,
                                 out=tmp_path)  # fmt: skip

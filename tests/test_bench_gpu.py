@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from kvcake import fp8
 from kvcake.bench import gpu
 from kvcake.bench.cli import main
 from kvcake.bench.gpu import FULL_DYNAMIC, FULL_STATIC, GpuSettings, run_gpu, targets
@@ -182,9 +183,11 @@ def test_machine_description_names_the_library_version_without_installed_metadat
     assert info["transformers"] is None  # the others still read metadata
 
 
-def test_a_float8_row_beside_its_method():
+def test_a_float8_row_beside_its_method(monkeypatch):
     """``snapkv+fp8`` is SnapKV with its kept entries in float8 (``kvcake.fp8``): its own row, the
-    same entries in a quarter of float32's bytes; ``nope+fp8`` is refused as ``nope`` is."""
+    same entries in a quarter of float32's bytes (without the rings, ``RECENT = 0``: their bytes are
+    ``tests/test_fp8.py``'s); ``nope+fp8`` is refused as ``nope`` is."""
+    monkeypatch.setattr(fp8, "RECENT", 0)
     settings = GpuSettings(**TINY, methods=("snapkv", "snapkv+fp8"), compile=False)
     result = run_gpu(settings, device=torch.device("cpu"), dtype=torch.float32)
     rows = {r["cache"]: r for r in result["rows"]}

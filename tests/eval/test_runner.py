@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import kvcake
+from kvcake import fp8
 from kvcake.eval import cells, runner
 from kvcake.eval.report import render_page, summary_markdown
 from kvcake.eval.runner import FULL, KEY_FIELDS, load_records, parse_methods, run_eval
@@ -275,10 +276,14 @@ def test_a_calibration_that_changes_one_scenarios_set_reruns_only_that_scenarios
 
 
 @pytest.mark.parametrize("prefill", ["shared", "direct"])
-def test_a_float8_method_is_measured_beside_its_model_dtype_self(tiny_llama, tokenizer, tmp_path, prefill):
+def test_a_float8_method_is_measured_beside_its_model_dtype_self(
+    tiny_llama, tokenizer, tmp_path, prefill, monkeypatch
+):
     """``snapkv+fp8``: SnapKV with its kept entries in float8 (``kvcake.fp8``), in both scenarios: the
     replayed prefill stored afterwards (``fp8.store``) or ``kv_dtype="fp8"`` directly; a quarter of
-    float32's bytes, a KL of its own."""
+    float32's bytes (without the rings, ``RECENT = 0``: their bytes are ``tests/test_fp8.py``'s), a
+    KL of its own."""
+    monkeypatch.setattr(fp8, "RECENT", 0)
     res = run_eval(tiny_llama, tokenizer, methods="full,snapkv,snapkv+fp8", out=tmp_path / "r.jsonl",
                    prefill=prefill, report=False, **TINY)  # fmt: skip
     rows = {(r["method"], r["scenario"], r["sample"]): r for r in res.records}
@@ -290,10 +295,14 @@ def test_a_float8_method_is_measured_beside_its_model_dtype_self(tiny_llama, tok
             assert r["kl"] is not None and r["kl"] != plain["kl"]
 
 
-def test_the_float8_section_pairs_each_method_with_its_model_dtype_self(tiny_llama, tokenizer, tmp_path):
+def test_the_float8_section_pairs_each_method_with_its_model_dtype_self(
+    tiny_llama, tokenizer, tmp_path, monkeypatch
+):
     """The results page's float8 section: one row per scenario and ratio for ``snapkv+fp8`` beside
     ``snapkv``, means over the prompts both have, and beside ``snapkv`` at half the ratio where the
-    run has it; nothing without a ``+fp8`` method or its base."""
+    run has it; nothing without a ``+fp8`` method or its base. (Without the rings, ``RECENT = 0``,
+    so float8's bytes are a quarter of float32's.)"""
+    monkeypatch.setattr(fp8, "RECENT", 0)
     from kvcake.eval.fp8_section import fp8_section
     from kvcake.eval.tables import mean_of
 
