@@ -16,13 +16,15 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import PRESETS, KVCakeCache, make_method
+from kvcake import PRESETS, KVCakeCache, make_method, varlen
 from kvcake import fp8 as fp8_module
 from kvcake.adapters import with_cache
 from kvcake.fp8 import FP8, HEADROOM, RECENT, decode, encode, recent_bytes, store
 from kvcake.sliding import SlidingLayer
+from kvcake.step import ragged as ragged_step
 from test_cli import call, model_args, tiny_dir  # noqa: F401 (tiny_dir: the CLI's tiny model folder)
 from test_compile import _GraphCounter, _two_layer_llama, needs_kwargs_handoff
+from test_varlen import fake_kernel
 
 STEPS = 8
 
@@ -177,6 +179,27 @@ def test_without_a_ring_every_entry_is_read_in_float8(tiny_llama, monkeypatch, t
     assert all(loaded.cache.layers[lid].recent_keys is None for lid in loaded.cache.compressed)
     question = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(5))
     assert torch.equal(loaded.generate(question, max_new_tokens=6), ctx.generate(question, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("spec", ["adakv", "critical-adakv", "layer-defensivekv"])
+def test_static_ragged_float8_through_the_varlen_kernel(tiny_llama, monkeypatch, spec):
+    """The variable-length kernel's route (faked on the CPU as in ``tests/test_static.py``) reads
+    each segment's slots in place, its recent entries found through the slots' segments: float8
+    decodes as the dynamic reference, and with a ring covering every token bit for bit as the
+    model's dtype through the same kernel."""
+    calls: list = []
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: fake_kernel(calls, torch_api=True))
+    monkeypatch.setattr(ragged_step, "choose_route", lambda device, dtype, *, seqused=False: "torch-varlen")
+    static, cache = _decode(tiny_llama, spec, "fp8", batch=2)
+    dynamic, _ = _decode(tiny_llama, spec, "fp8", static=False, batch=2)
+    layers = [cache.layers[lid] for lid in cache.compressed]
+    assert all(layer.varlen_route == "torch-varlen" and layer.keys.dtype == torch.uint8 for layer in layers)
+    assert len(calls) >= STEPS * len(layers)
+    torch.testing.assert_close(static, dynamic, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(fp8_module, "RECENT", 128)
+    assert torch.equal(
+        _decode(tiny_llama, spec, "fp8", batch=2)[0], _decode(tiny_llama, spec, None, batch=2)[0]
+    )
 
 
 def test_a_covering_budget_stores_the_whole_prompt_in_float8(tiny_llama, monkeypatch):

@@ -1,7 +1,8 @@
 """Float8 storage of the kept entries (``kv_dtype="fp8"``, ``kvcake.fp8``) on the device, bf16:
 static storage (dense in place; ragged through the variable-length kernel's route) decodes as the
 dynamic reference does, within bfloat16 rounding of float8's rounding of the model-dtype cache,
-and a static step reads nothing back to the host."""
+and a static step reads nothing back to the host; with a ring of recent entries covering every
+token it decodes bit for bit as bfloat16."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from cuda_helpers import DEVICE, ids
 from test_cuda_sync_free import _sync_errors
 
 import kvcake
-from kvcake import KVCakeCache, make_method, varlen
+from kvcake import KVCakeCache, fp8, make_method, varlen
 from kvcake.adapters import with_cache
 
 STEPS = 10
@@ -58,3 +59,17 @@ def test_float8_static_steps_do_not_synchronise(on_device, name):
             for _ in range(4):
                 tok = model(tok, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
     assert cache.get_seq_length() == 205
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "critical-adakv"])
+def test_float8_with_every_token_in_its_ring_decodes_as_bfloat16(on_device, name, monkeypatch):
+    """A ring of recent entries as long as the sequence: every entry is read exactly, and the
+    power-of-two scales folded onto the query and the output round nothing, so float8 storage
+    decodes bit for bit as bfloat16 storage through the same kernels (the ragged ones through the
+    variable-length kernel where the device has one)."""
+    monkeypatch.setattr(fp8, "RECENT", 256)
+    model = on_device(torch.bfloat16)
+    got, cache = _decode(model, name, True, "fp8")
+    ref, _ = _decode(model, name, True, None)
+    assert all(cache.layers[lid].keys.dtype == torch.uint8 for lid in cache.compressed)
+    assert torch.equal(got, ref)
