@@ -22,10 +22,12 @@ INTRO = (
     "KL(full || compressed) as in the tables above, *float8 at or below* counts the prompts where the "
     "float8 row's KL is at or below the other's, *score* is the task score (x100), *bytes* the KV bytes "
     "kept over the full cache's. The model runs in float32 here, so float8 holds a quarter of its bytes "
-    "(half of bfloat16's, the dtype users serve in); `scripts/fp8_kl.py` measures the default model in "
-    "bfloat16. *Half the ratio* is the same method in the model's dtype keeping half as many entries: "
-    "in a bfloat16 model the same bytes as the float8 row; its KL (on the prompts both have) and on how "
-    "many prompts float8 is at or below it."
+    "(half of bfloat16's, the dtype users serve in), plus the last 32 tokens' entries of every compressed "
+    "layer again in the model's dtype, which the attention reads instead (`kvcake.fp8.RECENT`; counted "
+    "in its bytes); `scripts/fp8_kl.py` measures the default model in bfloat16. *Half the ratio* is the "
+    "same method in the model's dtype keeping half as many entries: in a bfloat16 model the bytes of the "
+    "float8 row but its rings (32 entries per KV head in bfloat16, 1.6% of a 2k prompt's full cache); "
+    "its KL (on the prompts both have) and on how many prompts float8 is at or below it."
 )
 
 
