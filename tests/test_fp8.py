@@ -290,6 +290,40 @@ def test_other_storage_types_are_refused_naming_the_choices(tiny_llama, bad):
         )
 
 
+@pytest.mark.parametrize("recent", [0, 5])
+def test_the_ring_length_is_an_option_of_every_entry_point(tiny_llama, recent):
+    """``kv_recent`` on the cache, ``generate``, ``compress`` and ``answer``'s path: rings of that
+    many slots (0: none); the bytes follow."""
+    ids = _prompt(length=60)[0]
+    _, cache = kvcake.generate(tiny_llama, ids, "snapkv", budget=24, window=4, max_new_tokens=3,
+                               kv_dtype="fp8", kv_recent=recent)  # fmt: skip
+    ctx = kvcake.compress(tiny_llama, ids, "adakv", budget=24, window=4, kv_dtype="fp8", kv_recent=recent)
+    for c in (cache, ctx.cache):
+        rings = [c.layers[lid].recent_positions for lid in c.compressed]
+        assert all(r is None for r in rings) if recent == 0 else all(r.shape[-1] == recent for r in rings)
+        layer = c.layers[c.compressed[0]]
+        assert (
+            fp8_module.recent_bytes(layer)
+            == 2 * layer.batch * layer.kv_heads * recent * layer.keys.shape[-1] * 4
+        )
+        assert fp8_module.ring_length(c) == recent
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_a_ring_length_that_is_not_a_count_is_refused(tiny_llama, bad):
+    with pytest.raises(
+        ValueError, match=r"kv_recent must be a count of tokens >= 0 \(0: no ring; default 32\)"
+    ):
+        KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype="fp8", kv_recent=bad)
+
+
+def test_a_ring_length_without_float8_is_refused_naming_the_fix(tiny_llama):
+    with pytest.raises(ValueError, match="pass kv_dtype='fp8' with it, or leave kv_recent unset"):
+        KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_recent=8)
+    with pytest.raises(ValueError, match="pass kv_dtype='fp8' with it"):
+        kvcake.compress(tiny_llama, _prompt()[0], "snapkv", budget=24, window=4, kv_recent=8)
+
+
 def test_the_names_of_float8_are_taken(tiny_llama):
     for name in ("fp8", "float8_e4m3fn", torch.float8_e4m3fn):
         assert KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype=name).kv_dtype == "fp8"
@@ -311,15 +345,19 @@ def test_the_command_line_stores_in_float8(tiny_dir, tmp_path, capsys, monkeypat
         capsys, monkeypatch, ["generate", *small, "--prompt", "w1 w2 w3 " * 20, "--kv-dtype", "fp8"]
     )
     assert code == 0, err
-    assert "(kept entries in fp8)" in err
+    assert "(kept entries in fp8, the last 32 tokens' also exact)" in err
     kvc = str(tmp_path / "doc.kvc")
     code, _, err = call(capsys, monkeypatch, ["save", *small[:-2], "--context-file", str(tiny_dir / "doc.txt"),
-                                              "--out", kvc, "--kv-dtype", "fp8"])  # fmt: skip
-    assert code == 0, err and "(kept entries in fp8)" in err
-    code, _, err = call(
-        capsys, monkeypatch, ["generate", "--load", kvc, "--question", "w3", "--kv-dtype", "fp8"]
-    )
-    assert code == 2 and "--kv-dtype" in err
+                                              "--out", kvc, "--kv-dtype", "fp8", "--kv-recent", "0"])  # fmt: skip
+    assert code == 0, err
+    assert "(kept entries in fp8)" in err
+    code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, "--question", "w3"])
+    assert code == 0 and "(kept entries in fp8)" in err, err  # the file's storage: no ring
+    for extra in (["--kv-dtype", "fp8"], ["--kv-recent", "8"]):
+        code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, "--question", "w3", *extra])
+        assert code == 2 and "--kv-dtype/--kv-recent" in err
+    code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1 w2", "--kv-recent", "8"])
+    assert code == 2 and "pass kv_dtype='fp8' with it" in err
     code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1", "--kv-dtype", "int8"])
     assert code == 2 and "invalid choice: 'int8'" in err
 

@@ -132,6 +132,7 @@ def generate(
     static: bool = True,
     compile: bool | CompileConfig | None = None,
     kv_dtype: str | None = None,
+    kv_recent: int | None = None,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, KVCakeCache]:
     """``model.generate`` with a compressed cache; returns ``(output_ids, cache)``.
@@ -154,7 +155,8 @@ def generate(
     through ``mode="reduce-overhead"`` on CUDA; on a CPU inductor is often slower than eager),
     a ``CompileConfig`` chooses the options; ``False`` decodes eagerly everywhere.
     ``kv_dtype="fp8"`` stores the kept entries in float8 from the end of the prompt (one byte per
-    element, read back in the model's dtype: ``kvcake.fp8``); None keeps the model's dtype.
+    element, read back in the model's dtype: ``kvcake.fp8``), the last ``kv_recent`` tokens' entries
+    (None: 32; 0: none) also in the model's dtype; None keeps the model's dtype.
     """
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model)
@@ -194,7 +196,7 @@ def generate(
         config._compile_all_devices = True  # transformers compiles on accelerators only by default
         generate_kwargs["compile_config"] = config
     cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario,
-                        kv_dtype=kv_dtype)  # fmt: skip
+                        kv_dtype=kv_dtype, kv_recent=kv_recent)  # fmt: skip
     with enable(model), torch.no_grad():
         out = model.generate(input_ids=input_ids, **generate_with_cache(model, cache, generate_kwargs))
     return out, cache
@@ -214,6 +216,7 @@ def compress(
     scenario: str | None = None,
     static: bool = True,
     kv_dtype: str | None = None,
+    kv_recent: int | None = None,
     **model_inputs,
 ) -> CompressedContext:
     """Prefill ``input_ids`` (B, S) into a compressed cache (context-only compression).
@@ -228,8 +231,8 @@ def compress(
     The context holds exactly the kept entries (the dynamic layout, ``kv_bytes()`` is what
     compression kept); with ``static=True`` (the default) each ``.generate`` moves its fork into
     storage preallocated for the question plus the tokens to generate; ``static=False`` decodes in
-    the dynamic reference layout. ``kv_dtype="fp8"``: the context's kept entries in float8 (as in
-    :func:`generate`), saved so by ``save_context``.
+    the dynamic reference layout. ``kv_dtype="fp8"``, ``kv_recent``: the context's kept entries in
+    float8 (as in :func:`generate`), saved so by ``save_context``.
 
     ``model_inputs`` go to the model's forward with the context: the images of a vision-language
     model, as its processor returns them (``pixel_values``, ``image_grid_thw``, ``token_type_ids``,
@@ -249,7 +252,8 @@ def compress(
         holder.rope_deltas = None
     # prefilled in the dynamic layout (no capacity is reserved for questions not yet asked);
     # the static plans are set for the forks that answer them
-    cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False, kv_dtype=kv_dtype)
+    cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False, kv_dtype=kv_dtype,
+                        kv_recent=kv_recent)  # fmt: skip
     with enable(model), torch.no_grad():
         out = model(
             input_ids=input_ids,  # by keyword: BLIP-2's and Kosmos-2's forward take pixel_values first
@@ -300,6 +304,7 @@ def answer(
     chat: bool | None = None,
     max_new_tokens: int = 64,
     kv_dtype: str | None = None,
+    kv_recent: int | None = None,
     **generate_kwargs,
 ) -> str:
     """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
@@ -323,8 +328,9 @@ def answer(
         A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
         default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
         in both scenarios: README "Which method").
-    kv_dtype:
-        ``"fp8"``: the kept entries in float8 (:func:`generate`); None: the model's dtype.
+    kv_dtype, kv_recent:
+        ``"fp8"``: the kept entries in float8, the last ``kv_recent`` tokens' also in the model's
+        dtype (:func:`generate`); None: the model's dtype.
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``).
     """
@@ -346,6 +352,7 @@ def answer(
         "ratio": ratio,
         "window": window,
         "kv_dtype": kv_dtype,
+        "kv_recent": kv_recent,
     }
     if scenario == "question":
         ids = prompt.full.to(device)

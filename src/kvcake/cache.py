@@ -39,7 +39,7 @@ from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
-from .fp8 import check_kv_dtype
+from .fp8 import check_kv_dtype, check_kv_recent
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
@@ -55,9 +55,8 @@ HANDOFF = "kvcake_cache"
 # Models that hand nothing (transformers 5.0-5.23's, GPT-NeoX's: ``adapters.hands_kwargs_to_cache``)
 # get ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING`` for their attention, eagerly only: the
 # compiler cannot trace a ContextVar, so their KVCakeCache is not compileable (``info.hands_kwargs``).
-LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None] = contextvars.ContextVar(
-    "kvcake_pending", default=None
-)
+LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None]
+LEGACY_PENDING = contextvars.ContextVar("kvcake_pending", default=None)
 
 
 class KVCakeCache(Cache):
@@ -90,9 +89,10 @@ class KVCakeCache(Cache):
         remaining tokens can fill. Past it, ``decode=none`` storage grows by ``kvcake.step.GROWTH``
         slots and a ``decode=fixed`` head keeps evicting at its reserved capacity. None (unknown):
         ``decode=none`` reserves ``kvcake.step.GROWTH`` slots at a time, ``decode=fixed`` its budget.
-    kv_dtype:
+    kv_dtype, kv_recent:
         None (the default): the kept entries in the model's dtype. ``"fp8"``: in float8 from the end
-        of the prompt on, one byte per element, read back in the model's dtype (``kvcake.fp8``).
+        of the prompt on, one byte per element, read back in the model's dtype, the last ``kv_recent``
+        tokens' entries (None: 32; 0: none) also held and read in the model's dtype (``kvcake.fp8``).
 
     Memory: ``kv_bytes()`` (and the peaks) count the buffers the cache holds, so with static
     storage they include the reserved capacity (empty slots are memory too); a
@@ -114,10 +114,12 @@ class KVCakeCache(Cache):
         scenario: str | Scenario | None = None,
         max_cache_len: int | None = None,
         kv_dtype: str | None = None,
+        kv_recent: int | None = None,
         **budget_kwargs,
     ) -> None:
         self.scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
         self.kv_dtype = check_kv_dtype(kv_dtype, model)  # how the kept entries are stored after the prompt
+        self.kv_recent = check_kv_recent(kv_recent, self.kv_dtype)
         self.info: ModelInfo = describe_model(model)
         if budget_kwargs and isinstance(method, Method):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
@@ -391,9 +393,7 @@ class KVCakeCache(Cache):
 
 def _check_capacity(max_cache_len: int | None) -> None:
     """``max_cache_len`` must be None or a positive token count (bool is not one)."""
-    if max_cache_len is None:
-        return
-    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+    if max_cache_len is not None and (type(max_cache_len) is not int or max_cache_len < 1):
         raise ValueError(
             f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
             f"(or None when unknown), got {max_cache_len!r}"

@@ -385,7 +385,7 @@ def finish_prefill(cache: Cache) -> None:
         if not keep_scores:
             layer.scores = None
         if cache.kv_dtype is not None:  # the kept entries in 8 bits from now on (fp8.py)
-            encode_layer(layer, cache.split)
+            encode_layer(layer, cache.split, cache.kv_recent)
             cache._track_bytes(lid)
     cache.plan_static(lay_out=True)  # now, so that no decode step (compiled or not) converts a layer
     cache.prefilled = True

@@ -13,8 +13,8 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
   (torch's conversion clamps to 448). Within the range, e4m3 keeps 3 mantissa bits: a relative
   error of at most 1/16 per element. A power of two divides and multiplies any float exactly, so
   moving the scale onto the query and the output (``folded``) rounds nothing.
-* **The recent entries exact.** The entries of the last ``RECENT`` tokens are held a second time
-  in the model's dtype, and the attention reads those instead of their float8 bits: the tokens
+* **The recent entries exact.** The entries of the last ``kv_recent`` tokens (a cache's option;
+  ``RECENT`` = 32 by default, 0: none) are held a second time in the model's dtype, and the attention reads those instead of their float8 bits: the tokens
   about to be generated attend most to the ones just before them, where float8's error costs
   most (``scripts/fp8_recent.py``: keeping the last 32 exact cut the KL to the model's dtype to a
   third). They are looked up by token position (a ring of ``RECENT`` slots per KV head), so
@@ -79,6 +79,24 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
     return name
 
 
+def check_kv_recent(kv_recent, kv_dtype) -> int | None:
+    """``kv_recent`` as the cache keeps it: None (``RECENT`` tokens, with float8 storage) or a count
+    of tokens >= 0 (0: no ring). Refused naming the fix where it is not a count, or without
+    ``kv_dtype`` (in the model's dtype every entry is exact already)."""
+    if kv_recent is None:
+        return None
+    if isinstance(kv_recent, bool) or not isinstance(kv_recent, int) or kv_recent < 0:
+        raise ValueError(
+            f"kv_recent must be a count of tokens >= 0 (0: no ring; default {RECENT}), got {kv_recent!r}"
+        )
+    if kv_dtype is None:
+        raise ValueError(
+            "kv_recent is how many recent tokens float8 storage also holds in the model's dtype: pass "
+            "kv_dtype='fp8' with it, or leave kv_recent unset (without float8 every entry is exact)"
+        )
+    return kv_recent
+
+
 def check_devices(devices) -> None:
     """Refuse float8 storage on a device whose torch backend cannot convert to float8 (ValueError
     naming the device, torch's reason and the fix)."""
@@ -136,15 +154,15 @@ def store(cache) -> None:
     cache.compact()  # the dynamic layout, which encode_layer takes; static layers return at their next step
     cache.kv_dtype = "fp8"
     for lid in cache.compressed:
-        encode_layer(cache.layers[lid], cache.split)
+        encode_layer(cache.layers[lid], cache.split, cache.kv_recent)
         cache._track_bytes(lid)
 
 
-def encode_layer(layer, split=None) -> None:
+def encode_layer(layer, split=None, recent: int | None = None) -> None:
     """Store a compressed layer's kept keys and values in float8 from now on (``layer.kv_scales``
-    (key scale, value scale) set; its appends are encoded by ``writable``), the last ``RECENT``
-    tokens' entries also exactly (``remember``). ``split``: the cache's ``HeadSplit`` on a
-    tensor-parallel model (the scales are taken over every rank), else None."""
+    (key scale, value scale) set; its appends are encoded by ``writable``), the last ``recent``
+    tokens' entries also exactly (``remember``; None: ``RECENT``; 0: none). ``split``: the cache's
+    ``HeadSplit`` on a tensor-parallel model (the scales are taken over every rank), else None."""
     if layer.kv_scales is not None or layer.keys is None:
         return
     if layer.static is not None:
@@ -153,14 +171,15 @@ def encode_layer(layer, split=None) -> None:
         )
     scales = scales_of(layer.keys, layer.values, layer.dtype, split)
     layer.kv_scales = scales
-    if RECENT > 0:  # (0: no ring, every entry read in float8)
-        _start_rings(layer)
+    recent = RECENT if recent is None else recent
+    if recent > 0:  # (0: no ring, every entry read in float8)
+        _start_rings(layer, recent)
     layer.keys, layer.values = encode(layer.keys, scales[0]), encode(layer.values, scales[1])
 
 
-def _start_rings(layer) -> None:
-    """Rings for a layer about to be encoded, holding its last ``RECENT`` tokens' entries."""
-    ring, dev = (layer.batch, layer.kv_heads, RECENT), layer.keys.device  # position -1: an empty slot
+def _start_rings(layer, recent: int) -> None:
+    """Rings of ``recent`` slots for a layer about to be encoded, holding its last tokens' entries."""
+    ring, dev = (layer.batch, layer.kv_heads, recent), layer.keys.device  # position -1: an empty slot
     hold_recent(layer, torch.zeros(*ring, layer.keys.shape[-1], dtype=layer.dtype, device=dev),
                 torch.zeros(*ring, layer.values.shape[-1], dtype=layer.dtype, device=dev),
                 torch.full(ring, -1, device=dev))  # fmt: skip
@@ -250,6 +269,12 @@ def select_recent(layer, rows: torch.Tensor) -> None:
             t.copy_(p)
     else:
         hold_recent(layer, *picked)
+
+
+def ring_length(cache) -> int:
+    """Tokens whose entries a cache's compressed layers also hold in the model's dtype (0: none)."""
+    rings = [cache.layers[lid].recent_positions for lid in cache.compressed]
+    return max((r.shape[-1] for r in rings if r is not None), default=0)
 
 
 def recent_bytes(layer) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..fp8 import ring_length
 from .options import _load, _method
 
 logger = logging.getLogger("kvcake.cli")
@@ -153,7 +154,10 @@ def cache_summary(cache, label: str) -> str:
             f"({100 * p.entries / p.full_entries:.1f}%), {_fmt_bytes(p.total)} vs {_fmt_bytes(p.full)} full "
             f"({100 * p.fraction:.1f}%)")  # fmt: skip
     if cache.kv_dtype:
-        line += f" (kept entries in {cache.kv_dtype})"
+        ring = ring_length(cache)
+        line += f" (kept entries in {cache.kv_dtype}" + (
+            f", the last {ring} tokens' also exact)" if ring else ")"
+        )
     if p.sliding:
         line += (f"; sliding layers {_fmt_bytes(p.sliding)} (their window), "
                  f"{len(cache.compressed)} global layers {_fmt_bytes(p.compressed)}")  # fmt: skip
@@ -173,12 +177,14 @@ def _report(line: str) -> None:
 _PROGRESS_MIN_TOKENS = 1024
 
 
-def _compress(model, ids: torch.Tensor, method, scenario=None, static: bool = True, kv_dtype=None):
+def _compress(
+    model, ids: torch.Tensor, method, scenario=None, static: bool = True, kv_dtype=None, kv_recent=None
+):
     from ..api import compress
 
     start = time.perf_counter()
     ctx = compress(model, ids, method, progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
-                   scenario=scenario, static=static, kv_dtype=kv_dtype)  # fmt: skip
+                   scenario=scenario, static=static, kv_dtype=kv_dtype, kv_recent=kv_recent)  # fmt: skip
     seconds = time.perf_counter() - start
     logger.info("compressed %d tokens in %.2f s (%s) with %s", ids.shape[1], seconds,
                 _rate(ids.shape[1], seconds), method.describe())  # fmt: skip
@@ -192,10 +198,11 @@ def _context_from_args(args: argparse.Namespace):
         from ..storage import load_context, read_context_info
 
         if (args.method or args.budget is not None or args.ratio is not None or args.window is not None
-                or getattr(args, "scenario", None) is not None or getattr(args, "kv_dtype", None)):  # fmt: skip
+                or getattr(args, "scenario", None) is not None or getattr(args, "kv_dtype", None)
+                or getattr(args, "kv_recent", None) is not None):  # fmt: skip
             raise ValueError(
                 "--load uses the method saved with the context, and its storage: drop "
-                "--method/--budget/--ratio/--window/--scenario/--kv-dtype"
+                "--method/--budget/--ratio/--window/--scenario/--kv-dtype/--kv-recent"
             )
         info = read_context_info(args.load)
         extra = info.get("extra") or {}
@@ -221,7 +228,8 @@ def _context_from_args(args: argparse.Namespace):
 
         check_positions(model, ids.shape[1], {"max_new_tokens": args.max_new_tokens})
     scenario = _scenario(args, "context", "--context-file: a document compressed before its questions")
-    ctx, seconds = _compress(model, ids, method, scenario, static, getattr(args, "kv_dtype", None))
+    ctx, seconds = _compress(model, ids, method, scenario, static, getattr(args, "kv_dtype", None),
+                             getattr(args, "kv_recent", None))  # fmt: skip
     line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
     return model, tokenizer, ctx, chat, line
 

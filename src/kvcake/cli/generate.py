@@ -84,7 +84,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     out, cache = generate(model, ids, method, attention_mask=torch.ones_like(ids), **streamer.kwargs(),
                           progress=_PROGRESS_MIN_TOKENS <= ids.shape[1] and sys.stderr.isatty(),
                           scenario=scenario, static=not args.dynamic, compile=True if args.compile else None,
-                          kv_dtype=args.kv_dtype,
+                          kv_dtype=args.kv_dtype, kv_recent=args.kv_recent,
                           **gen)  # fmt: skip
     streamer.finish(out[:, ids.shape[1] :])
     first = (streamer.first or time.perf_counter()) - start

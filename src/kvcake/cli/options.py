@@ -57,6 +57,9 @@ def _storage_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=FORMATS, default=None,
                         help="store the kept entries in float8 from the end of the prompt, one byte per element "
                              "(kvcake.fp8; default: the model's dtype)")  # fmt: skip
+    parser.add_argument("--kv-recent", type=int, default=None, metavar="N",
+                        help="with --kv-dtype fp8: the last N tokens' entries also in the model's dtype, "
+                             "read instead of their float8 bits (default 32; 0: none)")  # fmt: skip
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
