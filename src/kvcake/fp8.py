@@ -11,18 +11,19 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
   a power of two that maps their largest magnitude into (112, 224], at most half of e4m3's largest
   value (448), so later entries at least twice as large fit exactly as well; larger ones saturate
   (torch's conversion clamps to 448). Within the range, e4m3 keeps 3 mantissa bits: a relative
-  error of at most 1/16 per element. A power of two divides and multiplies any float exactly, so
-  moving the scale onto the query and the output (``folded``) rounds nothing.
-* **The recent entries exact.** The entries of the last ``kv_recent`` tokens (a cache's option;
-  ``RECENT`` = 32 by default, 0: none) are held a second time in the model's dtype, and the attention reads those instead of their float8 bits: the tokens
-  about to be generated attend most to the ones just before them, where float8's error costs
-  most (``scripts/fp8_recent.py``: keeping the last 32 exact cut the KL to the model's dtype to a
-  third). They are looked up by token position (a ring of ``RECENT`` slots per KV head), so
-  no eviction, re-layout or reorder has to keep track of where they are stored; an evicted entry's
-  copy is simply never read. With every token in the window, float8 storage decodes exactly as
-  the model's dtype.
+  error of at most 1/16 per element. Dividing or multiplying by a power of two is exact (short of
+  overflow and subnormals), so moving the scale onto the query and the output (``folded``) rounds
+  nothing.
   On a tensor-parallel model the largest magnitude is taken over every rank's heads, so each rank
   stores its heads exactly as one process holding them all would.
+* **The recent entries exact.** The entries of the last ``kv_recent`` tokens (a cache's option;
+  ``RECENT`` = 32 by default, 0: none) are held a second time in the model's dtype, and the
+  attention reads those instead of their float8 bits: the tokens about to be generated attend
+  most to the ones just before them, where float8's error costs most (``scripts/fp8_recent.py``:
+  keeping the last 32 exact cut the KL to the model's dtype to a third). They are looked up by
+  token position (a ring of ``kv_recent`` slots per KV head), so no eviction, re-layout or
+  reorder has to keep track of where they are stored; an evicted entry's copy is simply never
+  read. With every token in the ring, float8 storage decodes exactly as the model's dtype.
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
   (appends, evictions, beam reorders, saving) then runs on any device: some of them
   (``index_copy_``, ``scatter_``, ``gather``, ``masked_fill``) have no float8 kernel on a CPU.
