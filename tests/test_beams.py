@@ -74,6 +74,10 @@ def test_beam_search_over_float8_entries_decodes_as_the_reference(tiny_llama, sp
     static, dynamic = (_beams(tiny_llama, ids, mask, c) for c in caches)
     assert torch.equal(static, dynamic)
     assert all(caches[0].layers[lid].keys.dtype == torch.uint8 for lid in caches[0].compressed)
+    # rings of recent entries covering every token follow their beams: the model's dtype's beams exactly
+    ring = KVCakeCache(tiny_llama, spec, budget=12, window=4, kv_dtype="fp8", kv_recent=256)
+    exact = KVCakeCache(tiny_llama, spec, budget=12, window=4)
+    assert torch.equal(_beams(tiny_llama, ids, mask, ring), _beams(tiny_llama, ids, mask, exact))
 
 
 def test_beam_search_on_a_hybrid_model_is_stocks(tiny_gemma3):
