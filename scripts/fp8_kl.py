@@ -11,7 +11,8 @@ those positions and the samples, against the uncompressed cache in the model's d
 method runs at every keep ratio with the model's dtype and with ``kv_dtype="fp8"``, in one run;
 ``full`` in fp8 is float8's cost alone. Bytes: ``cache.kv_bytes()`` of the compressed context,
 mean over samples. *fp8 lower* counts the samples where float8 at the ratio twice as large (the
-same bytes) has the lower KL than the model's dtype at the ratio.
+same bytes) has the lower KL than the model's dtype at the ratio. ``--kv-recent N``: how many of
+the last tokens float8 also holds exactly (kvcake's ``kv_recent``; default 32; 0: none).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def passages(tok, args: argparse.Namespace):
         yield ids[:, : args.length], ids[:, args.length :]
 
 
-def predictions(model, ids: torch.Tensor, cont: torch.Tensor, method: str, keep: float | None, kv_dtype):
+def predictions(model, ids: torch.Tensor, cont: torch.Tensor, method: str, keep: float | None, kv_dtype,
+                kv_recent=None):  # fmt: skip
     """(logits (n, V) predicting ``cont``, bytes held): the context compressed, then teacher-forced."""
     sizes = {} if method == "full" else {"keep_ratio": keep}
+    if kv_dtype is not None:
+        sizes["kv_recent"] = kv_recent
     ctx = kvcake.compress(model, ids, method, kv_dtype=kv_dtype, **sizes)
     logits = torch.cat([ctx.logits, ctx.forward(cont[:, :-1])[0]], dim=0)
     return logits, ctx.cache.kv_bytes()
@@ -68,6 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="snapkv,cake,adakv,layer-defensivekv")
     parser.add_argument("--keep-ratios", default="0.25,0.5")
+    parser.add_argument("--kv-recent", type=int, default=None,
+                        help="tokens float8 also holds exactly (kvcake's kv_recent; default: kvcake's, 32)")  # fmt: skip
     add_sample_arguments(parser)
     args = parser.parse_args()
     model, tok = load(args)
@@ -80,12 +86,13 @@ def main() -> None:
     for ctx_ids, cont in passages(tok, args):
         reference, full_bytes = predictions(model, ctx_ids, cont, "full", None, None)
         for run in runs:
-            logits, n_bytes = predictions(model, ctx_ids, cont, *run)
+            logits, n_bytes = predictions(model, ctx_ids, cont, *run, kv_recent=args.kv_recent)
             kls[run].append(kl(reference, logits))
             held[run].append(n_bytes)
     mean = lambda v: sum(v) / len(v)  # noqa: E731
     print(f"{args.samples} samples of {args.length} tokens, KL over the next {args.continuation} tokens, "
-          f"model in {args.dtype}; the full cache holds {full_bytes / 2**20:.2f} MiB\n")  # fmt: skip
+          f"model in {args.dtype}; float8 with kv_recent={args.kv_recent}; "
+          f"the full cache holds {full_bytes / 2**20:.2f} MiB\n")  # fmt: skip
     print(f"`full` in fp8: KL {mean(kls[runs[0]]):.4g}, {mean(held[runs[0]]) / 2**20:.2f} MiB\n")
     print(
         "| method | keep ratio | KL, model's dtype | KL, fp8 | bytes, model's dtype | bytes, fp8 | fp8 at twice the ratio lower |"
