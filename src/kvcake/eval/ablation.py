@@ -257,15 +257,17 @@ def paired(
     metric: str,
     factor: float = 1.0,
     slack: float = 0.0,
+    ref_ratio: float | None = None,
 ) -> tuple[float | None, float | None, str, str, str]:
     """Means of ``method`` and ``ref`` over the prompts both have (a partial run compares like
     with like); on how many of those prompts the target holds, e.g. ``"11/12"`` (for KL the
     method at or below ``factor`` x the reference, for scores at least the reference less
     ``slack``); the mean margin by which it holds (negative: missed) with its standard error
-    over the prompts; and whether the mean still holds without the prompt it misses most by."""
+    over the prompts; and whether the mean still holds without the prompt it misses most by.
+    ``ref_ratio``: the reference's cells at another ratio (None: ``ratio``)."""
     a, b = (
         by_prompt(records, method, scenario, ratio, metric),
-        by_prompt(records, ref, scenario, ratio, metric),
+        by_prompt(records, ref, scenario, ratio if ref_ratio is None else ref_ratio, metric),
     )
     common = sorted(set(a) & set(b))
     if not common:

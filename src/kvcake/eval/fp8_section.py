@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcake.eval.ablation import by_prompt, number, paired
+from kvcake.eval.ablation import number, paired
 from kvcake.eval.tables import SCENARIO_TITLES, mean_of, scenarios_in
 from kvcake.fp8 import SUFFIX, storage_spec
 
@@ -64,15 +64,8 @@ def _against_half(
 ) -> list[str]:
     """[``base``'s mean KL at ``ratio / 2``, on how many prompts ``fp8`` at ``ratio`` is at or below
     it], over the prompts both have; ``-`` where ``base`` has no cell at half the ratio."""
-    mine, half = (
-        by_prompt(records, fp8, scenario, ratio, "kl"),
-        by_prompt(records, base, scenario, ratio / 2, "kl"),
-    )
-    common = sorted(set(mine) & set(half))
-    if not common:
-        return ["-", "-"]
-    below = sum(mine[k] <= half[k] for k in common)
-    return [number(sum(half[k] for k in common) / len(common)), f"{below}/{len(common)}"]
+    _, half, below, _, _ = paired(records, fp8, base, scenario, ratio, "kl", ref_ratio=ratio / 2)
+    return [number(half), below]
 
 
 def _bytes(records: Sequence[dict[str, Any]], method: str, scenario: str, ratio: float) -> float | None:
