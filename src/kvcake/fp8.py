@@ -218,31 +218,30 @@ def _ring(layer, positions: torch.Tensor, base: torch.Tensor | None) -> torch.Te
 
 
 def remember(layer, keys, values, positions, base=None) -> None:
-    """Hold the entries of the last ``RECENT`` tokens among ``keys``, ``values`` (the model's
-    dtype, (..., d)) at ``positions`` (...,) exactly, unscaled as ``folded`` reads them (the scale
-    is a power of two: exact). Where the layout's shape changes (the prompt, multi-token appends);
-    a decode step writes its token with :func:`remember_step`."""
+    """Hold the entries of the last tokens the rings have room for among ``keys``, ``values`` (the
+    model's dtype, (..., d)) at ``positions`` (...,) exactly. Where the layout's shape changes (the
+    prompt, multi-token appends); a decode step writes its token with :func:`remember_step`."""
     if layer.recent_keys is None:
         return
     latest = positions >= max(layer.length - layer.recent_positions.shape[-1], 0)  # no two share a slot
     at = _ring(layer, positions, base)[latest]  # (M,) host sync: not a step
-    key_scale, value_scale = layer.kv_scales
-    rings = ((layer.recent_keys, keys, key_scale), (layer.recent_values, values, value_scale))
-    for ring, new, scale in rings:
-        ring.view(-1, ring.shape[-1]).index_put_((at,), new[latest] / scale)
-    layer.recent_positions.view(-1).index_put_((at,), positions[latest])
+    _put(layer, at, keys[latest], values[latest], positions[latest])
 
 
 def remember_step(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """A static decode step's token (keys, values (B, H_kv, 1, d), the model's dtype, at
     ``layer.newest``) into its ring slot, in place: no host read."""
-    if layer.recent_keys is None:
-        return
-    at = _ring(layer, layer.newest, None)  # (B, H_kv, 1)
+    if layer.recent_keys is not None:
+        _put(layer, _ring(layer, layer.newest, None), keys, values, layer.newest)
+
+
+def _put(layer, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write entries (the model's dtype, (..., d)) and their ``positions`` into the flat ring slots
+    ``at`` (...,), unscaled as ``folded`` reads them (the scale is a power of two: exact)."""
     key_scale, value_scale = layer.kv_scales
     layer.recent_keys.view(-1, keys.shape[-1]).index_put_((at,), keys / key_scale)
     layer.recent_values.view(-1, values.shape[-1]).index_put_((at,), values / value_scale)
-    layer.recent_positions.view(-1).index_put_((at,), layer.newest)
+    layer.recent_positions.view(-1).index_put_((at,), positions)
 
 
 def exact_recent(layer, keys, values, positions, base=None):
@@ -290,10 +289,8 @@ def readable(layer) -> tuple[torch.Tensor, torch.Tensor]:
     a dense layout's, as a layer read by the model's own kernel holds them)."""
     if layer.kv_scales is None:
         return layer.keys, layer.values
-    key_scale, value_scale = layer.kv_scales
-    keys, values = exact_recent(layer, layer.keys.view(FP8).to(layer.dtype),
-                                layer.values.view(FP8).to(layer.dtype), layer.positions)  # fmt: skip
-    return keys * key_scale, values * value_scale
+    keys, values = _unscaled(layer, layer.keys, layer.values, layer.positions, None)
+    return keys * layer.kv_scales[0], values * layer.kv_scales[1]
 
 
 def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions, base=None):
@@ -304,10 +301,16 @@ def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     ``base``, see :func:`_ring`) of the entries: the recent ones are read exactly."""
     if layer.kv_scales is None:
         return query, keys, values, None
-    key_scale, value_scale = layer.kv_scales
-    keys, values = exact_recent(layer, keys.view(FP8).to(layer.dtype), values.view(FP8).to(layer.dtype),
-                                positions, base)  # fmt: skip
-    return query * key_scale, keys, values, value_scale
+    keys, values = _unscaled(layer, keys, values, positions, base)
+    return query * layer.kv_scales[0], keys, values, layer.kv_scales[1]
+
+
+def _unscaled(layer, keys: torch.Tensor, values: torch.Tensor, positions, base):
+    """Stored (or gathered) float8 bits in the model's dtype without their scales, the recent
+    entries exact in their place (:func:`exact_recent`)."""
+    return exact_recent(
+        layer, keys.view(FP8).to(layer.dtype), values.view(FP8).to(layer.dtype), positions, base
+    )
 
 
 def scaled(out: torch.Tensor, value_scale: torch.Tensor | None) -> torch.Tensor:
