@@ -83,7 +83,9 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     layer.meta = meta
     layer.capacity = cap
     # where each slot's ring of recent entries starts (its segment's; the dummy's: the first), float8: fp8.py
-    layer.slot_base = ring_base(layer, torch.cat([meta.seg, meta.seg.new_zeros(1)]))
+    layer.slot_base = None
+    if layer.recent_base is not None:
+        layer.slot_base = ring_base(layer, torch.cat([meta.seg, meta.seg.new_zeros(1)]))
     if layer.full:  # no slot inside a segment is empty when the layer attends: only the padding
         layer.bias = None
         layer.pad_bias = bias(torch.where(inside, 0, -1), layer.dtype)  # (B*H_kv, 1, M)
