@@ -38,6 +38,10 @@ OPT = {"vocab_size": 128, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers"
        "word_embed_proj_dim": 64, "pad_token_id": 0}  # fmt: skip
 FALCON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "new_decoder_architecture": True, "num_kv_heads": 2}  # fmt: skip
+DBRX = {"vocab_size": 128, "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2, "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4},
+        "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}  # fmt: skip
+# (ffn_hidden_size = d_model: up to 5.12 DBRX's router takes ffn_hidden_size as its input width)
 
 # family -> (config class name, keyword arguments); all 2 layers, 4 query heads
 FAMILIES = {
@@ -107,6 +111,7 @@ FAMILIES = {
     "gptj": ("GPTJConfig", {**GPT, "rotary_dim": 8}),
     "opt": ("OPTConfig", OPT),
     "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}),
+    "dbrx": ("DbrxConfig", DBRX),  # fused QKV clipped, experts in its FFN config
     # its own attention code in every release so far: refused when the cache sees it was bypassed
     "falcon": ("FalconConfig", FALCON),
 }
