@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvcake
-from kvcake import KVCakeCache
+from kvcake import KVCakeCache, fp8
 from kvcake.adapters import with_cache
 from kvcake.budget import BudgetSpec
 from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS, make_method
@@ -86,28 +86,60 @@ def check_layers(cache: KVCakeCache, lengths, pads, prefill: bool, label: str) -
                 )
         el = layer.keys.element_size()
         d = layer.keys.shape[-1]
+        ring = fp8.recent_bytes(layer)  # float8 storage's recent entries, held beside the slots
+        if layer.recent_positions is not None:
+            check_ring(layer, pos, f"{label}: layer {li}")
         if layer.static is not None:  # static storage: every head's slots, reserved capacity included
             # ragged: every segment's capacity and the one always-empty slot of the padded view
             slots = (
                 int(layer.capacity.sum()) + 1 if layer.layout == "ragged" else layer.keys.shape[:3].numel()
             )
-            assert layer.kv_bytes() == slots * 2 * d * el, label
+            assert layer.kv_bytes() == slots * 2 * d * el + ring, label
             if layer.layout == "ragged":
                 assert (layer.capacity > counts[:, li]).all(), f"{label}: a segment without a free slot"
             else:
                 assert layer.keys.shape[2] > int(counts[:, li].max()), f"{label}: no free column"
         elif layer.layout == "ragged":
-            assert layer.kv_bytes() == int(counts[:, li].sum()) * 2 * d * el, label
+            assert layer.kv_bytes() == int(counts[:, li].sum()) * 2 * d * el + ring, label
         else:
             assert layer.keys.shape[2] == int(counts[:, li].max()), (
                 f"{label}: dense layer wider than its fullest head"
             )
             assert (
                 layer.kv_bytes()
-                == layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] * 2 * d * el
+                == layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] * 2 * d * el + ring
             )
         total_bytes += layer.kv_bytes()
     assert cache.kv_bytes() == total_bytes
+
+
+def check_ring(layer, pos: torch.Tensor, label: str) -> None:
+    """Float8 storage's rings (``kvcake.fp8``): every kept entry of the last ``R`` tokens is in its
+    slot (``position % R`` of its KV head's ring), which is what makes the attention read it exactly,
+    and no slot holds an older token's entry or a later one's."""
+    rings = layer.recent_positions  # (B, H_kv, R)
+    r = rings.shape[-1]
+    assert bool((rings < layer.length).all()), f"{label}: a ring holds a future token"
+    held = rings[rings >= 0]
+    assert bool((held >= layer.length - r).all()), f"{label}: a ring holds a token older than its last {r}"
+    for b in range(pos.shape[0]):
+        for h in range(pos.shape[1]):
+            recent = [p for p in pos[b, h].tolist() if p >= max(layer.length - r, 0)]
+            slots = [int(rings[b, h, p % r]) for p in recent]
+            assert slots == recent, f"{label} seq {b} head {h}: kept {recent}, rings {slots}"
+
+
+def kept_sets(layer) -> list[list[int]]:
+    """Each sequence's and KV head's kept positions, in order."""
+    return [sorted(p[p >= 0].tolist()) for p in layer.padded_positions().flatten(0, 1)]
+
+
+def float8_case(case: int) -> int | None:
+    """The ring of a fuzz case stored in float8 (every third case; None: the model's dtype), drawn
+    apart from ``random_case`` so that the compositions stay what they were."""
+    if case % 3 != 2:
+        return None
+    return random.Random(case).choice([0, 1, 3, 8, 32])
 
 
 @pytest.mark.parametrize("case", range(CASES))
@@ -121,7 +153,11 @@ def test_fuzz_prefill_and_decode(models, case):
     pads = [s - n for n in lengths]
     ids = torch.randint(3, 128, (len(lengths), s), generator=g)
     mask = (torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]).long()
-    cache = KVCakeCache(model, method)
+    recent = float8_case(case)
+    if recent is not None:
+        label += f" kv_dtype=fp8 kv_recent={recent}"
+    fp8_kw = {} if recent is None else {"kv_dtype": "fp8", "kv_recent": recent}
+    cache = KVCakeCache(model, method, **fp8_kw)
     with kvcake.enable(model), torch.no_grad():
         logits = model(ids, attention_mask=mask, **with_cache(model, cache)).logits
     assert bool(torch.isfinite(logits[mask.bool()]).all()), label
@@ -157,3 +193,34 @@ def test_fuzz_prefill_and_decode(models, case):
                     f"{label}: decode=fixed keeps each head at its decoding budget"  # fmt: skip
             check_layers(cache, lengths, pads, prefill=False, label=f"{label} after +{grown}")
             tok = out[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_fuzz_float8_with_a_covering_ring_decodes_as_the_models_dtype(models, case):
+    """Any composition, batch, padding and chunk: float8 storage whose rings hold every token reads
+    every entry exactly (its scales are powers of two), so it keeps the same entries and gives the
+    same logits, bit for bit, at every forward as the same cache in the model's dtype."""
+    spec, budget_kw, window, lengths, model_idx, seed = random_case(case)
+    model = models[model_idx]
+    label = f"case {case}: {spec} {budget_kw} window={window} lengths={lengths} model={model_idx}"
+    method = make_method(spec, window=window, **budget_kw)
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    pads = [s - n for n in lengths]
+    ids = torch.randint(3, 128, (len(lengths), s), generator=g)
+    mask = (torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]).long()
+    plain = KVCakeCache(model, method)
+    stored = KVCakeCache(model, method, kv_dtype="fp8", kv_recent=s + sum(STEPS))
+    forwards = [(ids, mask)]
+    for q in STEPS:
+        mask = torch.cat([mask, torch.ones(len(lengths), q, dtype=mask.dtype)], 1)
+        forwards.append((torch.randint(3, 128, (len(lengths), q), generator=g), mask))
+    with kvcake.enable(model), torch.no_grad():
+        for step, (x, m) in enumerate(forwards):
+            want = model(x, attention_mask=m, **with_cache(model, plain)).logits
+            got = model(x, attention_mask=m, **with_cache(model, stored)).logits
+            assert torch.equal(got, want), f"{label}: forward {step}"
+            for li, (a, b) in enumerate(zip(plain.layers, stored.layers, strict=True)):
+                if a.keys is not None:
+                    assert kept_sets(b) == kept_sets(a), f"{label}: forward {step} layer {li} kept others"
+    assert any(layer.kv_scales is not None for layer in stored.layers), label
