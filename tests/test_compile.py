@@ -8,6 +8,8 @@ Compiling costs tens of seconds on a CPU: the model is tiny (2 layers) and the t
 from __future__ import annotations
 
 import contextlib
+import os
+import random
 import re
 
 import pytest
@@ -25,6 +27,7 @@ import kvcake
 from kvcake.adapters import hands_kwargs_to_cache, with_cache
 from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
+from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS
 from shared_checks import KWARGS_HANDOFF, calls_while_tracing
 
 pytestmark = pytest.mark.slow
@@ -86,11 +89,24 @@ def test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside():
 
 
 STEPS = 64
+COMPOSITIONS = int(os.environ.get("KVCAKE_COMPILE_CASES", "10"))  # random compositions compiled
 
 
-def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool | None = None):
+def _decode_kvcake(
+    model,
+    spec: str,
+    batch: int,
+    compiled: bool,
+    dynamic: bool | None = None,
+    budget=24,
+    window=4,
+    plain: list | None = None,
+    **cache_kw,
+):
     """Prefill eagerly, then 64 single-token steps through ``model.forward`` (compiled with
-    ``fullgraph=True`` and a graph-counting backend, or eager); left padding on sequence 1."""
+    ``fullgraph=True`` and a graph-counting backend, or eager); left padding on sequence 1.
+    ``cache_kw``: more of the ``KVCakeCache``'s options (float8 storage); ``plain``: a list that
+    gets whether a layer decoded plain (the model's own kernel over every token)."""
     torch._dynamo.reset()
     counter = _GraphCounter()
     step = (
@@ -102,7 +118,11 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool |
     mask = torch.ones_like(ids)
     mask[1:, :10] = 0
     cache = kvcake.KVCakeCache(
-        model, kvcake.make_method(spec, budget=24, window=4), static=True, max_cache_len=60 + STEPS
+        model,
+        kvcake.make_method(spec, budget=budget, window=window),
+        static=True,
+        max_cache_len=60 + STEPS,
+        **cache_kw,
     )
     logits = []
     with kvcake.enable(model), torch.no_grad():
@@ -115,6 +135,8 @@ def _decode_kvcake(model, spec: str, batch: int, compiled: bool, dynamic: bool |
             )
             tok = out.logits[:, -1:].argmax(-1)
             logits.append(out.logits[:, -1])
+    if plain is not None:
+        plain.append(any(layer.plain for layer in cache.layers))
     return counter.graphs, torch.stack(logits)
 
 
@@ -133,6 +155,70 @@ def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch
     _, eager = _decode_kvcake(model, spec, batch, compiled=False)
     assert graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the same ATen ops, run eagerly
+
+
+def _composition(case: int) -> tuple[str, dict, int, dict]:
+    """A random composition of the method's parts (every registry of ``method.py``), its budget
+    and window, a batch of 1 or 2, and float8 storage (rings of 0, 4 or 32 tokens) in 3 of 5."""
+    rng = random.Random(case)
+    parts = {
+        "layers": rng.choice(sorted(LAYER_ALLOCATORS)),
+        "heads": rng.choice(sorted(HEAD_ALLOCATORS)),
+        "score": rng.choice(sorted(SCORERS)),
+        "select": rng.choice(sorted(SELECTORS)),
+        "decode": rng.choice(DECODE_POLICIES),
+    }
+    window = rng.randint(1, 8)
+    budget = {"budget": rng.randint(max(window, 8), 40), "window": window}
+    recent = rng.choice([None, None, 0, 4, 32])
+    storage = {} if recent is None else {"kv_dtype": "fp8", "kv_recent": recent}
+    return ",".join(f"{k}={v}" for k, v in parts.items()), budget, rng.choice([1, 2]), storage
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("case", range(COMPOSITIONS))
+def test_random_compositions_compile_whole_and_decode_as_eager(case):
+    """Beyond the presets: any composition of allocators, scorer, selector and decoding policy,
+    in float8 or not, compiles each step whole into at most two graphs over 64 steps, and its
+    logits equal the eager steps' exactly (``KVCAKE_COMPILE_CASES=200``: a deeper search)."""
+    spec, budget, batch, storage = _composition(case)
+    model = _two_layer_llama()
+    plain = []
+    graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True, plain=plain, **budget, **storage)
+    _, eager = _decode_kvcake(model, spec, batch, compiled=False, **budget, **storage)
+    assert graphs <= 2, (spec, budget, batch, storage)
+    tol = PLAIN_TOLERANCE if plain[0] else 0.0
+    torch.testing.assert_close(
+        compiled, eager, rtol=tol, atol=tol, msg=lambda m: f"{spec} {budget} {storage}: {m}"
+    )
+
+
+# A layer whose budget covers the prompt and that evicts nothing while decoding stays *plain*: the
+# model's own kernel reads every token, as a full cache holds them. Compiled, its logits differed
+# from the eager ones by one float32 rounding (1.2e-7; a stock DynamicCache compiled on the same
+# steps: none). Every other layer: exactly.
+PLAIN_TOLERANCE = 1e-6
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize(
+    ("spec", "budget"), [("h2o", 60), ("cake", 100), ("streamingllm", 200), ("snapkv", 100)]
+)
+def test_a_budget_covering_the_prompt_compiles(spec, budget):
+    """A 60-token prompt, batch 1, 64 steps (capacity 124): with ``decode=fixed`` and a budget the
+    decoding reaches (60, 100), a layer that evicted nothing from the prompt is laid out in static
+    storage at its end (``decoding.evicts_ahead``) and evicts in place, compiled as eagerly and
+    exactly so; with a budget covering the capacity (200), or ``decode=none`` (snapkv), it stays
+    plain, and a compiled step neither reads its counts nor evicts. Before, the first three failed
+    to trace (the dynamic path's budget check is data-dependent)."""
+    model = _two_layer_llama()
+    plain = []
+    graphs, compiled = _decode_kvcake(model, spec, 1, compiled=True, budget=budget, plain=plain)
+    _, eager = _decode_kvcake(model, spec, 1, compiled=False, budget=budget)
+    assert graphs <= 2
+    assert plain == [budget > 124 or spec == "snapkv"]
+    tol = PLAIN_TOLERANCE if plain[0] else 0.0
+    torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
 
 
 @needs_kwargs_handoff

@@ -263,7 +263,7 @@ class KVCakeCache(Cache):
         for g, lid in enumerate(self.compressed):
             layer = self.layers[lid]
             layer.static_plan = (self.decode_budget[:, g] if fixed else None, self._max_cache_len)
-            if lay_out and not layer.plain and layer.static is None:
+            if lay_out and layer.static is None and (not layer.plain or decoding.evicts_ahead(self, lid)):
                 layer.to_static()
                 self._track_bytes(lid)
 

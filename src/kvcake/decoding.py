@@ -21,8 +21,32 @@ def wants_probs(cache: Cache, layer_idx: int) -> bool:
     layer = cache.layers[layer_idx]
     if layer.static is not None:  # decided once for static storage, never from the data
         return layer.static == "fixed" and cache.method.scorer.needs_probs
-    over = layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]
-    return layer.scores is not None or bool(over.any())
+    return layer.scores is not None or _over_budget(cache, layer, layer_idx)
+
+
+def _over_budget(cache: Cache, layer, layer_idx: int) -> bool:
+    """Whether a dynamic layer holds more than its decoding budget on some head: none where its
+    budget covers the capacity and the tokens seen are within it (``evicts_ahead``), a fact of
+    the plan that a compiled step reads as it is (the count check traces as data-dependent)."""
+    if layer.covers_capacity and layer.length <= cache.max_cache_len:
+        return False
+    return bool((layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]).any())
+
+
+def evicts_ahead(cache: Cache, layer_idx: int) -> bool:
+    """Whether a static cache moves layer ``layer_idx`` into static storage at the end
+    of the prompt although it evicted nothing there (a *plain* layer, read by the model's own
+    kernel): where ``decode=fixed`` will evict from it before the capacity is reached. Its first
+    eviction, left to the dynamic path, would run inside a decode step, which a compiled step
+    cannot (its check is data-dependent); laid out, the layer decodes and evicts in place like
+    the others, read by the kvcake attention. Without a known capacity (``max_cache_len``), or
+    with a budget covering it (``layer.covers_capacity``), a plain layer stays as a full cache
+    holds it."""
+    layer, capacity = cache.layers[layer_idx], cache.max_cache_len
+    bounded = cache.method.decode == "fixed" and capacity is not None
+    budget = cache.decode_budget[:, cache._slot[layer_idx]]
+    layer.covers_capacity = bounded and bool((budget >= capacity).all())
+    return bounded and not layer.covers_capacity
 
 
 def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:
@@ -35,7 +59,7 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     if probs is None:
         return
     budget = cache.decode_budget[:, cache._slot[layer_idx]]  # (B, H_kv)
-    over = bool((layer.counts > budget).any())
+    over = _over_budget(cache, layer, layer_idx)
     positions = layer.padded_positions()  # (B, H_kv, N)
     scores = cache.method.scorer.decode(probs, positions, layer.padded(layer.scores, float("-inf")))
     if (across := _across(cache)) is not None:

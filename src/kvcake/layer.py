@@ -51,6 +51,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.length = 0  # logical columns seen (the property below)
         self.layout = "dense"
         self.plain = True
+        self.covers_capacity = False  # plain, its budget covers the capacity (decoding.evicts_ahead)
         self.ranked = False  # entries in the selector's order (each head's best first), not position order
         self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
         self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
@@ -209,6 +210,7 @@ class KVCakeLayer(CacheLayerMixin):
         ``max_cache_len`` (``GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
         its entries plus the tokens left where that is less, plus the spare slot."""
         budget, max_len = self.static_plan
+        self.plain = False  # read by the kvcake attention from now on (decoding.evicts_ahead)
         room = GROWTH if max_len is None else max(max_len - self.length, 0)
         if budget is not None and max_len is not None:
             budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
