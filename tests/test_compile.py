@@ -396,13 +396,19 @@ def test_compile_is_refused_where_the_model_does_not_hand_off_kwargs(build):
 
 
 @needs_kwargs_handoff
-@pytest.mark.parametrize("spec", ["cake", "cake-adakv", "h2o"])
-def test_a_compressed_contexts_question_then_a_compiled_decode(spec):
+@pytest.mark.parametrize(
+    ("spec", "budget"),
+    [("cake", 24), ("cake-adakv", 24), ("h2o", 24), ("h2o", 70), ("cake", 60), ("streamingllm", 200)],
+)
+def test_a_compressed_contexts_question_then_a_compiled_decode(spec, budget):
     """A compressed context keeps its kept entries in the dynamic layout; a fork appends the
     question (several tokens) and goes back into static storage right after that append's
     attention, so the compiled decoding forward is captured whole (fullgraph) and converts no
     layer: the code before converted at the first compiled step, a graph break (fullgraph raised
-    on it here; on an H100 the CUDA-graph compile of that step crashed, 2026-11-26)."""
+    on it here; on an H100 the CUDA-graph compile of that step crashed, 2026-11-26). So do the
+    layers of a context that evicted nothing (budgets 60 and 70 for 60 tokens) where decoding will
+    evict from them (``decoding.plan``; before, their step failed to trace); with a budget covering
+    the capacity (200) they stay plain."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -412,7 +418,7 @@ def test_a_compressed_contexts_question_then_a_compiled_decode(spec):
     model = _two_layer_llama()
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     question = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
-    ctx = kvcake.compress(model, ids, spec, budget=24, window=4)
+    ctx = kvcake.compress(model, ids, spec, budget=budget, window=4)
     assert all(layer.static is None for layer in ctx.cache.layers)  # the context holds exactly its entries
     eager = ctx.generate(question, max_new_tokens=12, do_sample=False, disable_compile=True)
     torch._dynamo.reset()

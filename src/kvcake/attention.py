@@ -141,6 +141,8 @@ def _make_attention(inner_name: str):
             )  # attention here flipped a near-tied greedy token of h2o's, H100, 2026-11-26)
             if want:  # the scorer's probabilities beside it (H2O's sums accumulate from the first step)
                 cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True)[1])
+            if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
+                cache.lay_out_after_append(layer_idx)
             return out
         out, probs = layer.attend(query, scaling, want)
         cache.after_extend_attention(layer_idx, probs)

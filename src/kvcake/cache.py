@@ -259,11 +259,10 @@ class KVCakeCache(Cache):
         self._plan_sliding()
         if not self.static:
             return
-        fixed = self.method.decode == "fixed"
-        for g, lid in enumerate(self.compressed):
+        for lid in self.compressed:
             layer = self.layers[lid]
-            layer.static_plan = (self.decode_budget[:, g] if fixed else None, self._max_cache_len)
-            if lay_out and layer.static is None and (not layer.plain or decoding.evicts_ahead(self, lid)):
+            decoding.plan(self, lid)  # its static plan; a plain layer: whether it evicts before the capacity
+            if lay_out and layer.static is None and layer.wants_static:
                 layer.to_static()
                 self._track_bytes(lid)
 
@@ -377,7 +376,7 @@ class KVCakeCache(Cache):
         finds it laid out: converting inside a compiled step breaks its graph, and a CUDA-graph
         capture of it crashed (H100, 2026-11-26). The entries kept are the same either way."""
         layer = self.layers[layer_idx]
-        if layer.static is None and layer.static_plan is not None and not layer.plain:
+        if layer.static is None and layer.wants_static:
             layer.to_static()
             self._track_bytes(layer_idx)
 

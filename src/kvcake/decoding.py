@@ -26,27 +26,30 @@ def wants_probs(cache: Cache, layer_idx: int) -> bool:
 
 def _over_budget(cache: Cache, layer, layer_idx: int) -> bool:
     """Whether a dynamic layer holds more than its decoding budget on some head: none where its
-    budget covers the capacity and the tokens seen are within it (``evicts_ahead``), a fact of
+    budget covers the capacity and the tokens seen are within it (``plan``), a fact of
     the plan that a compiled step reads as it is (the count check traces as data-dependent)."""
     if layer.covers_capacity and layer.length <= cache.max_cache_len:
         return False
     return bool((layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]).any())
 
 
-def evicts_ahead(cache: Cache, layer_idx: int) -> bool:
-    """Whether a static cache moves layer ``layer_idx`` into static storage at the end
-    of the prompt although it evicted nothing there (a *plain* layer, read by the model's own
-    kernel): where ``decode=fixed`` will evict from it before the capacity is reached. Its first
-    eviction, left to the dynamic path, would run inside a decode step, which a compiled step
-    cannot (its check is data-dependent); laid out, the layer decodes and evicts in place like
-    the others, read by the kvcake attention. Without a known capacity (``max_cache_len``), or
-    with a budget covering it (``layer.covers_capacity``), a plain layer stays as a full cache
-    holds it."""
+def plan(cache: Cache, layer_idx: int) -> None:
+    """Give compressed layer ``layer_idx`` its static plan (``KVCakeCache.plan_static``):
+    ``((B, H_kv) decode budgets, max_cache_len)`` for ``decode=fixed``, ``(None, max_cache_len)``
+    for ``decode=none``. A *plain* layer (it evicted nothing, and the model's own kernel reads it
+    as a full cache's) stays as it is, unless ``decode=fixed`` will evict from it before the
+    capacity is reached (``evicts_ahead``): its first eviction, left to the dynamic path, would
+    run inside a decode step, which a compiled step cannot (its check is data-dependent), so it
+    moves into static storage with the others and evicts in place, read by the kvcake attention.
+    Where its budget covers the capacity (``covers_capacity``), a compiled step reads that fact
+    instead of its counts (``_over_budget``). Without a known capacity neither holds."""
     layer, capacity = cache.layers[layer_idx], cache.max_cache_len
-    bounded = cache.method.decode == "fixed" and capacity is not None
-    budget = cache.decode_budget[:, cache._slot[layer_idx]]
+    budget = cache.decode_budget[:, cache._slot[layer_idx]]  # (B, H_kv)
+    fixed = cache.method.decode == "fixed"
+    layer.static_plan = (budget if fixed else None, capacity)
+    bounded = fixed and capacity is not None and layer.plain
     layer.covers_capacity = bounded and bool((budget >= capacity).all())
-    return bounded and not layer.covers_capacity
+    layer.evicts_ahead = bounded and not layer.covers_capacity
 
 
 def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:

@@ -51,7 +51,8 @@ class KVCakeLayer(CacheLayerMixin):
         self.length = 0  # logical columns seen (the property below)
         self.layout = "dense"
         self.plain = True
-        self.covers_capacity = False  # plain, its budget covers the capacity (decoding.evicts_ahead)
+        # plain: whether decode=fixed evicts from it before the capacity, or its budget covers that (decoding.plan)
+        self.evicts_ahead = self.covers_capacity = False
         self.ranked = False  # entries in the selector's order (each head's best first), not position order
         self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
         self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
@@ -107,7 +108,7 @@ class KVCakeLayer(CacheLayerMixin):
         one_step = q == 1 and valid is None
         if self.static is not None and not one_step:
             self.step.to_dynamic(self)  # multi-token appends take the reference path
-        elif self.static is None and one_step and self.static_plan is not None and not self.plain:
+        elif self.static is None and one_step and self.wants_static:
             self.to_static()  # after its first eviction (after a multi-token append, the attention laid it out)
         if self.static is not None:  # in place, positions on the device: no host int
             seen = None if torch.compiler.is_compiling() else self.length  # read back before ``newest`` moves
@@ -205,12 +206,17 @@ class KVCakeLayer(CacheLayerMixin):
             self.to_static()  # laid out again now, not inside the next (maybe compiled) step
 
     # -- static storage ----------------------------------------------------------------------
+    @property
+    def wants_static(self) -> bool:
+        """Whether it moves into its static plan's buffers at its next chance (evicted, or will: ``evicts_ahead``)."""
+        return self.static_plan is not None and (not self.plain or self.evicts_ahead)
+
     def to_static(self) -> None:
         """Move into ``static_plan``'s buffers: ``decode=none`` reserves a slot per token up to
         ``max_cache_len`` (``GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
         its entries plus the tokens left where that is less, plus the spare slot."""
         budget, max_len = self.static_plan
-        self.plain = False  # read by the kvcake attention from now on (decoding.evicts_ahead)
+        self.plain = False  # read by the kvcake attention from now on (decoding.plan)
         room = GROWTH if max_len is None else max(max_len - self.length, 0)
         if budget is not None and max_len is not None:
             budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
