@@ -142,10 +142,9 @@ def float8_case(case: int) -> int | None:
     return random.Random(case).choice([0, 1, 3, 8, 32])
 
 
-@pytest.mark.parametrize("case", range(CASES))
-def test_fuzz_prefill_and_decode(models, case):
+def fuzz_inputs(models, case: int):
+    """Case ``case``'s model, method, label, generator, prompt lengths, left padding, ids and mask."""
     spec, budget_kw, window, lengths, model_idx, seed = random_case(case)
-    model = models[model_idx]
     label = f"case {case}: {spec} {budget_kw} window={window} lengths={lengths} model={model_idx}"
     method = make_method(spec, window=window, **budget_kw)
     g = torch.Generator().manual_seed(seed)
@@ -153,6 +152,13 @@ def test_fuzz_prefill_and_decode(models, case):
     pads = [s - n for n in lengths]
     ids = torch.randint(3, 128, (len(lengths), s), generator=g)
     mask = (torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]).long()
+    return models[model_idx], method, label, g, lengths, pads, ids, mask
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_fuzz_prefill_and_decode(models, case):
+    model, method, label, g, lengths, pads, ids, mask = fuzz_inputs(models, case)
+    s = ids.shape[1]
     recent = float8_case(case)
     if recent is not None:
         label += f" kv_dtype=fp8 kv_recent={recent}"
@@ -200,15 +206,8 @@ def test_fuzz_float8_with_a_covering_ring_decodes_as_the_models_dtype(models, ca
     """Any composition, batch, padding and chunk: float8 storage whose rings hold every token reads
     every entry exactly (its scales are powers of two), so it keeps the same entries and gives the
     same logits, bit for bit, at every forward as the same cache in the model's dtype."""
-    spec, budget_kw, window, lengths, model_idx, seed = random_case(case)
-    model = models[model_idx]
-    label = f"case {case}: {spec} {budget_kw} window={window} lengths={lengths} model={model_idx}"
-    method = make_method(spec, window=window, **budget_kw)
-    g = torch.Generator().manual_seed(seed)
-    s = max(lengths)
-    pads = [s - n for n in lengths]
-    ids = torch.randint(3, 128, (len(lengths), s), generator=g)
-    mask = (torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]).long()
+    model, method, label, g, lengths, pads, ids, mask = fuzz_inputs(models, case)
+    s = ids.shape[1]
     plain = KVCakeCache(model, method)
     stored = KVCakeCache(model, method, kv_dtype="fp8", kv_recent=s + sum(STEPS))
     forwards = [(ids, mask)]
