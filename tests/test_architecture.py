@@ -54,6 +54,7 @@ LAYERS = {
         "varlen",
         "matmul",
         "flex",
+        "sinks",
         "fused_norms",
         "prompts",
         "haystack",

@@ -112,6 +112,10 @@ FAMILIES = {
     "opt": ("OPTConfig", OPT),
     "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}),
     "dbrx": ("DbrxConfig", DBRX),  # fused QKV clipped, experts in its FFN config
+    "gpt_oss-hybrid": (  # attention sinks: a learned logit per head in the softmax (test_sinks.py)
+        "GptOssConfig",
+        {**HEAD16, **HYBRID, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
     # its own attention code in every release so far: refused when the cache sees it was bypassed
     "falcon": ("FalconConfig", FALCON),
 }

@@ -269,7 +269,7 @@ def _build(config):
         cls = {
             "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
-            "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
+            "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM,
             "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM,
         }[config.model_type]  # fmt: skip
@@ -360,20 +360,6 @@ UNSUPPORTED = {
     "doge-dynamic-mask": (
         lambda: tf.DogeConfig(**SMALL, keep_window_size=2048, pad_token_id=0),
         r"doge: its attention adds a learned bias per head and key to the mask",
-    ),
-    "gpt-oss-sinks": (  # a hybrid whose attention adds a learned sink logit per head to the softmax
-        lambda: tf.GptOssConfig(
-            **{**SMALL, "intermediate_size": 64},
-            num_key_value_heads=2,
-            head_dim=16,
-            num_local_experts=2,
-            num_experts_per_tok=1,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        ),
-        r"gpt_oss: attention sinks .* not supported by kvcake.*use a DynamicCache",
     ),
 }
 

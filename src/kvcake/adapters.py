@@ -83,7 +83,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
     layer slides (nothing to compress), chunked layers, encoder-decoders, latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention
-    logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), attention sinks (GPT-OSS), and
+    logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), and
     the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask).
     Sliding layers of a hybrid are reported in ``windows``, cross-attention layers (Mllama, which
     attend to the image's states) in ``cross``: neither is compressed.
@@ -115,12 +115,6 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             f"{mtype}: its last {text.num_kv_shared_layers} layers read earlier layers' keys and values (KV "
             "sharing, Gemma 3n), which kvcake does not support: evicting for one layer would evict for the "
             "layers that share it, whose attention kvcake does not see"
-        )
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-        raise ValueError(
-            f"{mtype}: attention sinks (a learned logit per head in the softmax: GPT-OSS) are not supported by "
-            "kvcake: its attention over the kept entries has no sink term, so decoding would differ from the "
-            "model's; use a DynamicCache for this model"
         )
     windows = layer_windows(text, mtype)
     num_heads = getattr(text, "num_attention_heads", None)

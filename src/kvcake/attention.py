@@ -24,21 +24,29 @@ from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
 from .sdpa import check_policy, sdpa_policy
+from .sinks import model_sinks
 from .sliding import SlidingLayer, visible_keys
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
 
 
-def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention (each model file has its own copy; this is the same math)."""
+def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, s_aux=None, **kwargs):
+    """transformers' eager attention (each model file has its own copy; this is the same math), and
+    GPT-OSS's with its sinks (``s_aux``: a logit per head in the softmax, its probability dropped)."""
     groups = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(groups, dim=1)
     v = value.repeat_interleave(groups, dim=1)
     weights = torch.matmul(query, k.transpose(2, 3)) * scaling
     if attention_mask is not None:
         weights = weights + attention_mask
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    if s_aux is None:
+        weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:  # as gpt_oss's eager_attention_forward: the maxima subtracted, the softmax in the logits' dtype
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+        both = torch.cat([weights, sinks], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(value.dtype)
     out = torch.matmul(weights, v).transpose(1, 2).contiguous()
     return out, weights
 
@@ -110,9 +118,10 @@ def _make_attention(inner_name: str):
             )
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
+        sinks = kwargs.get("s_aux")  # GPT-OSS's sink logits (kvcake.sinks), else None
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
             if layer.static is not None:  # one token over the ring, without the model's mask
-                return layer.attend(query, scaling).to(query.dtype), None
+                return layer.attend(query, scaling, sinks).to(query.dtype), None
             out = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             layer.to_ring(visible_keys(attention_mask, query.shape[0], key.shape[-2]))  # after the prompt
             cache._track_bytes(layer_idx)  # (or an append): no decode step converts it
@@ -140,11 +149,11 @@ def _make_attention(inner_name: str):
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )  # attention here flipped a near-tied greedy token of h2o's, H100, 2026-11-26)
             if want:  # the scorer's probabilities beside it (H2O's sums accumulate from the first step)
-                cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True)[1])
+                cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True, sinks)[1])
             if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
                 cache.lay_out_after_append(layer_idx)
             return out
-        out, probs = layer.attend(query, scaling, want)
+        out, probs = layer.attend(query, scaling, want, sinks)
         cache.after_extend_attention(layer_idx, probs)
         if q > 1:  # a multi-token append (a context's question): back into static storage now
             cache.lay_out_after_append(layer_idx)
@@ -195,8 +204,11 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
         yield model
         return
     # flex_attention's mask is a BlockMask, which kvcake cannot read (padding, positions), and the CPU
-    # kernel with a tensor mask as score mod crashed the process (torch 2.13): SDPA computes the same
-    name = register("sdpa" if original == "flex_attention" else original)
+    # kernel with a tensor mask as score mod crashed the process (torch 2.13): SDPA computes the same,
+    # or eager where the model has sinks (GPT-OSS: SDPA has no sink term)
+    if original == "flex_attention":
+        original = "eager" if any(model_sinks(m) is not None for m in model.modules()) else "sdpa"
+    name = register(original)
     try:
         _set_impl(model, name)
         with sdpa_policy(sdpa, input_device(model)):

@@ -37,6 +37,7 @@ from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
 from .selectors import SelectionInputs
+from .sinks import model_sinks
 from .temperatures import parse_indicator, resolve_tau
 from .tensor_parallel import local_weight
 
@@ -80,7 +81,7 @@ def prefill_stage(
         cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
     inputs = PrefillInputs(
         query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
-        window=m.budget.window, scaling=scaling, column_sums=column_sums,
+        window=m.budget.window, scaling=scaling, column_sums=column_sums, sinks=model_sinks(module),
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .sinks import grouped_rows
 from .varlen import choose_route, varlen_attention
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class RaggedMeta:
 def ragged_attention_reference(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Segment-softmax attention, the reference and CPU path.
 
@@ -76,6 +78,7 @@ def ragged_attention_reference(
     query_positions: (B, q) logical positions of the query rows (an entry is visible to a row
     when its position is not after the row's). Returns the output (B, q, H, d) and, if asked,
     the attention probabilities per entry (T, G, q) in float32 (float64 for float64 inputs).
+    sinks: (H,) each query head's sink logit (``kvcake.sinks``) in every row's denominator, or None.
     """
     b, h, q, d = query.shape
     n_seg = meta.lengths.numel()
@@ -94,9 +97,15 @@ def ragged_attention_reference(
     padded = torch.full((n_seg, n, g * q), float("-inf"), dtype=acc, device=keys.device)
     padded = padded.index_put((seg, local), logits.masked_fill(~visible, float("-inf")))
     seg_max = padded.amax(1, keepdim=True)  # (S, 1, G*q)
+    sink = None if sinks is None else grouped_rows(sinks, b, hkv, q).to(acc).reshape(n_seg, 1, g * q)
+    if sink is not None:  # the sink's logit in each row's maximum and sum
+        seg_max = torch.maximum(seg_max, sink)
     seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
     weights = torch.exp(padded - seg_max)  # 0 on the padding and on hidden entries
-    probs = weights / weights.sum(1, keepdim=True).clamp(min=1e-30)  # (S, n, G*q)
+    total = weights.sum(1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - seg_max)
+    probs = weights / total.clamp(min=1e-30)  # (S, n, G*q)
     vals = torch.zeros(n_seg, n, d, dtype=acc, device=keys.device).index_put((seg, local), values.to(acc))
     out = torch.einsum("snr,snd->srd", probs, vals)  # (S, G*q, d)
     out = out.reshape(b, hkv, g, q, d).reshape(b, h, q, d).transpose(1, 2).to(query.dtype)
@@ -111,16 +120,18 @@ def flash_available(device: torch.device) -> bool:
 def ragged_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Dispatch for the dynamic (compact) layout: a variable-length kernel on CUDA
-    (``kvcake.varlen.choose_route``) when no probabilities are needed, else the PyTorch reference.
-    Same arguments and result as ``ragged_attention_reference``. Static storage calls the kernel
-    itself, with each segment's used prefix (``kvcake.step.ragged.attend``)."""
-    route = choose_route(query.device, query.dtype) if not return_probs else "reference"
+    (``kvcake.varlen.choose_route``) when neither probabilities nor sinks are needed (the kernels
+    have no sink term), else the PyTorch reference. Same arguments and result as
+    ``ragged_attention_reference``. Static storage calls the kernel itself, with each segment's
+    used prefix (``kvcake.step.ragged.attend``)."""
+    route = choose_route(query.device, query.dtype) if not return_probs and sinks is None else "reference"
     if route != "reference":
         return varlen_attention(query, keys, values, meta.offsets, meta.max_len, scaling, route=route), None
     return ragged_attention_reference(
-        query, keys, values, positions, meta, query_positions, scaling, return_probs
+        query, keys, values, positions, meta, query_positions, scaling, return_probs, sinks
     )
 
 

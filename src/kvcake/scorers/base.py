@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import may_mask
+from ..sinks import sink_softmax
 
 
 @dataclass
@@ -23,7 +24,8 @@ class PrefillInputs:
     query: (B, H, S, d); keys, values: (B, H_kv, S, d); key_valid: (B, S) bool (False on left
     padding); window: the observation window ``Sw``; scaling: the model's softmax scale;
     column_sums: (B, H, S) float32 column sums of the prompt's causal attention where the
-    attention itself produced them (:meth:`Scorer.prompt_attention`), else None.
+    attention itself produced them (:meth:`Scorer.prompt_attention`), else None; sinks: (H,) the
+    model's sink logits (``kvcake.sinks``, GPT-OSS) in every row's softmax, else None.
     """
 
     query: torch.Tensor
@@ -33,6 +35,7 @@ class PrefillInputs:
     window: int
     scaling: float
     column_sums: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
     _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _mean_var: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -66,11 +69,15 @@ class PrefillInputs:
             if padded:
                 logits.masked_fill_(~self.key_valid[:, None, None, :], float("-inf"))
                 logits.masked_fill_(~row_valid[:, None, :, None], 0.0)
-            probs = torch.softmax(logits, dim=-1)
+            probs = torch.softmax(logits, dim=-1) if self.sinks is None else sink_softmax(logits, self.sink_rows())
             if padded:
                 probs.mul_(row_valid[:, None, :, None])
             self._window_attention = (probs, row_valid)
         return self._window_attention
+
+    def sink_rows(self) -> torch.Tensor:
+        """(1, H, 1, 1) float32: each query head's sink logit, for its rows of (B, H, rows, S)."""
+        return self.sinks.float().reshape(1, -1, 1, 1)
 
     def window_mean_var(self) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`window_rows_mean_var` of :meth:`window_attention`, (B, H, S) twice, computed once
@@ -91,8 +98,8 @@ def window_attention_reference(inp: PrefillInputs) -> tuple[torch.Tensor, torch.
     causal = cols[None, :] <= torch.arange(s_len - w, s_len, device=k.device)[:, None]  # (w, S)
     allowed = causal[None, None] & inp.key_valid[:, None, None, :]
     row_valid = inp.key_valid[:, -w:]  # (B, w)
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0), dim=-1)
+    logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    probs = torch.softmax(logits, dim=-1) if inp.sinks is None else sink_softmax(logits, inp.sink_rows())
     return probs * row_valid[:, None, :, None], row_valid
 
 

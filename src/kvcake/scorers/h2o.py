@@ -10,6 +10,7 @@ import torch
 from ..devices import cpu_route
 from ..flex import flex_attention_with_column_sums, uses_flex
 from ..matmul import half_matmuls, matmul_f32
+from ..sinks import sink_softmax
 from .base import PrefillInputs, Scorer, _expand_kv
 
 
@@ -76,7 +77,8 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
         logits = torch.matmul(q, k[:, :, :stop].transpose(-1, -2))  # (B, H, c, stop)
         logits.mul_(inp.scaling)[..., start:stop].add_(upper[: stop - start, : stop - start])
         logits.masked_fill_(padding[..., :stop], float("-inf"))  # (whatever padding keys hold)
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        probs = torch.softmax(logits, dim=-1) if inp.sinks is None else sink_softmax(logits, inp.sink_rows())
+        probs.nan_to_num_(0.0)
         total[..., :stop] += torch.matmul(rows[..., start:stop], probs).squeeze(2)  # (B, H, stop)
     return total
 

@@ -26,6 +26,7 @@ from .common import (
     GROWTH,
     advance,
     attention_probs,
+    attention_with_probs,
     bias,
     check_room,
     choose_victim,
@@ -87,7 +88,7 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     layer.positions.scatter_(2, layer.free, layer.newest)
 
 
-def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, sinks: torch.Tensor | None = None):
     """Attention of the new token over the layer (every stored entry is in its past and its own
     entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
 
@@ -96,16 +97,22 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
     over the storage as held (mask (B, H_kv, 1, C)), the call the layer makes without a scorer,
     so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
     CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
-    (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32."""
+    (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32.
+    With ``sinks`` (H,) (``kvcake.sinks``) output and probabilities come from the explicit softmax."""
     query, keys, values, value_scale = folded(
         layer, query, layer.keys, layer.values, layer.positions
     )  # (fp8.py)
+    b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
+    mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
+    if sinks is not None:
+        out, probs = attention_with_probs(
+            query, keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d), mask, scaling, sinks
+        )
+        return scaled(out, value_scale), probs if return_probs else None
     out, _ = fused_attention(query, keys, values, layer.bias, scaling)
     out = scaled(out, value_scale)
     if not return_probs:
         return out, None
-    b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
-    mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
     return out, attention_probs(query, keys.reshape(b * hkv, c, d), mask, scaling)
 
 

@@ -130,14 +130,16 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.next.add_(1)
 
 
-def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, sinks: torch.Tensor | None = None):
     """Attention of the new token over the layer (every stored entry is in its past and its own
     entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
 
     Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, M) in float32
     over the padded view's columns (0 on the padding). The reference is
-    ``kvcake.ragged.ragged_attention_reference``."""
-    if not return_probs and layer.varlen_route != "reference":
+    ``kvcake.ragged.ragged_attention_reference``. With ``sinks`` (H,) (``kvcake.sinks``) the
+    output comes from the explicit softmax beside the probabilities."""
+    explicit = return_probs or sinks is not None
+    if not explicit and layer.varlen_route != "reference":
         # each segment's stored prefix, read in place: no gather, no padding, no mask
         query, keys, values, value_scale = folded(
             layer, query, layer.keys, layer.values, layer.positions, layer.slot_base
@@ -145,19 +147,19 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool):
         out = varlen_attention(query, keys, values, layer.cu_k, layer.pad_index.shape[1], scaling,
                                seqused=layer.seq_used, route=layer.varlen_route)  # fmt: skip
         return scaled(out, value_scale), None  # (B, 1, H, d)
-    rows = layer.pad_index if return_probs else layer.pad_heads  # gathered (B*H_kv, M, d) / (B, H_kv, M, d)
+    rows = layer.pad_index if explicit else layer.pad_heads  # gathered (B*H_kv, M, d) / (B, H_kv, M, d)
     pos = base = None  # float8: the gathered entries' positions and rings (fp8.py)
     if layer.recent_base is not None:
         pos, base = layer.positions[rows], layer.recent_base.reshape(*rows.shape[:-1], 1)
     query, keys, values, value_scale = folded(layer, query, layer.keys[rows], layer.values[rows], pos, base)
-    if not return_probs:  # mask (B, H_kv, 1, M)
+    if not explicit:  # mask (B, H_kv, 1, M)
         b, hkv = layer.batch, layer.kv_heads
         mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]
         out, probs = fused_attention(query, keys, values, mask, scaling)
     else:
         mask = layer.pad_bias if layer.bias is None else layer.bias[layer.pad_rows]  # (B*H_kv, 1, M)
-        out, probs = attention_with_probs(query, keys, values, mask, scaling)
-    return scaled(out, value_scale), probs
+        out, probs = attention_with_probs(query, keys, values, mask, scaling, sinks)
+    return scaled(out, value_scale), probs if return_probs else None
 
 
 def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -> None:
