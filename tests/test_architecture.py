@@ -54,7 +54,7 @@ LAYERS = {
         "varlen",
         "matmul",
         "flex",
-        "sinks",
+        "logit_terms",
         "fused_norms",
         "prompts",
         "haystack",

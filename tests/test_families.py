@@ -63,6 +63,16 @@ FAMILIES = {
         "Gemma2Config",
         {**HEAD16, **HYBRID, "attn_logit_softcapping": None, "final_logit_softcapping": None},
     ),
+    "gemma2-softcap-hybrid": (  # logit soft-capping (test_logit_terms.py)
+        "Gemma2Config",
+        {
+            **HEAD16,
+            **HYBRID,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 30.0,
+            "attn_implementation": "eager",
+        },  # (SDPA drops the cap: refused)
+    ),
     "cohere": ("CohereConfig", SMALL),
     "cohere2-hybrid": ("Cohere2Config", {**SMALL, **HYBRID}),
     "olmo2": ("Olmo2Config", SMALL),

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
@@ -82,9 +83,10 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     """Check that kvcake can compress this model and return its shapes.
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
-    layer slides (nothing to compress), chunked layers, encoder-decoders, latent attention (MLA: no per-head keys to evict), linear-attention hybrids, attention
-    logit soft-capping (Gemma 2), KV sharing across layers (Gemma 3n), and
-    the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask).
+    layer slides (nothing to compress), chunked layers, encoder-decoders, latent attention (MLA: no
+    per-head keys to evict), linear-attention hybrids, KV sharing across layers (Gemma 3n), and the
+    families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask). Gemma 2's soft
+    cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
     Sliding layers of a hybrid are reported in ``windows``, cross-attention layers (Mllama, which
     attend to the image's states) in ``cross``: neither is compressed.
     """
@@ -104,11 +106,13 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             raise ValueError(
                 f"{mtype}: latent attention (MLA) is not supported by kvcake: it has no per-head keys"
             )
-    if getattr(text, "attn_logit_softcapping", None) is not None:
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap is not None and (config._attn_implementation or "").removeprefix("kvcake_") == "sdpa":
         raise ValueError(
-            f"{mtype}: attention logit soft-capping (attn_logit_softcapping="
-            f"{text.attn_logit_softcapping}) is not supported by kvcake: its scores would read "
-            "uncapped attention. Gemma 2 uses it; Gemma 3 does not"
+            f"{mtype}: its attention caps its logits (attn_logit_softcapping={cap}), which SDPA drops "
+            f"(transformers {transformers.__version__} runs it with attn_implementation='sdpa' without the "
+            "cap): the compressed layers would not match the model's own. Load it with "
+            "attn_implementation='eager' (or 'flex_attention'), which applies the cap"
         )
     if getattr(text, "num_kv_shared_layers", None):  # Gemma 3n; 5.24 also types those layers "dummy"
         raise ValueError(

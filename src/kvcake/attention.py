@@ -23,21 +23,26 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
+from .logit_terms import LogitTerms, model_has_terms
 from .sdpa import check_policy, sdpa_policy
-from .sinks import model_sinks
 from .sliding import SlidingLayer, visible_keys
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
 
 
-def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, s_aux=None, **kwargs):
-    """transformers' eager attention (each model file has its own copy; this is the same math), and
-    GPT-OSS's with its sinks (``s_aux``: a logit per head in the softmax, its probability dropped)."""
+def _eager(
+    module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, s_aux=None, **kwargs
+):
+    """transformers' eager attention (each model file has its own copy; this is the same math), with
+    Gemma 2's soft cap (``softcap``) and GPT-OSS's sinks (``s_aux``: a logit per head in the softmax,
+    its probability dropped) where the model passes them (``kvcake.logit_terms``)."""
     groups = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(groups, dim=1)
     v = value.repeat_interleave(groups, dim=1)
     weights = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if softcap is not None:  # as gemma2's eager_attention_forward
+        weights = torch.tanh(weights / softcap) * softcap
     if attention_mask is not None:
         weights = weights + attention_mask
     if s_aux is None:
@@ -118,10 +123,10 @@ def _make_attention(inner_name: str):
             )
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
-        sinks = kwargs.get("s_aux")  # GPT-OSS's sink logits (kvcake.sinks), else None
+        terms = LogitTerms.of(kwargs)  # Gemma 2's soft cap, GPT-OSS's sinks (kvcake.logit_terms)
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
             if layer.static is not None:  # one token over the ring, without the model's mask
-                return layer.attend(query, scaling, sinks).to(query.dtype), None
+                return layer.attend(query, scaling, terms).to(query.dtype), None
             out = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             layer.to_ring(visible_keys(attention_mask, query.shape[0], key.shape[-2]))  # after the prompt
             cache._track_bytes(layer_idx)  # (or an append): no decode step converts it
@@ -141,7 +146,7 @@ def _make_attention(inner_name: str):
                 sums = None
             else:
                 out, sums = (fused[0], None), fused[1]
-            cache.after_prefill_attention(layer_idx, module, query, valid, scaling, column_sums=sums)
+            cache.after_prefill_attention(layer_idx, module, query, valid, scaling, sums, terms)
             return out
         want = cache.wants_probs(layer_idx, q)
         if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
@@ -149,11 +154,11 @@ def _make_attention(inner_name: str):
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )  # attention here flipped a near-tied greedy token of h2o's, H100, 2026-11-26)
             if want:  # the scorer's probabilities beside it (H2O's sums accumulate from the first step)
-                cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True, sinks)[1])
+                cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True, terms)[1])
             if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
                 cache.lay_out_after_append(layer_idx)
             return out
-        out, probs = layer.attend(query, scaling, want, sinks)
+        out, probs = layer.attend(query, scaling, want, terms)
         cache.after_extend_attention(layer_idx, probs)
         if q > 1:  # a multi-token append (a context's question): back into static storage now
             cache.lay_out_after_append(layer_idx)
@@ -205,9 +210,9 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
         return
     # flex_attention's mask is a BlockMask, which kvcake cannot read (padding, positions), and the CPU
     # kernel with a tensor mask as score mod crashed the process (torch 2.13): SDPA computes the same,
-    # or eager where the model has sinks (GPT-OSS: SDPA has no sink term)
+    # or eager where the model caps its logits or has sinks (SDPA has neither)
     if original == "flex_attention":
-        original = "eager" if any(model_sinks(m) is not None for m in model.modules()) else "sdpa"
+        original = "eager" if model_has_terms(model) else "sdpa"
     name = register(original)
     try:
         _set_impl(model, name)

@@ -34,10 +34,10 @@ from .allocators import AllocationRequest, preference
 from .devices import HostRead
 from .fp8 import encode_layer
 from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
+from .logit_terms import PLAIN, LogitTerms
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
 from .selectors import SelectionInputs
-from .sinks import model_sinks
 from .temperatures import parse_indicator, resolve_tau
 from .tensor_parallel import local_weight
 
@@ -63,11 +63,13 @@ def prefill_stage(
     key_valid: torch.Tensor,
     scaling: float,
     column_sums: torch.Tensor | None = None,
+    terms: LogitTerms = PLAIN,
 ) -> None:
     """Score layer ``layer_idx``'s prompt and run this cascade stage's evictions.
 
     query: (B, H, S, d) post-RoPE; key_valid: (B, S) bool (False on left padding); column_sums:
-    what :func:`prompt_attention` returned beside the attention's output, else None."""
+    what :func:`prompt_attention` returned beside the attention's output, else None; terms: the
+    soft cap and sinks the model's attention call was given (``kvcake.logit_terms``)."""
     cache._run_stage()  # the previous layer's, if no update ran it (a caller that skips update)
     layer = cache.layers[layer_idx]
     cache._stage = layer_idx
@@ -81,7 +83,7 @@ def prefill_stage(
         cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
     inputs = PrefillInputs(
         query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
-        window=m.budget.window, scaling=scaling, column_sums=column_sums, sinks=model_sinks(module),
+        window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads

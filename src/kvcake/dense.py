@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .sinks import grouped_rows, sink_softmax
+from .logit_terms import PLAIN, LogitTerms
 
 
 def dense_attention(
@@ -20,15 +20,15 @@ def dense_attention(
     query_positions: torch.Tensor,
     scaling: float,
     return_probs: bool = False,
-    sinks: torch.Tensor | None = None,
+    terms: LogitTerms = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over a dense layer with per-head empty slots and logical positions.
 
     query: (B, H, q, d); keys/values: (B, H_kv, N, d); positions: (B, H_kv, N) (-1 = empty);
     query_positions: (B, q). The GQA group is folded into the query rows, so keys are never
     repeated. Returns (B, q, H, d) and optionally the probabilities (B, H, q, N) in float32.
-    sinks: (H,) each query head's sink logit (``kvcake.sinks``), or None; with them the softmax is
-    the explicit one (the fused kernel has no sink term).
+    terms: the model's soft cap and sinks (``kvcake.logit_terms``); with either the softmax is the
+    explicit one (the fused kernel has neither).
     """
     b, h, q, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
@@ -39,14 +39,11 @@ def dense_attention(
     )
     allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
     allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
-    if return_probs or sinks is not None:
+    if return_probs or not terms.fused:
         acc = torch.promote_types(query.dtype, torch.float32)
-        logits = torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling
+        logits = terms.cap(torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling)
         logits = logits.masked_fill(~allowed, float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(logits, dim=-1)  # (B, H_kv, G*q, N)
-        else:
-            probs = sink_softmax(logits, grouped_rows(sinks, b, hkv, q))
+        probs = terms.softmax(logits, terms.grouped(b, hkv, q))  # (B, H_kv, G*q, N)
         out = torch.matmul(probs, values.to(acc)).to(query.dtype)
         probs = probs.reshape(b, h, q, n) if return_probs else None
     else:

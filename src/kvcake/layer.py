@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import fp8
 from .dense import dense_attention
 from .fp8 import folded, readable, scaled, writable
+from .logit_terms import PLAIN
 from .ragged import (
     RaggedMeta,
     append_segments,
@@ -358,28 +359,28 @@ class KVCakeLayer(CacheLayerMixin):
         self.counts = counts.astype(np.int64)
 
     # -- attention over what the layer holds ---------------------------------------------------
-    def attend(self, query: torch.Tensor, scaling: float, return_probs: bool, sinks=None):
+    def attend(self, query: torch.Tensor, scaling: float, return_probs: bool, terms=PLAIN):
         """Attention of the newest ``q`` query rows over the held entries.
 
-        query: (B, H, q, d); sinks: (H,) the model's sink logits (``kvcake.sinks``) or None.
+        query: (B, H, q, d); terms: the model's soft cap and sinks (``kvcake.logit_terms``).
         Returns the output (B, q, H, d) and, if asked, the probabilities (B, H, q, N) in float32
         over the padded view (0 on empty slots); a static layer (one new token) returns them as
         (B, H_kv, G, N) (its ``step.attend``)."""
         b, h, q, d = query.shape
         if self.static is not None:  # one new token over static storage
-            return self.step.attend(self, query, scaling, return_probs, sinks)
+            return self.step.attend(self, query, scaling, return_probs, terms)
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
         query, keys, values, value_scale = folded(
             self, query, self.keys, self.values, self.positions, fp8.ring_base(self)
         )  # (float8: fp8.py)
         if self.layout == "ragged":
             out, probs = ragged_attention(
-                query, keys, values, self.positions, self.meta, qpos, scaling, return_probs, sinks
+                query, keys, values, self.positions, self.meta, qpos, scaling, return_probs, terms
             )
             if probs is not None:  # (T, G, q) -> (B, H, q, N)
                 probs = pad_probs(probs, self.meta, b, self.kv_heads)
         else:
-            out, probs = dense_attention(query, keys, values, self.positions, qpos, scaling, return_probs, sinks)  # fmt: skip
+            out, probs = dense_attention(query, keys, values, self.positions, qpos, scaling, return_probs, terms)  # fmt: skip
         return scaled(out, value_scale), probs
 
     def kv_bytes(self) -> int:

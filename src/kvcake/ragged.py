@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sinks import grouped_rows
+from .logit_terms import PLAIN, LogitTerms
 from .varlen import choose_route, varlen_attention
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class RaggedMeta:
 def ragged_attention_reference(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
-    sinks: torch.Tensor | None = None,
+    terms: LogitTerms = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Segment-softmax attention, the reference and CPU path.
 
@@ -78,7 +78,7 @@ def ragged_attention_reference(
     query_positions: (B, q) logical positions of the query rows (an entry is visible to a row
     when its position is not after the row's). Returns the output (B, q, H, d) and, if asked,
     the attention probabilities per entry (T, G, q) in float32 (float64 for float64 inputs).
-    sinks: (H,) each query head's sink logit (``kvcake.sinks``) in every row's denominator, or None.
+    terms: the model's soft cap on the logits and sinks in every row's denominator (``kvcake.logit_terms``).
     """
     b, h, q, d = query.shape
     n_seg = meta.lengths.numel()
@@ -87,7 +87,7 @@ def ragged_attention_reference(
     qs = query.reshape(b, hkv, g, q, d).reshape(n_seg, g * q, d)  # (S, G*q, d), rows (g, i)
     seg, local, n = meta.seg, meta.local, meta.max_len
     acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for references
-    logits = torch.einsum("td,trd->tr", keys.to(acc), qs[seg].to(acc)) * scaling  # (T, G*q)
+    logits = terms.cap(torch.einsum("td,trd->tr", keys.to(acc), qs[seg].to(acc)) * scaling)  # (T, G*q)
     qpos = query_positions.repeat_interleave(hkv, dim=0)  # (S, q)
     visible = (positions[:, None] >= 0) & (positions[:, None] <= qpos[seg])  # (T, q); -1 = empty slot
     visible = visible[:, None, :].expand(-1, g, -1).reshape(-1, g * q)  # (T, G*q)
@@ -97,7 +97,8 @@ def ragged_attention_reference(
     padded = torch.full((n_seg, n, g * q), float("-inf"), dtype=acc, device=keys.device)
     padded = padded.index_put((seg, local), logits.masked_fill(~visible, float("-inf")))
     seg_max = padded.amax(1, keepdim=True)  # (S, 1, G*q)
-    sink = None if sinks is None else grouped_rows(sinks, b, hkv, q).to(acc).reshape(n_seg, 1, g * q)
+    sink = terms.grouped(b, hkv, q)
+    sink = None if sink is None else sink.to(acc).reshape(n_seg, 1, g * q)
     if sink is not None:  # the sink's logit in each row's maximum and sum
         seg_max = torch.maximum(seg_max, sink)
     seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
@@ -120,18 +121,18 @@ def flash_available(device: torch.device) -> bool:
 def ragged_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,
-    sinks: torch.Tensor | None = None,
+    terms: LogitTerms = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Dispatch for the dynamic (compact) layout: a variable-length kernel on CUDA
-    (``kvcake.varlen.choose_route``) when neither probabilities nor sinks are needed (the kernels
-    have no sink term), else the PyTorch reference. Same arguments and result as
+    (``kvcake.varlen.choose_route``) when neither probabilities nor logit terms are needed (the
+    kernels have no soft cap or sink), else the PyTorch reference. Same arguments and result as
     ``ragged_attention_reference``. Static storage calls the kernel itself, with each segment's
     used prefix (``kvcake.step.ragged.attend``)."""
-    route = choose_route(query.device, query.dtype) if not return_probs and sinks is None else "reference"
+    route = choose_route(query.device, query.dtype) if not return_probs and terms.fused else "reference"
     if route != "reference":
         return varlen_attention(query, keys, values, meta.offsets, meta.max_len, scaling, route=route), None
     return ragged_attention_reference(
-        query, keys, values, positions, meta, query_positions, scaling, return_probs, sinks
+        query, keys, values, positions, meta, query_positions, scaling, return_probs, terms
     )
 
 

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .cross import CrossLayer
 from .layer import KVCakeLayer
-from .sinks import grouped_rows, sink_softmax
+from .logit_terms import PLAIN, LogitTerms
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
@@ -199,22 +199,22 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             self.cumulative_length = seen + 1
         return self.keys, self.values
 
-    def attend(self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float, terms: LogitTerms = PLAIN) -> torch.Tensor:
         """One token's attention over the ring's tokens: query (B, H, 1, d) -> (B, 1, H, d). The
-        GQA group folded into the query rows (keys never repeated), as ``dense_attention``; with
-        ``sinks`` (H,) (``kvcake.sinks``) the explicit softmax, the sinks in its denominators."""
+        GQA group folded into the query rows (keys never repeated), as ``dense_attention``; with a
+        soft cap or sinks (``terms``, ``kvcake.logit_terms``) the explicit softmax."""
         b, h, q, d = query.shape
         hkv = self.keys.shape[1]
         qs = query.reshape(b, hkv, h // hkv * q, d)
-        if sinks is None:
+        if terms.fused:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qs, self.keys, self.values, attn_mask=self.valid[:, None, None, :], scale=scaling
             )
         else:
             acc = torch.promote_types(query.dtype, torch.float32)
-            logits = torch.matmul(qs.to(acc), self.keys.to(acc).transpose(-1, -2)) * scaling
+            logits = terms.cap(torch.matmul(qs.to(acc), self.keys.to(acc).transpose(-1, -2)) * scaling)
             logits = logits.masked_fill(~self.valid[:, None, None, :], float("-inf"))
-            probs = sink_softmax(logits, grouped_rows(sinks, b, hkv, q))
+            probs = terms.softmax(logits, terms.grouped(b, hkv, q))
             out = torch.matmul(probs, self.values.to(acc)).to(query.dtype)
         return out.reshape(b, h, q, -1).transpose(1, 2)
 

@@ -21,6 +21,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcake.adapters import projection_module
+from kvcake.logit_terms import PLAIN, LogitTerms
 
 __all__ = ["Captured", "attention_modules", "attention_outputs", "capture_queries"]
 
@@ -72,18 +73,21 @@ class Captured:
     """Per layer, what the attention function received during full-cache forwards.
 
     ``queries[l]``: list of (B, H, q, d) post-RoPE query chunks, one per forward, in order;
-    ``modules[l]`` the attention module; ``scaling[l]`` its softmax scale."""
+    ``modules[l]`` the attention module; ``scaling[l]`` its softmax scale; ``terms[l]`` its soft
+    cap and sinks (``kvcake.logit_terms``)."""
 
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     modules: dict[int, torch.nn.Module] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
+    terms: dict[int, LogitTerms] = field(default_factory=dict)
     _joined: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def add(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> None:
+    def add(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None, terms=PLAIN) -> None:
         idx = module.layer_idx
         self.queries.setdefault(idx, []).append(query.detach())
         self.modules[idx] = module
         self.scaling[idx] = scaling if scaling is not None else query.shape[-1] ** -0.5
+        self.terms[idx] = terms
 
     def query(self, layer: int, chunks: int | None = None) -> torch.Tensor:
         """(B, H, S, d): the first ``chunks`` recorded chunks of ``layer`` (all by default), joined."""
@@ -97,7 +101,8 @@ class Captured:
 
     def snapshot(self) -> Captured:
         """A shallow copy whose chunk lists later forwards do not extend."""
-        return Captured({k: list(v) for k, v in self.queries.items()}, dict(self.modules), dict(self.scaling))
+        queries = {k: list(v) for k, v in self.queries.items()}
+        return Captured(queries, dict(self.modules), dict(self.scaling), dict(self.terms))
 
 
 @functools.cache
@@ -111,7 +116,7 @@ def _register_capture(inner: str) -> str:
     def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         recorder = _RECORDER.get()
         if recorder is not None:
-            recorder.add(module, query, scaling)
+            recorder.add(module, query, scaling, LogitTerms.of(kwargs))
         return kernel(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register(name, capture_attention)

@@ -117,7 +117,15 @@ def replay_compress(
                 )
             kv.update(keys, values, layer, kwargs={})  # a model's attention kwargs (hand-off unused)
             kv.consume(layer)  # what the kvcake attention function does before its hooks
-            kv.after_prefill_attention(layer, captured.modules[layer], query, valid, captured.scaling[layer])
+            kv.after_prefill_attention(
+                layer,
+                captured.modules[layer],
+                query,
+                valid,
+                captured.scaling[layer],
+                None,
+                captured.terms[layer],
+            )
     kv.serve(static=True)  # its forks decode in static storage, as kvcake.compress's
     return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import may_mask
-from ..sinks import sink_softmax
+from ..logit_terms import PLAIN, LogitTerms
 
 
 @dataclass
@@ -24,8 +24,8 @@ class PrefillInputs:
     query: (B, H, S, d); keys, values: (B, H_kv, S, d); key_valid: (B, S) bool (False on left
     padding); window: the observation window ``Sw``; scaling: the model's softmax scale;
     column_sums: (B, H, S) float32 column sums of the prompt's causal attention where the
-    attention itself produced them (:meth:`Scorer.prompt_attention`), else None; sinks: (H,) the
-    model's sink logits (``kvcake.sinks``, GPT-OSS) in every row's softmax, else None.
+    attention itself produced them (:meth:`Scorer.prompt_attention`), else None; terms: the
+    model's soft cap on the logits and sinks in every row's softmax (``kvcake.logit_terms``).
     """
 
     query: torch.Tensor
@@ -35,7 +35,7 @@ class PrefillInputs:
     window: int
     scaling: float
     column_sums: torch.Tensor | None = None
-    sinks: torch.Tensor | None = None
+    terms: LogitTerms = PLAIN
     _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _mean_var: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -59,7 +59,7 @@ class PrefillInputs:
             w = q.shape[2]
             q = q.reshape(b, hkv, self.num_groups * w, d)
             logits = torch.matmul(q, self.keys.float().transpose(-1, -2)).view(b, h, w, s_len)
-            logits.mul_(self.scaling)
+            logits = self.terms.cap(logits.mul_(self.scaling))
             later = torch.ones(w, w, dtype=torch.bool, device=q.device).triu_(1)  # causal, in the window
             logits[..., s_len - w :].masked_fill_(later, float("-inf"))
             row_valid = self.key_valid[:, -w:]  # (B, w): a padding query sees no key (left padding)
@@ -69,15 +69,11 @@ class PrefillInputs:
             if padded:
                 logits.masked_fill_(~self.key_valid[:, None, None, :], float("-inf"))
                 logits.masked_fill_(~row_valid[:, None, :, None], 0.0)
-            probs = torch.softmax(logits, dim=-1) if self.sinks is None else sink_softmax(logits, self.sink_rows())
+            probs = self.terms.softmax(logits, self.terms.per_head())
             if padded:
                 probs.mul_(row_valid[:, None, :, None])
             self._window_attention = (probs, row_valid)
         return self._window_attention
-
-    def sink_rows(self) -> torch.Tensor:
-        """(1, H, 1, 1) float32: each query head's sink logit, for its rows of (B, H, rows, S)."""
-        return self.sinks.float().reshape(1, -1, 1, 1)
 
     def window_mean_var(self) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`window_rows_mean_var` of :meth:`window_attention`, (B, H, S) twice, computed once
@@ -93,13 +89,13 @@ def window_attention_reference(inp: PrefillInputs) -> tuple[torch.Tensor, torch.
     q = inp.query[:, :, -inp.window :].float()  # (B, H, w, d)
     k = _expand_kv(inp.keys.float(), inp.num_groups)  # (B, H, S, d)
     s_len, w = k.shape[2], q.shape[2]
-    logits = torch.matmul(q, k.transpose(-1, -2)) * inp.scaling  # (B, H, w, S)
+    logits = inp.terms.cap(torch.matmul(q, k.transpose(-1, -2)) * inp.scaling)  # (B, H, w, S)
     cols = torch.arange(s_len, device=k.device)
     causal = cols[None, :] <= torch.arange(s_len - w, s_len, device=k.device)[:, None]  # (w, S)
     allowed = causal[None, None] & inp.key_valid[:, None, None, :]
     row_valid = inp.key_valid[:, -w:]  # (B, w)
     logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    probs = torch.softmax(logits, dim=-1) if inp.sinks is None else sink_softmax(logits, inp.sink_rows())
+    probs = inp.terms.softmax(logits, inp.terms.per_head())
     return probs * row_valid[:, None, :, None], row_valid
 
 

@@ -10,7 +10,6 @@ import torch
 from ..devices import cpu_route
 from ..flex import flex_attention_with_column_sums, uses_flex
 from ..matmul import half_matmuls, matmul_f32
-from ..sinks import sink_softmax
 from .base import PrefillInputs, Scorer, _expand_kv
 
 
@@ -75,9 +74,10 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
         stop = min(s, start + chunk)
         q = inp.query[:, :, start:stop].float()  # (B, H, c, d)
         logits = torch.matmul(q, k[:, :, :stop].transpose(-1, -2))  # (B, H, c, stop)
-        logits.mul_(inp.scaling)[..., start:stop].add_(upper[: stop - start, : stop - start])
+        logits = inp.terms.cap(logits.mul_(inp.scaling))
+        logits[..., start:stop].add_(upper[: stop - start, : stop - start])
         logits.masked_fill_(padding[..., :stop], float("-inf"))  # (whatever padding keys hold)
-        probs = torch.softmax(logits, dim=-1) if inp.sinks is None else sink_softmax(logits, inp.sink_rows())
+        probs = inp.terms.softmax(logits, inp.terms.per_head())
         probs.nan_to_num_(0.0)
         total[..., :stop] += torch.matmul(rows[..., start:stop], probs).squeeze(2)  # (B, H, stop)
     return total

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..logit_terms import PLAIN, LogitTerms
 from ..ragged import to_device
-from ..sinks import sink_softmax
 
 GROWTH = 64  # columns (dense) or slots per segment (ragged) added when decode=none runs out
 # decode=fixed preallocates up to its budget: refuse more than this beyond what a head holds
@@ -149,18 +149,18 @@ def fused_attention(
 
 def attention_with_probs(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-    sinks: torch.Tensor | None = None,
+    terms: LogitTerms = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The new token's attention and its probabilities: :func:`attention_probs`'s, then one
     batched matmul with the values in their dtype.
 
     query: (B, H, 1, d); keys, values: (B * H_kv, N, d); mask: (B * H_kv, 1, N) additive, or
     None. Returns the output (B, 1, H, d) and the probabilities (B, H_kv, G, N) in float32 (the
-    GQA group on dim 2, as ``Scorer.decode_step`` reads them). sinks: (H,) or None
-    (``kvcake.sinks``): the route of a model with sinks, output included."""
+    GQA group on dim 2, as ``Scorer.decode_step`` reads them). terms: the model's soft cap and
+    sinks (``kvcake.logit_terms``): this is the route of a model with either, output included."""
     b, h, _, d = query.shape
     hkv = keys.shape[0] // b
-    probs = _probs(query, keys, mask, scaling, sinks)  # (B*H_kv, G, N)
+    probs = _probs(query, keys, mask, scaling, terms)  # (B*H_kv, G, N)
     out = torch.bmm(probs, values.to(probs.dtype)).to(query.dtype)
     return out.reshape(b, 1, h, d), probs.reshape(b, hkv, h // hkv, keys.shape[1])
 
@@ -179,21 +179,21 @@ def attention_probs(
     return _probs(query, keys, mask, scaling).reshape(b, hkv, h // hkv, keys.shape[1])
 
 
-def _probs(query, keys, mask, scaling, sinks=None) -> torch.Tensor:
+def _probs(query, keys, mask, scaling, terms: LogitTerms = PLAIN) -> torch.Tensor:
     """(B*H_kv, G, N) probabilities of :func:`attention_probs`: a batched matmul (with the
-    additive mask, in one op) and a softmax (with each query head's sink where ``sinks``)."""
+    additive mask, in one op where no soft cap comes between) and a softmax (``terms``' sinks)."""
     b, h, _, d = query.shape
     hkv = keys.shape[0] // b
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32  # a dtype rule, not an ATen op
     qs = query.reshape(b * hkv, h // hkv, d).to(acc)  # (B*H_kv, G, d)
     keys_t = keys.to(acc).transpose(1, 2)  # (B*H_kv, d, N)
-    if mask is None:
-        logits = torch.bmm(qs, keys_t).mul_(scaling)
+    if mask is None or terms.softcap is not None:
+        logits = terms.cap(torch.bmm(qs, keys_t).mul_(scaling))
+        logits = logits if mask is None else logits + mask.to(acc)
     else:  # scaling * (q k^T) + mask, in one op
         logits = torch.baddbmm(mask.to(acc), qs, keys_t, alpha=scaling)
-    if sinks is not None:
-        return sink_softmax(logits, sinks.reshape(1, h, 1).expand(b, h, 1).reshape(b * hkv, h // hkv, 1))
-    return torch.softmax(logits, dim=-1)
+    sinks = terms.grouped(b, hkv, 1)  # (B, H_kv, G, 1)
+    return terms.softmax(logits, None if sinks is None else sinks.reshape(b * hkv, h // hkv, 1))
 
 
 # -- evict ---------------------------------------------------------------------------------------

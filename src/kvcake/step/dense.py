@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..fp8 import folded, scaled
+from ..logit_terms import PLAIN, LogitTerms
 from .common import (
     FILLS,
     GROWTH,
@@ -88,7 +89,7 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     layer.positions.scatter_(2, layer.free, layer.newest)
 
 
-def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, sinks: torch.Tensor | None = None):
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms: LogitTerms = PLAIN):
     """Attention of the new token over the layer (every stored entry is in its past and its own
     entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
 
@@ -98,15 +99,15 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, sinks
     so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
     CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
     (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32.
-    With ``sinks`` (H,) (``kvcake.sinks``) output and probabilities come from the explicit softmax."""
+    With a soft cap or sinks (``terms``, ``kvcake.logit_terms``) both come from the explicit softmax."""
     query, keys, values, value_scale = folded(
         layer, query, layer.keys, layer.values, layer.positions
     )  # (fp8.py)
     b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
     mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
-    if sinks is not None:
+    if not terms.fused:
         out, probs = attention_with_probs(
-            query, keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d), mask, scaling, sinks
+            query, keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d), mask, scaling, terms
         )
         return scaled(out, value_scale), probs if return_probs else None
     out, _ = fused_attention(query, keys, values, layer.bias, scaling)

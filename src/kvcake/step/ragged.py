@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..fp8 import folded, ring_base, scaled
+from ..logit_terms import PLAIN, LogitTerms
 from ..ragged import RaggedMeta, kept_indices, row_segments, to_device
 from ..varlen import choose_route, varlen_attention
 from .common import (
@@ -130,15 +131,15 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.next.add_(1)
 
 
-def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, sinks: torch.Tensor | None = None):
+def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms: LogitTerms = PLAIN):
     """Attention of the new token over the layer (every stored entry is in its past and its own
     entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
 
     Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, M) in float32
     over the padded view's columns (0 on the padding). The reference is
-    ``kvcake.ragged.ragged_attention_reference``. With ``sinks`` (H,) (``kvcake.sinks``) the
-    output comes from the explicit softmax beside the probabilities."""
-    explicit = return_probs or sinks is not None
+    ``kvcake.ragged.ragged_attention_reference``. With a soft cap or sinks (``terms``,
+    ``kvcake.logit_terms``) the output comes from the explicit softmax beside the probabilities."""
+    explicit = return_probs or not terms.fused
     if not explicit and layer.varlen_route != "reference":
         # each segment's stored prefix, read in place: no gather, no padding, no mask
         query, keys, values, value_scale = folded(
@@ -158,7 +159,7 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, sinks
         out, probs = fused_attention(query, keys, values, mask, scaling)
     else:
         mask = layer.pad_bias if layer.bias is None else layer.bias[layer.pad_rows]  # (B*H_kv, 1, M)
-        out, probs = attention_with_probs(query, keys, values, mask, scaling, sinks)
+        out, probs = attention_with_probs(query, keys, values, mask, scaling, terms)
     return scaled(out, value_scale), probs if return_probs else None
 
 

@@ -1,0 +1,81 @@
+"""What a model's attention adds around its softmax beyond the scaled ``q . k`` products.
+
+Two terms, as the model's attention call hands them to the attention function:
+
+- a soft cap on the logits, ``c * tanh(x / c)`` before the mask (``softcap``: Gemma 2's
+  ``attn_logit_softcapping``);
+- a sink: a learned logit per query head in every row's softmax, whose probability is dropped,
+  so that a row's weights sum to less than 1 and the sink has no value (``s_aux``: GPT-OSS's
+  ``sinks``).
+
+kvcake's own attention over the kept entries applies them as the model's eager kernel does. The
+fused kernels (SDPA, the variable-length ones on CUDA) have neither, so where a model has one the
+rows take the explicit softmax; the scorers read the probabilities the model gives its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LogitTerms(NamedTuple):
+    """softcap: the cap ``c`` or None; sinks: (H,) each query head's sink logit, or None."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, kwargs: dict) -> LogitTerms:
+        """The terms of one attention call, from the keyword arguments the model passed it."""
+        return cls(kwargs.get("softcap"), kwargs.get("s_aux"))
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernels compute this attention (neither term)."""
+        return self.softcap is None and self.sinks is None
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The capped logits (before any mask), as the models' eager kernels compute them."""
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def softmax(self, logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax over the last dim of ``logits`` and each row's sink logit (``sinks``, this
+        object's sinks shaped to broadcast to ``logits``' rows with a last dim of 1, e.g. by
+        :meth:`grouped`), the sink's column dropped; the plain softmax where ``sinks`` is None. A
+        row whose logits are all -inf gives zeros (the sink takes it whole), not NaN."""
+        if sinks is None:
+            return torch.softmax(logits, dim=-1)
+        sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+
+    def grouped(self, batch: int, kv_heads: int, q: int) -> torch.Tensor | None:
+        """The sinks for a GQA group folded into the query rows: (B, H_kv, G*q, 1), rows ordered
+        (g, i) as ``dense_attention`` folds them; None without sinks."""
+        if self.sinks is None:
+            return None
+        g = self.sinks.shape[0] // kv_heads
+        return (
+            self.sinks.reshape(1, kv_heads, g, 1)
+            .expand(batch, kv_heads, g, q)
+            .reshape(batch, kv_heads, g * q, 1)
+        )
+
+    def per_head(self) -> torch.Tensor | None:
+        """(1, H, 1, 1) float32: the sinks for rows of (B, H, rows, N); None without sinks."""
+        return None if self.sinks is None else self.sinks.float().reshape(1, -1, 1, 1)
+
+
+PLAIN = LogitTerms()
+
+
+def model_has_terms(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention caps its logits (its text config's ``attn_logit_softcapping``)
+    or has sinks (a module's ``sinks`` tensor): then neither SDPA nor flex-as-SDPA computes it."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return True
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
