@@ -70,14 +70,20 @@ TERMS = {
 }
 
 
-def test_a_soft_cap_under_sdpa_is_refused():
-    """SDPA drops the soft cap (transformers up to 5.12 run Gemma 2 so by default; 5.24 refuses):
-    kvcake's compressed layers would not match the model's own, so the cache says how to load it."""
-    model = _gemma2()
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        ("gemma2", r"caps its logits \(attn_logit_softcapping=1.0\)"),
+        ("gpt_oss", r"has attention sinks \(a learned logit per head in the softmax\)"),
+    ],
+)
+def test_the_terms_under_sdpa_are_refused(kind, what):
+    """SDPA leaves both terms out (transformers up to 5.12 run Gemma 2 so by default; 5.24 refuses
+    its soft cap there, and ignores GPT-OSS's sinks): kvcake's attention over the kept entries would
+    not match the model's own, so the cache says how to load the model."""
+    model = MODELS[kind]()
     model.config._attn_implementation = "sdpa"
-    with pytest.raises(
-        ValueError, match=r"attn_logit_softcapping=1.0.*SDPA drops.*attn_implementation='eager'"
-    ):
+    with pytest.raises(ValueError, match=what + r", which SDPA leaves out.*attn_implementation='eager'"):
         kvcake.KVCakeCache(model, "snapkv", budget=16, window=4)
 
 

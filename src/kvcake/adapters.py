@@ -21,6 +21,8 @@ import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
+from .logit_terms import model_terms
+
 try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the config as its caches do
@@ -106,13 +108,13 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             raise ValueError(
                 f"{mtype}: latent attention (MLA) is not supported by kvcake: it has no per-head keys"
             )
-    cap = getattr(text, "attn_logit_softcapping", None)
-    if cap is not None and (config._attn_implementation or "").removeprefix("kvcake_") == "sdpa":
+    terms = model_terms(model)
+    if terms and (config._attn_implementation or "").removeprefix("kvcake_") == "sdpa":
         raise ValueError(
-            f"{mtype}: its attention caps its logits (attn_logit_softcapping={cap}), which SDPA drops "
-            f"(transformers {transformers.__version__} runs it with attn_implementation='sdpa' without the "
-            "cap): the compressed layers would not match the model's own. Load it with "
-            "attn_implementation='eager' (or 'flex_attention'), which applies the cap"
+            f"{mtype}: its attention {terms}, which SDPA leaves out (transformers "
+            f"{transformers.__version__} runs it so with attn_implementation='sdpa'): kvcake's attention "
+            "over the kept entries would not match the model's own. Load it with "
+            "attn_implementation='eager' (or 'flex_attention'), which computes it"
         )
     if getattr(text, "num_kv_shared_layers", None):  # Gemma 3n; 5.24 also types those layers "dummy"
         raise ValueError(

@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
-from .logit_terms import LogitTerms, model_has_terms
+from .logit_terms import LogitTerms, model_terms
 from .sdpa import check_policy, sdpa_policy
 from .sliding import SlidingLayer, visible_keys
 
@@ -212,7 +212,7 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     # kernel with a tensor mask as score mod crashed the process (torch 2.13): SDPA computes the same,
     # or eager where the model caps its logits or has sinks (SDPA has neither)
     if original == "flex_attention":
-        original = "eager" if model_has_terms(model) else "sdpa"
+        original = "eager" if model_terms(model) else "sdpa"
     name = register(original)
     try:
         _set_impl(model, name)

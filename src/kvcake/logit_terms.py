@@ -72,10 +72,14 @@ class LogitTerms(NamedTuple):
 PLAIN = LogitTerms()
 
 
-def model_has_terms(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s attention caps its logits (its text config's ``attn_logit_softcapping``)
-    or has sinks (a module's ``sinks`` tensor): then neither SDPA nor flex-as-SDPA computes it."""
+def model_terms(model: torch.nn.Module) -> str | None:
+    """What ``model``'s attention adds to its softmax, in words (a soft cap: its text config's
+    ``attn_logit_softcapping``; sinks: a module's ``sinks`` tensor), or None: SDPA computes
+    neither, so such a model runs eager inside ``kvcake.enable`` (``kvcake.attention``)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return True
-    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        return f"caps its logits (attn_logit_softcapping={cap})"
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return "has attention sinks (a learned logit per head in the softmax)"
+    return None

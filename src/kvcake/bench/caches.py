@@ -14,6 +14,7 @@ from transformers import DynamicCache, StaticCache
 from ..adapters import cache_keyword, with_cache
 from ..cache import KVCakeCache, cache_kv_bytes
 from ..fp8 import storage_spec
+from ..logit_terms import PLAIN
 from ..method import Method, make_method
 from .probes import Clock
 
@@ -114,13 +115,13 @@ class BenchCache(KVCakeCache):
             self.full.update(key_states, value_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def after_prefill_attention(self, layer_idx, module, query, key_valid, scaling, column_sums=None) -> None:
+    def after_prefill_attention(
+        self, layer_idx, module, query, key_valid, scaling, column_sums=None, terms=PLAIN
+    ) -> None:
         with self._timed("prefill_hook_s"):
-            super().after_prefill_attention(
-                layer_idx, module, query, key_valid, scaling, column_sums=column_sums
-            )
-        for other in self.followers:
-            other.after_prefill_attention(layer_idx, module, query, key_valid, scaling)
+            super().after_prefill_attention(layer_idx, module, query, key_valid, scaling, column_sums, terms)
+        for other in self.followers:  # (the leader's column sums are its own scorer's)
+            other.after_prefill_attention(layer_idx, module, query, key_valid, scaling, None, terms)
 
     def _run_stage(self) -> None:
         # a stage the next layer's update runs (CAKE's, cascade.prefill_stage) is in-cache work too
