@@ -73,6 +73,10 @@ FAMILIES = {
             "attn_implementation": "eager",
         },  # (SDPA drops the cap: refused)
     ),
+    "vaultgemma-hybrid": (
+        "VaultGemmaConfig",
+        {**HEAD16, **HYBRID, "attn_implementation": "eager"},
+    ),  # capped 50
     "cohere": ("CohereConfig", SMALL),
     "cohere2-hybrid": ("Cohere2Config", {**SMALL, **HYBRID}),
     "olmo2": ("Olmo2Config", SMALL),
