@@ -36,12 +36,12 @@ needs_handoff = pytest.mark.skipif(
 def _gpt_oss(layer_types=HYBRID) -> tf.PreTrainedModel:
     """A tiny random GPT-OSS whose sinks are large (N(0, 2)), so that they matter: the stock
     initialisation (std 0.02) gives each row's sink about the weight of one more token."""
-    torch.manual_seed(0)
     config = tf.GptOssConfig(
         **SMALL, num_local_experts=2, num_experts_per_tok=1, layer_types=list(layer_types)
     )
-    model = tf.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        model = tf.GptOssForCausalLM(config).eval()
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)
     return model
@@ -50,12 +50,12 @@ def _gpt_oss(layer_types=HYBRID) -> tf.PreTrainedModel:
 def _gemma2(layer_types=HYBRID) -> tf.PreTrainedModel:
     """A tiny random Gemma 2 whose soft cap (1.0) bends its logits: the query and key projections
     are drawn large (std 0.3), so logits reach several units where tanh is far from linear."""
-    torch.manual_seed(0)
     config = tf.Gemma2Config(**SMALL, layer_types=list(layer_types), attn_logit_softcapping=1.0,
                              final_logit_softcapping=None, query_pre_attn_scalar=16,
                              attn_implementation="eager")  # fmt: skip
-    model = tf.Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        model = tf.Gemma2ForCausalLM(config).eval()
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.normal_(0.0, 0.3)
             layer.self_attn.k_proj.weight.normal_(0.0, 0.3)
@@ -193,7 +193,14 @@ def test_the_scorers_are_handed_the_models_terms(kind, monkeypatch):
 
     monkeypatch.setattr(kvcake.cascade, "PrefillInputs", recorded)
     model = MODELS[kind]()
-    kvcake.generate(model, torch.randint(3, 128, (1, 30)), "snapkv", budget=16, window=4, max_new_tokens=1)
+    kvcake.generate(
+        model,
+        torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(7)),
+        "snapkv",
+        budget=16,
+        window=4,
+        max_new_tokens=1,
+    )
     attn = model.model.layers[1].self_attn  # the full layer
     want = (
         LogitTerms(sinks=attn.sinks) if kind == "gpt_oss" else LogitTerms(softcap=attn.attn_logit_softcapping)
@@ -258,15 +265,16 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_entries(kind, l
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _decode(model, spec, compiled=False, static=True, batch=2):
-    """Prefill eagerly (left padding on sequence 1), then STEPS single-token steps."""
+def _decode(model, spec, compiled=False, static=True, batch=2, **cache_kw):
+    """Prefill eagerly (left padding on sequence 1), then STEPS single-token steps; ``cache_kw``:
+    more of the ``KVCakeCache``'s options (float8 storage)."""
     torch._dynamo.reset()
     step = torch.compile(model.forward, backend="eager", fullgraph=True) if compiled else model.forward
     ids = torch.randint(3, 128, (batch, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1:, :6] = 0
     cache = kvcake.KVCakeCache(model, kvcake.make_method(spec, budget=16, window=4), static=static,
-                               max_cache_len=40 + STEPS)  # fmt: skip
+                               max_cache_len=40 + STEPS, **cache_kw)  # fmt: skip
     logits = []
     with kvcake.enable(model), torch.no_grad():
         tok = model(ids, attention_mask=mask, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
@@ -290,6 +298,22 @@ def test_static_and_compiled_steps_decode_as_the_dynamic_reference(kind, spec):
     static = _decode(model, spec)
     torch.testing.assert_close(static, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_decode(model, spec, compiled=True), static, rtol=1e-6, atol=1e-6)
+
+
+@needs_handoff
+@pytest.mark.parametrize("spec", ["snapkv", "h2o", "adakv"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_float8_storage_applies_the_terms(kind, spec):
+    """Kept entries in float8 (``kvcake.fp8``): with a ring of recent tokens in the model's dtype
+    that covers every token (``kv_recent``), the logits are the unquantised cache's, bit for bit;
+    with a ring of 4, static storage decodes as the dynamic layout, and float8 shows."""
+    model = MODELS[kind]()
+    plain = _decode(model, spec)
+    assert torch.equal(_decode(model, spec, kv_dtype="fp8", kv_recent=40 + STEPS), plain)
+    fp8 = {"kv_dtype": "fp8", "kv_recent": 4}
+    static = _decode(model, spec, **fp8)
+    torch.testing.assert_close(_decode(model, spec, static=False, **fp8), static, rtol=1e-5, atol=1e-5)
+    assert (static - plain).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
