@@ -41,8 +41,7 @@ def _eager(
     k = key.repeat_interleave(groups, dim=1)
     v = value.repeat_interleave(groups, dim=1)
     weights = torch.matmul(query, k.transpose(2, 3)) * scaling
-    if softcap is not None:  # as gemma2's eager_attention_forward
-        weights = torch.tanh(weights / softcap) * softcap
+    weights = LogitTerms(softcap).cap(weights)  # as gemma2's eager_attention_forward
     if attention_mask is not None:
         weights = weights + attention_mask
     if s_aux is None:

@@ -8,6 +8,7 @@ ragged layout's counterpart is ``ragged.py``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .logit_terms import PLAIN, LogitTerms
 
@@ -39,16 +40,32 @@ def dense_attention(
     )
     allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
     allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
-    if return_probs or not terms.fused:
-        acc = torch.promote_types(query.dtype, torch.float32)
-        logits = terms.cap(torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        probs = terms.softmax(logits, terms.grouped(b, hkv, q))  # (B, H_kv, G*q, N)
-        out = torch.matmul(probs, values.to(acc)).to(query.dtype)
-        probs = probs.reshape(b, h, q, n) if return_probs else None
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=allowed, scale=scaling
-        )
-        probs = None
-    return out.reshape(b, h, q, d).transpose(1, 2), probs
+    out, probs = folded_attention(qs, keys, values, allowed, scaling, q, return_probs, terms)
+    return out.reshape(b, h, q, d).transpose(1, 2), None if probs is None else probs.reshape(b, h, q, n)
+
+
+def folded_attention(
+    qs: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    q: int,
+    return_probs: bool = False,
+    terms: LogitTerms = PLAIN,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with the GQA group folded into the query rows: qs (B, H_kv, G*q, d), rows ordered
+    (g, i); keys/values (B, H_kv, N, d); allowed: bool, broadcastable to (B, H_kv, G*q, N).
+
+    Returns the output (B, H_kv, G*q, d) in the query's dtype and, if asked, the probabilities
+    (B, H_kv, G*q, N) in float32. SDPA computes it, unless probabilities are asked for or the model
+    caps its logits or has sinks (``terms``): then the explicit softmax (the fused kernel has neither)."""
+    if not return_probs and terms.fused:
+        return F.scaled_dot_product_attention(qs, keys, values, attn_mask=allowed, scale=scaling), None
+    b, hkv = keys.shape[:2]
+    acc = torch.promote_types(qs.dtype, torch.float32)
+    logits = terms.cap(torch.matmul(qs.to(acc), keys.to(acc).transpose(-1, -2)) * scaling)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = terms.softmax(logits, terms.grouped(b, hkv, q))  # (B, H_kv, G*q, N)
+    out = torch.matmul(probs, values.to(acc)).to(qs.dtype)
+    return out, probs if return_probs else None

@@ -97,9 +97,9 @@ def ragged_attention_reference(
     padded = torch.full((n_seg, n, g * q), float("-inf"), dtype=acc, device=keys.device)
     padded = padded.index_put((seg, local), logits.masked_fill(~visible, float("-inf")))
     seg_max = padded.amax(1, keepdim=True)  # (S, 1, G*q)
-    sink = terms.grouped(b, hkv, q)
-    sink = None if sink is None else sink.to(acc).reshape(n_seg, 1, g * q)
+    sink = terms.grouped(b, hkv, q)  # (B, H_kv, G*q, 1), or None
     if sink is not None:  # the sink's logit in each row's maximum and sum
+        sink = sink.to(acc).reshape(n_seg, 1, g * q)
         seg_max = torch.maximum(seg_max, sink)
     seg_max = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))
     weights = torch.exp(padded - seg_max)  # 0 on the padding and on hidden entries

@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .cross import CrossLayer
+from .dense import folded_attention
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
 
@@ -206,16 +207,9 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         b, h, q, d = query.shape
         hkv = self.keys.shape[1]
         qs = query.reshape(b, hkv, h // hkv * q, d)
-        if terms.fused:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qs, self.keys, self.values, attn_mask=self.valid[:, None, None, :], scale=scaling
-            )
-        else:
-            acc = torch.promote_types(query.dtype, torch.float32)
-            logits = terms.cap(torch.matmul(qs.to(acc), self.keys.to(acc).transpose(-1, -2)) * scaling)
-            logits = logits.masked_fill(~self.valid[:, None, None, :], float("-inf"))
-            probs = terms.softmax(logits, terms.grouped(b, hkv, q))
-            out = torch.matmul(probs, self.values.to(acc)).to(query.dtype)
+        out, _ = folded_attention(
+            qs, self.keys, self.values, self.valid[:, None, None, :], scaling, q, False, terms
+        )
         return out.reshape(b, h, q, -1).transpose(1, 2)
 
 
