@@ -49,6 +49,8 @@ LAYERS = {
         "gguf_tokenizer",
         "gguf_parts",
         "adapters",
+        "layer_types",
+        "recurrent",
         "devices",
         "sdpa",
         "varlen",

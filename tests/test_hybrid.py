@@ -7,7 +7,8 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Mist
 
 import kvcake
 from kvcake import KVCakeCache, make_method
-from kvcake.adapters import describe_model, layer_windows, with_cache
+from kvcake.adapters import describe_model, with_cache
+from kvcake.layer_types import layer_windows
 from kvcake.sliding import SlidingLayer
 from shared_checks import KWARGS_HANDOFF, assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -189,14 +190,16 @@ def test_a_qwen2_hybrid_compresses_its_full_layers_only():
 def test_layer_windows_reads_the_one_dict_of_older_transformers(monkeypatch):
     """transformers before the per-layer form (5.17 was seen on a GPU machine) returns one kwargs
     dict for every layer; each layer's window is read from it as from the per-layer list."""
-    import kvcake.adapters as adapters
+    import kvcake.layer_types as layer_types
 
     config = Gemma3TextConfig(num_hidden_layers=3, sliding_window=8, max_position_embeddings=1024,
                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
     per_layer = layer_windows(config, "gemma3_text")
     monkeypatch.setattr(
-        adapters, "get_layer_types_and_kwargs", lambda text: (list(text.layer_types), {"sliding_window": 8})
+        layer_types,
+        "get_layer_types_and_kwargs",
+        lambda text: (list(text.layer_types), {"sliding_window": 8}),
     )
     assert layer_windows(config, "gemma3_text") == per_layer == (8, None, 8)
-    monkeypatch.setattr(adapters, "get_layer_types_and_kwargs", lambda text: (["full_attention"] * 3, {}))
+    monkeypatch.setattr(layer_types, "get_layer_types_and_kwargs", lambda text: (["full_attention"] * 3, {}))
     assert layer_windows(config, "gemma3_text") == ()

@@ -21,18 +21,18 @@ import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
+from .layer_types import layer_windows, recurrent_layers
 from .logit_terms import model_terms
-
-try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
-    from transformers.cache_utils import get_layer_types_and_kwargs
-except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the config as its caches do
-    get_layer_types_and_kwargs = None
 
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 # Attention that kvcake's attention over the kept entries cannot reproduce, read from the family's code
 _REFUSED_FAMILIES = {
     "jetmoe": "its attention heads are experts: query head h reads KV head h mod H_kv (tiled), not h // group, and "
     "the output projection sits inside the experts",
+    **dict.fromkeys(
+        ("falcon_h1", "zamba", "zamba2"),
+        "its layers run attention and a Mamba block side by side in one cache layer (layer type 'hybrid')",
+    ),
     "doge": "its attention adds a learned bias per head and key to the mask (dynamic mask attention), which "
     "kvcake's attention over the kept entries would drop",
 }
@@ -65,6 +65,9 @@ class ModelInfo:
     # Whether the model builds its masks from a 2-D padding mask only (``_OWN_MASKS``): ``generate``
     # hands a compileable cache's model a 4-D mask, which such a model cannot take.
     own_masks: bool = False
+    # Layers holding no per-token keys (``recurrent.py``): (layer, number of states), 0 for a block
+    # without attention. Never compressed.
+    recurrent: tuple[tuple[int, int], ...] = ()
 
     @property
     def groups(self) -> int:
@@ -74,7 +77,8 @@ class ModelInfo:
     def compressed_layers(self) -> tuple[int, ...]:
         """Indices of the full-attention layers, the only ones kvcake compresses."""
         windows = self.windows or (None,) * self.num_layers
-        return tuple(i for i, w in enumerate(windows) if w is None and i not in self.cross)
+        skipped = set(self.cross) | {i for i, _ in self.recurrent}
+        return tuple(i for i, w in enumerate(windows) if w is None and i not in skipped)
 
     @property
     def hybrid(self) -> bool:
@@ -122,6 +126,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             "sharing, Gemma 3n), which kvcake does not support: evicting for one layer would evict for the "
             "layers that share it, whose attention kvcake does not see"
         )
+    recurrent = recurrent_layers(text, mtype)
     windows = layer_windows(text, mtype)
     num_heads = getattr(text, "num_attention_heads", None)
     if num_heads is None:
@@ -139,71 +144,8 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         hands_kwargs_to_cache(model),
         cross,
         mtype in _OWN_MASKS,
+        recurrent,
     )
-
-
-def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
-    """Per layer, the sliding window (a sliding layer, left to transformers) or None (a
-    full-attention layer, compressed by kvcake), read with transformers' own
-    ``get_layer_types_and_kwargs`` (which also infers the types of configs without
-    ``layer_types`` from ``sliding_window`` / ``attention_chunk_size``).
-
-    Raises ``ValueError`` for chunked, linear or other layer types, and for a model whose every
-    layer slides: its cache is already bounded and there is nothing to compress."""
-    types, kwargs = (get_layer_types_and_kwargs or _config_layer_types)(text)
-    if isinstance(kwargs, dict):  # transformers before 5.2x (5.17 seen): one dict for every layer
-        kwargs = [kwargs] * len(types)
-    max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
-    windows: list[int | None] = []
-    for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
-        window = kw.get("sliding_window")
-        if kind == "full_attention" or (
-            kind == "sliding_attention" and (window is None or window >= max_pos)
-        ):
-            windows.append(None)  # a window beyond every position is full attention
-        elif kind == "sliding_attention":
-            windows.append(int(window))
-        elif kind == "dummy":  # transformers' name for a layer that reads another layer's cache
-            raise ValueError(
-                f"{mtype}: layer {i} stores no keys and reads an earlier layer's (KV sharing, e.g. Gemma 3n), "
-                "which kvcake does not support: evicting for one layer would evict for the layers that share it"
-            )
-        else:
-            raise ValueError(
-                f"{mtype}: layer {i} is of type {kind!r}, which kvcake does not support (only "
-                "full_attention and sliding_attention layers): chunked attention drops keys at chunk "
-                "boundaries and linear/recurrent layers hold no per-token keys to evict"
-            )
-    if all(w is not None for w in windows):
-        raise ValueError(
-            f"{mtype}: every layer uses sliding-window attention (window {windows[0]}), so its cache is "
-            "already bounded and kvcake has no full-attention layer to compress; use transformers' "
-            "DynamicCache, or set config.sliding_window=None if the model was trained without it"
-        )
-    return tuple(windows) if any(w is not None for w in windows) else ()
-
-
-def _config_layer_types(text) -> tuple[list[str], list[dict]]:
-    """What transformers 5.0's caches read from a config: ``layer_types`` if given, else every
-    layer sliding (``sliding_window``), chunked (``attention_chunk_size``) or full attention."""
-    n = text.num_hidden_layers
-    types = getattr(text, "layer_types", None)
-    if types is None:
-        if getattr(text, "sliding_window", None) is not None:
-            types = ["sliding_attention"] * n
-        elif getattr(text, "attention_chunk_size", None) is not None:
-            types = ["chunked_attention"] * n
-        else:
-            types = ["full_attention"] * n
-    kwargs = []
-    for kind in types:
-        if kind == "sliding_attention":
-            kwargs.append({"sliding_window": getattr(text, "sliding_window", None)})
-        elif kind == "chunked_attention":
-            kwargs.append({"sliding_window": getattr(text, "attention_chunk_size", None)})
-        else:
-            kwargs.append({})
-    return list(types), kwargs
 
 
 def projection_module(module: torch.nn.Module) -> torch.nn.Module | None:

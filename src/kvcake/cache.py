@@ -43,6 +43,7 @@ from .fp8 import check_kv_dtype, check_kv_recent
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
+from .recurrent import keyless_layer
 from .sequences import repeat_sequences, select_sequences
 from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
@@ -127,9 +128,9 @@ class KVCakeCache(Cache):
         self.model_type = self.info.model_type
         from .layer import KVCakeLayer
 
-        windows, cross = self.info.windows or (None,) * self.info.num_layers, self.info.cross
-        super().__init__(layers=[CrossLayer() if i in cross else KVCakeLayer() if w is None else SlidingLayer(w)
-                                 for i, w in enumerate(windows)])  # fmt: skip
+        windows, keyless = self.info.windows or (None,) * self.info.num_layers, dict(self.info.recurrent)
+        super().__init__(layers=[keyless_layer(keyless[i]) if i in keyless else CrossLayer() if i in self.info.cross
+                                 else KVCakeLayer() if w is None else SlidingLayer(w) for i, w in enumerate(windows)])  # fmt: skip
         self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
         self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None

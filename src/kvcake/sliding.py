@@ -31,6 +31,7 @@ from .cross import CrossLayer
 from .dense import folded_attention
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
+from .recurrent import RecurrentLayer
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
@@ -221,8 +222,10 @@ class KVBytes:
     full-attention layers kvcake compresses; full: what transformers' ``DynamicCache`` would
     hold for the same tokens (sliding layers at their window, global layers every token, the
     image's states of cross-attention layers as they are); cross: held by the cross-attention
-    layers (Mllama: the image's states, never compressed). ``entries`` / ``full_entries``: the
-    same totals in (sequence, layer, KV head, token) entries."""
+    layers (Mllama: the image's states, never compressed); recurrent: the fixed-size states of a
+    hybrid's linear-attention layers (``recurrent.py``; a full cache holds the same, and ``full``
+    counts them). ``entries`` / ``full_entries``: the key/value totals in (sequence, layer, KV head,
+    token) entries."""
 
     sliding: int
     compressed: int
@@ -230,10 +233,11 @@ class KVBytes:
     entries: int = 0
     full_entries: int = 0
     cross: int = 0
+    recurrent: int = 0
 
     @property
     def total(self) -> int:
-        return self.sliding + self.compressed + self.cross
+        return self.sliding + self.compressed + self.cross + self.recurrent
 
     @property
     def fraction(self) -> float:
@@ -243,8 +247,12 @@ class KVBytes:
 
 def kv_bytes_parts(cache: Cache) -> KVBytes:
     """Split a KVCakeCache's bytes into sliding and compressed layers, against the full cache."""
-    sliding = compressed = full = entries = full_entries = cross = 0
+    sliding = compressed = full = entries = full_entries = cross = recurrent = 0
     for layer in cache.layers:
+        if isinstance(layer, RecurrentLayer):  # a linear-attention layer's states, as a full cache's
+            recurrent += layer.kv_bytes()
+            full += layer.kv_bytes()
+            continue
         if layer.keys is None:
             continue
         held = layer.kv_bytes()
@@ -264,7 +272,7 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
             # dtype: a full cache's entry, whatever the compressed layer stores (fp8.py)
             full += n * entry
             full_entries += n
-    return KVBytes(sliding, compressed, full, entries, full_entries, cross)
+    return KVBytes(sliding, compressed, full, entries, full_entries, cross, recurrent)
 
 
 def visible_keys(mask, batch: int, n_keys: int) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from kvcake.cache import KVCakeCache, cache_kv_bytes
 from kvcake.context import CompressedContext
 from kvcake.method import Method
+from kvcake.recurrent import EmptyLayer, RecurrentLayer, copy_states
 from kvcake.scorers import PrefillInputs, Scorer
 from kvcake.sliding import SlidingLayer, copy_sliding_state
 
@@ -107,6 +108,9 @@ def replay_compress(
         for layer in range(len(kv.layers)):
             if isinstance(kv.layers[layer], SlidingLayer):  # left as the full cache holds it
                 copy_sliding_state(cache.layers[layer], kv.layers[layer])
+                continue
+            if isinstance(kv.layers[layer], (RecurrentLayer, EmptyLayer)):  # states: as the full cache's
+                copy_states(cache.layers[layer], kv.layers[layer])
                 continue
             query = captured.query(layer, chunks)
             keys, values = cache.layers[layer].keys, cache.layers[layer].values

@@ -22,6 +22,7 @@ from ..devices import input_device, layer_devices, output_device
 from ..fp8 import RECENT_TENSORS, hold_recent
 from ..method import _rebuild_method
 from ..ragged import RaggedMeta
+from ..recurrent import EmptyLayer, RecurrentLayer, restore_recurrent
 from ..sliding import SlidingLayer, restore_sliding
 from .format import _DIGEST_KEY, _MAX_HEADER, _META_KEY, ContextFileError, _digest, _read_header
 from .writer import TOKEN_INPUTS_PREFIX, _model_meta
@@ -152,6 +153,11 @@ def _rebuild(
                 err = "its keys are missing"
             else:
                 err = restore_cross(layer, keys, values, lm, device)
+            if err:
+                raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
+            continue
+        if lm["layout"] in ("recurrent", "empty") or isinstance(layer, (RecurrentLayer, EmptyLayer)):
+            err = restore_recurrent(layer, tensors, prefix, lm, device)
             if err:
                 raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
             continue

@@ -21,6 +21,7 @@ from ..cascade import SequenceBudgets
 from ..cross import CrossLayer, cross_entry
 from ..fp8 import RECENT_TENSORS
 from ..method import method_spec
+from ..recurrent import EmptyLayer, RecurrentLayer, recurrent_entry, recurrent_tensors
 from ..sliding import SlidingLayer, sliding_entry
 from ..version import __version__
 from .format import _CHUNK, _DIGEST_KEY, _META_KEY, FORMAT_NAME, FORMAT_VERSION, _digest
@@ -107,6 +108,10 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             layers_meta.append(cross_entry(layer))
             if layer.held:
                 tensors[prefix + "keys"], tensors[prefix + "values"] = _host(layer.keys), _host(layer.values)
+            continue
+        if isinstance(layer, (RecurrentLayer, EmptyLayer)):  # a hybrid's linear-attention states, whole
+            layers_meta.append(recurrent_entry(layer))
+            tensors.update({name: _host(t) for name, t in recurrent_tensors(layer, prefix).items()})
             continue
         if layer.keys is None:
             raise ValueError(f"layer {lid} of the cache is empty: nothing to save")

@@ -1,0 +1,121 @@
+"""Which layers of a model are of which kind, read from its config as transformers' caches read it:
+full attention (compressed by kvcake), sliding-window attention (kept in a window, ``sliding.py``),
+linear-attention and convolution layers holding a fixed-size state, and blocks without attention
+(both ``recurrent.py``); and the kinds kvcake refuses (chunked attention, KV sharing, attention and
+Mamba side by side in one layer), with the reason."""
+
+from __future__ import annotations
+
+from .recurrent import RECURRENT_TYPES, check_supported
+
+try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the config as its caches do
+    get_layer_types_and_kwargs = None
+
+
+def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
+    """Per layer, the sliding window (a sliding layer, left to transformers) or None (a
+    full-attention layer, compressed by kvcake, or a layer holding no keys: :func:`recurrent_layers`),
+    read with transformers' own ``get_layer_types_and_kwargs`` (which also infers the types of
+    configs without ``layer_types`` from ``sliding_window`` / ``attention_chunk_size``).
+
+    Raises ``ValueError`` for chunked or other layer types, and for a model none of whose attention
+    layers is full attention: its cache is already bounded and there is nothing to compress."""
+    types, kwargs = _layer_types(text)
+    max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
+    windows: list[int | None] = []
+    for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
+        window = kw.get("sliding_window")
+        if (
+            kind == "full_attention"
+            or kind in RECURRENT_TYPES
+            or (kind == "sliding_attention" and (window is None or window >= max_pos))
+        ):
+            windows.append(None)  # a window beyond every position is full attention
+        elif kind == "sliding_attention":
+            windows.append(int(window))
+        elif kind == "dummy" and not _shares_kv(text):  # a block without attention (Nemotron-H's MLP/MoE)
+            windows.append(None)
+        elif kind == "dummy":  # transformers' name for a layer that reads another layer's cache
+            raise ValueError(
+                f"{mtype}: layer {i} stores no keys and reads an earlier layer's (KV sharing, e.g. Gemma 3n), "
+                "which kvcake does not support: evicting for one layer would evict for the layers that share it"
+            )
+        elif kind in ("hybrid", "hybrid_sliding"):
+            raise ValueError(
+                f"{mtype}: layer {i} runs attention and a recurrent (Mamba) block side by side in one cache "
+                "layer (Falcon-H1, Zamba), which kvcake does not support; use a DynamicCache for this model"
+            )
+        else:
+            raise ValueError(
+                f"{mtype}: layer {i} is of type {kind!r}, which kvcake does not support (only "
+                "full_attention, sliding_attention and linear-attention layers): chunked attention drops "
+                "keys at chunk boundaries"
+            )
+    attending = [w for w, kind in zip(windows, types, strict=True) if kind not in (*RECURRENT_TYPES, "dummy")]
+    if not attending:
+        raise ValueError(
+            f"{mtype}: no layer of this model attends over its keys: kvcake has nothing to compress"
+        )
+    if all(w is not None for w in attending):
+        raise ValueError(
+            f"{mtype}: every layer uses sliding-window attention (window {attending[0]}), so its cache is "
+            "already bounded and kvcake has no full-attention layer to compress; use transformers' "
+            "DynamicCache, or set config.sliding_window=None if the model was trained without it"
+        )
+    return tuple(windows) if any(w is not None for w in windows) else ()
+
+
+def recurrent_layers(text, mtype: str) -> tuple[tuple[int, int], ...]:
+    """(layer, number of states) for each layer holding no per-token keys (``recurrent.py``): a
+    linear-attention or convolution layer's fixed-size states, 0 states for a block without
+    attention. Raises ``ValueError`` where this transformers cannot hold them."""
+    types, kwargs = _layer_types(text)
+    blocks = getattr(text, "layers_block_type", None)  # releases before 5.2x: "mamba" / "attention" (Jamba, Bamba)
+    if {*types, *(blocks if isinstance(blocks, (list, tuple)) else ())} & {*RECURRENT_TYPES, "mamba", "hybrid"}:
+        check_supported(mtype)  # before anything reads an old release's block names as attention types
+    held = tuple(
+        (i, kw.get("number_of_states", 1) if kind in RECURRENT_TYPES else 0)
+        for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True))
+        if kind in RECURRENT_TYPES or (kind == "dummy" and not _shares_kv(text))
+    )
+    return held
+
+
+def _layer_types(text) -> tuple[list[str], list[dict]]:
+    types, kwargs = (get_layer_types_and_kwargs or _config_layer_types)(text)
+    if isinstance(kwargs, dict):  # transformers before 5.2x (5.17 seen): one dict for every layer
+        kwargs = [kwargs] * len(types)
+    return types, kwargs
+
+
+def _shares_kv(text) -> bool:
+    """Whether the config marks layers that read another layer's cache (transformers' "dummy" too)."""
+    return (
+        bool(getattr(text, "num_kv_shared_layers", None))
+        or getattr(text, "kv_sharing_modes", None) is not None
+    )
+
+
+def _config_layer_types(text) -> tuple[list[str], list[dict]]:
+    """What transformers 5.0's caches read from a config: ``layer_types`` if given, else every
+    layer sliding (``sliding_window``), chunked (``attention_chunk_size``) or full attention."""
+    n = text.num_hidden_layers
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        if getattr(text, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(text, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    kwargs = []
+    for kind in types:
+        if kind == "sliding_attention":
+            kwargs.append({"sliding_window": getattr(text, "sliding_window", None)})
+        elif kind == "chunked_attention":
+            kwargs.append({"sliding_window": getattr(text, "attention_chunk_size", None)})
+        else:
+            kwargs.append({})
+    return list(types), kwargs

@@ -1,0 +1,217 @@
+"""Linear-attention and recurrent layers of a hybrid model (Qwen3.5, Qwen3-Next, LFM2, Nemotron-H,
+OLMo hybrid, Jamba, Bamba, Granite 4, ...): their state, never compressed.
+
+These models interleave full-attention layers with layers that hold no per-token keys: a gated
+DeltaNet, a Mamba block or a short convolution keeps a fixed-size state per sequence (a causal
+convolution's last ``kernel`` inputs, ``(B, channels, kernel)``, and a recurrent state, e.g.
+``(B, heads, d_k, d_v)``), updated by every token and the same size whatever the context. Only the
+full-attention layers grow with the context, so they are all kvcake compresses (``info.recurrent``
+lies outside ``info.compressed_layers``); budgets, allocation and the cascade count them alone.
+
+A :class:`~kvcake.cache.KVCakeCache` holds a :class:`RecurrentLayer` at each such layer:
+transformers' own ``LinearAttentionLayer`` (the model reads and writes it through the cache's
+``get_conv_state``, ``update_conv_state``, ``update_recurrent_state``, as it would a
+``DynamicCache``'s), plus kvcake's bookkeeping: the bytes it holds (counted in the cache's, as a
+full cache holds the same), the batch operations of beam search, and a saved context's tensors.
+It has no ``keys``: the loops over the key/value layers pass it by.
+
+transformers builds these layers per state index (``state_idx``: Jamba-like blocks may hold
+several); kvcake needs that form, which transformers 5.12 lacks (:func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+import transformers
+
+try:
+    from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+except ImportError:  # transformers 5.0: each hybrid family brought its own cache class
+    DummyLayer = LinearAttentionLayer = None
+
+# transformers' layer types whose layers hold a fixed-size state instead of keys
+RECURRENT_TYPES = ("linear_attention", "conv", "mamba")
+
+
+def check_supported(mtype: str) -> None:
+    """Raise ``ValueError`` where this transformers lacks the per-state ``LinearAttentionLayer``."""
+    if (
+        LinearAttentionLayer is None
+        or "state_idx" not in inspect.signature(LinearAttentionLayer.update_conv_state).parameters
+    ):
+        raise ValueError(
+            f"{mtype}: its linear-attention (recurrent) layers need transformers' per-state "
+            f"LinearAttentionLayer, which transformers {transformers.__version__} lacks: upgrade "
+            "transformers (5.24 is tested) to compress this model's full-attention layers with kvcake"
+        )
+
+
+def keyless_layer(number_of_states: int):
+    """The cache layer of a layer holding no keys: its states' (``number_of_states``), or none at all."""
+    return RecurrentLayer(number_of_states=number_of_states) if number_of_states else EmptyLayer()
+
+
+_Base = LinearAttentionLayer if LinearAttentionLayer is not None else object
+
+
+class RecurrentLayer(_Base):
+    """transformers' ``LinearAttentionLayer`` plus kvcake's bookkeeping (module docstring)."""
+
+    keys = values = None  # no per-token keys: the key/value loops pass this layer by
+    is_croppable = False  # the cache as a whole cannot be cropped (its attention layers evicted)
+    static = None  # its states are fixed-size already: nothing to lay out
+    plan = False  # the kvcake attention never runs here
+
+    def states(self) -> list[torch.Tensor]:
+        """Every state it holds now: the initialised conv and recurrent states, in state order."""
+        held = []
+        for i in range(self.number_of_states):
+            if self.is_conv_states_initialized[i]:
+                held.append(self.conv_states[i])
+            if self.is_recurrent_states_initialized[i]:
+                held.append(self.recurrent_states[i])
+        return held
+
+    @property
+    def held(self) -> bool:
+        return bool(self.states())
+
+    @property
+    def batch(self) -> int:
+        held = self.states()
+        return held[0].shape[0] if held else 0
+
+    counts = None  # no entries per KV head
+
+    def kv_bytes(self) -> int:
+        """Bytes of its states (the same in a full cache: nothing here is compressed)."""
+        return sum(t.numel() * t.element_size() for t in self.states())
+
+    def entries(self) -> int:
+        return 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(torch.as_tensor(beam_idx).long(), None)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows(torch.arange(self.batch).repeat_interleave(repeats), None)  # host: moved below
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(torch.as_tensor(indices).long(), None)
+
+    def select_rows(self, rows: torch.Tensor, host: np.ndarray | None) -> None:
+        """Keep the sequences ``rows`` (B',) in that order, in every state (dim 0: the batch). Copied into
+        a state of the same shape in place, where the batch keeps its size (its address is what a CUDA
+        graph holds, as transformers' layer keeps it)."""
+        for i in range(self.number_of_states):
+            for name, ready in (("conv_states", self.is_conv_states_initialized),
+                                ("recurrent_states", self.is_recurrent_states_initialized)):  # fmt: skip
+                if not ready[i]:
+                    continue
+                state = getattr(self, name)[i]
+                picked = state.index_select(0, rows.to(state.device))
+                if picked.shape == state.shape:
+                    state.copy_(picked)
+                else:
+                    getattr(self, name)[i] = picked
+
+
+class EmptyLayer(DummyLayer if DummyLayer is not None else object):
+    """transformers' ``DummyLayer`` (a block without attention: Nemotron-H's MLP and MoE blocks, which
+    hold nothing) with kvcake's bookkeeping."""
+
+    static = None
+    plan = False
+    held = False
+    batch = 0
+    counts = None
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def entries(self) -> int:
+        return 0
+
+    def select_rows(self, rows: torch.Tensor, host: np.ndarray | None) -> None:
+        pass
+
+
+def copy_states(source, target: RecurrentLayer | EmptyLayer) -> None:
+    """Give ``target`` copies of the states the linear-attention layer ``source`` of a full
+    ``DynamicCache`` holds (e.g. to replay a recorded full-cache forward into a KVCakeCache)."""
+    if isinstance(target, EmptyLayer):
+        return
+    for i in range(target.number_of_states):
+        conv, rec = source.conv_states[i], source.recurrent_states[i]
+        if conv is not None:
+            target.lazy_initialization(
+                conv_states=conv, state_idx=i, conv_kernel_size=source.conv_kernel_size[i]
+            )
+            target.conv_states[i].copy_(conv)
+        if rec is not None:
+            target.lazy_initialization(recurrent_states=rec, state_idx=i)
+            target.recurrent_states[i].copy_(rec)
+        target.has_previous_state[i] = source.has_previous_state[i]
+
+
+def recurrent_entry(layer: RecurrentLayer | EmptyLayer) -> dict:
+    """The JSON facts a saved context keeps for a recurrent layer (its states go alongside)."""
+    if isinstance(layer, EmptyLayer):
+        return {"layout": "empty"}
+    return {
+        "layout": "recurrent",
+        "states": [
+            {
+                "conv": bool(layer.is_conv_states_initialized[i]),
+                "recurrent": bool(layer.is_recurrent_states_initialized[i]),
+                "kernel": layer.conv_kernel_size[i],
+                "seen": bool(layer.has_previous_state[i]),
+            }  # fmt: skip
+            for i in range(layer.number_of_states)
+        ],
+    }
+
+
+def recurrent_tensors(layer: RecurrentLayer | EmptyLayer, prefix: str) -> dict[str, torch.Tensor]:
+    """A recurrent layer's states under their names in a saved context."""
+    out = {}
+    for i in range(getattr(layer, "number_of_states", 0)):
+        if layer.is_conv_states_initialized[i]:
+            out[f"{prefix}conv.{i}"] = layer.conv_states[i]
+        if layer.is_recurrent_states_initialized[i]:
+            out[f"{prefix}recurrent.{i}"] = layer.recurrent_states[i]
+    return out
+
+
+def restore_recurrent(layer, tensors: dict, prefix: str, entry: dict, device) -> str | None:
+    """Load a saved recurrent layer into ``layer``; returns what does not fit, or None."""
+    if isinstance(layer, EmptyLayer) or entry.get("layout") == "empty":
+        return (
+            None
+            if isinstance(layer, EmptyLayer) and entry.get("layout") == "empty"
+            else "not a block without attention"
+        )
+    if not isinstance(layer, RecurrentLayer):
+        return f"a recurrent layer where the model has {type(layer).__name__}"
+    states = entry.get("states") or []
+    if len(states) != layer.number_of_states:
+        return f"{len(states)} states where the model's layer holds {layer.number_of_states}"
+    for i, saved in enumerate(states):
+        conv, rec = tensors.get(f"{prefix}conv.{i}"), tensors.get(f"{prefix}recurrent.{i}")
+        if saved["conv"] != (conv is not None) or saved["recurrent"] != (rec is not None):
+            return f"state {i}'s tensors are missing"
+        if conv is not None:
+            layer.lazy_initialization(
+                conv_states=conv.to(device), state_idx=i, conv_kernel_size=saved["kernel"]
+            )
+            if layer.conv_states[i].shape != conv.shape:
+                return f"conv state {i} {tuple(conv.shape)} does not fit {tuple(layer.conv_states[i].shape)}"
+            layer.conv_states[i].copy_(conv)
+        if rec is not None:
+            layer.lazy_initialization(recurrent_states=rec.to(device), state_idx=i)
+            layer.recurrent_states[i].copy_(rec)
+        layer.has_previous_state[i] = bool(saved["seen"])
+    return None
