@@ -194,6 +194,8 @@ def test_a_prefill_leaves_the_full_caches_states_and_budgets_sum_over_attention_
     assert (
         parts.full_entries == entries and parts.full == held + entries * 2 * 16 * 4
     )  # keys and values, fp32
+    # the peak counts every state with the last attention layer's whole prompt (before its eviction)
+    assert cache.prefill_peak_kv_bytes >= held + entries // 2 * 2 * 16 * 4
 
 
 def test_every_preset_runs_on_a_linear_attention_hybrid():

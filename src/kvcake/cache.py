@@ -43,7 +43,7 @@ from .fp8 import check_kv_dtype, check_kv_recent
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
-from .recurrent import keyless_layer
+from .recurrent import RecurrentStates, keyless_layer
 from .sequences import repeat_sequences, select_sequences
 from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
@@ -60,7 +60,7 @@ LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | N
 LEGACY_PENDING = contextvars.ContextVar("kvcake_pending", default=None)
 
 
-class KVCakeCache(Cache):
+class KVCakeCache(RecurrentStates, Cache):
     """A compressing KV cache for one batch of prompts.
 
     Parameters

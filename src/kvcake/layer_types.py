@@ -72,8 +72,14 @@ def recurrent_layers(text, mtype: str) -> tuple[tuple[int, int], ...]:
     linear-attention or convolution layer's fixed-size states, 0 states for a block without
     attention. Raises ``ValueError`` where this transformers cannot hold them."""
     types, kwargs = _layer_types(text)
-    blocks = getattr(text, "layers_block_type", None)  # releases before 5.2x: "mamba" / "attention" (Jamba, Bamba)
-    if {*types, *(blocks if isinstance(blocks, (list, tuple)) else ())} & {*RECURRENT_TYPES, "mamba", "hybrid"}:
+    blocks = getattr(
+        text, "layers_block_type", None
+    )  # releases before 5.2x: "mamba" / "attention" (Jamba, Bamba)
+    if {*types, *(blocks if isinstance(blocks, (list, tuple)) else ())} & {
+        *RECURRENT_TYPES,
+        "mamba",
+        "hybrid",
+    }:
         check_supported(mtype)  # before anything reads an old release's block names as attention types
     held = tuple(
         (i, kw.get("number_of_states", 1) if kind in RECURRENT_TYPES else 0)

@@ -49,6 +49,30 @@ def check_supported(mtype: str) -> None:
         )
 
 
+class RecurrentStates:
+    """The ``Cache`` methods a hybrid's recurrent layers write through, on a cache that counts its bytes
+    (``KVCakeCache``): a state's first write adds its bytes to the running total and peak, and a
+    prefill stage left for the next layer runs there, as at any layer's update (``cascade.py``)."""
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        return self._track_state(
+            layer_idx, super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+        )
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> torch.Tensor:
+        out = super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
+        return self._track_state(layer_idx, out)
+
+    def _track_state(self, layer_idx: int, out: torch.Tensor) -> torch.Tensor:
+        if self._waiting:
+            self._run_stage()
+        if not torch.compiler.is_compiling():  # a compiled step writes in place: the same bytes
+            self._track_bytes(layer_idx)
+        return out
+
+
 def keyless_layer(number_of_states: int):
     """The cache layer of a layer holding no keys: its states' (``number_of_states``), or none at all."""
     return RecurrentLayer(number_of_states=number_of_states) if number_of_states else EmptyLayer()
