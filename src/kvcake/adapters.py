@@ -6,7 +6,9 @@ after RoPE and after ``cache.update`` (``past_key_values.update`` before transfo
 causal attention over plain per-head keys and values: Llama, Mistral (without sliding window), Qwen2/Qwen3, Phi-3, Gemma (1), Granite, OLMo
 and similar; and hybrids whose ``config.layer_types`` mixes ``sliding_attention`` with
 ``full_attention`` (Gemma 3, ...): their sliding layers keep transformers' own sliding-window
-cache and only the full-attention ("global") layers are compressed.
+cache and only the full-attention ("global") layers are compressed; and linear-attention hybrids
+(Qwen3.5, Qwen3-Next, Nemotron-H, Jamba, ...), whose recurrent layers keep their states
+(``layer_types.py``, ``recurrent.py``).
 """
 
 from __future__ import annotations
@@ -90,11 +92,12 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
     layer slides (nothing to compress), chunked layers, encoder-decoders, latent attention (MLA: no
-    per-head keys to evict), linear-attention hybrids, KV sharing across layers (Gemma 3n), and the
-    families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask). Gemma 2's soft
-    cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
+    per-head keys to evict), models without attention (Mamba), KV sharing across layers (Gemma 3n),
+    and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, Falcon-H1's
+    attention beside Mamba). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
     Sliding layers of a hybrid are reported in ``windows``, cross-attention layers (Mllama, which
-    attend to the image's states) in ``cross``: neither is compressed.
+    attend to the image's states) in ``cross``, linear-attention layers in ``recurrent``: none is
+    compressed.
     """
     config = getattr(model, "config", None)
     if config is None:
