@@ -118,15 +118,13 @@ class RecurrentLayer(_Base):
         return 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(
-            torch.as_tensor(beam_idx).long(), None
-        )  # host or device: moved to each state's below
+        self.select_rows(torch.as_tensor(beam_idx).long(), None)  # host or device: moved where used
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.select_rows(torch.arange(self.batch).repeat_interleave(repeats), None)  # host: moved below
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(torch.as_tensor(indices).long(), None)  # host or device: moved to each state's below
+        self.select_rows(torch.as_tensor(indices).long(), None)  # host or device: moved where used
 
     def select_rows(self, rows: torch.Tensor, host: np.ndarray | None) -> None:
         """Keep the sequences ``rows`` (B',) in that order, in every state (dim 0: the batch). Copied into
