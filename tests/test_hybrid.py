@@ -8,7 +8,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Mist
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import describe_model, with_cache
-from kvcake.layer_types import layer_windows
+from kvcake.layer_types import chunked_layers, layer_windows
 from kvcake.sliding import SlidingLayer
 from shared_checks import KWARGS_HANDOFF, assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -163,8 +163,10 @@ def test_refusals_name_the_problem():
     # set after construction: 5.17's Gemma 3 config keys its RoPE parameters by layer type and
     # raises a KeyError for a type it does not know, before kvcake could read it
     chunked.layer_types = ["chunked_attention", "full_attention"]
-    chunked.attention_chunk_size = 8  # as Llama 4 names it
-    with pytest.raises(ValueError, match="chunked_attention"):
+    chunked.attention_chunk_size = 8  # as Llama 4 names it: a chunked layer is kept (tests/test_chunked.py)
+    assert layer_windows(chunked, "gemma3_text") == (8, None) and chunked_layers(chunked) == (0,)
+    chunked.layer_types = ["chunked_attention", "mystery_attention"]
+    with pytest.raises(ValueError, match="layer 1 is of type 'mystery_attention'"):
         layer_windows(chunked, "gemma3_text")
 
 

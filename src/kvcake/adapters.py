@@ -23,7 +23,7 @@ import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
-from .layer_types import layer_windows, recurrent_layers
+from .layer_types import chunked_layers, layer_windows, recurrent_layers
 from .logit_terms import model_terms
 
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
@@ -70,6 +70,8 @@ class ModelInfo:
     # Layers holding no per-token keys (``recurrent.py``): (layer, number of states), 0 for a block
     # without attention. Never compressed.
     recurrent: tuple[tuple[int, int], ...] = ()
+    # Layers attending within chunks (Llama 4), among those ``windows`` gives a window (the chunk).
+    chunked: tuple[int, ...] = ()
 
     @property
     def groups(self) -> int:
@@ -91,13 +93,13 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     """Check that kvcake can compress this model and return its shapes.
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
-    layer slides (nothing to compress), chunked layers, encoder-decoders, latent attention (MLA: no
+    layer slides (nothing to compress), encoder-decoders, latent attention (MLA: no
     per-head keys to evict), models without attention (Mamba), KV sharing across layers (Gemma 3n),
     and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, Falcon-H1's
     attention beside Mamba). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
-    Sliding layers of a hybrid are reported in ``windows``, cross-attention layers (Mllama, which
-    attend to the image's states) in ``cross``, linear-attention layers in ``recurrent``: none is
-    compressed.
+    Sliding and chunked layers of a hybrid are reported in ``windows`` (the chunked ones also in
+    ``chunked``), cross-attention layers (Mllama, which attend to the image's states) in ``cross``,
+    linear-attention layers in ``recurrent``: none is compressed.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -148,6 +150,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         cross,
         mtype in _OWN_MASKS,
         recurrent,
+        chunked_layers(text),
     )
 
 

@@ -130,7 +130,7 @@ class KVCakeCache(RecurrentStates, Cache):
 
         windows, keyless = self.info.windows or (None,) * self.info.num_layers, dict(self.info.recurrent)
         super().__init__(layers=[keyless_layer(keyless[i]) if i in keyless else CrossLayer() if i in self.info.cross
-                                 else KVCakeLayer() if w is None else SlidingLayer(w) for i, w in enumerate(windows)])  # fmt: skip
+                                 else KVCakeLayer() if w is None else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
         self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
         self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None

@@ -1,12 +1,16 @@
 """Which layers of a model are of which kind, read from its config as transformers' caches read it:
-full attention (compressed by kvcake), sliding-window attention (kept in a window, ``sliding.py``),
-linear-attention and convolution layers holding a fixed-size state, and blocks without attention
-(both ``recurrent.py``); and the kinds kvcake refuses (chunked attention, KV sharing, attention and
-Mamba side by side in one layer), with the reason."""
+full attention (compressed by kvcake), sliding-window and chunked attention (kept as transformers
+keeps them, ``sliding.py``), linear-attention and convolution layers holding a fixed-size state, and
+blocks without attention (both ``recurrent.py``); and the kinds kvcake refuses (KV sharing,
+attention and Mamba side by side in one layer), with the reason."""
 
 from __future__ import annotations
 
 from .recurrent import RECURRENT_TYPES, check_supported
+
+# Layer types attending a bounded span, which transformers holds in a sliding-window layer (the
+# chunk size in its "sliding_window" keyword for a chunked one)
+WINDOWED = ("sliding_attention", "chunked_attention")
 
 try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -15,25 +19,26 @@ except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the c
 
 
 def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
-    """Per layer, the sliding window (a sliding layer, left to transformers) or None (a
+    """Per layer, the sliding window or the chunk (a sliding or chunked layer, left to transformers:
+    :func:`chunked_layers` says which) or None (a
     full-attention layer, compressed by kvcake, or a layer holding no keys: :func:`recurrent_layers`),
     read with transformers' own ``get_layer_types_and_kwargs`` (which also infers the types of
     configs without ``layer_types`` from ``sliding_window`` / ``attention_chunk_size``).
 
-    Raises ``ValueError`` for chunked or other layer types, and for a model none of whose attention
+    Raises ``ValueError`` for KV sharing and unknown layer types, and for a model none of whose attention
     layers is full attention: its cache is already bounded and there is nothing to compress."""
     types, kwargs = _layer_types(text)
     max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
     windows: list[int | None] = []
     for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
-        window = kw.get("sliding_window")
+        window = _window(text, kind, kw)
         if (
             kind == "full_attention"
             or kind in RECURRENT_TYPES
-            or (kind == "sliding_attention" and (window is None or window >= max_pos))
+            or (kind in WINDOWED and (window is None or window >= max_pos))
         ):
-            windows.append(None)  # a window beyond every position is full attention
-        elif kind == "sliding_attention":
+            windows.append(None)  # a window (or a chunk) beyond every position is full attention
+        elif kind in WINDOWED:
             windows.append(int(window))
         elif kind == "dummy" and not _shares_kv(text):  # a block without attention (Nemotron-H's MLP/MoE)
             windows.append(None)
@@ -50,8 +55,7 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
         else:
             raise ValueError(
                 f"{mtype}: layer {i} is of type {kind!r}, which kvcake does not support (only "
-                "full_attention, sliding_attention and linear-attention layers): chunked attention drops "
-                "keys at chunk boundaries"
+                "full, sliding, chunked and linear-attention layers); use a DynamicCache for this model"
             )
     attending = [w for w, kind in zip(windows, types, strict=True) if kind not in (*RECURRENT_TYPES, "dummy")]
     if not attending:
@@ -65,6 +69,18 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
             "DynamicCache, or set config.sliding_window=None if the model was trained without it"
         )
     return tuple(windows) if any(w is not None for w in windows) else ()
+
+
+def chunked_layers(text) -> tuple[int, ...]:
+    """The layers attending within chunks (Llama 4: ``chunked_attention``, ``attention_chunk_size``
+    tokens each) among those :func:`layer_windows` gives a window: ``sliding.py`` keeps them whole."""
+    types, kwargs = _layer_types(text)
+    max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
+    return tuple(
+        i
+        for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True))
+        if kind == "chunked_attention" and (_window(text, kind, kw) or max_pos) < max_pos
+    )
 
 
 def recurrent_layers(text, mtype: str) -> tuple[tuple[int, int], ...]:
@@ -87,6 +103,15 @@ def recurrent_layers(text, mtype: str) -> tuple[tuple[int, int], ...]:
         if kind in RECURRENT_TYPES or (kind == "dummy" and not _shares_kv(text))
     )
     return held
+
+
+def _window(text, kind: str, kw: dict) -> int | None:
+    """A sliding layer's window, a chunked layer's chunk (transformers' ``sliding_window`` keyword for
+    both; read from the config where an older release's kwargs lack it)."""
+    window = kw.get("sliding_window")
+    if window is None and kind == "chunked_attention":
+        window = getattr(text, "attention_chunk_size", None)
+    return window
 
 
 def _layer_types(text) -> tuple[list[str], list[dict]]:

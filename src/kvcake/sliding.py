@@ -17,6 +17,15 @@ while compiling, read back once when asked), so a compiled step is one graph for
 too. A multi-token append moves the layer back to transformers' layout first. Slots are in ring
 order, not position order, so the attention sums in another order than the model's kernel on
 the dynamic layer: equal up to float rounding (tests), not bit for bit.
+
+Chunked layers (Llama 4's ``chunked_attention``) are the same layer with ``chunked=True``: a token
+attends the tokens of its chunk (``C`` tokens, the chunk size, held as the window, as transformers
+holds it), and transformers keeps the last ``C - 1`` tokens, the model's chunked mask hiding those
+of earlier chunks. Chunks start at each row's first token (column ``pad + kC`` after ``pad`` left
+padding columns, as transformers' mask counts them). In the ring a row keeps its place in its chunk
+(``phase``, read from the model's mask when the ring is laid out: the tokens its last row sees,
+less one) and a token opening a chunk hides every other slot of its row; the slots written since
+are its chunk's (``tests/test_chunked.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +52,9 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
     is_croppable = False  # the cache as a whole cannot be cropped (its global layers evicted)
 
-    def __init__(self, sliding_window: int, **kwargs) -> None:
+    def __init__(self, sliding_window: int, chunked: bool = False, **kwargs) -> None:
         self._seen, self._seen_on_device = 0, False
+        self.chunked = chunked  # attends within chunks of ``sliding_window`` tokens (module docstring)
         super().__init__(sliding_window=sliding_window, **kwargs)  # by name: 5.8.1-5.13.1 take a config first
         self.plan = False  # decode in the ring (the cache's static storage), from the next step
         self.static: str | None = None  # "ring" while decoding in place
@@ -137,7 +147,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         its size (its addresses held), else in transformers' layout (the ring is laid out again at
         the next step, from the model's mask)."""
         if self.static is not None and len(host) == self.batch:
-            for t in (self.keys, self.values, self.valid):
+            for t in (self.keys, self.values, self.valid, self.phase):
                 t.copy_(t.index_select(0, rows.to(t.device)))
             return
         self.to_dynamic()
@@ -166,9 +176,14 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         valid[:, slots] = True if visible is None else visible[:, visible.shape[1] - n :].to(keys.device)
         self.keys, self.values, self.valid = keys, values, valid
         self.seen = torch.tensor(self.length, dtype=torch.long, device=keys.device)
+        self.slot_order = torch.arange(self.sliding_window, device=keys.device)  # (window,)
+        # (B,) long, a chunked layer's: each row's place in its chunk, the tokens its last query saw less one
+        self.phase = torch.full((b,), (self.length - 1) % self.sliding_window, device=keys.device)
+        if visible is not None:
+            self.phase.copy_(visible.sum(-1) - 1)
         self.static = "ring"
         if not torch.compiler.is_compiling():  # fixed addresses, as transformers' static layers (CUDA graphs)
-            for t in (self.keys, self.values, self.valid, self.seen):
+            for t in (self.keys, self.values, self.valid, self.seen, self.slot_order, self.phase):
                 torch._dynamo.mark_static_address(t)
 
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +207,9 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)
         self.valid.index_fill_(1, slot, True)
+        if self.chunked:  # a row whose token opens a chunk sees that token alone (module docstring)
+            opens = self.phase.add_(1).remainder_(self.sliding_window) == 0  # (B,)
+            self.valid &= ~opens[:, None] | (self.slot_order == slot)
         if torch.compiler.is_compiling():  # counted on the device only (``cumulative_length``)
             self.seen.add_(1)
             self._seen_on_device = True
