@@ -7,6 +7,7 @@ tensor parallelism does. The real multi-process run is ``make test-tp`` (tests/t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from kvcake.allocators import AdaKV, preference
 from kvcake.allocators.adakv import ranks_desc
 from kvcake.cascade import layer_statistics
 from kvcake.scorers import PrefillInputs
+from kvcake.scorers.defensive import MARK, DefensiveScorer
 from kvcake.scorers.tova import TOVAScorer
 from kvcake.tensor_parallel import HeadSplit, find_split, top_over_ranks
 
@@ -195,3 +197,26 @@ def test_head_split_checks_its_rank():
         HeadSplit(None, 0, 1)
     with pytest.raises(ValueError, match="rank < world"):
         HeadSplit(None, 2, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_defensive_marks_over_ranks_use_the_whole_layers_window_share(world):
+    """CriticalKV's first stage, as DefensiveKV's scorer marks it, cuts each head's attention at the
+    critical mass less the window's own share, a mean over every head of the layer: each rank's
+    marked scores are the slice of one process's, bit for bit (a rank's own heads' mean moved the
+    cut: one entry of one layer changed heads on a split Qwen3.5, 2026-11-30)."""
+    scorer = DefensiveScorer()
+    ref = scorer.prefill(prefill_inputs(slice(None), slice(None), seed=3))
+    qb, kb = 8 // world, 4 // world
+
+    def rank(sp):
+        r = sp.rank
+        inputs = prefill_inputs(slice(r * qb, (r + 1) * qb), slice(r * kb, (r + 1) * kb), seed=3)
+        return scorer.prefill(dataclasses.replace(inputs, split=sp))
+
+    parts = on_ranks(world, rank)
+    assert torch.equal(torch.cat(parts, 1), ref)
+    assert (ref >= MARK).any()  # marks were set
+    alone = [scorer.prefill(prefill_inputs(slice(r * qb, (r + 1) * qb), slice(r * kb, (r + 1) * kb), seed=3))
+             for r in range(world)]  # fmt: skip
+    assert not torch.equal(torch.cat(alone, 1), ref)  # each rank's own share alone marks otherwise

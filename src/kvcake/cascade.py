@@ -83,7 +83,7 @@ def prefill_stage(
         cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
     inputs = PrefillInputs(
         query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
-        window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms,
+        window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
     if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads

@@ -9,12 +9,16 @@ group reduction (mean by default, max as an option) brings that to KV-head granu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..devices import may_mask
 from ..logit_terms import PLAIN, LogitTerms
+
+if TYPE_CHECKING:
+    from ..tensor_parallel import HeadSplit
 
 
 @dataclass
@@ -25,7 +29,10 @@ class PrefillInputs:
     padding); window: the observation window ``Sw``; scaling: the model's softmax scale;
     column_sums: (B, H, S) float32 column sums of the prompt's causal attention where the
     attention itself produced them (:meth:`Scorer.prompt_attention`), else None; terms: the
-    model's soft cap on the logits and sinks in every row's softmax (``kvcake.logit_terms``).
+    model's soft cap on the logits and sinks in every row's softmax (``kvcake.logit_terms``);
+    split: under tensor parallelism the heads' split (``kvcake.tensor_parallel.HeadSplit``: query
+    and keys are this rank's heads), for what a scorer takes over every head of the layer; None
+    in one process.
     """
 
     query: torch.Tensor
@@ -36,6 +43,7 @@ class PrefillInputs:
     scaling: float
     column_sums: torch.Tensor | None = None
     terms: LogitTerms = PLAIN
+    split: HeadSplit | None = None
     _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _mean_var: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 

@@ -96,18 +96,23 @@ class DefensiveScorer(Scorer):
         floor = (agg * key_ok[:, None, :]).sum(-1, keepdim=True) / n_keys  # (B, H_kv, 1)
         scores = torch.maximum(agg, floor)
         if self.marks_critical:
-            scores = scores + MARK * self._critical(row_sums, probs, row_valid, key_ok, n_rows)
+            scores = scores + MARK * self._critical(row_sums, probs, row_valid, key_ok, n_rows, inp.split)
         full = torch.cat([scores, torch.zeros(b, hkv, w, device=scores.device)], dim=-1)  # (B, H_kv, S)
         return protect(full, inp.key_valid, inp.window)
 
-    def _critical(self, row_sums, probs, row_valid, key_ok, n_rows) -> torch.Tensor:
+    def _critical(self, row_sums, probs, row_valid, key_ok, n_rows, split=None) -> torch.Tensor:
         """(B, H_kv, P) bool: CriticalKV's first stage (see the class docstring). row_sums: (B, H_kv,
-        P) the unpooled prefix attention summed over each KV head's group and rows."""
-        h, p = probs.shape[1], row_sums.shape[-1]
+        P) the unpooled prefix attention summed over each KV head's group and rows. The window's
+        share is the layer's, over every head: under tensor parallelism (``split``) every rank's
+        rows gathered in head order and summed as one process sums them (one all-gather)."""
+        p = row_sums.shape[-1]
         mean = row_sums / n_rows * key_ok[:, None, :]  # (B, H_kv, P) unpooled
         share = mean / mean.sum(-1, keepdim=True).clamp(min=1e-30)
         window_mass = probs[..., p:].sum(-1)  # (B, H, w) attention of the window on itself
-        window_share = window_mass.sum((1, 2)) / (row_valid.sum(-1).clamp(min=1) * h)  # (B,)
+        if split is not None:  # (world, B, h, w) -> (B, H, w), rank order = head order
+            window_mass = split.gather(window_mass).permute(1, 0, 2, 3).flatten(1, 2)
+        heads = window_mass.shape[1]
+        window_share = window_mass.sum((1, 2)) / (row_valid.sum(-1).clamp(min=1) * heads)  # (B,)
         threshold = (self.critical_mass - window_share).clamp(min=0.0)[:, None, None]  # (B, 1, 1)
         ordered, order = torch.sort(share, dim=-1, descending=True, stable=True)
         before = ordered.cumsum(-1) - ordered  # mass of the entries ranked above each one
