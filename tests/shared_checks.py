@@ -3,8 +3,12 @@ A plain module, like ``tiny_hybrid``: test files import it by name."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import pytest
 import torch
+import transformers
 from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -75,3 +79,79 @@ def assert_batch_matches_each_alone(model, name: str, a: torch.Tensor, b: torch.
                 kept = sorted((pb[h][pb[h] >= 0] - shift).tolist())
                 assert kept == sorted(ps[h][ps[h] >= 0].tolist())
                 assert min(kept) >= 0, "padding is never kept"
+
+
+def compiled_and_eager_decoding(
+    model, spec: str, ids: torch.Tensor, mask: torch.Tensor, steps: int, **cache_kw
+):
+    """Prefill ``ids`` (B, S) with its left-padding ``mask`` eagerly, then ``steps`` greedy single-token
+    steps through ``model.forward`` compiled with ``fullgraph=True`` (a backend that counts the graphs
+    and runs them eagerly), and again eagerly: (graphs, compiled logits, eager logits), (steps, B, V)
+    each. ``cache_kw``: the ``KVCakeCache``'s budget and options (``max_cache_len`` set here)."""
+    runs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        graphs = []
+
+        def count(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        step = torch.compile(model.forward, backend=count, fullgraph=True) if compiled else model.forward
+        cache = KVCakeCache(model, spec, max_cache_len=ids.shape[1] + steps, **cache_kw)
+        m, logits = mask, []
+        with kvcake.enable(model), torch.no_grad():
+            out = model(ids, attention_mask=m, **with_cache(model, cache))
+            tok = out.logits[:, -1:].argmax(-1)
+            for _ in range(steps):
+                m = torch.cat([m, torch.ones_like(tok)], 1)
+                out = step(
+                    tok, attention_mask=m, **with_cache(model, cache), position_ids=m.cumsum(-1)[:, -1:] - 1
+                )
+                tok = out.logits[:, -1:].argmax(-1)
+                logits.append(out.logits[:, -1])
+        runs.append((len(graphs), torch.stack(logits)))
+    return runs[0][0], runs[0][1], runs[1][1]
+
+
+# greedy decoding that returns every step's logits (``assert_same_decoding``)
+GREEDY = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
+
+
+def assert_same_decoding(out, ref, label: str = "") -> None:
+    """The same greedy tokens, and every step's logits equal to float rounding (1e-5)."""
+    assert torch.equal(out.sequences, ref.sequences), label
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def tiny_model(config_name: str, kwargs: dict) -> torch.nn.Module:
+    """A tiny random causal LM of transformers' config class ``config_name`` (seed 0, the global
+    generator left alone); the test is skipped where the installed release lacks the class."""
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+
+
+def assert_a_covering_budget_decodes_the_stock_models(model: torch.nn.Module) -> KVCakeCache:
+    """``cake-adakv`` with a budget (64) covering a 40-token prompt and 5 new tokens decodes the stock
+    model's greedy tokens and logits, alone and in a left-padded batch of two (kvcake's own attention
+    over the stored entries there, which pairs each query head with its KV head by itself). Returns
+    the cache of the unpadded run."""
+    x = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    kw = {"max_new_tokens": 5, **GREEDY}
+    with torch.no_grad():
+        stock = model.generate(x, **kw)
+    out, cache = kvcake.generate(model, x, "cake-adakv", budget=64, window=8, **kw)
+    assert_same_decoding(out, stock)
+    batch = torch.cat([x, torch.cat([torch.zeros(1, 3, dtype=torch.long), x[:, :-3]], 1)])
+    mask = (torch.arange(40) >= torch.tensor([[0], [3]])).long()
+    with torch.no_grad():
+        stock = model.generate(batch, attention_mask=mask, **kw)
+    out, _ = kvcake.generate(model, batch, "cake-adakv", budget=64, window=8, attention_mask=mask, **kw)
+    assert_same_decoding(out, stock, "left-padded")
+    return cache

@@ -14,50 +14,39 @@ and its compiled step against eager."""
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import pytest
 import torch
-import transformers as tf
 
 import kvcake
-from kvcake.adapters import describe_model, with_cache
+from kvcake.adapters import describe_model
 from kvcake.sliding import SlidingLayer
-from shared_checks import KWARGS_HANDOFF
+from shared_checks import (
+    GREEDY,
+    KWARGS_HANDOFF,
+    assert_same_decoding,
+    compiled_and_eager_decoding,
+    tiny_model,
+)
 
 CHUNK, PROMPT, NEW = 16, 40, 30
 # transformers 5.0-5.23's models hand cache.update no kwargs: no ring there, nothing compiled (test_compile.py)
 needs_kwargs_handoff = pytest.mark.skipif(
     not KWARGS_HANDOFF, reason="this transformers' models do not hand their attention kwargs to cache.update"
 )
-GREEDY = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
 
 
 def _llama4(layers: int = 8) -> torch.nn.Module:
     """A tiny random Llama 4: three chunked layers, then a full-attention (NoPE) one, repeated."""
-    if getattr(tf, "Llama4TextConfig", None) is None:
-        pytest.skip(f"transformers {tf.__version__} has no Llama 4")
-    config = tf.Llama4TextConfig(
+    return tiny_model("Llama4TextConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         attention_chunk_size=CHUNK, num_local_experts=2, num_experts_per_tok=1, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        return tf.Llama4ForCausalLM(config).eval()
+    ))  # fmt: skip
 
 
 def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _assert_same_decoding(out, ref, label: str = "", atol: float = 1e-5) -> None:
-    assert torch.equal(out.sequences, ref.sequences), label
-    for a, b in zip(out.logits, ref.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=atol, rtol=atol)
 
 
 def test_chunked_layers_are_kept_and_the_full_attention_ones_compressed():
@@ -79,7 +68,7 @@ def test_a_covering_budget_decodes_the_stock_models_tokens_across_chunk_boundari
     with torch.no_grad():
         stock = model.generate(x, **kw)
     out, cache = kvcake.generate(model, x, "cake-adakv", budget=128, window=8, static=static, **kw)
-    _assert_same_decoding(out, stock)
+    assert_same_decoding(out, stock)
     rings = any(layer.static == "ring" for layer in cache.layers if isinstance(layer, SlidingLayer))
     assert rings == (static and KWARGS_HANDOFF)  # (older releases hand no kwargs: the dynamic layer decodes)
     batch = torch.cat([x, torch.cat([torch.zeros(1, 5, dtype=torch.long), x[:, :-5]], 1)])
@@ -89,7 +78,7 @@ def test_a_covering_budget_decodes_the_stock_models_tokens_across_chunk_boundari
     out, _ = kvcake.generate(
         model, batch, "cake-adakv", budget=128, window=8, attention_mask=mask, static=static, **kw
     )
-    _assert_same_decoding(out, stock, "left-padded")
+    assert_same_decoding(out, stock, "left-padded")
 
 
 @needs_kwargs_handoff
@@ -101,7 +90,7 @@ def test_the_ring_hides_the_earlier_chunk_and_equals_the_dynamic_layer():
     kw = {"max_new_tokens": NEW, **GREEDY}
     ring, cache = kvcake.generate(model, x, "snapkv", budget=12, window=4, **kw)
     dynamic, _ = kvcake.generate(model, x, "snapkv", budget=12, window=4, static=False, **kw)
-    _assert_same_decoding(ring, dynamic)
+    assert_same_decoding(ring, dynamic)
     layer = cache.layers[0]
     seen = PROMPT + NEW - 1  # the last token generated was never appended
     assert layer.static == "ring" and layer.length == seen
@@ -137,43 +126,15 @@ def test_budgets_sum_over_the_full_attention_layers():
         assert cache.budgets.shape == (1, 2) and int(cache.budgets.sum()) == 24, preset
 
 
-def _count_graph(graphs: list, gm, example_inputs):  # a torch.compile backend: counts, runs eagerly
-    graphs.append(gm)
-    return gm.forward
-
-
 @pytest.mark.slow
 @needs_kwargs_handoff
 def test_a_decode_step_compiles_whole_across_chunk_boundaries_and_equals_eager():
     model = _llama4(layers=4)
-    runs = []
-    for compiled in (True, False):
-        torch._dynamo.reset()
-        graphs = []
-        step = model.forward
-        if compiled:
-            step = torch.compile(
-                model.forward, backend=functools.partial(_count_graph, graphs), fullgraph=True
-            )
-        ids = _ids(PROMPT, seed=3, batch=2)
-        mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        cache = kvcake.KVCakeCache(model, "cake-adakv", budget=12, window=4, max_cache_len=PROMPT + NEW)
-        logits = []
-        with kvcake.enable(model), torch.no_grad():
-            out = model(ids, attention_mask=mask, **with_cache(model, cache))
-            tok = out.logits[:, -1:].argmax(-1)
-            for _ in range(NEW):
-                mask = torch.cat([mask, torch.ones_like(tok)], 1)
-                out = step(
-                    tok,
-                    attention_mask=mask,
-                    **with_cache(model, cache),
-                    position_ids=mask.cumsum(-1)[:, -1:] - 1,
-                )
-                tok = out.logits[:, -1:].argmax(-1)
-                logits.append(out.logits[:, -1])
-        runs.append((len(graphs), torch.stack(logits)))
-    (graphs, compiled), (_, eager) = runs
+    ids = _ids(PROMPT, seed=3, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    graphs, compiled, eager = compiled_and_eager_decoding(
+        model, "cake-adakv", ids, mask, NEW, budget=12, window=4
+    )
     assert 1 <= graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

@@ -19,6 +19,12 @@ from transformers import AttentionInterface
 import kvcake
 from kvcake.adapters import output_projection, projection_weight
 from kvcake.replay import attention_modules
+from shared_checks import (
+    GREEDY,
+    assert_a_covering_budget_decodes_the_stock_models,
+    assert_same_decoding,
+    tiny_model,
+)
 
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
@@ -140,28 +146,11 @@ BUDGET = 12
 
 
 def _model(family: str) -> torch.nn.Module:
-    name, kwargs = FAMILIES[family]
-    config_class = getattr(tf, name, None)
-    if config_class is None:
-        pytest.skip(f"transformers {tf.__version__} has no {name}")
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        return tf.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+    return tiny_model(*FAMILIES[family])
 
 
 def _ids(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-GREEDY = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
-
-
-def _assert_same_decoding(out, ref, label: str = "") -> None:
-    """The same greedy tokens, and every step's logits equal to float rounding (1e-5)."""
-    assert torch.equal(out.sequences, ref.sequences), label
-    for a, b in zip(out.logits, ref.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def _calls_the_attention_interface(model: torch.nn.Module) -> bool:
@@ -206,22 +195,8 @@ def _supported(family: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_covering_budget_decodes_the_stock_models_tokens(family):
-    model = _supported(family)
-    x = _ids(40)
-    kw = {"max_new_tokens": 5, **GREEDY}
-    with torch.no_grad():
-        stock = model.generate(x, **kw)
-    out, cache = kvcake.generate(model, x, "cake-adakv", budget=64, window=8, **kw)
-    _assert_same_decoding(out, stock)
+    cache = assert_a_covering_budget_decodes_the_stock_models(_supported(family))
     assert (cache.budgets == 40).all()
-    # left-padded: kvcake's own attention over the stored entries (the model's kernel above), which
-    # pairs each query head with its KV head by itself
-    batch = torch.cat([x, torch.cat([torch.zeros(1, 3, dtype=torch.long), x[:, :-3]], 1)])
-    mask = (torch.arange(40) >= torch.tensor([[0], [3]])).long()
-    with torch.no_grad():
-        stock = model.generate(batch, attention_mask=mask, **kw)
-    out, _ = kvcake.generate(model, batch, "cake-adakv", budget=64, window=8, attention_mask=mask, **kw)
-    _assert_same_decoding(out, stock, "left-padded")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -258,7 +233,7 @@ def _decodes_as(model: torch.nn.Module, ref: torch.nn.Module) -> list:
     for preset in ("critical-adakv", "layer-defensivekv"):
         out, cache = kvcake.generate(model, x, preset, budget=12, window=4, **kw)
         ref_out, _ = kvcake.generate(ref, x, preset, budget=12, window=4, **kw)
-        _assert_same_decoding(out, ref_out, preset)
+        assert_same_decoding(out, ref_out, preset)
         caches.append(cache)
     return caches
 
@@ -375,7 +350,7 @@ def test_a_model_loaded_with_flex_attention():
     with torch.no_grad():
         stock = sdpa.generate(x, **kw)
     out, _ = kvcake.generate(flex, x, "cake-adakv", budget=64, window=4, **kw)
-    _assert_same_decoding(out, stock)
+    assert_same_decoding(out, stock)
     for preset in ("layer-defensivekv", "h2o"):
         out, cache = kvcake.generate(flex, x, preset, budget=12, window=4, **kw)
         ref, _ = kvcake.generate(sdpa, x, preset, budget=12, window=4, **kw)

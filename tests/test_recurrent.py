@@ -10,9 +10,6 @@ since a prefill attends every token before evicting), and kvcake's own paths aga
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import pytest
 import torch
 import transformers as tf
@@ -24,6 +21,11 @@ from kvcake.adapters import describe_model, with_cache
 from kvcake.recurrent import EmptyLayer, RecurrentLayer
 from kvcake.replay import Captured, capture_queries, replay_compress
 from kvcake.storage import load_context
+from shared_checks import (
+    assert_a_covering_budget_decodes_the_stock_models,
+    compiled_and_eager_decoding,
+    tiny_model,
+)
 
 BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
@@ -91,19 +93,11 @@ FAMILIES = {
         },
     ),  # fmt: skip
 }
-GREEDY = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
 BUDGET = 12
 
 
 def _model(family: str) -> torch.nn.Module:
-    name, kwargs = FAMILIES[family]
-    config_class = getattr(tf, name, None)
-    if config_class is None:
-        pytest.skip(f"transformers {tf.__version__} has no {name}")
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+    model = tiny_model(*FAMILIES[family])
     try:
         describe_model(model)
     except ValueError as e:  # transformers before the per-state LinearAttentionLayer: refused with the fix
@@ -134,31 +128,14 @@ def _states(layer) -> list[torch.Tensor]:
     return held
 
 
-def _assert_same_decoding(out, ref, label: str = "") -> None:
-    assert torch.equal(out.sequences, ref.sequences), label
-    for a, b in zip(out.logits, ref.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_covering_budget_decodes_the_stock_models_tokens(family):
-    model = _model(family)
-    x = _ids(40)
-    kw = {"max_new_tokens": 5, **GREEDY}
-    with torch.no_grad():
-        stock = model.generate(x, **kw)
-    out, cache = kvcake.generate(model, x, "cake-adakv", budget=64, window=8, **kw)
-    _assert_same_decoding(out, stock)
+    cache = assert_a_covering_budget_decodes_the_stock_models(_model(family))
     types = [type(layer) for layer in cache.layers]
     assert types.count(RecurrentLayer) == 2 and (EmptyLayer in types) == (family == "nemotron_h")
-    assert cache.budgets.shape == (1, 2) and (cache.budgets == 40).all()
-    # left padding: the model masks it out of its recurrent layers; kvcake's attention over the kept entries
-    batch = torch.cat([x, torch.cat([torch.zeros(1, 3, dtype=torch.long), x[:, :-3]], 1)])
-    mask = (torch.arange(40) >= torch.tensor([[0], [3]])).long()
-    with torch.no_grad():
-        stock = model.generate(batch, attention_mask=mask, **kw)
-    out, _ = kvcake.generate(model, batch, "cake-adakv", budget=64, window=8, attention_mask=mask, **kw)
-    _assert_same_decoding(out, stock, "left-padded")
+    assert (
+        cache.budgets.shape == (1, 2) and (cache.budgets == 40).all()
+    )  # (the recurrent layers: padding masked)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -315,42 +292,17 @@ def test_a_transformers_without_the_per_state_layer_is_refused_with_the_fix(monk
         describe_model(model)
 
 
-def _count_graph(graphs: list, gm, example_inputs):  # a torch.compile backend: counts, runs eagerly
-    graphs.append(gm)
-    return gm.forward
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
 def test_a_decode_step_compiles_whole_and_equals_eager(family):
     """``torch.compile(fullgraph=True)`` over 24 steps: at most 2 graphs (the second, the growing mask's
     length made symbolic), logits as eager's, for a cache holding recurrent states beside static layers."""
     model = _model(family)
-    runs = []
-    for compiled in (True, False):
-        torch._dynamo.reset()
-        graphs = []
-        backend = functools.partial(_count_graph, graphs)
-        step = torch.compile(model.forward, backend=backend, fullgraph=True) if compiled else model.forward
-        ids = _ids(40, seed=8, batch=2)
-        mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        cache = kvcake.KVCakeCache(model, "cake-adakv", budget=BUDGET, window=4, max_cache_len=40 + 24)
-        logits = []
-        with kvcake.enable(model), torch.no_grad():
-            out = model(ids, attention_mask=mask, **with_cache(model, cache))
-            tok = out.logits[:, -1:].argmax(-1)
-            for _ in range(24):
-                mask = torch.cat([mask, torch.ones_like(tok)], 1)
-                out = step(
-                    tok,
-                    attention_mask=mask,
-                    **with_cache(model, cache),
-                    position_ids=mask.cumsum(-1)[:, -1:] - 1,
-                )
-                tok = out.logits[:, -1:].argmax(-1)
-                logits.append(out.logits[:, -1])
-        runs.append((len(graphs), torch.stack(logits)))
-    (graphs, compiled), (_, eager) = runs
+    ids = _ids(40, seed=8, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    graphs, compiled, eager = compiled_and_eager_decoding(
+        model, "cake-adakv", ids, mask, 24, budget=BUDGET, window=4
+    )
     assert 1 <= graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
