@@ -19,6 +19,7 @@ import torch
 
 import kvcake
 from kvcake.adapters import describe_model
+from kvcake.layer_types import layer_windows
 from kvcake.sliding import SlidingLayer
 from shared_checks import (
     GREEDY,
@@ -56,6 +57,14 @@ def test_chunked_layers_are_kept_and_the_full_attention_ones_compressed():
     assert info.compressed_layers == (3, 7)
     cache = kvcake.KVCakeCache(model, "snapkv", budget=12, window=4)
     assert [layer.chunked for layer in cache.layers if isinstance(layer, SlidingLayer)] == [True] * 6
+
+
+def test_a_model_whose_every_layer_is_chunked_is_refused():
+    """Nothing to compress: its cache is bounded by the chunk already."""
+    config = _llama4(layers=2).config
+    config.layer_types = ["chunked_attention"] * 2
+    with pytest.raises(ValueError, match=r"every layer uses chunked attention \(window 16\)"):
+        layer_windows(config, "llama4_text")
 
 
 @pytest.mark.parametrize("static", [True, False])

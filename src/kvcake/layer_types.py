@@ -11,6 +11,7 @@ from .recurrent import RECURRENT_TYPES, check_supported
 # Layer types attending a bounded span, which transformers holds in a sliding-window layer (the
 # chunk size in its "sliding_window" keyword for a chunked one)
 WINDOWED = ("sliding_attention", "chunked_attention")
+_NAMES = {"sliding_attention": "sliding-window", "chunked_attention": "chunked"}
 
 try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -20,13 +21,13 @@ except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the c
 
 def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
     """Per layer, the sliding window or the chunk (a sliding or chunked layer, left to transformers:
-    :func:`chunked_layers` says which) or None (a
-    full-attention layer, compressed by kvcake, or a layer holding no keys: :func:`recurrent_layers`),
-    read with transformers' own ``get_layer_types_and_kwargs`` (which also infers the types of
-    configs without ``layer_types`` from ``sliding_window`` / ``attention_chunk_size``).
+    :func:`chunked_layers` says which), or None (a full-attention layer, compressed by kvcake, or a
+    layer holding no keys: :func:`recurrent_layers`), read with transformers' own
+    ``get_layer_types_and_kwargs`` (which also infers the types of configs without ``layer_types``
+    from ``sliding_window`` / ``attention_chunk_size``).
 
-    Raises ``ValueError`` for KV sharing and unknown layer types, and for a model none of whose attention
-    layers is full attention: its cache is already bounded and there is nothing to compress."""
+    Raises ``ValueError`` for KV sharing and unknown layer types, and for a model none of whose
+    attention layers is full attention: its cache is already bounded, nothing to compress."""
     types, kwargs = _layer_types(text)
     max_pos = getattr(text, "max_position_embeddings", None) or 1 << 30
     windows: list[int | None] = []
@@ -63,8 +64,9 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
             f"{mtype}: no layer of this model attends over its keys: kvcake has nothing to compress"
         )
     if all(w is not None for w in attending):
+        kinds = " and ".join(sorted({_NAMES[kind] for kind in types if kind in WINDOWED}))
         raise ValueError(
-            f"{mtype}: every layer uses sliding-window attention (window {attending[0]}), so its cache is "
+            f"{mtype}: every layer uses {kinds} attention (window {attending[0]}), so its cache is "
             "already bounded and kvcake has no full-attention layer to compress; use transformers' "
             "DynamicCache, or set config.sliding_window=None if the model was trained without it"
         )
