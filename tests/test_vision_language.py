@@ -18,7 +18,8 @@ from packaging.version import Version
 import kvcake
 from kvcake.adapters import TOKEN_INPUTS
 from kvcake.cross import CrossLayer
-from test_families import GREEDY, HEAD16, _assert_same_decoding
+from shared_checks import GREEDY, assert_same_decoding
+from test_families import HEAD16
 
 IMAGE = 299  # the image token of every model here (vocabulary 300)
 
@@ -171,7 +172,7 @@ def test_gemma3_with_an_image_decodes_in_the_ring():
         assert cache.static and (cache.budgets.sum(dim=1) == 24).all(), preset
         torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
         dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
-        _assert_same_decoding(out, dynamic, preset)
+        assert_same_decoding(out, dynamic, preset)
 
 
 def _llava_with_an_image():
@@ -442,7 +443,7 @@ def test_vision_language_models_with_an_image(name):
     with torch.no_grad():
         stock = model.generate(input_ids=x, **kw, **image)
     out, _ = kvcake.generate(model, x, "cake-adakv", budget=64, window=4, **kw, **image)
-    _assert_same_decoding(out, stock)
+    assert_same_decoding(out, stock)
     out, cache = kvcake.generate(model, x, "critical-adakv", budget=12, window=4, **kw, **image)
     assert out.sequences.shape == (1, 44) and int(cache.budgets.sum()) == 12 * cache.budgets.shape[1]
     torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)  # the prefill's own
@@ -549,7 +550,7 @@ def test_mllama_keeps_the_image_states_of_its_cross_attention_layers_whole():
         assert cache.compressed == (0, 2, 4) and cache.budgets.tolist() == [[12, 12, 12]], preset
         torch.testing.assert_close(out.logits[0], stock.logits[0], atol=1e-5, rtol=1e-5)
         dynamic, _ = kvcake.generate(model, x, preset, budget=12, window=4, static=False, **kw, **image)
-        _assert_same_decoding(out, dynamic, preset)
+        assert_same_decoding(out, dynamic, preset)
         for i in (1, 3):
             assert isinstance(cache.layers[i], CrossLayer)
             assert torch.equal(cache.layers[i].keys, full.layers[i].keys)
@@ -569,7 +570,7 @@ def test_mllama_without_an_image_and_with_beams(tmp_path):
     with torch.no_grad():
         stock = model.generate(input_ids=text, **kw)
     out, cache = kvcake.generate(model, text, "snapkv", budget=64, window=4, **kw)
-    _assert_same_decoding(out, stock)
+    assert_same_decoding(out, stock)
     assert cache.kv_bytes_parts().cross == 0
     ctx = kvcake.compress(model, text[:, :26], "snapkv", budget=12, window=4)
     ctx.save(tmp_path / "text.kvc")
@@ -595,11 +596,11 @@ def test_kosmos2_decodes_in_static_storage_and_answers_a_context():
     with torch.no_grad():
         stock = model.generate(input_ids=x, **kw, **image)
     out, cache = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw, **image)
-    _assert_same_decoding(out, stock)
+    assert_same_decoding(out, stock)
     assert cache.static and not cache.is_compileable
     small, _ = kvcake.generate(model, x, "cake-adakv", budget=12, window=4, **kw, **image)
     dynamic, _ = kvcake.generate(model, x, "cake-adakv", budget=12, window=4, static=False, **kw, **image)
-    _assert_same_decoding(small, dynamic)
+    assert_same_decoding(small, dynamic)
     with pytest.raises(ValueError, match="kosmos_2_text_model builds its masks from a 2-D padding mask"):
         kvcake.generate(model, x, "snapkv", budget=12, window=4, max_new_tokens=2, compile=True, **image)
     n = 36
