@@ -169,16 +169,25 @@ def copy_states(source, target: RecurrentLayer | EmptyLayer) -> None:
     if isinstance(target, EmptyLayer):
         return
     for i in range(target.number_of_states):
-        conv, rec = source.conv_states[i], source.recurrent_states[i]
-        if conv is not None:
-            target.lazy_initialization(
-                conv_states=conv, state_idx=i, conv_kernel_size=source.conv_kernel_size[i]
-            )
-            target.conv_states[i].copy_(conv)
-        if rec is not None:
-            target.lazy_initialization(recurrent_states=rec, state_idx=i)
-            target.recurrent_states[i].copy_(rec)
-        target.has_previous_state[i] = source.has_previous_state[i]
+        err = _put_state(target, i, source.conv_states[i], source.recurrent_states[i],
+                         source.conv_kernel_size[i], source.has_previous_state[i])  # fmt: skip
+        if err:
+            raise ValueError(f"the full cache's layer does not fit: {err}")
+
+
+def _put_state(layer: RecurrentLayer, i: int, conv, rec, kernel: int | None, seen: bool) -> str | None:
+    """Give state ``i`` of ``layer`` copies of ``conv`` and ``rec`` (either may be None, as in a layer
+    that never wrote it) and its seen flag; returns what does not fit, or None."""
+    if conv is not None:
+        layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=kernel)
+        if layer.conv_states[i].shape != conv.shape:
+            return f"conv state {i} {tuple(conv.shape)} does not fit {tuple(layer.conv_states[i].shape)}"
+        layer.conv_states[i].copy_(conv)
+    if rec is not None:
+        layer.lazy_initialization(recurrent_states=rec, state_idx=i)
+        layer.recurrent_states[i].copy_(rec)
+    layer.has_previous_state[i] = bool(seen)
+    return None
 
 
 def recurrent_entry(layer: RecurrentLayer | EmptyLayer) -> dict:
@@ -212,12 +221,9 @@ def recurrent_tensors(layer: RecurrentLayer | EmptyLayer, prefix: str) -> dict[s
 
 def restore_recurrent(layer, tensors: dict, prefix: str, entry: dict, device) -> str | None:
     """Load a saved recurrent layer into ``layer``; returns what does not fit, or None."""
-    if isinstance(layer, EmptyLayer) or entry.get("layout") == "empty":
-        return (
-            None
-            if isinstance(layer, EmptyLayer) and entry.get("layout") == "empty"
-            else "not a block without attention"
-        )
+    saved_empty = entry.get("layout") == "empty"
+    if saved_empty or isinstance(layer, EmptyLayer):
+        return None if saved_empty and isinstance(layer, EmptyLayer) else "not a block without attention"
     if not isinstance(layer, RecurrentLayer):
         return f"a recurrent layer where the model has {type(layer).__name__}"
     states = entry.get("states") or []
@@ -227,15 +233,8 @@ def restore_recurrent(layer, tensors: dict, prefix: str, entry: dict, device) ->
         conv, rec = tensors.get(f"{prefix}conv.{i}"), tensors.get(f"{prefix}recurrent.{i}")
         if saved["conv"] != (conv is not None) or saved["recurrent"] != (rec is not None):
             return f"state {i}'s tensors are missing"
-        if conv is not None:
-            layer.lazy_initialization(
-                conv_states=conv.to(device), state_idx=i, conv_kernel_size=saved["kernel"]
-            )
-            if layer.conv_states[i].shape != conv.shape:
-                return f"conv state {i} {tuple(conv.shape)} does not fit {tuple(layer.conv_states[i].shape)}"
-            layer.conv_states[i].copy_(conv)
-        if rec is not None:
-            layer.lazy_initialization(recurrent_states=rec.to(device), state_idx=i)
-            layer.recurrent_states[i].copy_(rec)
-        layer.has_previous_state[i] = bool(saved["seen"])
+        conv, rec = (None if t is None else t.to(device) for t in (conv, rec))
+        err = _put_state(layer, i, conv, rec, saved["kernel"], saved["seen"])
+        if err:
+            return err
     return None

@@ -268,8 +268,8 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
     sliding = compressed = full = entries = full_entries = cross = recurrent = 0
     for layer in cache.layers:
         if isinstance(layer, RecurrentLayer):  # a linear-attention layer's states, as a full cache's
-            recurrent += layer.kv_bytes()
-            full += layer.kv_bytes()
+            states = layer.kv_bytes()
+            recurrent, full = recurrent + states, full + states
             continue
         if layer.keys is None:
             continue

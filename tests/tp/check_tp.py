@@ -266,15 +266,11 @@ def main() -> int:
                 bad = check(preset, full, tp, ids, mask, static, rank, world)
                 if bad:
                     failed[f"{kind} {preset}{' static' if static else ''}"] = bad
-        for preset in (
-            presets if hybrid else HYBRID_PRESETS
-        ):  # float8 storage: the scales over every rank's heads
+        for preset in HYBRID_PRESETS:  # float8 storage: the scales over every rank's heads
             bad = check(preset, full, tp, ids, mask, True, rank, world, kv_dtype="fp8")
             if bad:
                 failed[f"{kind} {preset} fp8"] = bad
-        for preset in (
-            presets if hybrid else HYBRID_PRESETS
-        ):  # beam search: each rank reorders its heads' rows alike
+        for preset in HYBRID_PRESETS:  # beam search: each rank reorders its heads' rows alike
             beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
             if not torch.equal(*beams):
                 failed[f"{kind} {preset} beams"] = [f"{beams[1].tolist()} vs {beams[0].tolist()}"]
