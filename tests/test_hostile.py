@@ -269,7 +269,7 @@ def _build(config):
         cls = {
             "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
-            "deepseek_v3": tf.DeepseekV3ForCausalLM, "bloom": tf.BloomForCausalLM,
+            "bloom": tf.BloomForCausalLM,
             "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM,
         }[config.model_type]  # fmt: skip
@@ -304,28 +304,6 @@ UNSUPPORTED = {
             decoder_ffn_dim=128,
         ),  # fmt: skip
         "bart: encoder-decoder models .cross-attention. are not supported by kvcake",
-    ),
-    "deepseek-v3-mla": (
-        lambda: tf.DeepseekV3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-        ),
-        r"deepseek_v3: latent attention \(MLA\) is not supported by kvcake: it has no per-head keys",
     ),
     "gemma3n-kv-sharing": (  # its last 2 layers read the keys of the last earlier layer of their type
         lambda: tf.Gemma3nTextConfig(

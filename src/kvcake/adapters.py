@@ -72,6 +72,9 @@ class ModelInfo:
     recurrent: tuple[tuple[int, int], ...] = ()
     # Layers attending within chunks (Llama 4), among those ``windows`` gives a window (the chunk).
     chunked: tuple[int, ...] = ()
+    # Latent attention (MLA, ``kvcake.latent``): (kv_lora_rank, qk_rope_head_dim), the widths of its
+    # layers' keys (the latent c) and values (the rotated key part), one KV head; None otherwise.
+    latent: tuple[int, int] | None = None
 
     @property
     def groups(self) -> int:
@@ -93,8 +96,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     """Check that kvcake can compress this model and return its shapes.
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
-    layer slides (nothing to compress), encoder-decoders, latent attention (MLA: no
-    per-head keys to evict), models without attention (Mamba), KV sharing across layers (Gemma 3n),
+    layer slides (nothing to compress), encoder-decoders, latent attention (MLA) not in the form
+    ``kvcake.latent`` reads (:func:`check_latent`), models without attention (Mamba), KV sharing
+    across layers (Gemma 3n),
     and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, Falcon-H1's
     attention beside Mamba). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
     Sliding and chunked layers of a hybrid are reported in ``windows`` (the chunked ones also in
@@ -112,11 +116,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         raise ValueError(
             f"{mtype}: {_REFUSED_FAMILIES[mtype]}, which kvcake does not support; use a DynamicCache for this model"
         )
-    for attr in ("kv_lora_rank", "q_lora_rank"):
-        if getattr(text, attr, None):
-            raise ValueError(
-                f"{mtype}: latent attention (MLA) is not supported by kvcake: it has no per-head keys"
-            )
+    latent = latent_dims(text)
+    if latent is not None:
+        check_latent(model, mtype)
     terms = model_terms(model)
     if terms and (config._attn_implementation or "").removeprefix("kvcake_") == "sdpa":
         raise ValueError(
@@ -136,8 +138,8 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     num_heads = getattr(text, "num_attention_heads", None)
     if num_heads is None:
         raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
-    num_kv = getattr(text, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_kv = 1 if latent else getattr(text, "num_key_value_heads", None) or num_heads  # MLA: one latent
+    head_dim = latent[0] if latent else getattr(text, "head_dim", None) or text.hidden_size // num_heads
     cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
     return ModelInfo(
         mtype,
@@ -151,7 +153,45 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         mtype in _OWN_MASKS,
         recurrent,
         chunked_layers(text),
+        latent,
     )
+
+
+def latent_dims(text_config) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a latent-attention (MLA) model's config, else None."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    return (int(rank), int(text_config.qk_rope_head_dim)) if rank else None
+
+
+def check_latent(model: torch.nn.Module, mtype: str) -> None:
+    """Raise ``ValueError`` where a latent-attention model is not in the form kvcake reads
+    (``kvcake.latent``): the latents cached and expanded after ``cache.update`` (``expand_kv``),
+    through a float ``kv_b_proj`` without bias, and no sparse-attention indexer beside them."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("Indexer"):  # DeepSeek V3.2, GLM-5: the cache holds the indexer's keys too
+            raise ValueError(
+                f"{mtype}: its sparse attention keeps an indexer's keys in the cache beside the latents "
+                f"({name}), which kvcake would have to evict alike and does not; use a DynamicCache"
+            )
+        proj = getattr(module, "kv_b_proj", None)
+        if proj is None:
+            continue
+        if not callable(getattr(module, "expand_kv", None)):
+            raise ValueError(
+                f"{mtype}: transformers {transformers.__version__} caches latent attention's per-head keys "
+                "and values, not its latents, which kvcake compresses: upgrade transformers (5.24 is tested)"
+            )
+        weight = getattr(proj, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+            raise ValueError(
+                f"{mtype}: kvcake reads latent attention through {name}.kv_b_proj's weight, which is not a "
+                "float matrix here (quantized): load the model with kv_b_proj unquantized"
+            )
+        if getattr(proj, "bias", None) is not None:
+            raise ValueError(
+                f"{mtype}: {name}.kv_b_proj has a bias, which kvcake's latent attention leaves out"
+            )
 
 
 def projection_module(module: torch.nn.Module) -> torch.nn.Module | None:

@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
+from .latent import absorb, expand_output
 from .logit_terms import LogitTerms, model_terms
 from .sdpa import check_policy, sdpa_policy
 from .sliding import SlidingLayer, visible_keys
@@ -136,7 +137,7 @@ def _make_attention(inner_name: str):
             # the same attention and its scores in one pass), then score and evict
             valid = key_validity(attention_mask, query.shape[0], key.shape[-2], key.device)
             fused = None
-            if inner_name == "sdpa" and _plain_sdpa(module, dropout, kwargs):
+            if inner_name == "sdpa" and _plain_sdpa(module, dropout, kwargs) and not layer.latent:
                 fused = cache.prompt_attention(layer_idx, query, key, value, attention_mask, valid, scaling)
             if fused is None:
                 out = inner(
@@ -148,19 +149,21 @@ def _make_attention(inner_name: str):
             cache.after_prefill_attention(layer_idx, module, query, valid, scaling, sums, terms)
             return out
         want = cache.wants_probs(layer_idx, q)
+        held = absorb(module, query) if layer.latent else query  # the query over the layer (kvcake.latent)
         if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
             out = inner(  # so the output rounds exactly as a full cache's (bf16 on CUDA: a float32
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )  # attention here flipped a near-tied greedy token of h2o's, H100, 2026-11-26)
             if want:  # the scorer's probabilities beside it (H2O's sums accumulate from the first step)
-                cache.after_extend_attention(layer_idx, layer.attend(query, scaling, True, terms)[1])
+                cache.after_extend_attention(layer_idx, layer.attend(held, scaling, True, terms)[1])
             if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
                 cache.lay_out_after_append(layer_idx)
             return out
-        out, probs = layer.attend(query, scaling, want, terms)
+        out, probs = layer.attend(held, scaling, want, terms)
         cache.after_extend_attention(layer_idx, probs)
         if q > 1:  # a multi-token append (a context's question): back into static storage now
             cache.lay_out_after_append(layer_idx)
+        out = expand_output(module, out) if layer.latent else out  # (B, q, H, d_v)
         return out.to(query.dtype), None
 
     kvcake_attention.__name__ = f"{PREFIX}{inner_name}"

@@ -21,10 +21,9 @@ and the 2-D padding mask in logical columns; the attention maps them onto the ph
 entries through their stored positions.
 
 Hybrid models (Gemma 3): sliding-window layers get transformers' own sliding layer
-(``sliding.py``) and are never scored or evicted; "layers" in budgets, allocation and the
-cascade mean the ``L_g`` full-attention layers (``info.compressed_layers``), in model order:
-``budgets`` is ``(B, L_g)``, ``budget=128`` keeps 128 entries per global layer.
-"""
+(``sliding.py``), never scored or evicted; "layers" in budgets, allocation and the cascade mean
+the ``L_g`` full-attention layers (``info.compressed_layers``), in model order: ``budgets`` is
+``(B, L_g)``, ``budget=128`` keeps 128 entries per global layer."""
 
 from __future__ import annotations
 
@@ -126,11 +125,13 @@ class KVCakeCache(RecurrentStates, Cache):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
         self.method = method if isinstance(method, Method) else make_method(method, **budget_kwargs)
         self.model_type = self.info.model_type
+        from .latent import LatentLayer
         from .layer import KVCakeLayer
 
+        full = LatentLayer if self.info.latent else KVCakeLayer  # a full-attention layer (MLA: kvcake.latent)
         windows, keyless = self.info.windows or (None,) * self.info.num_layers, dict(self.info.recurrent)
         super().__init__(layers=[keyless_layer(keyless[i]) if i in keyless else CrossLayer() if i in self.info.cross
-                                 else KVCakeLayer() if w is None else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
+                                 else full() if w is None else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
         self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
         self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None
@@ -320,8 +321,7 @@ class KVCakeCache(RecurrentStates, Cache):
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes of keys and values the cache holds now (sliding layers included): with static
-        storage, the reserved capacity too (empty slots are allocated memory)."""
+        """Bytes of keys and values held now (sliding layers too; static storage's capacity included)."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def kv_bytes_parts(self) -> KVBytes:

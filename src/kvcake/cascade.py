@@ -34,6 +34,7 @@ from .allocators import AllocationRequest, preference
 from .devices import HostRead
 from .fp8 import encode_layer
 from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
+from .latent import absorb, output_weight
 from .logit_terms import PLAIN, LogitTerms
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
@@ -81,8 +82,11 @@ def prefill_stage(
         from tqdm.auto import tqdm
 
         cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
+    if layer.latent:  # latent attention (MLA): scored in the absorbed form, over [c; k_rot] (kvcake.latent)
+        query = absorb(module, query)
+    keys, values = layer.operands()
     inputs = PrefillInputs(
-        query=query, keys=layer.keys, values=layer.values, key_valid=key_valid,
+        query=query, keys=keys, values=values, key_valid=key_valid,
         window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
     )  # fmt: skip
     layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
@@ -91,7 +95,8 @@ def prefill_stage(
     on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
     if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
         # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
-        cache.o_weights[layer_idx] = local_weight(output_projection(module, layer.values))
+        weight = output_projection(module, values)
+        cache.o_weights[layer_idx] = local_weight(output_weight(module, weight) if layer.latent else weight)
     stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
     last = g == len(cache.compressed) - 1
     winners = None
@@ -312,9 +317,10 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
     if counts is None and not (gather and not first_norms):
         counts = to_device(counts_host, dev)
     if first_norms:
-        heads = cache.info.groups * layer.values.shape[1]  # this rank's query heads under tensor parallelism
+        values = layer.operands()[1]
+        heads = cache.info.groups * values.shape[1]  # this rank's query heads under tensor parallelism
         steps = pending_norms.norm_steps(
-            m.selector, layer.values, cache.o_weights.pop(layer_idx), heads, scores, counts, cache.split,
+            m.selector, values, cache.o_weights.pop(layer_idx), heads, scores, counts, cache.split,
             int(counts_host.max()),
         )  # fmt: skip
         if (norms := pending_norms.begin(cache, layer_idx, budget, steps, entry)) is None:

@@ -41,7 +41,8 @@ def dense_attention(
     allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with nothing visible (padding) stays finite
     allowed = allowed[:, :, None].expand(b, hkv, g, q, n).reshape(b, hkv, g * q, n)
     out, probs = folded_attention(qs, keys, values, allowed, scaling, q, return_probs, terms)
-    return out.reshape(b, h, q, d).transpose(1, 2), None if probs is None else probs.reshape(b, h, q, n)
+    out = out.reshape(b, h, q, values.shape[-1]).transpose(1, 2)  # (B, q, H, d_v)
+    return out, None if probs is None else probs.reshape(b, h, q, n)
 
 
 def folded_attention(

@@ -77,6 +77,11 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
         )
     if name is not None and model is not None:
         check_devices({p.device for p in model.parameters()})
+        if getattr(model.config.get_text_config(), "kv_lora_rank", None):
+            raise ValueError(
+                "kv_dtype='fp8' is not supported for latent attention (MLA, kvcake.latent): its latents are "
+                "kept in the model's dtype; leave kv_dtype=None"
+            )
     return name
 
 

@@ -10,9 +10,7 @@ prompt plus generated text: RoPE was applied with it and the causal mask is deci
   budget covering the prompt changes nothing, bit for bit.
 * ``ragged``: keys/values ``(T, d)`` flattened over (sequence, KV head) segments with
   per-segment lengths (see ``ragged.py``); its bytes are the sum of the per-head budgets.
-
-Eviction state kept during prefill (scores, value norms) shrinks with the entries.
-"""
+Eviction state kept during prefill (scores, value norms) shrinks with the entries."""
 
 from __future__ import annotations
 
@@ -46,6 +44,7 @@ class KVCakeLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
     counts_lag = False  # compiled steps counted on the device only (``steps``): see ``counts``
+    latent = False  # latent attention (MLA): the attention reads ``operands``, not the entries as held
 
     def __init__(self) -> None:
         super().__init__()
@@ -360,19 +359,17 @@ class KVCakeLayer(CacheLayerMixin):
 
     # -- attention over what the layer holds ---------------------------------------------------
     def attend(self, query: torch.Tensor, scaling: float, return_probs: bool, terms=PLAIN):
-        """Attention of the newest ``q`` query rows over the held entries.
-
-        query: (B, H, q, d); terms: the model's soft cap and sinks (``kvcake.logit_terms``).
-        Returns the output (B, q, H, d) and, if asked, the probabilities (B, H, q, N) in float32
-        over the padded view (0 on empty slots); a static layer (one new token) returns them as
-        (B, H_kv, G, N) (its ``step.attend``)."""
+        """Attention of the newest ``q`` query rows (B, H, q, d) over the held entries (``operands``); terms:
+        the model's soft cap and sinks (``kvcake.logit_terms``). Returns the output (B, q, H, d_v) and, if asked,
+        the probabilities (B, H, q, N) in float32, 0 on empty slots; static storage's (one token): (B, H_kv, G, N)."""
         b, h, q, d = query.shape
         if self.static is not None:  # one new token over static storage
             return self.step.attend(self, query, scaling, return_probs, terms)
         qpos = torch.arange(self.length - q, self.length, device=query.device)[None, :].expand(b, q)
+        keys, values = self.operands()
         query, keys, values, value_scale = folded(
-            self, query, self.keys, self.values, self.positions, fp8.ring_base(self)
-        )  # (float8: fp8.py)
+            self, query, keys, values, self.positions, fp8.ring_base(self)
+        )
         if self.layout == "ragged":
             out, probs = ragged_attention(
                 query, keys, values, self.positions, self.meta, qpos, scaling, return_probs, terms
@@ -383,9 +380,12 @@ class KVCakeLayer(CacheLayerMixin):
             out, probs = dense_attention(query, keys, values, self.positions, qpos, scaling, return_probs, terms)  # fmt: skip
         return scaled(out, value_scale), probs
 
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the attention reads: those held (a latent layer's: ``kvcake.latent``)."""
+        return self.keys, self.values
+
     def kv_bytes(self) -> int:
-        """Bytes of keys and values actually held: empty dense slots and the reserved capacity
-        of static storage included (they are allocated memory)."""
+        """Bytes of keys and values held: empty dense slots and static storage's capacity included."""
         if self.keys is None:
             return 0
         held = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()

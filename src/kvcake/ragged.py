@@ -107,9 +107,10 @@ def ragged_attention_reference(
     if sink is not None:
         total = total + torch.exp(sink - seg_max)
     probs = weights / total.clamp(min=1e-30)  # (S, n, G*q)
-    vals = torch.zeros(n_seg, n, d, dtype=acc, device=keys.device).index_put((seg, local), values.to(acc))
-    out = torch.einsum("snr,snd->srd", probs, vals)  # (S, G*q, d)
-    out = out.reshape(b, hkv, g, q, d).reshape(b, h, q, d).transpose(1, 2).to(query.dtype)
+    dv = values.shape[-1]  # d, or a latent layer's narrower values (kvcake.latent)
+    vals = torch.zeros(n_seg, n, dv, dtype=acc, device=keys.device).index_put((seg, local), values.to(acc))
+    out = torch.einsum("snr,snd->srd", probs, vals)  # (S, G*q, d_v)
+    out = out.reshape(b, hkv, g, q, dv).reshape(b, h, q, dv).transpose(1, 2).to(query.dtype)
     return out, (probs[seg, local].reshape(-1, g, q) if return_probs else None)  # (T, G, q)
 
 
@@ -125,10 +126,12 @@ def ragged_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Dispatch for the dynamic (compact) layout: a variable-length kernel on CUDA
     (``kvcake.varlen.choose_route``) when neither probabilities nor logit terms are needed (the
-    kernels have no soft cap or sink), else the PyTorch reference. Same arguments and result as
+    kernels have no soft cap or sink, and want keys and values of one width: a latent layer's
+    differ, ``kvcake.latent``), else the PyTorch reference. Same arguments and result as
     ``ragged_attention_reference``. Static storage calls the kernel itself, with each segment's
     used prefix (``kvcake.step.ragged.attend``)."""
-    route = choose_route(query.device, query.dtype) if not return_probs and terms.fused else "reference"
+    fits = not return_probs and terms.fused and keys.shape[-1] == values.shape[-1]
+    route = choose_route(query.device, query.dtype) if fits else "reference"
     if route != "reference":
         return varlen_attention(query, keys, values, meta.offsets, meta.max_len, scaling, route=route), None
     return ragged_attention_reference(

@@ -88,6 +88,12 @@ def find_split(model: torch.nn.Module) -> HeadSplit | None:
                 )
             if mesh.size(dim) == 1:
                 return None
+            text = model.config.get_text_config()
+            if getattr(text, "kv_lora_rank", None):  # every rank holds the whole latent (kvcake.latent)
+                raise ValueError(
+                    f"{text.model_type}: kvcake does not compress latent attention (MLA) under tensor "
+                    "parallelism (each rank's heads would score the shared latents apart); load it on one process"
+                )
             return HeadSplit(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
     return None
 

@@ -144,7 +144,7 @@ def fused_attention(
     b, h, _, d = query.shape
     qs = query.reshape(b, keys.shape[1], h // keys.shape[1], d)  # (B, H_kv, G, d)
     out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scaling)
-    return out.reshape(b, 1, h, d), None  # (B, H_kv, G, d) -> (B, 1, H, d)
+    return out.reshape(b, 1, h, values.shape[-1]), None  # (B, H_kv, G, d_v) -> (B, 1, H, d_v)
 
 
 def attention_with_probs(
@@ -162,7 +162,7 @@ def attention_with_probs(
     hkv = keys.shape[0] // b
     probs = _probs(query, keys, mask, scaling, terms)  # (B*H_kv, G, N)
     out = torch.bmm(probs, values.to(probs.dtype)).to(query.dtype)
-    return out.reshape(b, 1, h, d), probs.reshape(b, hkv, h // hkv, keys.shape[1])
+    return out.reshape(b, 1, h, values.shape[-1]), probs.reshape(b, hkv, h // hkv, keys.shape[1])
 
 
 def attention_probs(

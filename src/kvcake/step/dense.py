@@ -83,9 +83,8 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     at = layer.free.unsqueeze(-1)  # fixed: one column per head, (B, H_kv, 1, 1)
     if layer.bias is not None:
         layer.bias.scatter_(3, at, 0.0)
-    at = at.expand_as(k)  # (B, H_kv, 1, d)
-    layer.keys.scatter_(2, at, k)
-    layer.values.scatter_(2, at, v)
+    layer.keys.scatter_(2, at.expand_as(k), k)  # (B, H_kv, 1, d)
+    layer.values.scatter_(2, at.expand_as(v), v)  # (a latent layer's values are narrower: kvcake.latent)
     layer.positions.scatter_(2, layer.free, layer.newest)
 
 
@@ -100,9 +99,7 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms
     CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
     (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32.
     With a soft cap or sinks (``terms``, ``kvcake.logit_terms``) both come from the explicit softmax."""
-    query, keys, values, value_scale = folded(
-        layer, query, layer.keys, layer.values, layer.positions
-    )  # (fp8.py)
+    query, keys, values, value_scale = folded(layer, query, *layer.operands(), layer.positions)  # (fp8.py)
     b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
     mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
     if not terms.fused:

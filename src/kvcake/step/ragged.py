@@ -99,7 +99,8 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     # The stored entries of a segment are a prefix of its slots whenever the layer attends (a
     # victim's slot is the next token's), so ``seq_used`` (S,) counts them: +1 per append,
     # at most ``cap - 1`` after an eviction (the free slot). Kept only on that route.
-    layer.varlen_route = choose_route(dev, layer.dtype, seqused=True)
+    # (a latent layer's keys and values differ in width, which the kernels do not take: kvcake.latent)
+    layer.varlen_route = "reference" if layer.latent else choose_route(dev, layer.dtype, seqused=True)
     if layer.varlen_route != "reference":
         layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
         layer.seq_used = to_device(counts.reshape(-1), dev, torch.int32)  # (S,)
@@ -143,7 +144,7 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms
     if not explicit and layer.varlen_route != "reference":
         # each segment's stored prefix, read in place: no gather, no padding, no mask
         query, keys, values, value_scale = folded(
-            layer, query, layer.keys, layer.values, layer.positions, layer.slot_base
+            layer, query, *layer.operands(), layer.positions, layer.slot_base
         )  # (float8: fp8.py)
         out = varlen_attention(query, keys, values, layer.cu_k, layer.pad_index.shape[1], scaling,
                                seqused=layer.seq_used, route=layer.varlen_route)  # fmt: skip
@@ -152,7 +153,8 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms
     pos = base = None  # float8: the gathered entries' positions and rings (fp8.py)
     if layer.recent_base is not None:
         pos, base = layer.positions[rows], layer.recent_base.reshape(*rows.shape[:-1], 1)
-    query, keys, values, value_scale = folded(layer, query, layer.keys[rows], layer.values[rows], pos, base)
+    keys, values = layer.operands()
+    query, keys, values, value_scale = folded(layer, query, keys[rows], values[rows], pos, base)
     if not explicit:  # mask (B, H_kv, 1, M)
         b, hkv = layer.batch, layer.kv_heads
         mask = layer.pad_bias.reshape(b, hkv, 1, -1) if layer.bias is None else layer.bias[layer.pad_rows4]

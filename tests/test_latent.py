@@ -1,0 +1,200 @@
+"""Latent attention (MLA: DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, Youtu, and the linear-attention
+hybrids Kimi Linear and Bailing): kvcake compresses the latents the model caches, scoring and
+attending in the absorbed form (``kvcake.latent``). Tiny random models of the installed transformers;
+releases that cache the expanded keys (before 5.24) are refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+
+import kvcake
+from kvcake import KVCakeCache, with_cache
+from kvcake.latent import LatentLayer, absorb, expand_output, output_weight
+from kvcake.replay import Captured, capture_queries, replay_compress
+from shared_checks import (
+    GREEDY,
+    assert_a_covering_budget_decodes_the_stock_models,
+    compiled_and_eager_decoding,
+    tiny_model,
+)
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=12, max_position_embeddings=256, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)  # fmt: skip
+HYBRID = dict(num_hidden_layers=4, pad_token_id=0, eos_token_id=2,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])  # fmt: skip
+FAMILIES = {
+    "DeepseekV3Config": {},
+    "DeepseekV2Config": {},
+    "MiniCPM3Config": {},
+    "Glm4MoeLiteConfig": {},
+    "YoutuConfig": {},
+    "KimiLinearConfig": {
+        **HYBRID,
+        "bos_token_id": 1,
+        "linear_attn_config": {"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4},
+    },  # fmt: skip
+    "BailingHybridConfig": HYBRID,
+}
+
+
+def _model(name: str = "DeepseekV3Config", dtype=torch.float32) -> torch.nn.Module:
+    model = tiny_model(name, {**BASE, **FAMILIES[name]}).to(dtype)
+    attention = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
+    if not callable(getattr(attention, "expand_kv", None)):
+        with pytest.raises(ValueError, match="upgrade transformers"):
+            KVCakeCache(model, "snapkv", budget=16)
+        pytest.skip(f"transformers {transformers.__version__} caches MLA's expanded keys (refused, checked)")
+    return model
+
+
+def _prompt(n: int = 40, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_covering_budget_decodes_the_stock_models(name):
+    """The model's own attention over every latent alone; kvcake's absorbed attention over the stored
+    latents in the left-padded batch; the same greedy tokens and logits as the stock model's."""
+    cache = assert_a_covering_budget_decodes_the_stock_models(_model(name))
+    assert all(isinstance(cache.layers[i], LatentLayer) for i in cache.compressed)
+
+
+def test_the_absorbed_form_is_the_models_attention():
+    """float64: ``absorb``'s logits over ``[c; k_rot]`` are the expanded query's over the expanded keys,
+    ``expand_output`` of an output over ``c`` is the one over the expanded values, and the composite
+    projection's value norms (CriticalKV) are ``||W_O^h v_h||`` of the expanded values."""
+    model = _model(dtype=torch.float64)
+    attention = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
+    gen = torch.Generator().manual_seed(1)
+    c, rot = (
+        torch.randn(2, 1, 7, 16, generator=gen, dtype=torch.float64),
+        torch.randn(2, 1, 7, 8, generator=gen, dtype=torch.float64),
+    )
+    query = torch.randn(2, 4, 3, 16, generator=gen, dtype=torch.float64)  # (B, H, q, d_nope + d_rot)
+    keys, values = attention.expand_kv(c, rot)  # (B, H, 7, 16), (B, H, 7, 12)
+    logits = query @ keys.transpose(-1, -2)
+    absorbed = absorb(attention, query) @ torch.cat([c, rot], -1).transpose(-1, -2)
+    torch.testing.assert_close(absorbed, logits, rtol=1e-12, atol=1e-12)
+    probs = logits.softmax(-1)
+    out = (probs @ c).transpose(1, 2)  # (B, q, H, r)
+    torch.testing.assert_close(
+        expand_output(attention, out), (probs @ values).transpose(1, 2), rtol=1e-12, atol=1e-12
+    )
+    w_o = attention.o_proj.weight  # (hidden, H * d_v)
+    per_head = torch.einsum("ohv,bhnv->bhno", w_o.view(64, 4, 12), values).norm(dim=-1)  # (B, H, 7)
+    composite = output_weight(attention, w_o).view(64, 4, 16)
+    torch.testing.assert_close(torch.einsum("ohr,bnr->bhno", composite, c[:, 0]).norm(dim=-1), per_head)
+
+
+def _kept_as_dynamic_cache(model, ids, cache) -> DynamicCache:
+    """The stock model's cache of the prompt, each latent layer holding exactly kvcake's kept latents."""
+    with torch.no_grad():
+        stock = model(ids, use_cache=True).past_key_values
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
+        order = layer.positions.argsort(-1)[..., -held:]  # (B, 1, held): in position order
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            setattr(stock.layers[lid], name, t.gather(2, order[..., None].expand(*order.shape, t.shape[-1])))
+    return stock
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("spec", ["snapkv", "criticalkv", "h2o"])
+def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, static):
+    """16 of 40 latents kept: the next token's logits through the KVCakeCache (absorbed attention, the
+    dynamic layout or static storage) equal the stock model's over a DynamicCache holding exactly them."""
+    model = _model()
+    ids, nxt, at = _prompt(), torch.tensor([[5]]), torch.tensor([[40]])
+    cache = KVCakeCache(model, kvcake.make_method(spec, budget=16, window=4), static=static, max_cache_len=41)
+    with kvcake.enable(model), torch.no_grad():
+        model(ids, **with_cache(model, cache))
+    oracle = _kept_as_dynamic_cache(model, ids, cache)
+    assert [oracle.layers[i].keys.shape[2] for i in cache.compressed] == [16] * 3
+    with torch.no_grad():
+        want = model(nxt, **with_cache(model, oracle), position_ids=at).logits
+        with kvcake.enable(model):
+            got = model(nxt, **with_cache(model, cache), position_ids=at).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv", "criticalkv", "critical-adakv",
+                                  "h2o", "tova", "streamingllm", "pyramidkv", "defensivekv", "layer-defensivekv"])  # fmt: skip
+def test_every_preset_keeps_its_budgets_and_the_latents_bytes(spec):
+    """Budgets sum exactly over the latent layers; each kept token holds its latent and rotated key
+    alone (kv_lora_rank + qk_rope_head_dim elements), which is what the memory counts."""
+    model = _model("KimiLinearConfig")
+    out, cache = kvcake.generate(model, _prompt(48, 2), spec, budget=12, window=4, max_new_tokens=3, **GREEDY)
+    assert out.sequences.shape == (2, 51)
+    assert int(cache.budgets.sum()) == 12 * 2 * len(cache.compressed)
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        assert layer.keys.shape[-1] == 16 and layer.values.shape[-1] == 8
+        assert layer.kv_heads == 1 and layer.counts.shape == (2, 1)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "h2o", "adakv", "cake"])
+def test_compiled_steps_are_one_graph_and_equal_eager(spec):
+    """A left-padded batch decoding 12 steps in static storage: ``fullgraph=True`` captures the step in
+    at most 2 graphs (the second, the growing mask's length made symbolic), logits as eager's."""
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :6] = 0
+    graphs, compiled, eager = compiled_and_eager_decoding(
+        _model(), spec, _prompt(40, 2), mask, 12, budget=16, window=4
+    )
+    assert 1 <= graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_a_compressed_context_answers_saved_and_read_back(tmp_path):
+    """A document compressed alone answers a question, and the same after ``save`` and ``load``."""
+    model = _model()
+    ctx = kvcake.compress(model, _prompt(40), "snapkv", budget=12, window=4)
+    question = torch.tensor([[7, 8, 9]])
+    first = ctx.generate(question, max_new_tokens=4, **GREEDY)
+    ctx.save(tmp_path / "doc.kvc")
+    again = kvcake.load_context(model, tmp_path / "doc.kvc").generate(question, max_new_tokens=4, **GREEDY)
+    assert torch.equal(first.sequences, again.sequences)
+
+
+@pytest.mark.parametrize("spec", ["cake", "criticalkv"])
+def test_the_evals_replayed_prefill_equals_compress(spec):
+    """The eval's replay (``kvcake.replay``) hands the recorded, unabsorbed queries to the prefill hook,
+    which absorbs them as the kvcake attention's would: the same kept latents as ``kvcake.compress``."""
+    model, ids = _model("KimiLinearConfig"), _prompt(40)
+    captured, full = Captured(), DynamicCache(config=model.config)
+    with capture_queries(model, captured), torch.no_grad():
+        logits = model(ids, **with_cache(model, full), logits_to_keep=1).logits[:, -1]
+    method = kvcake.make_method(spec, budget=12, window=4)
+    got, ref = (
+        replay_compress(model, method, captured, full, ids, logits),
+        kvcake.compress(model, ids, method),
+    )
+    assert (got.cache.layer_counts() == ref.cache.layer_counts()).all()
+    for lid in ref.cache.compressed:
+        assert torch.equal(got.cache.layers[lid].positions, ref.cache.layers[lid].positions)
+    question = torch.tensor([[7, 8, 9]])
+    torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
+
+
+def test_what_is_not_supported_is_refused_with_the_reason():
+    model = _model()
+    with pytest.raises(ValueError, match="kv_dtype='fp8' is not supported for latent attention"):
+        KVCakeCache(model, "snapkv", budget=16, kv_dtype="fp8")
+    attention = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
+    proj = attention.kv_b_proj
+    attention.kv_b_proj = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
+    with pytest.raises(ValueError, match="kv_b_proj has a bias"):
+        KVCakeCache(model, "snapkv", budget=16)
+    attention.kv_b_proj = proj
+    indexed = tiny_model(
+        "DeepseekV32Config", {**BASE, "q_lora_rank": 16, "index_head_dim": 8, "index_n_heads": 2}
+    )
+    with pytest.raises(ValueError, match="indexer's keys"):
+        KVCakeCache(indexed, "snapkv", budget=16)
