@@ -99,9 +99,8 @@ def _kept_as_dynamic_cache(model, ids, cache) -> DynamicCache:
         layer = cache.layers[lid]
         held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
         order = layer.positions.argsort(-1)[..., -held:]  # (B, 1, held): in position order
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            setattr(stock.layers[lid], name, t.gather(2, order[..., None].expand(*order.shape, t.shape[-1])))
+        kept = layer.keys.gather(2, order[..., None].expand(*order.shape, layer.keys.shape[-1]))  # [c; k_rot]
+        stock.layers[lid].keys, stock.layers[lid].values = kept[..., :16], kept[..., 16:]
     return stock
 
 
@@ -128,15 +127,18 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, s
                                   "h2o", "tova", "streamingllm", "pyramidkv", "defensivekv", "layer-defensivekv"])  # fmt: skip
 def test_every_preset_keeps_its_budgets_and_the_latents_bytes(spec):
     """Budgets sum exactly over the latent layers; each kept token holds its latent and rotated key
-    alone (kv_lora_rank + qk_rope_head_dim elements), which is what the memory counts."""
+    alone (kv_lora_rank + qk_rope_head_dim elements, as one key), which is what the memory counts."""
     model = _model("KimiLinearConfig")
     out, cache = kvcake.generate(model, _prompt(48, 2), spec, budget=12, window=4, max_new_tokens=3, **GREEDY)
     assert out.sequences.shape == (2, 51)
     assert int(cache.budgets.sum()) == 12 * 2 * len(cache.compressed)
     for lid in cache.compressed:
         layer = cache.layers[lid]
-        assert layer.keys.shape[-1] == 16 and layer.values.shape[-1] == 8
+        assert layer.keys.shape[-1] == 16 + 8 and layer.values.shape[-1] == 0
         assert layer.kv_heads == 1 and layer.counts.shape == (2, 1)
+        assert layer.kv_bytes() == layer.keys.numel() * 4  # float32
+    parts = cache.kv_bytes_parts()
+    assert parts.compressed == sum(cache.layers[i].kv_bytes() for i in cache.compressed)
 
 
 @pytest.mark.parametrize("spec", ["snapkv", "h2o", "adakv", "cake"])
@@ -152,15 +154,31 @@ def test_compiled_steps_are_one_graph_and_equal_eager(spec):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
-def test_a_compressed_context_answers_saved_and_read_back(tmp_path):
-    """A document compressed alone answers a question, and the same after ``save`` and ``load``."""
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+def test_a_compressed_context_answers_saved_and_read_back(spec, tmp_path):
+    """A document compressed alone (dense, or ragged for Ada-KV) answers a question, and the same after
+    ``save`` and ``load``."""
     model = _model()
-    ctx = kvcake.compress(model, _prompt(40), "snapkv", budget=12, window=4)
+    ctx = kvcake.compress(model, _prompt(40), spec, budget=12, window=4)
     question = torch.tensor([[7, 8, 9]])
     first = ctx.generate(question, max_new_tokens=4, **GREEDY)
     ctx.save(tmp_path / "doc.kvc")
     again = kvcake.load_context(model, tmp_path / "doc.kvc").generate(question, max_new_tokens=4, **GREEDY)
     assert torch.equal(first.sequences, again.sequences)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+def test_beam_search_reorders_the_latents(spec):
+    """Beam search (the cache's rows reordered every step): a covering budget gives the stock model's
+    beams; a compressing one runs its beams over the kept latents."""
+    model, ids = _model(), _prompt(40)
+    beams = {"num_beams": 3, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        stock = model.generate(ids, **beams)
+    covered, _ = kvcake.generate(model, ids, spec, budget=64, window=4, **beams)
+    assert torch.equal(covered, stock)
+    out, cache = kvcake.generate(model, ids, spec, budget=12, window=4, **beams)
+    assert out.shape == (1, 44) and cache.layers[0].batch == 3
 
 
 @pytest.mark.parametrize("spec", ["cake", "criticalkv"])

@@ -72,8 +72,9 @@ class ModelInfo:
     recurrent: tuple[tuple[int, int], ...] = ()
     # Layers attending within chunks (Llama 4), among those ``windows`` gives a window (the chunk).
     chunked: tuple[int, ...] = ()
-    # Latent attention (MLA, ``kvcake.latent``): (kv_lora_rank, qk_rope_head_dim), the widths of its
-    # layers' keys (the latent c) and values (the rotated key part), one KV head; None otherwise.
+    # Latent attention (MLA, ``kvcake.latent``): (kv_lora_rank, qk_rope_head_dim), the widths of the
+    # latent c and the rotated key part its layers hold as one key (``head_dim``, their sum; values
+    # zero-width), one KV head; None otherwise.
     latent: tuple[int, int] | None = None
 
     @property
@@ -139,7 +140,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     if num_heads is None:
         raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
     num_kv = 1 if latent else getattr(text, "num_key_value_heads", None) or num_heads  # MLA: one latent
-    head_dim = latent[0] if latent else getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    head_dim = sum(latent) if latent else getattr(text, "head_dim", None) or text.hidden_size // num_heads
     cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
     return ModelInfo(
         mtype,

@@ -125,13 +125,11 @@ class KVCakeCache(RecurrentStates, Cache):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
         self.method = method if isinstance(method, Method) else make_method(method, **budget_kwargs)
         self.model_type = self.info.model_type
-        from .latent import LatentLayer
-        from .layer import KVCakeLayer
+        from .latent import attention_layer
 
-        full = LatentLayer if self.info.latent else KVCakeLayer  # a full-attention layer (MLA: kvcake.latent)
         windows, keyless = self.info.windows or (None,) * self.info.num_layers, dict(self.info.recurrent)
         super().__init__(layers=[keyless_layer(keyless[i]) if i in keyless else CrossLayer() if i in self.info.cross
-                                 else full() if w is None else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
+                                 else attention_layer(self.info) if w is None else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
         self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
         self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None

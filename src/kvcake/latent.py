@@ -11,8 +11,8 @@ stacking ``[W_UK^h; W_UV^h]`` per head.
 kvcake scores, evicts and attends over the latents themselves, in the *absorbed* form, which is the
 same attention: head h's logit ``q_h . k_h = [W_UK^h^T q_nope; q_rot] . [c; k_rot]`` and its output
 ``sum_j p_j W_UV^h c_j = W_UV^h (sum_j p_j c_j)``. So a :class:`LatentLayer` is a layer of one KV
-head (every query head in its group) whose attention reads keys ``[c; k_rot]`` (B, 1, N, r + d_rot)
-and values ``c`` (:meth:`LatentLayer.operands`), a query :func:`absorb`-ed to (B, H, q, r + d_rot),
+head (every query head in its group) holding keys ``[c; k_rot]`` (B, 1, N, r + d_rot), whose
+attention reads ``c`` as its values (:meth:`LatentLayer.operands`), a query :func:`absorb`-ed to (B, H, q, r + d_rot),
 and an output :func:`expand_output`-ed back to (B, q, H, d_v); CriticalKV's value norm of head h
 reads the composite projection ``W_O^h W_UV^h`` (:func:`output_weight`). Every scorer, allocator,
 selector and layout then runs unchanged, and the memory is the model's own: c and k_rot of each
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .adapters import ModelInfo
 from .layer import KVCakeLayer
 
 
@@ -64,18 +65,36 @@ def output_weight(module: torch.nn.Module, o_weight: torch.Tensor) -> torch.Tens
 
 
 class LatentLayer(KVCakeLayer):
-    """A latent-attention layer: ``keys`` c (B, 1, N, r) and ``values`` k_rot (B, 1, N, d_rot) as
-    transformers stores them (ragged: (T, r) and (T, d_rot)); the attention reads ``operands``."""
+    """A latent-attention layer. It holds each token's ``[c; k_rot]`` as one key (B, 1, N, r + d_rot)
+    (ragged: (T, r + d_rot)) and zero-width values (B, 1, N, 0): the attention reads ``c`` as a view of
+    the keys (``operands``), so a step copies nothing and the bytes are the model's (r + d_rot per
+    token). ``rank``: r, the width of ``c``."""
 
     latent = True
 
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def reset(self) -> None:
+        self.__init__(self.rank)
+
     def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[c; k_rot]`` (..., r + d_rot) and values ``c`` (..., r), the absorbed form."""
-        return torch.cat([self.keys, self.values], dim=-1), self.keys
+        """Keys ``[c; k_rot]`` (..., r + d_rot) and values ``c`` (..., r), a view of them."""
+        return self.keys, self.keys[..., : self.rank]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store ``c`` (B, 1, q, r) and ``k_rot`` (B, 1, q, d_rot) as one key; return what the model
+        expands: every latent while the model's own attention reads them (the prompt, a plain layer),
+        else the new tokens' alone."""
         prompt = self.keys is None
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        joined = torch.cat([key_states, value_states], dim=-1)  # (B, 1, q, r + d_rot)
+        keys, _ = super().update(joined, joined[..., :0], *args, **kwargs)
         if self.plain or prompt:  # the model's own attention over every latent, as a full cache's
-            return keys, values
-        return key_states, value_states  # the kvcake attention reads the layer: the new tokens' alone
+            return keys[..., : self.rank], keys[..., self.rank :]
+        return key_states, value_states  # the kvcake attention reads the layer
+
+
+def attention_layer(info: ModelInfo) -> KVCakeLayer:
+    """A new layer for one of ``info``'s full-attention layers: latent where the model's attention is."""
+    return LatentLayer(info.latent[0]) if info.latent else KVCakeLayer()

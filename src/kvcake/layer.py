@@ -342,7 +342,7 @@ class KVCakeLayer(CacheLayerMixin):
         def take(t):
             if t is None:
                 return None
-            return (t.reshape(-1, *t.shape[3:]) if flat else t).index_select(0, rows)
+            return (t.flatten(0, 2) if flat else t).index_select(0, rows)
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions, self.scores, self.norms = take(self.positions), take(self.scores), take(self.norms)

@@ -215,7 +215,7 @@ def append_segments(layer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) 
         return out
 
     layer.keys = put(layer.keys, k.reshape(n_seg * q, d), 0.0)
-    layer.values = put(layer.values, v.reshape(n_seg * q, d), 0.0)
+    layer.values = put(layer.values, v.reshape(n_seg * q, v.shape[-1]), 0.0)  # (latent: narrower, latent.py)
     layer.positions = put(layer.positions, pos.reshape(n_seg * q), -1)
     layer.scores = put(layer.scores, torch.zeros(n_seg * q, device=k.device), 0.0)
     layer.norms = None

@@ -72,7 +72,7 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     for name, t in padded.items():
         if t is not None:
             out = torch.full((total + 1, *t.shape[3:]), FILLS[name], dtype=t.dtype, device=dev)
-            out.index_copy_(0, dest, t.reshape(-1, *t.shape[3:]).index_select(0, held))
+            out.index_copy_(0, dest, t.flatten(0, 2).index_select(0, held))  # (latent values: 0 wide)
             setattr(layer, name, out)
     m = int(cap.max())
     local = torch.arange(m, device=dev)
