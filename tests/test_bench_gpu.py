@@ -40,6 +40,25 @@ def test_smoke_run_writes_the_page(tmp_path):
     assert "## Targets" in page
 
 
+def test_a_latent_attention_shape_runs_every_preset():
+    """``--shape tiny-mla`` (DeepSeek-V3's latent attention, ``kvcake.latent``): every preset and the
+    full cache at its best prefill and decode, each preset holding less than the full cache."""
+    attention = (
+        random_model("tiny-mla", 8, device=torch.device("meta"), dtype=torch.float32)
+        .model.layers[0]
+        .self_attn
+    )
+    if not callable(getattr(attention, "expand_kv", None)):
+        pytest.skip("this transformers caches latent attention's expanded keys (refused: kvcake.latent)")
+    settings = GpuSettings(**{**TINY, "shape": "tiny-mla"}, compile=False)
+    result = run_gpu(settings, device=torch.device("cpu"), dtype=torch.float32)
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert list(rows) == [FULL_DYNAMIC, FULL_STATIC, *PRESETS]
+    for name in PRESETS:
+        assert 0 < rows[name]["kv_mib"] < rows[FULL_DYNAMIC]["kv_mib"], name  # 40 of 64 tokens kept
+        assert rows[name]["eager_ms"] > 0, name
+
+
 def test_one_command_per_length_merges_into_one_page(tmp_path):
     """``--merge``: a long GPU run split into commands under a time limit still makes one page."""
     doc, out = tmp_path / "page.md", str(tmp_path / "out")
@@ -147,6 +166,9 @@ def test_settings_and_shapes_checked():
     # the default shape is Llama-3.1-8B's: 8.03 billion parameters (built on meta: no memory)
     model = random_model("llama-3.1-8b", 128, device=torch.device("meta"), dtype=torch.bfloat16)
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
+    # and DeepSeek-V2-Lite's: 15.71 billion (latent attention, MoE)
+    model = random_model("deepseek-v2-lite", 128, device=torch.device("meta"), dtype=torch.bfloat16)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 15.71
 
 
 def test_a_cache_out_of_memory_is_a_row_entry(monkeypatch):

@@ -1,7 +1,7 @@
-"""Latent attention (MLA: DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, Youtu, and the linear-attention
-hybrids Kimi Linear and Bailing): kvcake compresses the latents the model caches, scoring and
-attending in the absorbed form (``kvcake.latent``). Tiny random models of the installed transformers;
-releases that cache the expanded keys (before 5.24) are refused with the fix."""
+"""Latent attention (MLA: DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, Youtu, LongCat-Flash, and the
+linear-attention hybrids Kimi Linear and Bailing): kvcake compresses the latents the model caches,
+scoring and attending in the absorbed form (``kvcake.latent``). Tiny random models of the installed
+transformers; releases that cache the expanded keys (before 5.24) are refused with the fix."""
 
 from __future__ import annotations
 
@@ -33,6 +33,15 @@ FAMILIES = {
     "MiniCPM3Config": {},
     "Glm4MoeLiteConfig": {},
     "YoutuConfig": {},
+    "LongcatFlashConfig": {
+        "q_lora_rank": 16,
+        "head_dim": 8,
+        "ffn_hidden_size": 64,
+        "expert_ffn_hidden_size": 32,
+        "moe_topk": 2,
+        "zero_expert_num": 0,
+        "num_layers": 2,
+    },  # fmt: skip
     "KimiLinearConfig": {
         **HYBRID,
         "bos_token_id": 1,
@@ -104,14 +113,16 @@ def _kept_as_dynamic_cache(model, ids, cache) -> DynamicCache:
     return stock
 
 
+@pytest.mark.parametrize("new", [1, 3])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("spec", ["snapkv", "criticalkv", "h2o"])
-def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, static):
-    """16 of 40 latents kept: the next token's logits through the KVCakeCache (absorbed attention, the
-    dynamic layout or static storage) equal the stock model's over a DynamicCache holding exactly them."""
+def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, static, new):
+    """16 of 40 latents kept: the next token's logits (or three tokens', a question appended) through
+    the KVCakeCache (absorbed attention, the dynamic layout or static storage) equal the stock model's
+    over a DynamicCache holding exactly them."""
     model = _model()
-    ids, nxt, at = _prompt(), torch.tensor([[5]]), torch.tensor([[40]])
-    cache = KVCakeCache(model, kvcake.make_method(spec, budget=16, window=4), static=static, max_cache_len=41)
+    ids, nxt, at = _prompt(), torch.arange(5, 5 + new)[None], torch.arange(40, 40 + new)[None]
+    cache = KVCakeCache(model, kvcake.make_method(spec, budget=16, window=4), static=static, max_cache_len=43)
     with kvcake.enable(model), torch.no_grad():
         model(ids, **with_cache(model, cache))
     oracle = _kept_as_dynamic_cache(model, ids, cache)

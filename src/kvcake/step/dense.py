@@ -83,8 +83,9 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     at = layer.free.unsqueeze(-1)  # fixed: one column per head, (B, H_kv, 1, 1)
     if layer.bias is not None:
         layer.bias.scatter_(3, at, 0.0)
-    layer.keys.scatter_(2, at.expand_as(k), k)  # (B, H_kv, 1, d)
-    layer.values.scatter_(2, at.expand_as(v), v)  # (a latent layer's values are narrower: kvcake.latent)
+    at_k = at.expand_as(k)  # (B, H_kv, 1, d)
+    layer.keys.scatter_(2, at_k, k)
+    layer.values.scatter_(2, at_k if v.shape == k.shape else at.expand_as(v), v)  # (latent: narrower values)
     layer.positions.scatter_(2, layer.free, layer.newest)
 
 
