@@ -114,6 +114,26 @@ def compiled_and_eager_decoding(
     return runs[0][0], runs[0][1], runs[1][1]
 
 
+def step_and_oracle_logits(model, prompt, spec: str, static: bool, kept_as_dynamic_cache, new=None, at=None):
+    """``spec`` (budget 16, window 4) compresses ``prompt`` (1, S) in a KVCakeCache; then the logits of
+    ``new`` (1, q) at positions ``at`` (default: token 5 at S) through it, and the stock model's over the
+    cache ``kept_as_dynamic_cache(model, prompt, cache)`` builds, holding exactly the kept entries:
+    (kvcake's, the oracle's) float32, and the oracle cache (the new tokens appended)."""
+    n, dev = prompt.shape[1], prompt.device
+    new = torch.tensor([[5]], device=dev) if new is None else new
+    at = torch.arange(n, n + new.shape[1], device=dev)[None] if at is None else at
+    method = kvcake.make_method(spec, budget=16, window=4)
+    cache = KVCakeCache(model, method, static=static, max_cache_len=n + new.shape[1])
+    with kvcake.enable(model), torch.no_grad():
+        model(prompt, **with_cache(model, cache))
+    oracle = kept_as_dynamic_cache(model, prompt, cache)
+    with torch.no_grad():
+        want = model(new, **with_cache(model, oracle), position_ids=at).logits.float()
+        with kvcake.enable(model):
+            got = model(new, **with_cache(model, cache), position_ids=at).logits.float()
+    return got, want, oracle
+
+
 # greedy decoding that returns every step's logits (``assert_same_decoding``)
 GREEDY = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
 

@@ -18,6 +18,7 @@ from shared_checks import (
     GREEDY,
     assert_a_covering_budget_decodes_the_stock_models,
     compiled_and_eager_decoding,
+    step_and_oracle_logits,
     tiny_model,
 )
 
@@ -120,17 +121,11 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, s
     """16 of 40 latents kept: the next token's logits (or three tokens', a question appended) through
     the KVCakeCache (absorbed attention, the dynamic layout or static storage) equal the stock model's
     over a DynamicCache holding exactly them."""
-    model = _model()
-    ids, nxt, at = _prompt(), torch.arange(5, 5 + new)[None], torch.arange(40, 40 + new)[None]
-    cache = KVCakeCache(model, kvcake.make_method(spec, budget=16, window=4), static=static, max_cache_len=43)
-    with kvcake.enable(model), torch.no_grad():
-        model(ids, **with_cache(model, cache))
-    oracle = _kept_as_dynamic_cache(model, ids, cache)
-    assert [oracle.layers[i].keys.shape[2] for i in cache.compressed] == [16] * 3
-    with torch.no_grad():
-        want = model(nxt, **with_cache(model, oracle), position_ids=at).logits
-        with kvcake.enable(model):
-            got = model(nxt, **with_cache(model, cache), position_ids=at).logits
+    new_ids = torch.arange(5, 5 + new)[None]
+    got, want, oracle = step_and_oracle_logits(
+        _model(), _prompt(), spec, static, _kept_as_dynamic_cache, new_ids
+    )
+    assert [oracle.layers[i].keys.shape[2] for i in range(3)] == [16 + new] * 3  # the kept, then the new
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -20,7 +20,7 @@ from kvcake.ragged import RaggedMeta, ragged_attention_reference
 from kvcake.replay import Captured, capture_queries, replay_compress
 from kvcake.scorers.base import PrefillInputs, window_attention_reference
 from kvcake.scorers.h2o import accumulated_attention
-from shared_checks import KWARGS_HANDOFF
+from shared_checks import KWARGS_HANDOFF, step_and_oracle_logits
 
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
@@ -249,19 +249,11 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_entries(kind, l
     """SnapKV (one budget per head) keeps 16 of 40 tokens; the next token's logits through the
     KVCakeCache (dynamic layout, or static storage with a hybrid's sliding layer in its ring)
     equal the stock model's, eager, over a DynamicCache that holds exactly the kept entries."""
-    model = MODELS[kind](layer_types)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
-    nxt, at = torch.tensor([[5]]), torch.tensor([[40]])
-    method = kvcake.make_method("snapkv", budget=16, window=4)
-    cache = kvcake.KVCakeCache(model, method, static=static, max_cache_len=41)
-    with kvcake.enable(model), torch.no_grad():
-        model(ids, **with_cache(model, cache))
-    oracle = _kept_as_dynamic_cache(model, ids, cache)
-    assert oracle.layers[-1].keys.shape[2] == 16
-    with torch.no_grad():
-        want = model(nxt, **with_cache(model, oracle), position_ids=at).logits
-        with kvcake.enable(model):
-            got = model(nxt, **with_cache(model, cache), position_ids=at).logits
+    got, want, oracle = step_and_oracle_logits(
+        MODELS[kind](layer_types), ids, "snapkv", static, _kept_as_dynamic_cache
+    )
+    assert oracle.layers[-1].keys.shape[2] == 16 + 1  # the kept entries, then the new token
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

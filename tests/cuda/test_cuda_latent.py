@@ -10,7 +10,7 @@ import torch
 from cuda_helpers import DEVICE, ids
 
 import kvcake
-from kvcake.adapters import with_cache
+from shared_checks import step_and_oracle_logits
 from test_latent import _kept_as_dynamic_cache, _model
 
 pytestmark = pytest.mark.cuda
@@ -23,18 +23,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 @pytest.mark.parametrize("spec", ["snapkv", "criticalkv"])
 def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, static, dtype):
     model = _model().to(device=DEVICE, dtype=dtype)
-    prompt = ids(40, seed=0)
-    nxt, at = torch.tensor([[5]], device=DEVICE), torch.tensor([[40]], device=DEVICE)
-    cache = kvcake.KVCakeCache(
-        model, kvcake.make_method(spec, budget=16, window=4), static=static, max_cache_len=41
-    )
-    with kvcake.enable(model), torch.no_grad():
-        model(prompt, **with_cache(model, cache))
-    oracle = _kept_as_dynamic_cache(model, prompt, cache)
-    with torch.no_grad():
-        want = model(nxt, **with_cache(model, oracle), position_ids=at).logits.float()
-        with kvcake.enable(model):
-            got = model(nxt, **with_cache(model, cache), position_ids=at).logits.float()
+    got, want, _ = step_and_oracle_logits(model, ids(40, seed=0), spec, static, _kept_as_dynamic_cache)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
