@@ -147,6 +147,25 @@ def test_every_preset_keeps_its_budgets_and_the_latents_bytes(spec):
     assert parts.compressed == sum(cache.layers[i].kv_bytes() for i in cache.compressed)
 
 
+@pytest.mark.parametrize("heads", ["uniform", "adakv"])
+def test_the_cascade_ends_at_one_shot_eviction_holding_less(heads):
+    """CAKE's cascade over the latent layers keeps what one eviction at the end keeps, and holds less
+    during the prefill."""
+    model, ids = _model(), _prompt(48, 2)
+    spec = f"layers=cake,heads={heads},score=cake"
+    cascade = KVCakeCache(model, kvcake.make_method(spec, budget=12, window=4), static=False)
+    once = KVCakeCache(
+        model, kvcake.make_method(spec + ",layers.cascading=false", budget=12, window=4), static=False
+    )
+    with kvcake.enable(model), torch.no_grad():
+        for cache in (cascade, once):
+            model(ids, **with_cache(model, cache))
+    assert torch.equal(cascade.budgets, once.budgets) and int(cascade.budgets.sum()) == 12 * 2 * 3
+    for lid in cascade.compressed:
+        assert torch.equal(cascade.layers[lid].padded_positions(), once.layers[lid].padded_positions())
+    assert cascade.prefill_peak_kv_bytes < once.prefill_peak_kv_bytes
+
+
 @pytest.mark.parametrize("spec", ["snapkv", "h2o", "adakv", "cake"])
 def test_compiled_steps_are_one_graph_and_equal_eager(spec):
     """A left-padded batch decoding 12 steps in static storage: ``fullgraph=True`` captures the step in

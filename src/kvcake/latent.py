@@ -12,11 +12,12 @@ kvcake scores, evicts and attends over the latents themselves, in the *absorbed*
 same attention: head h's logit ``q_h . k_h = [W_UK^h^T q_nope; q_rot] . [c; k_rot]`` and its output
 ``sum_j p_j W_UV^h c_j = W_UV^h (sum_j p_j c_j)``. So a :class:`LatentLayer` is a layer of one KV
 head (every query head in its group) holding keys ``[c; k_rot]`` (B, 1, N, r + d_rot), whose
-attention reads ``c`` as its values (:meth:`LatentLayer.operands`), a query :func:`absorb`-ed to (B, H, q, r + d_rot),
-and an output :func:`expand_output`-ed back to (B, q, H, d_v); CriticalKV's value norm of head h
-reads the composite projection ``W_O^h W_UV^h`` (:func:`output_weight`). Every scorer, allocator,
-selector and layout then runs unchanged, and the memory is the model's own: c and k_rot of each
-kept token. Eviction is per token (one head): Ada-KV's per-head budgets are the layer's.
+attention reads ``c`` as its values (:meth:`LatentLayer.operands`), a query :func:`absorb`-ed to
+(B, H, q, r + d_rot), and an output :func:`expand_output`-ed back to (B, q, H, d_v); CriticalKV's
+value norm of head h reads the composite projection ``W_O^h W_UV^h`` (:func:`output_weight`). Every
+scorer, allocator, selector and layout then runs unchanged, and the memory is the model's own: c
+and k_rot of each kept token. Eviction is per token (one head): Ada-KV's per-head budgets are the
+layer's.
 
 Where a layer has evicted, ``update`` hands the model the new tokens' latents alone to expand: its
 attention call is then the kvcake attention's, over the layer, and expanding every kept entry
