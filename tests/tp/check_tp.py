@@ -23,6 +23,11 @@ gathering those layers' outputs) and full attention. Checked per preset and path
   both models: all of the above but the context, and every layer's key and value scales equal
   the one-process ones (taken over every rank's heads).
 
+A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE) last: transformers' plan splits its
+MLP and experts and leaves its attention whole, so every rank holds every head and the whole
+latent cache and compresses alike with no split (``WHOLE_PRESETS``, both paths): tokens, logits,
+budgets, kept entries and bytes as one process's.
+
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
 
@@ -37,6 +42,8 @@ import torch
 import torch.distributed as dist
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -69,6 +76,8 @@ HYBRID_PRESETS = ("snapkv", "cake", "adakv", "cake-adakv", "layer-defensivekv")
 MODELS = (("llama", PRESETS), ("gemma3", HYBRID_PRESETS)) + (
     (("qwen3_5", HYBRID_PRESETS),) if Qwen3_5TextConfig is not None else ()
 )
+# the model whose attention the plan leaves whole, with the presets run on it (``check_whole``)
+WHOLE_PRESETS = ("snapkv", "cake", "adakv", "criticalkv", "h2o")
 HEADINGS = {
     "gemma3": "Gemma 3 hybrid (sliding, full, sliding, full):",
     "qwen3_5": "Qwen3.5 hybrid (linear attention, full, linear attention, full):",
@@ -91,6 +100,13 @@ def save_tiny(folder: str, kind: str) -> None:
         types = ["sliding_attention", "full_attention"] * 2
         config = Gemma3TextConfig(**shape, head_dim=16, sliding_window=64, layer_types=types)
         Gemma3ForCausalLM(config).save_pretrained(folder)
+    elif kind == "deepseek_v3":
+        mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                   n_group=1, topk_group=1)  # fmt: skip
+        DeepseekV3ForCausalLM(DeepseekV3Config(**{**shape, "num_key_value_heads": 8}, **mla)).save_pretrained(
+            folder
+        )
     else:
         LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
 
@@ -231,6 +247,33 @@ def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int,
     return bad
 
 
+def check_whole(preset: str, full, tp, ids, mask, static: bool) -> list[str]:
+    """A model whose attention the plan leaves whole: no split, and everything as one process's."""
+    bad = []
+    ref, ref_cache = run(full, ids, mask, preset, static)
+    out, cache = run(tp, ids, mask, preset, static)
+    if cache.split is not None:
+        bad.append(f"a split was found where the attention is whole: {cache.split}")
+    if not torch.equal(out.sequences, ref.sequences):
+        bad.append(
+            f"tokens differ: {out.sequences[:, -NEW_TOKENS:].tolist()} vs {ref.sequences[:, -NEW_TOKENS:].tolist()}"
+        )
+    diff = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
+    if diff > LOGIT_ATOL:
+        bad.append(f"logits differ by {diff:.2e} > {LOGIT_ATOL}")
+    if (
+        not torch.equal(cache.budgets, ref_cache.budgets)
+        or not (cache.layer_counts() == ref_cache.layer_counts()).all()
+    ):
+        bad.append(f"budgets {cache.budgets.tolist()} or kept entries differ from one process's")
+    if cache.kv_bytes() != ref_cache.kv_bytes():
+        bad.append(f"rank holds {cache.kv_bytes()} bytes, one process {ref_cache.kv_bytes()}")
+    if dist.get_rank() == 0:
+        logger.info("%-15s budgets %s | logits %.1e | KV bytes/rank %d (one process: %d)", preset,
+                    cache.budgets[0].tolist(), diff, cache.kv_bytes(), ref_cache.kv_bytes())  # fmt: skip
+    return bad
+
+
 def load_both(rank: int, kind: str):
     """The tiny model, whole and split with ``tp_plan="auto"``, on every rank (rank 0 saves it)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -282,6 +325,14 @@ def main() -> int:
         except ValueError as err:
             if "tensor-parallel" not in str(err):
                 failed["save"] = [f"unexpected refusal: {err}"]
+    full, tp = load_both(rank, "deepseek_v3")
+    if rank == 0:
+        logger.info("DeepSeek-V3 (latent attention; the plan splits its MLP and experts, not its heads):")
+    for static in (False, True):
+        for preset in WHOLE_PRESETS:
+            bad = check_whole(preset, full, tp, ids, mask, static)
+            if bad:
+                failed[f"deepseek_v3 {preset}{' static' if static else ''}"] = bad
     every = [None] * world
     dist.all_gather_object(every, failed)
     dist.destroy_process_group()
@@ -290,7 +341,8 @@ def main() -> int:
         for line in problems:
             logger.error("FAIL %s", line)
         logger.info(
-            "%s x %d ranks: %s", ", ".join(f"{len(p)} presets on {kind}" for kind, p in MODELS), world,
+            "%s, %d on deepseek_v3 (attention whole) x %d ranks: %s",
+            ", ".join(f"{len(p)} presets on {kind}" for kind, p in MODELS), len(WHOLE_PRESETS), world,
             "FAILED" if problems else "all equal",
         )  # fmt: skip
     return 1 if problems else 0
