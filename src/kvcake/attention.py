@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING
 from .devices import input_device
-from .latent import absorb, expand_output
+from .latent import expand_output, query_over
 from .logit_terms import LogitTerms, model_terms
 from .sdpa import check_policy, sdpa_policy
 from .sliding import SlidingLayer, visible_keys
@@ -149,17 +149,19 @@ def _make_attention(inner_name: str):
             cache.after_prefill_attention(layer_idx, module, query, valid, scaling, sums, terms)
             return out
         want = cache.wants_probs(layer_idx, q)
-        held = absorb(module, query) if layer.latent else query  # the query over the layer (kvcake.latent)
         if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
             out = inner(  # so the output rounds exactly as a full cache's (bf16 on CUDA: a float32
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )  # attention here flipped a near-tied greedy token of h2o's, H100, 2026-11-26)
             if want:  # the scorer's probabilities beside it (H2O's sums accumulate from the first step)
-                cache.after_extend_attention(layer_idx, layer.attend(held, scaling, True, terms)[1])
+                probs = layer.attend(query_over(layer, module, query), scaling, True, terms)[1]
+                cache.after_extend_attention(layer_idx, probs)
             if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
                 cache.lay_out_after_append(layer_idx)
             return out
-        out, probs = layer.attend(held, scaling, want, terms)
+        out, probs = layer.attend(
+            query_over(layer, module, query), scaling, want, terms
+        )  # (latent: absorbed)
         cache.after_extend_attention(layer_idx, probs)
         if q > 1:  # a multi-token append (a context's question): back into static storage now
             cache.lay_out_after_append(layer_idx)

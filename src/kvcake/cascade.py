@@ -34,7 +34,7 @@ from .allocators import AllocationRequest, preference
 from .devices import HostRead
 from .fp8 import encode_layer
 from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
-from .latent import absorb, output_weight
+from .latent import output_weight, query_over
 from .logit_terms import PLAIN, LogitTerms
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
@@ -82,8 +82,7 @@ def prefill_stage(
         from tqdm.auto import tqdm
 
         cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
-    if layer.latent:  # latent attention (MLA): scored in the absorbed form, over [c; k_rot] (kvcake.latent)
-        query = absorb(module, query)
+    query = query_over(layer, module, query)  # latent attention (MLA): absorbed, over [c; k_rot]
     keys, values = layer.operands()
     inputs = PrefillInputs(
         query=query, keys=keys, values=values, key_valid=key_valid,

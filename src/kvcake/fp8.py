@@ -41,6 +41,8 @@ import functools
 
 import torch
 
+from .adapters import latent_dims
+
 FORMATS = ("fp8",)  # kv_dtype values; None: the model's own dtype
 FP8 = torch.float8_e4m3fn
 HEADROOM = 2.0  # the prompt's largest magnitude maps to at most 448 / HEADROOM (a power-of-two scale)
@@ -77,7 +79,7 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
         )
     if name is not None and model is not None:
         check_devices({p.device for p in model.parameters()})
-        if getattr(model.config.get_text_config(), "kv_lora_rank", None):
+        if latent_dims(model.config.get_text_config()) is not None:
             raise ValueError(
                 "kv_dtype='fp8' is not supported for latent attention (MLA, kvcake.latent): its latents are "
                 "kept in the model's dtype; leave kv_dtype=None"

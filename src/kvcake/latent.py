@@ -50,6 +50,11 @@ def absorb(module: torch.nn.Module, query: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, query[..., d_nope:]], dim=-1)
 
 
+def query_over(layer: KVCakeLayer, module: torch.nn.Module, query: torch.Tensor) -> torch.Tensor:
+    """The query a layer's own attention and scores read: a latent layer's absorbed, else as it is."""
+    return absorb(module, query) if layer.latent else query
+
+
 def expand_output(module: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
     """The attention's output over the latents, (B, q, H, r), as the model's: (B, q, H, d_v)."""
     _, w_uv = _up_projections(module, out)

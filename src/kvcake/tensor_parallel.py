@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters import projection_module
+from .adapters import latent_dims, projection_module
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def find_split(model: torch.nn.Module) -> HeadSplit | None:
         if mesh.size(dim) == 1:
             return None
         text = model.config.get_text_config()
-        if getattr(text, "kv_lora_rank", None):  # every rank would hold the whole latent (kvcake.latent)
+        if latent_dims(text) is not None:  # every rank would hold the whole latent (kvcake.latent)
             raise ValueError(
                 f"{text.model_type}: kvcake does not compress latent attention (MLA) whose heads are split "
                 "over ranks (each rank's heads would score the shared latents apart); load it on one process"

@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import kvcake
+
 DEVICE = torch.device(os.environ.get("KVCAKE_TEST_DEVICE", "cuda"))
 # Half precisions every preset must run in; float32 where a check needs exactness.
 HALF = (torch.bfloat16, torch.float16)
@@ -31,6 +33,18 @@ def ids(n: int, seed: int = 0, batch: int = 1, vocab: int = 128) -> torch.Tensor
     """Random token ids (batch, n), made on the host (same ids on every machine), on the device."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, n), generator=g).to(DEVICE)
+
+
+def assert_compiled_generate_is_eager(model, spec: str) -> None:
+    """``kvcake.generate`` of 16 greedy tokens (budget 12, window 4) on a 30-token prompt: the cache
+    is compileable and the compiled decoding (CUDA graphs on CUDA) gives the eager tokens."""
+    prompt = ids(30, seed=5)
+    torch._dynamo.reset()
+    kw = dict(budget=12, window=4, max_new_tokens=16, do_sample=False)
+    out, cache = kvcake.generate(model, prompt, spec, compile=True, **kw)
+    ref, _ = kvcake.generate(model, prompt, spec, compile=False, **kw)
+    assert cache.is_compileable
+    assert torch.equal(out, ref)
 
 
 def needs_cuda_memory() -> None:

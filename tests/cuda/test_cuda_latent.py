@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_helpers import DEVICE, ids
+from cuda_helpers import DEVICE, assert_compiled_generate_is_eager, ids
 
-import kvcake
 from shared_checks import step_and_oracle_logits
 from test_latent import _kept_as_dynamic_cache, _model
 
@@ -31,11 +30,4 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, s
 @pytest.mark.parametrize("spec", ["snapkv", "h2o", "adakv"])
 def test_compiled_decoding_gives_the_eager_tokens(spec):
     """float32: dense and ragged layers of one latent head, compiled whole."""
-    model = _model().to(DEVICE)
-    prompt = ids(30, seed=5)
-    torch._dynamo.reset()
-    kw = dict(budget=12, window=4, max_new_tokens=16, do_sample=False)
-    out, cache = kvcake.generate(model, prompt, spec, compile=True, **kw)
-    ref, _ = kvcake.generate(model, prompt, spec, compile=False, **kw)
-    assert cache.is_compileable
-    assert torch.equal(out, ref)
+    assert_compiled_generate_is_eager(_model().to(DEVICE), spec)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_helpers import DEVICE, ids
+from cuda_helpers import DEVICE, assert_compiled_generate_is_eager, ids
 
-import kvcake
 from shared_checks import KWARGS_HANDOFF, step_and_oracle_logits
 from test_logit_terms import HYBRID, _gemma2, _gpt_oss, _kept_as_dynamic_cache
 
@@ -40,11 +39,4 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_entries(kind, s
 def test_compiled_decoding_gives_the_eager_tokens(kind, spec):
     """float32: dense and ragged layers (the ragged ones take the reference softmax, as the
     variable-length kernels have no cap or sink), the sliding layer in its ring."""
-    model = MODELS[kind]().to(DEVICE)
-    prompt = ids(30, seed=5)
-    torch._dynamo.reset()
-    kw = dict(budget=12, window=4, max_new_tokens=16, do_sample=False)
-    out, cache = kvcake.generate(model, prompt, spec, compile=True, **kw)
-    ref, _ = kvcake.generate(model, prompt, spec, compile=False, **kw)
-    assert cache.is_compileable
-    assert torch.equal(out, ref)
+    assert_compiled_generate_is_eager(MODELS[kind]().to(DEVICE), spec)

@@ -174,20 +174,26 @@ def context_answer(model, ids, mask, preset) -> torch.Tensor:
     return ctx.generate(question, max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
+def compare_outputs(out, ref, atol: float, bad: list[str]) -> float:
+    """Append to ``bad`` where ``generate``'s tokens differ or its logits differ by more than ``atol``;
+    returns the largest logit difference."""
+    if not torch.equal(out.sequences, ref.sequences):
+        bad.append(
+            f"tokens differ: {out.sequences[:, -NEW_TOKENS:].tolist()} vs {ref.sequences[:, -NEW_TOKENS:].tolist()}"
+        )
+    diff = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
+    if diff > atol:
+        bad.append(f"logits differ by {diff:.2e} > {atol}")
+    return diff
+
+
 def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int, kv_dtype=None) -> list[str]:
     bad = []
     ref, ref_cache = run(full, ids, mask, preset, static, kv_dtype)
     out, cache = run(tp, ids, mask, preset, static, kv_dtype)
     if cache.split is None or cache.split.world != world:
         bad.append(f"the split was not found from the model ({cache.split})")
-    if not torch.equal(out.sequences, ref.sequences):
-        bad.append(
-            f"tokens differ: {out.sequences[0, -NEW_TOKENS:].tolist()} vs {ref.sequences[0, -NEW_TOKENS:].tolist()}"
-        )
-    diff = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
-    atol = LOGIT_ATOL if kv_dtype is None else FP8_LOGIT_ATOL
-    if diff > atol:
-        bad.append(f"logits differ by {diff:.2e} > {atol}")
+    diff = compare_outputs(out, ref, LOGIT_ATOL if kv_dtype is None else FP8_LOGIT_ATOL, bad)
     budgets = cache.budgets
     every = [torch.empty_like(budgets) for _ in range(world)]
     dist.all_gather(every, budgets)  # its own collective, not kvcake's
@@ -254,13 +260,7 @@ def check_whole(preset: str, full, tp, ids, mask, static: bool) -> list[str]:
     out, cache = run(tp, ids, mask, preset, static)
     if cache.split is not None:
         bad.append(f"a split was found where the attention is whole: {cache.split}")
-    if not torch.equal(out.sequences, ref.sequences):
-        bad.append(
-            f"tokens differ: {out.sequences[:, -NEW_TOKENS:].tolist()} vs {ref.sequences[:, -NEW_TOKENS:].tolist()}"
-        )
-    diff = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
-    if diff > LOGIT_ATOL:
-        bad.append(f"logits differ by {diff:.2e} > {LOGIT_ATOL}")
+    diff = compare_outputs(out, ref, LOGIT_ATOL, bad)
     if (
         not torch.equal(cache.budgets, ref_cache.budgets)
         or not (cache.layer_counts() == ref_cache.layer_counts()).all()

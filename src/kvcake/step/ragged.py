@@ -99,8 +99,10 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
     # The stored entries of a segment are a prefix of its slots whenever the layer attends (a
     # victim's slot is the next token's), so ``seq_used`` (S,) counts them: +1 per append,
     # at most ``cap - 1`` after an eviction (the free slot). Kept only on that route.
-    # (a latent layer's keys and values differ in width, which the kernels do not take: kvcake.latent)
-    layer.varlen_route = "reference" if layer.latent else choose_route(dev, layer.dtype, seqused=True)
+    # (keys and values of one width only, as ``ragged_attention``'s route: a latent layer's differ)
+    keys, values = layer.operands()
+    one_width = keys.shape[-1] == values.shape[-1]
+    layer.varlen_route = choose_route(dev, layer.dtype, seqused=True) if one_width else "reference"
     if layer.varlen_route != "reference":
         layer.cu_k = meta.offsets.to(torch.int32)  # (S + 1,)
         layer.seq_used = to_device(counts.reshape(-1), dev, torch.int32)  # (S,)

@@ -172,9 +172,8 @@ def _rebuild(
                 raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
             continue
         positions, counts = tensors[prefix + "positions"], tensors[prefix + "counts"]
-        width = (
-            0 if info.latent else info.head_dim
-        )  # the values' (latent attention's hold none: kvcake.latent)
+        # the values' width (a latent attention layer holds none: kvcake.latent)
+        width = 0 if info.latent else info.head_dim
         if tuple(counts.shape) != (batch, info.num_kv_heads) or values.shape != (*keys.shape[:-1], width):
             raise ContextFileError(f"layer {lid} has inconsistent shapes")
         if lm["layout"] == "dense":
