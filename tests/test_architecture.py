@@ -30,7 +30,7 @@ LAYERS = {
     "api": ["api", "calibration", "replay", "storage", "storage.reader"],
     "context": ["context"],
     "cache": ["cache", "cascade", "head_counts", "pending_norms", "decoding", "attention", "storage.writer"],
-    "method": ["method", "temperatures", "layer", "step", "sliding", "cross", "latent"],
+    "method": ["method", "temperatures", "layer", "step", "sliding", "cross", "latent", "hybrid_layer"],
     "parts": [
         "allocators",
         "scorers",

@@ -260,20 +260,6 @@ def test_a_replayed_prefill_equals_compress():
     torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
 
 
-def test_layers_running_attention_and_mamba_side_by_side_are_refused():
-    """Falcon-H1 and Zamba put both in one cache layer ("hybrid"), which kvcake does not split."""
-    if getattr(tf, "FalconH1Config", None) is None:
-        pytest.skip("no Falcon-H1 in this transformers")
-    config = tf.FalconH1Config(**{**BASE, **MAMBA, "num_hidden_layers": 2, "mamba_d_ssm": 64})
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
-    types = getattr(config, "layer_types", None)
-    with pytest.raises(
-        ValueError, match="falcon_h1: its layers run attention and a Mamba block side by side"
-    ):
-        kvcake.KVCakeCache(model, "snapkv", budget=8)
-    assert types is None or "hybrid" in types
-
-
 def test_a_model_without_attention_is_refused():
     """Mamba: every layer recurrent, nothing kvcake compresses (older releases: refused for the states)."""
     model = tf.MambaForCausalLM(

@@ -23,21 +23,22 @@ import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
-from .layer_types import chunked_layers, layer_windows, recurrent_layers
+from .layer_types import chunked_layers, hybrid_layers, layer_windows, recurrent_layers
 from .logit_terms import model_terms
+from .recurrent import check_supported
 
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 # Attention that kvcake's attention over the kept entries cannot reproduce, read from the family's code
 _REFUSED_FAMILIES = {
     "jetmoe": "its attention heads are experts: query head h reads KV head h mod H_kv (tiled), not h // group, and "
     "the output projection sits inside the experts",
-    **dict.fromkeys(
-        ("falcon_h1", "zamba", "zamba2"),
-        "its layers run attention and a Mamba block side by side in one cache layer (layer type 'hybrid')",
-    ),
     "doge": "its attention adds a learned bias per head and key to the mask (dynamic mask attention), which "
     "kvcake's attention over the kept entries would drop",
 }
+# Families whose layers hold attention and a recurrent block's states side by side (``hybrid_layer.py``),
+# which releases before transformers' per-state LinearAttentionLayer type "attention" (5.0) and hold in
+# the family's own cache class: refused there with the fix (``recurrent.check_supported``).
+_STATES_BESIDE = ("falcon_h1", "zamba", "zamba2")
 # Models whose forward expands a 2-D padding mask itself and fails on the 4-D mask ``generate`` builds
 # for a compileable cache (transformers' own StaticCache fails there too): their KVCakeCache decodes
 # in static storage, eagerly, and is not compileable. Kosmos-2 (transformers 5.24: "too many values
@@ -76,6 +77,9 @@ class ModelInfo:
     # latent c and the rotated key part its layers hold as one key (``head_dim``, their sum; values
     # zero-width), one KV head; None otherwise.
     latent: tuple[int, int] | None = None
+    # Full-attention layers that also hold a recurrent block's states (layer type "hybrid": Falcon-H1's
+    # Mamba beside its attention; ``hybrid_layer.py``): (layer, number of states). Compressed.
+    beside: tuple[tuple[int, int], ...] = ()
 
     @property
     def groups(self) -> int:
@@ -100,11 +104,12 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     layer slides (nothing to compress), encoder-decoders, latent attention (MLA) not in the form
     ``kvcake.latent`` reads (:func:`check_latent`), models without attention (Mamba), KV sharing
     across layers (Gemma 3n),
-    and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, Falcon-H1's
-    attention beside Mamba). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
+    and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, Zamba's
+    attention block shared by several layers). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
     Sliding and chunked layers of a hybrid are reported in ``windows`` (the chunked ones also in
     ``chunked``), cross-attention layers (Mllama, which attend to the image's states) in ``cross``,
-    linear-attention layers in ``recurrent``: none is compressed.
+    linear-attention layers in ``recurrent``: none is compressed. Full-attention layers holding a
+    recurrent block's states beside (Falcon-H1) are in ``beside``, and compressed.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -134,7 +139,10 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             "sharing, Gemma 3n), which kvcake does not support: evicting for one layer would evict for the "
             "layers that share it, whose attention kvcake does not see"
         )
+    if mtype in _STATES_BESIDE:
+        check_supported(mtype)
     recurrent = recurrent_layers(text, mtype)
+    beside = hybrid_layers(text, mtype)
     windows = layer_windows(text, mtype)
     num_heads = getattr(text, "num_attention_heads", None)
     if num_heads is None:
@@ -155,6 +163,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         recurrent,
         chunked_layers(text),
         latent,
+        beside,
     )
 
 

@@ -39,6 +39,8 @@ from .allocators.cake import CakeAllocator
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
 from .fp8 import check_kv_dtype, check_kv_recent
+from .hybrid_layer import HybridLayer
+from .latent import attention_layer
 from .method import Method, make_method
 from .models import model_fingerprint, model_name
 from .pending_norms import PendingNorms
@@ -125,11 +127,11 @@ class KVCakeCache(RecurrentStates, Cache):
             raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
         self.method = method if isinstance(method, Method) else make_method(method, **budget_kwargs)
         self.model_type = self.info.model_type
-        from .latent import attention_layer
-
-        windows, keyless = self.info.windows or (None,) * self.info.num_layers, dict(self.info.recurrent)
+        windows = self.info.windows or (None,) * self.info.num_layers
+        keyless, beside = dict(self.info.recurrent), dict(self.info.beside)  # (hybrid_layer.py: beside)
         super().__init__(layers=[keyless_layer(keyless[i]) if i in keyless else CrossLayer() if i in self.info.cross
-                                 else attention_layer(self.info) if w is None else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
+                                 else HybridLayer(beside[i]) if i in beside else attention_layer(self.info) if w is None
+                                 else SlidingLayer(w, i in self.info.chunked) for i, w in enumerate(windows)])  # fmt: skip
         self.compressed: tuple[int, ...] = self.info.compressed_layers  # model layer of each budget column
         self._slot = {lid: g for g, lid in enumerate(self.compressed)}
         self.seq: SequenceBudgets | None = None

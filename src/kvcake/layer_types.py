@@ -1,8 +1,9 @@
 """Which layers of a model are of which kind, read from its config as transformers' caches read it:
 full attention (compressed by kvcake), sliding-window and chunked attention (kept as transformers
 keeps them, ``sliding.py``), linear-attention and convolution layers holding a fixed-size state, and
-blocks without attention (both ``recurrent.py``); and the kinds kvcake refuses (KV sharing,
-attention and Mamba side by side in one layer), with the reason."""
+blocks without attention (both ``recurrent.py``), full attention beside a recurrent block
+(``hybrid_layer.py``); and the kinds kvcake refuses (KV sharing, sliding-window attention beside a
+recurrent block), with the reason."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
     for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
         window = _window(text, kind, kw)
         if (
-            kind == "full_attention"
+            kind in ("full_attention", "hybrid")  # hybrid: a recurrent block beside (hybrid_layer.py)
             or kind in RECURRENT_TYPES
             or (kind in WINDOWED and (window is None or window >= max_pos))
         ):
@@ -48,10 +49,11 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
                 f"{mtype}: layer {i} stores no keys and reads an earlier layer's (KV sharing, e.g. Gemma 3n), "
                 "which kvcake does not support: evicting for one layer would evict for the layers that share it"
             )
-        elif kind in ("hybrid", "hybrid_sliding"):
+        elif kind == "hybrid_sliding":
             raise ValueError(
-                f"{mtype}: layer {i} runs attention and a recurrent (Mamba) block side by side in one cache "
-                "layer (Falcon-H1, Zamba), which kvcake does not support; use a DynamicCache for this model"
+                f"{mtype}: layer {i} runs sliding-window attention and a recurrent block side by side in one "
+                "cache layer, which kvcake does not support (it does full attention beside one: Falcon-H1); "
+                "use a DynamicCache for this model"
             )
         else:
             raise ValueError(
@@ -104,6 +106,20 @@ def recurrent_layers(text, mtype: str) -> tuple[tuple[int, int], ...]:
         for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True))
         if kind in RECURRENT_TYPES or (kind == "dummy" and not _shares_kv(text))
     )
+    return held
+
+
+def hybrid_layers(text, mtype: str) -> tuple[tuple[int, int], ...]:
+    """(layer, number of states) for each full-attention layer that also holds a recurrent block's
+    states (layer type ``"hybrid"``: Falcon-H1; ``hybrid_layer.py``). Raises ``ValueError`` where this
+    transformers cannot hold them."""
+    types, kwargs = _layer_types(text)
+    held = tuple(
+        (i, kw.get("number_of_states", 1)) for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True))
+        if kind == "hybrid"
+    )  # fmt: skip
+    if held:
+        check_supported(mtype)
     return held
 
 

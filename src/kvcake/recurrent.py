@@ -78,6 +78,40 @@ def keyless_layer(number_of_states: int):
     return RecurrentLayer(number_of_states=number_of_states) if number_of_states else EmptyLayer()
 
 
+def held_states(layer) -> list[torch.Tensor]:
+    """Every state a linear-attention layer (``RecurrentLayer``, ``HybridLayer``) holds now: the
+    initialised conv and recurrent states, in state order."""
+    held = []
+    for i in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[i]:
+            held.append(layer.conv_states[i])
+        if layer.is_recurrent_states_initialized[i]:
+            held.append(layer.recurrent_states[i])
+    return held
+
+
+def state_bytes(layer) -> int:
+    """Bytes of the states ``layer`` holds (a full cache holds the same: they are never compressed)."""
+    return sum(t.numel() * t.element_size() for t in held_states(layer))
+
+
+def select_state_rows(layer, rows: torch.Tensor) -> None:
+    """Keep the sequences ``rows`` (B',) in that order, in every state of ``layer`` (dim 0: the batch).
+    Copied into a state of the same shape in place, where the batch keeps its size (its address is
+    what a CUDA graph holds, as transformers' layer keeps it)."""
+    for i in range(layer.number_of_states):
+        for name, ready in (("conv_states", layer.is_conv_states_initialized),
+                            ("recurrent_states", layer.is_recurrent_states_initialized)):  # fmt: skip
+            if not ready[i]:
+                continue
+            state = getattr(layer, name)[i]
+            picked = state.index_select(0, rows.to(state.device))
+            if picked.shape == state.shape:
+                state.copy_(picked)
+            else:
+                getattr(layer, name)[i] = picked
+
+
 _Base = LinearAttentionLayer if LinearAttentionLayer is not None else object
 
 
@@ -90,14 +124,7 @@ class RecurrentLayer(_Base):
     plan = False  # the kvcake attention never runs here
 
     def states(self) -> list[torch.Tensor]:
-        """Every state it holds now: the initialised conv and recurrent states, in state order."""
-        held = []
-        for i in range(self.number_of_states):
-            if self.is_conv_states_initialized[i]:
-                held.append(self.conv_states[i])
-            if self.is_recurrent_states_initialized[i]:
-                held.append(self.recurrent_states[i])
-        return held
+        return held_states(self)
 
     @property
     def held(self) -> bool:
@@ -112,7 +139,7 @@ class RecurrentLayer(_Base):
 
     def kv_bytes(self) -> int:
         """Bytes of its states (the same in a full cache: nothing here is compressed)."""
-        return sum(t.numel() * t.element_size() for t in self.states())
+        return state_bytes(self)
 
     def entries(self) -> int:
         return 0
@@ -127,20 +154,7 @@ class RecurrentLayer(_Base):
         self.select_rows(torch.as_tensor(indices).long(), None)  # host or device: moved where used
 
     def select_rows(self, rows: torch.Tensor, host: np.ndarray | None) -> None:
-        """Keep the sequences ``rows`` (B',) in that order, in every state (dim 0: the batch). Copied into
-        a state of the same shape in place, where the batch keeps its size (its address is what a CUDA
-        graph holds, as transformers' layer keeps it)."""
-        for i in range(self.number_of_states):
-            for name, ready in (("conv_states", self.is_conv_states_initialized),
-                                ("recurrent_states", self.is_recurrent_states_initialized)):  # fmt: skip
-                if not ready[i]:
-                    continue
-                state = getattr(self, name)[i]
-                picked = state.index_select(0, rows.to(state.device))
-                if picked.shape == state.shape:
-                    state.copy_(picked)
-                else:
-                    getattr(self, name)[i] = picked
+        select_state_rows(self, rows)
 
 
 class EmptyLayer(DummyLayer if DummyLayer is not None else object):
@@ -194,18 +208,20 @@ def recurrent_entry(layer: RecurrentLayer | EmptyLayer) -> dict:
     """The JSON facts a saved context keeps for a recurrent layer (its states go alongside)."""
     if isinstance(layer, EmptyLayer):
         return {"layout": "empty"}
-    return {
-        "layout": "recurrent",
-        "states": [
-            {
-                "conv": bool(layer.is_conv_states_initialized[i]),
-                "recurrent": bool(layer.is_recurrent_states_initialized[i]),
-                "kernel": layer.conv_kernel_size[i],
-                "seen": bool(layer.has_previous_state[i]),
-            }  # fmt: skip
-            for i in range(layer.number_of_states)
-        ],
-    }
+    return {"layout": "recurrent", "states": state_entries(layer)}
+
+
+def state_entries(layer) -> list[dict]:
+    """The JSON facts of each state a linear-attention layer holds (its tensors: :func:`recurrent_tensors`)."""
+    return [
+        {
+            "conv": bool(layer.is_conv_states_initialized[i]),
+            "recurrent": bool(layer.is_recurrent_states_initialized[i]),
+            "kernel": layer.conv_kernel_size[i],
+            "seen": bool(layer.has_previous_state[i]),
+        }  # fmt: skip
+        for i in range(layer.number_of_states)
+    ]
 
 
 def recurrent_tensors(layer: RecurrentLayer | EmptyLayer, prefix: str) -> dict[str, torch.Tensor]:
@@ -226,7 +242,12 @@ def restore_recurrent(layer, tensors: dict, prefix: str, entry: dict, device) ->
         return None if saved_empty and isinstance(layer, EmptyLayer) else "not a block without attention"
     if not isinstance(layer, RecurrentLayer):
         return f"a recurrent layer where the model has {type(layer).__name__}"
-    states = entry.get("states") or []
+    return restore_states(layer, tensors, prefix, entry.get("states") or [], device)
+
+
+def restore_states(layer, tensors: dict, prefix: str, states: list, device) -> str | None:
+    """Load the saved states ``states`` (:func:`state_entries`) into a linear-attention layer (a
+    ``RecurrentLayer`` or ``HybridLayer``); returns what does not fit, or None."""
     if len(states) != layer.number_of_states:
         return f"{len(states)} states where the model's layer holds {layer.number_of_states}"
     for i, saved in enumerate(states):

@@ -40,7 +40,7 @@ from .cross import CrossLayer
 from .dense import folded_attention
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
-from .recurrent import RecurrentLayer
+from .recurrent import LinearAttentionLayer, RecurrentLayer, state_bytes
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
@@ -267,13 +267,16 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
     """Split a KVCakeCache's bytes into sliding and compressed layers, against the full cache."""
     sliding = compressed = full = entries = full_entries = cross = recurrent = 0
     for layer in cache.layers:
-        if isinstance(layer, RecurrentLayer):  # a linear-attention layer's states, as a full cache's
-            states = layer.kv_bytes()
-            recurrent, full = recurrent + states, full + states
+        # a linear-attention layer's states (or those beside an attention: hybrid_layer.py), as a full cache's
+        states = (
+            state_bytes(layer)
+            if LinearAttentionLayer is not None and isinstance(layer, LinearAttentionLayer)
+            else 0
+        )
+        recurrent, full = recurrent + states, full + states
+        if isinstance(layer, RecurrentLayer) or layer.keys is None:
             continue
-        if layer.keys is None:
-            continue
-        held = layer.kv_bytes()
+        held = layer.kv_bytes() - states
         entries += layer.entries()
         if isinstance(layer, CrossLayer):
             cross += held  # a cross-attention layer (cross.py): the image's states, as a full cache's

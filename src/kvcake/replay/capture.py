@@ -33,10 +33,23 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
         if isinstance(idx, int) and projection_module(module) is not None:
+            _check_layer_idx(module, idx)
             found.setdefault(idx, module)
     if not found:
         raise ValueError(f"{type(model).__name__}: found no attention modules (layer_idx + o_proj)")
     return [found[i] for i in sorted(found)]
+
+
+def _check_layer_idx(module: torch.nn.Module, idx) -> None:
+    """Refuse an attention module without a layer of its own: Zamba2's one module serves several layers
+    (layer_idx -1), Zamba's tied copies have none, and the eval's replay records queries and outputs
+    per module's layer."""
+    if not isinstance(idx, int) or idx < 0:
+        raise ValueError(
+            f"{type(module).__name__} (layer_idx {idx}) is not one decoder layer's attention (Zamba's shared "
+            "block runs for several layers), and the eval's replay records queries and outputs by the module's "
+            "layer: evaluate this model with kvcake.generate / kvcake.compress, which compress it"
+        )
 
 
 @contextlib.contextmanager
@@ -83,7 +96,8 @@ class Captured:
     _joined: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def add(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None, terms=PLAIN) -> None:
-        idx = module.layer_idx
+        idx = getattr(module, "layer_idx", None)
+        _check_layer_idx(module, idx)
         self.queries.setdefault(idx, []).append(query.detach())
         self.modules[idx] = module
         self.scaling[idx] = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvcake.cache import KVCakeCache, cache_kv_bytes
 from kvcake.context import CompressedContext
+from kvcake.hybrid_layer import HybridLayer
 from kvcake.method import Method
 from kvcake.recurrent import EmptyLayer, RecurrentLayer, copy_states
 from kvcake.scorers import PrefillInputs, Scorer
@@ -119,6 +120,10 @@ def replay_compress(
                     f"layer {layer}: {query.shape[2]} recorded queries, {keys.shape[2]} cached keys, "
                     f"{input_ids.shape[1]} prompt ids: they must match"
                 )
+            if isinstance(
+                kv.layers[layer], HybridLayer
+            ):  # the states beside the attention, as the full cache's
+                copy_states(cache.layers[layer], kv.layers[layer])
             kv.update(keys, values, layer, kwargs={})  # a model's attention kwargs (hand-off unused)
             kv.consume(layer)  # what the kvcake attention function does before its hooks
             kv.after_prefill_attention(

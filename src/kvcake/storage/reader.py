@@ -20,9 +20,10 @@ from ..context import CompressedContext
 from ..cross import CrossLayer, restore_cross
 from ..devices import input_device, layer_devices, output_device
 from ..fp8 import RECENT_TENSORS, hold_recent
+from ..hybrid_layer import HybridLayer
 from ..method import _rebuild_method
 from ..ragged import RaggedMeta
-from ..recurrent import EmptyLayer, RecurrentLayer, restore_recurrent
+from ..recurrent import EmptyLayer, RecurrentLayer, restore_recurrent, restore_states
 from ..sliding import SlidingLayer, restore_sliding
 from .format import _DIGEST_KEY, _MAX_HEADER, _META_KEY, ContextFileError, _digest, _read_header
 from .writer import TOKEN_INPUTS_PREFIX, _model_meta
@@ -217,6 +218,13 @@ def _rebuild(
                 if any(tuple(t.shape[:3]) != (batch, info.num_kv_heads, ring) for t in recent):
                     raise ContextFileError(f"layer {lid}: its recent entries do not fit the model")
                 hold_recent(layer, *(t.to(device) for t in recent))
+        if ("states" in lm) != isinstance(layer, HybridLayer):  # a recurrent block's states beside
+            raise ContextFileError(
+                f"layer {lid}: its recurrent states {'do not fit' if 'states' in lm else 'are missing'}"
+            )
+        err = restore_states(layer, tensors, prefix, lm["states"], device) if "states" in lm else None
+        if err:
+            raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
         layer.is_initialized = True
     c = meta["cache"]
     cache.budgets = tensors["cache.budgets"]

@@ -20,8 +20,9 @@ from ..cache import KVCakeCache
 from ..cascade import SequenceBudgets
 from ..cross import CrossLayer, cross_entry
 from ..fp8 import RECENT_TENSORS
+from ..hybrid_layer import HybridLayer
 from ..method import method_spec
-from ..recurrent import EmptyLayer, RecurrentLayer, recurrent_entry, recurrent_tensors
+from ..recurrent import EmptyLayer, RecurrentLayer, recurrent_entry, recurrent_tensors, state_entries
 from ..sliding import SlidingLayer, sliding_entry
 from ..version import __version__
 from .format import _CHUNK, _DIGEST_KEY, _META_KEY, FORMAT_NAME, FORMAT_VERSION, _digest
@@ -136,6 +137,9 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
         if layer.layout == "ragged":
             tensors[prefix + "lengths"] = _host(layer.meta.lengths)
             entry["max_len"] = int(layer.meta.max_len)
+        if isinstance(layer, HybridLayer):  # a recurrent block's states beside the entries, whole
+            entry["states"] = state_entries(layer)
+            tensors.update({name: _host(t) for name, t in recurrent_tensors(layer, prefix).items()})
         layers_meta.append(entry)
     meta = {
         "format": FORMAT_NAME,
