@@ -15,6 +15,9 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 import kvcake
 from kvcake import KVCakeCache
 from kvcake.adapters import forward_hands_kwargs, with_cache
+from kvcake.recurrent import LinearAttentionLayer, held_states
+from kvcake.replay import Captured, capture_queries, replay_compress
+from kvcake.storage import load_context
 
 # Whether the installed transformers' own models (the tiny Llama's and Gemma 3's attention) hand their
 # attention kwargs to cache.update (from 5.24), which compiled kvcake steps and sliding rings need.
@@ -48,6 +51,14 @@ def prefill(model, ids, method, mask=None, **kw) -> tuple[KVCakeCache, torch.Ten
     with kvcake.enable(model), torch.no_grad():
         out = model(ids, attention_mask=mask, **with_cache(model, cache))
     return cache, out.logits
+
+
+def full_and_compressed(model, ids, method, **kw) -> tuple[transformers.DynamicCache, KVCakeCache]:
+    """The prompt ``ids`` through transformers' ``DynamicCache`` and through ``method``'s KVCakeCache."""
+    full = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **with_cache(model, full))
+    return full, prefill(model, ids, method, **kw)[0]
 
 
 def single_step_logits(model, cache, follow: torch.Tensor) -> torch.Tensor:
@@ -174,4 +185,66 @@ def assert_a_covering_budget_decodes_the_stock_models(model: torch.nn.Module) ->
         stock = model.generate(batch, attention_mask=mask, **kw)
     out, _ = kvcake.generate(model, batch, "cake-adakv", budget=64, window=8, attention_mask=mask, **kw)
     assert_same_decoding(out, stock, "left-padded")
+    return cache
+
+
+def cache_states(cache) -> list[torch.Tensor]:
+    """Every linear-attention state ``cache`` holds (a ``DynamicCache``'s or kvcake's ``RecurrentLayer``s and
+    ``HybridLayer``s), in layer order."""
+    return [
+        t for layer in cache.layers if isinstance(layer, LinearAttentionLayer) for t in held_states(layer)
+    ]
+
+
+def assert_a_saved_context_answers_as_before(model, ids, question, tmp_path, budget: int):
+    """``cake`` (``budget``, window 4) compresses ``ids``: asking ``question`` twice gives one answer and
+    leaves the context's states alone (a fork copies them); saved and read back, its states, bytes,
+    teacher-forced logits and answer are the same. Returns the context."""
+    ctx = kvcake.compress(model, ids, "cake", budget=budget, window=4)
+    before = [t.clone() for t in cache_states(ctx.cache)]
+    gen = {"max_new_tokens": 6, "do_sample": False}
+    answer = ctx.generate(question, **gen)
+    assert torch.equal(ctx.generate(question, **gen), answer)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache_states(ctx.cache), strict=True))
+    ctx.save(tmp_path / "ctx.kvc")
+    loaded = load_context(model, tmp_path / "ctx.kvc")
+    got = cache_states(loaded.cache)
+    assert len(got) == len(before) > 0 and all(torch.equal(a, b) for a, b in zip(before, got, strict=True))
+    assert loaded.cache.kv_bytes() == ctx.cache.kv_bytes()
+    assert torch.equal(loaded.forward(question), ctx.forward(question))
+    assert torch.equal(loaded.generate(question, **gen), answer)
+    return ctx
+
+
+def assert_the_replay_equals_compress(model, ids, question, budget: int) -> None:
+    """The eval's replay of one recorded full-cache forward into ``cake`` (``budget``, window 4) keeps what
+    ``kvcake.compress`` keeps: counts, every layer's keys (1e-6) and states (the full cache's, bit for
+    bit), and the logits of ``question`` after it (1e-5)."""
+    captured, full = Captured(), transformers.DynamicCache(config=model.config)
+    with capture_queries(model, captured), torch.no_grad():
+        logits = model(ids, **with_cache(model, full), logits_to_keep=1).logits[:, -1]
+    method = kvcake.make_method("cake", budget=budget, window=4)
+    got = replay_compress(model, method, captured, full, ids, logits)
+    ref = kvcake.compress(model, ids, method)
+    assert (got.cache.layer_counts() == ref.cache.layer_counts()).all()
+    for a, b in zip(got.cache.layers, ref.cache.layers, strict=True):
+        if a.keys is not None:
+            torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-6)
+    assert all(
+        torch.equal(x, y) for x, y in zip(cache_states(got.cache), cache_states(ref.cache), strict=True)
+    )
+    assert cache_states(got.cache)
+    torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
+
+
+def beams_as_the_stock_models(model, ids, budget: int) -> KVCakeCache:
+    """Beam search (3 beams, 6 tokens) with ``snapkv`` whose budget covers ``ids`` gives the stock model's
+    beams; compressed to ``budget`` (window 4) it runs: its cache, which then holds the 3 beams."""
+    kw = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        stock = model.generate(ids, **kw)
+    out, _ = kvcake.generate(model, ids, "snapkv", budget=64, window=4, **kw)
+    assert torch.equal(out, stock)
+    out, cache = kvcake.generate(model, ids, "snapkv", budget=budget, window=4, **kw)
+    assert out.shape[0] == ids.shape[0]
     return cache

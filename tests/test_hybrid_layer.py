@@ -20,12 +20,16 @@ from kvcake.adapters import describe_model, with_cache
 from kvcake.hybrid_layer import HybridLayer
 from kvcake.layer_types import layer_windows
 from kvcake.recurrent import check_supported, held_states
-from kvcake.replay import Captured, capture_queries, replay_compress
-from kvcake.storage import load_context
+from kvcake.replay import Captured, capture_queries
 from shared_checks import (
     GREEDY,
     assert_a_covering_budget_decodes_the_stock_models,
+    assert_a_saved_context_answers_as_before,
+    assert_the_replay_equals_compress,
+    beams_as_the_stock_models,
+    cache_states,
     compiled_and_eager_decoding,
+    full_and_compressed,
     step_and_oracle_logits,
     tiny_model,
 )
@@ -94,13 +98,8 @@ def test_a_prefill_leaves_the_full_caches_states_and_counts_their_bytes_apart(fa
     every prompt token before its layer evicts; after H2O's own prompt attention, to float rounding)
     and holds its states; budgets sum over the hybrid layers; the states' bytes are ``recurrent``, the
     kept entries' ``compressed``, and a full cache holds both."""
-    model, x = _model(family), _ids(40, seed=1)
-    full = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(x, **with_cache(model, full))
-    cache = kvcake.KVCakeCache(model, preset, budget=BUDGET, window=4)
-    with kvcake.enable(model), torch.no_grad():
-        model(x, **with_cache(model, cache))
+    model = _model(family)
+    full, cache = full_and_compressed(model, _ids(40, seed=1), preset, budget=BUDGET, window=4)
     first = cache.compressed[0]
     for lid, (ours, stock) in enumerate(zip(cache.layers, full.layers, strict=True)):
         pairs = list(zip(held_states(ours), held_states(stock), strict=True))
@@ -167,14 +166,8 @@ def test_every_preset_keeps_its_budgets(family):
 
 @FAMILY
 def test_beam_search_with_a_covering_budget_is_the_stock_models(family):
-    model, x = _model(family), _ids(30, seed=4)
-    kw = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
-    with torch.no_grad():
-        stock = model.generate(x, **kw)
-    out, _ = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw)
-    assert torch.equal(out, stock)
-    out, cache = kvcake.generate(model, x, "snapkv", budget=BUDGET, window=4, **kw)  # compressed: it runs
-    assert out.shape[0] == 1 and all(t.shape[0] == 3 for layer in cache.layers for t in held_states(layer))
+    cache = beams_as_the_stock_models(_model(family), _ids(30, seed=4), BUDGET)
+    assert all(t.shape[0] == 3 for t in cache_states(cache))
 
 
 @FAMILY
@@ -198,38 +191,13 @@ def test_a_reorder_takes_the_states_along(family):
 @FAMILY
 def test_a_context_saved_and_read_back_answers_as_before(family, tmp_path):
     model = _model(family)
-    ctx = kvcake.compress(model, _ids(48, seed=5), "cake", budget=BUDGET, window=4)
-    before = [t.clone() for layer in ctx.cache.layers for t in held_states(layer)]
-    question, gen = _ids(5, seed=6), {"max_new_tokens": 6, "do_sample": False}
-    answer = ctx.generate(question, **gen)
-    assert torch.equal(ctx.generate(question, **gen), answer)  # a fork leaves the context's states alone
-    after = [t for layer in ctx.cache.layers for t in held_states(layer)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    ctx.save(tmp_path / "ctx.kvc")
-    loaded = load_context(model, tmp_path / "ctx.kvc")
-    got = [t for layer in loaded.cache.layers for t in held_states(layer)]
-    assert len(got) == len(before) == 2 * len(model.config.layer_types)
-    assert all(torch.equal(a, b) for a, b in zip(before, got, strict=True))
-    assert loaded.cache.kv_bytes() == ctx.cache.kv_bytes()
-    assert torch.equal(loaded.forward(question), ctx.forward(question))
-    assert torch.equal(loaded.generate(question, **gen), answer)
+    ctx = assert_a_saved_context_answers_as_before(model, _ids(48, seed=5), _ids(5, seed=6), tmp_path, BUDGET)
+    assert len(cache_states(ctx.cache)) == 2 * len(model.config.layer_types)  # a conv and an SSM state each
 
 
 def test_a_replayed_prefill_equals_compress():
     """The eval's replay copies the full cache's states beside each layer's replayed entries."""
-    model, ids = _model(), _ids(40, seed=7)
-    captured, full = Captured(), DynamicCache(config=model.config)
-    with capture_queries(model, captured), torch.no_grad():
-        logits = model(ids, **with_cache(model, full), logits_to_keep=1).logits[:, -1]
-    method = kvcake.make_method("cake", budget=BUDGET, window=4)
-    got = replay_compress(model, method, captured, full, ids, logits)
-    ref = kvcake.compress(model, ids, method)
-    assert (got.cache.layer_counts() == ref.cache.layer_counts()).all()
-    for a, b in zip(got.cache.layers, ref.cache.layers, strict=True):
-        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-6)
-        assert all(torch.equal(x, y) for x, y in zip(held_states(a), held_states(b), strict=True))
-    question = _ids(4, seed=8)
-    torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
+    assert_the_replay_equals_compress(_model(), _ids(40, seed=7), _ids(4, seed=8), BUDGET)
 
 
 @pytest.mark.parametrize("family", ["zamba", "zamba2"])

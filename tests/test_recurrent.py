@@ -13,17 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from transformers import DynamicCache
 
 import kvcake
 from kvcake import recurrent
-from kvcake.adapters import describe_model, with_cache
-from kvcake.recurrent import EmptyLayer, RecurrentLayer
-from kvcake.replay import Captured, capture_queries, replay_compress
+from kvcake.adapters import describe_model
+from kvcake.recurrent import EmptyLayer, RecurrentLayer, held_states
 from kvcake.storage import load_context
 from shared_checks import (
     assert_a_covering_budget_decodes_the_stock_models,
+    assert_a_saved_context_answers_as_before,
+    assert_the_replay_equals_compress,
+    beams_as_the_stock_models,
     compiled_and_eager_decoding,
+    full_and_compressed,
     tiny_model,
 )
 
@@ -120,14 +122,6 @@ def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _states(layer) -> list[torch.Tensor]:
-    """A linear-attention layer's states (transformers' or kvcake's), in state order."""
-    held = []
-    for i in range(layer.number_of_states):
-        held += [t for t in (layer.conv_states[i], layer.recurrent_states[i]) if t is not None]
-    return held
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_covering_budget_decodes_the_stock_models_tokens(family):
     cache = assert_a_covering_budget_decodes_the_stock_models(_model(family))
@@ -146,23 +140,17 @@ def test_a_prefill_leaves_the_full_caches_states_and_budgets_sum_over_attention_
     which compute the prompt's attention themselves to sum its columns). Budgets cover the two
     attention layers."""
     model = _model(family)
-    x = _ids(40, seed=1)
-    full = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(x, **with_cache(model, full))
-    cache = kvcake.KVCakeCache(model, preset, budget=BUDGET, window=4)
-    with kvcake.enable(model), torch.no_grad():
-        model(x, **with_cache(model, cache))
+    full, cache = full_and_compressed(model, _ids(40, seed=1), preset, budget=BUDGET, window=4)
     held = 0
     for ours, stock in zip(cache.layers, full.layers, strict=True):
         if isinstance(ours, RecurrentLayer):
-            pairs = list(zip(_states(ours), _states(stock), strict=True))
+            pairs = list(zip(held_states(ours), held_states(stock), strict=True))
             assert pairs
             for a, b in pairs:
                 torch.testing.assert_close(
                     a, b, rtol=0, atol=0 if preset != "h2o" or ours is cache.layers[0] else 1e-5
                 )
-            held += sum(t.numel() * t.element_size() for t in _states(stock))
+            held += sum(t.numel() * t.element_size() for t in held_states(stock))
     assert int(cache.budgets.sum()) == 2 * BUDGET and cache.budgets.shape == (1, 2)
     assert cache.layer_counts().sum() <= 2 * BUDGET * model.config.num_key_value_heads
     parts = cache.kv_bytes_parts()
@@ -190,36 +178,15 @@ def test_every_preset_runs_on_a_linear_attention_hybrid():
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
 def test_beam_search_with_a_covering_budget_is_the_stock_models(family):
     """Beam search reorders the recurrent states with the compressed layers' entries."""
-    model = _model(family)
-    x = _ids(30, seed=3)
-    kw = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
-    with torch.no_grad():
-        stock = model.generate(x, **kw)
-    out, _ = kvcake.generate(model, x, "snapkv", budget=64, window=4, **kw)
-    assert torch.equal(out, stock)
-    out, cache = kvcake.generate(model, x, "snapkv", budget=BUDGET, window=4, **kw)  # compressed: it runs
-    assert out.shape[0] == 1 and cache.layers[0].batch == 3
+    cache = beams_as_the_stock_models(_model(family), _ids(30, seed=3), BUDGET)
+    assert cache.layers[0].batch == 3
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2"])
 def test_a_context_saved_and_read_back_answers_as_before(family, tmp_path):
-    model = _model(family)
-    ctx = kvcake.compress(model, _ids(48, seed=4), "cake", budget=BUDGET, window=4)
-    before = [
-        t.clone() for layer in ctx.cache.layers if isinstance(layer, RecurrentLayer) for t in _states(layer)
-    ]
-    question, gen = _ids(5, seed=5), {"max_new_tokens": 6, "do_sample": False}
-    answer = ctx.generate(question, **gen)
-    assert torch.equal(ctx.generate(question, **gen), answer)  # a fork leaves the context's states alone
-    after = [t for layer in ctx.cache.layers if isinstance(layer, RecurrentLayer) for t in _states(layer)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    ctx.save(tmp_path / "ctx.kvc")
-    loaded = load_context(model, tmp_path / "ctx.kvc")
-    got = [t for layer in loaded.cache.layers if isinstance(layer, RecurrentLayer) for t in _states(layer)]
-    assert len(got) == len(before) and all(torch.equal(a, b) for a, b in zip(before, got, strict=True))
-    assert loaded.cache.kv_bytes() == ctx.cache.kv_bytes()
-    assert torch.equal(loaded.forward(question), ctx.forward(question))
-    assert torch.equal(loaded.generate(question, **gen), answer)
+    assert_a_saved_context_answers_as_before(
+        _model(family), _ids(48, seed=4), _ids(5, seed=5), tmp_path, BUDGET
+    )
 
 
 def test_a_context_file_of_another_layout_is_refused(tmp_path):
@@ -241,23 +208,7 @@ def test_a_context_file_of_another_layout_is_refused(tmp_path):
 
 def test_a_replayed_prefill_equals_compress():
     """The eval's replay copies the full cache's states to the recurrent layers."""
-    model = _model("qwen3_5")
-    ids = _ids(40, seed=6)
-    captured = Captured()
-    full = DynamicCache(config=model.config)
-    with capture_queries(model, captured), torch.no_grad():
-        logits = model(ids, **with_cache(model, full), logits_to_keep=1).logits[:, -1]
-    method = kvcake.make_method("cake", budget=BUDGET, window=4)
-    got = replay_compress(model, method, captured, full, ids, logits)
-    ref = kvcake.compress(model, ids, method)
-    assert (got.cache.layer_counts() == ref.cache.layer_counts()).all()
-    for a, b in zip(got.cache.layers, ref.cache.layers, strict=True):
-        if isinstance(a, RecurrentLayer):
-            assert all(torch.equal(x, y) for x, y in zip(_states(a), _states(b), strict=True))
-        else:
-            torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-6)
-    question = _ids(4, seed=7)
-    torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
+    assert_the_replay_equals_compress(_model("qwen3_5"), _ids(40, seed=6), _ids(4, seed=7), BUDGET)
 
 
 def test_a_model_without_attention_is_refused():
