@@ -132,6 +132,32 @@ FAMILIES = {
     "opt": ("OPTConfig", OPT),
     "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}),
     "dbrx": ("DbrxConfig", DBRX),  # fused QKV clipped, experts in its FFN config
+    "gemma4-hybrid": (  # its global layers have their own head dim and KV heads (a heterogeneous config),
+        "Gemma4TextConfig",  # and values that are the keys' projection normed again (attention_k_eq_v)
+        {
+            **HEAD16,
+            **HYBRID,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 128,
+        },
+    ),  # fmt: skip
+    "gemma4-moe-hybrid": (
+        "Gemma4TextConfig",
+        {
+            **HEAD16,
+            **HYBRID,
+            "global_head_dim": 32,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 128,
+        },
+    ),  # fmt: skip
     "gpt_oss-hybrid": (  # attention sinks: a learned logit per head in the softmax (test_sinks.py)
         "GptOssConfig",
         {**HEAD16, **HYBRID, "num_local_experts": 4, "num_experts_per_tok": 2},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import types
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
 from kvcake.cache import LEGACY_PENDING
+from kvcake.layer_types import attention_shape
 
 PROBE = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(123))
 
@@ -271,7 +273,8 @@ def _build(config):
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
             "bloom": tf.BloomForCausalLM,
             "gemma3n_text": tf.Gemma3nForCausalLM,
-            "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM,
+            "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM, "diffllama": tf.DiffLlamaForCausalLM,
+            "dory": getattr(tf, "DoryForCausalLM", None),
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -339,7 +342,30 @@ UNSUPPORTED = {
         lambda: tf.DogeConfig(**SMALL, keep_window_size=2048, pad_token_id=0),
         r"doge: its attention adds a learned bias per head and key to the mask",
     ),
+    "diffllama-two-calls": (
+        lambda: tf.DiffLlamaConfig(**SMALL, num_key_value_heads=2, pad_token_id=0),
+        r"diffllama: its attention calls the attention function twice per layer",
+    ),
+    "dory-loops": (
+        lambda: _config(
+            "DoryConfig",
+            **SMALL,
+            num_key_value_heads=2,
+            head_dim=16,
+            layer_types=["full_attention", "full_attention"],
+            pad_token_id=0,
+        ),  # fmt: skip
+        r"dory: its layers run in loops",
+    ),
 }
+
+
+def _config(name: str, **kwargs):
+    """transformers' config class ``name`` (the test is skipped where the installed release lacks it)."""
+    cls = getattr(tf, name, None)
+    if cls is None:
+        pytest.skip(f"transformers {tf.__version__} has no {name}")
+    return cls(**kwargs)
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
@@ -599,3 +625,18 @@ def test_errors_inside_enable_restore_the_model(tiny_llama):
         with pytest.raises(ValueError, match="left padding"), kvcake.enable(tiny_llama), torch.no_grad():
             assert tiny_llama.config._attn_implementation == "kvcake_sdpa"
             tiny_llama(x, attention_mask=right, **with_cache(tiny_llama, cache))
+
+
+def test_full_attention_layers_of_two_shapes_are_refused():
+    """A heterogeneous config (transformers' per-layer configs, Gemma 4's) whose compressed layers differ
+    in head dim: one cache shape would not cover them (transformers 5.24's Gemma 4 keeps its global
+    layers alike, so the config is a stand-in)."""
+    views = [
+        types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=d) for d in (16, 32, 16)
+    ]
+    text = types.SimpleNamespace(per_layer_config=views)
+    assert attention_shape(text, [0, 2], "probe") == (4, 2, 16)
+    with pytest.raises(
+        ValueError, match=r"probe: its full-attention layers differ .*\[\(4, 2, 16\), \(4, 2, 32\)\]"
+    ):
+        attention_shape(text, [0, 1, 2], "probe")

@@ -154,6 +154,29 @@ def _gemma3_with_an_image():
     return model, x, {"pixel_values": pixels, "token_type_ids": (x == 299).long()}
 
 
+def _gemma4_with_an_image():
+    """A tiny Gemma 4 (sliding, full, sliding, full; the global layers' head dim 32, the sliding ones' 16)
+    and a prompt with a 4-token image block (16 patches of 4 x 4 pooled 2 x 2)."""
+    text = {**HEAD16, "vocab_size": 300, "num_hidden_layers": 4, "sliding_window": 8, "global_head_dim": 32,
+            "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 300}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+              "position_embedding_size": 64}  # fmt: skip
+    config = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, boi_token_id=297,
+                             eoi_token_id=298, image_token_id=299, video_token_id=296, boa_token_id=295,
+                             eoa_token_index=294, audio_token_id=293)  # fmt: skip
+    x = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    x[0, 30], x[0, 31:35], x[0, 35] = 297, 299, 298
+    grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(1, 16, 2)
+    image = {
+        "pixel_values": torch.randn(1, 16, 48),
+        "image_position_ids": grid,
+        "mm_token_type_ids": (x == 299).long(),
+    }
+    return tf.Gemma4ForConditionalGeneration(config), x, image
+
+
 def test_gemma3_with_an_image_decodes_in_the_ring():
     """The default (static) cache decoded no image prompt: transformers builds the sliding layers' mask
     with the image blocks' ids padded to the mask's columns and indexed by position, and the ring's
@@ -394,6 +417,7 @@ def _kosmos2_with_an_image():
 # keep rope_deltas
 BUILDERS = {
     "gemma3": (_gemma3_with_an_image, "Gemma3ForConditionalGeneration"),
+    "gemma4": (_gemma4_with_an_image, "Gemma4ForConditionalGeneration"),
     "llava": (_llava_with_an_image, "LlavaForConditionalGeneration"),
     "qwen2_vl": (_qwen2_vl_with_an_image, "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": (_qwen2_5_vl_with_an_image, "Qwen2_5_VLForConditionalGeneration"),

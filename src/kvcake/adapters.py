@@ -23,7 +23,7 @@ import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
-from .layer_types import chunked_layers, hybrid_layers, layer_windows, recurrent_layers
+from .layer_types import attention_shape, chunked_layers, hybrid_layers, layer_windows, recurrent_layers
 from .logit_terms import model_terms
 from .recurrent import check_supported
 
@@ -34,6 +34,10 @@ _REFUSED_FAMILIES = {
     "the output projection sits inside the experts",
     "doge": "its attention adds a learned bias per head and key to the mask (dynamic mask attention), which "
     "kvcake's attention over the kept entries would drop",
+    "diffllama": "its attention calls the attention function twice per layer (differential attention), over values it "
+    "rebuilds from the cached ones, where kvcake's attention answers one call per layer from the entries it keeps",
+    "dory": "its layers run in loops, each loop past the first on its own copy of a layer's cache or on the last "
+    "loop's keys, which kvcake's per-layer budgets and attention do not follow",
 }
 # Families whose layers hold attention and a recurrent block's states side by side (``hybrid_layer.py``),
 # which releases before transformers' per-state LinearAttentionLayer type "attention" (5.0) and hold in
@@ -104,8 +108,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     layer slides (nothing to compress), encoder-decoders, latent attention (MLA) not in the form
     ``kvcake.latent`` reads (:func:`check_latent`), models without attention (Mamba), KV sharing
     across layers (Gemma 3n),
-    and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, Zamba's
-    attention block shared by several layers). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
+    and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, DiffLlama's two
+    attention calls per layer, Dory's loops); full-attention layers of different shapes
+    (``layer_types.attention_shape``). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
     Sliding and chunked layers of a hybrid are reported in ``windows`` (the chunked ones also in
     ``chunked``), cross-attention layers (Mllama, which attend to the image's states) in ``cross``,
     linear-attention layers in ``recurrent``: none is compressed. Full-attention layers holding a
@@ -144,12 +149,14 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     recurrent = recurrent_layers(text, mtype)
     beside = hybrid_layers(text, mtype)
     windows = layer_windows(text, mtype)
-    num_heads = getattr(text, "num_attention_heads", None)
-    if num_heads is None:
-        raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
-    num_kv = 1 if latent else getattr(text, "num_key_value_heads", None) or num_heads  # MLA: one latent
-    head_dim = sum(latent) if latent else getattr(text, "head_dim", None) or text.hidden_size // num_heads
     cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
+    skipped = set(cross) | {i for i, _ in recurrent}
+    compressed = [
+        i for i, w in enumerate(windows or (None,) * text.num_hidden_layers) if w is None and i not in skipped
+    ]
+    num_heads, num_kv, head_dim = attention_shape(text, compressed, mtype)
+    if latent:  # MLA: one latent "head", [c; k_rot] wide
+        num_kv, head_dim = 1, sum(latent)
     return ModelInfo(
         mtype,
         text.num_hidden_layers,

@@ -75,6 +75,33 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
     return tuple(windows) if any(w is not None for w in windows) else ()
 
 
+def attention_shape(text, layers: list[int], mtype: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the attention ``layers`` (those kvcake compresses): the
+    config's, or each layer's where the config sets them per layer (transformers' heterogeneous configs:
+    Gemma 4's global layers have a head dim and KV heads of their own). Raises ``ValueError`` where those
+    layers differ, which one cache shape does not cover."""
+    per_layer = getattr(text, "per_layer_config", None)
+    if per_layer is None and getattr(text, "global_head_dim", None):
+        # Gemma 4 before per-layer configs (5.12): its full-attention layers' own shape
+        alternative = getattr(text, "attention_k_eq_v", False)
+        kv = text.num_global_key_value_heads if alternative else text.num_key_value_heads
+        return text.num_attention_heads, kv, text.global_head_dim
+    views = [per_layer[i] for i in layers] if per_layer is not None else [text]
+    shapes = set()
+    for view in views:
+        heads = getattr(view, "num_attention_heads", None)
+        if heads is None:
+            raise ValueError(f"{mtype}: cannot find num_attention_heads in the config")
+        kv = getattr(view, "num_key_value_heads", None) or heads
+        shapes.add((heads, kv, getattr(view, "head_dim", None) or view.hidden_size // heads))
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{mtype}: its full-attention layers differ in (query heads, KV heads, head dim): {sorted(shapes)}, "
+            "which kvcake does not support (one shape for the layers it compresses); use a DynamicCache"
+        )
+    return shapes.pop()
+
+
 def chunked_layers(text) -> tuple[int, ...]:
     """The layers attending within chunks (Llama 4: ``chunked_attention``, ``attention_chunk_size``
     tokens each) among those :func:`layer_windows` gives a window: ``sliding.py`` keeps them whole."""
