@@ -92,13 +92,18 @@ class ModelInfo:
     @property
     def compressed_layers(self) -> tuple[int, ...]:
         """Indices of the full-attention layers, the only ones kvcake compresses."""
-        windows = self.windows or (None,) * self.num_layers
-        skipped = set(self.cross) | {i for i, _ in self.recurrent}
-        return tuple(i for i, w in enumerate(windows) if w is None and i not in skipped)
+        return full_attention_layers(self.num_layers, self.windows, self.cross, self.recurrent)
 
     @property
     def hybrid(self) -> bool:
         return any(w is not None for w in self.windows)
+
+
+def full_attention_layers(num_layers: int, windows, cross, recurrent) -> tuple[int, ...]:
+    """The layers kvcake compresses: no window (``windows``: per layer, empty when none slides), not
+    cross-attention, not holding recurrent states alone (``ModelInfo``'s fields)."""
+    skipped = set(cross) | {i for i, _ in recurrent}
+    return tuple(i for i, w in enumerate(windows or (None,) * num_layers) if w is None and i not in skipped)
 
 
 def describe_model(model: torch.nn.Module) -> ModelInfo:
@@ -150,10 +155,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     beside = hybrid_layers(text, mtype)
     windows = layer_windows(text, mtype)
     cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
-    skipped = set(cross) | {i for i, _ in recurrent}
-    compressed = [
-        i for i, w in enumerate(windows or (None,) * text.num_hidden_layers) if w is None and i not in skipped
-    ]
+    compressed = full_attention_layers(text.num_hidden_layers, windows, cross, recurrent)
     num_heads, num_kv, head_dim = attention_shape(text, compressed, mtype)
     if latent:  # MLA: one latent "head", [c; k_rot] wide
         num_kv, head_dim = 1, sum(latent)

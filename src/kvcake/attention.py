@@ -116,10 +116,9 @@ def _make_attention(inner_name: str):
         cache = kwargs.pop(HANDOFF, None)
         layer_idx = getattr(module, "layer_idx", None)
         if cache is not None and not (isinstance(layer_idx, int) and layer_idx >= 0):
-            layer_idx = (
-                cache._unconsumed
-            )  # one module for several layers (Zamba's shared block, its layer_idx
-            # -1): the hand-off came in this call's own kwargs, from the update of the layer it runs for
+            # one module for several layers (Zamba's shared block: layer_idx -1, or None in its tied copies):
+            # the hand-off came in this call's own kwargs, from the update of the layer it runs for
+            layer_idx = cache._unconsumed
         if cache is None and not torch.compiler.is_compiling():  # an older release's hand-off
             cache = _legacy_handoff(layer_idx, key)
         if cache is None or cache._unconsumed != layer_idx:  # any other cache, or none: the stock kernel

@@ -7,6 +7,8 @@ recurrent block), with the reason."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .recurrent import RECURRENT_TYPES, check_supported
 
 # Layer types attending a bounded span, which transformers holds in a sliding-window layer (the
@@ -75,7 +77,7 @@ def layer_windows(text, mtype: str) -> tuple[int | None, ...]:
     return tuple(windows) if any(w is not None for w in windows) else ()
 
 
-def attention_shape(text, layers: list[int], mtype: str) -> tuple[int, int, int]:
+def attention_shape(text, layers: Sequence[int], mtype: str) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of the attention ``layers`` (those kvcake compresses): the
     config's, or each layer's where the config sets them per layer (transformers' heterogeneous configs:
     Gemma 4's global layers have a head dim and KV heads of their own). Raises ``ValueError`` where those
