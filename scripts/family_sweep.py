@@ -1,0 +1,118 @@
+"""Every causal-LM family of the installed transformers as a tiny random model, through kvcake: where a
+family is neither tested (``tests/test_families.py`` and the family test files) nor refused, this is how
+one finds out what it does. One child process per family (a time limit, an address-space limit: some
+default configs allocate gigabytes), one line each:
+
+    PYTHONPATH=src python3 scripts/family_sweep.py [--only llama,gemma4_text] [--timeout 120]
+
+``ok covering=EQUAL``: snapkv with a budget covering the prompt decoded the stock model's 4 greedy tokens
+and cake at budget 8 ran; ``DIFFERS``: the covering budget changed the tokens (a bug to look at);
+``refused``: ``describe_model`` said why; ``kvcake fails``: an error at run time (a refusal there, or a
+bug); ``stock fails`` / ``config fails``: the tiny config below does not fit the family (not kvcake's).
+The tiny config sets only the fields the family's config has (2 layers, 4 query and 2 KV heads,
+hidden 64, vocabulary 128), so families whose configs need more say ``stock fails``."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             max_position_embeddings=512, moe_intermediate_size=32, num_experts=4, num_local_experts=4,
+             n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
+GREEDY = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def one(mtype: str) -> str:
+    """The sweep's line for one family (module docstring)."""
+    import warnings
+
+    import torch
+    import transformers as tf
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    import kvcake
+    from kvcake.adapters import describe_model
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    config_class = getattr(tf, CONFIG_MAPPING_NAMES.get(mtype, ""), None)
+    if config_class is None:
+        return "no config class"
+    try:
+        defaults = config_class()
+        config = config_class(**{k: v for k, v in SMALL.items() if _has(defaults, k)})
+    except Exception as e:
+        return f"config fails: {_short(e, 100)}"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    torch.manual_seed(0)
+    x = torch.randint(3, 100, (1, 24))
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            stock = model.generate(x, **GREEDY)
+    except Exception as e:
+        return f"stock fails: {_short(e, 100)}"
+    try:
+        describe_model(model)
+    except ValueError as e:
+        return f"refused: {_short(e, 160, name=False)}"
+    try:
+        out, _ = kvcake.generate(model, x, "snapkv", budget=64, window=4, **GREEDY)
+        compressed, _ = kvcake.generate(model, x, "cake", budget=8, window=4, **GREEDY)
+    except Exception as e:
+        return f"kvcake fails: {_short(e, 160)}"
+    return f"ok covering={'EQUAL' if torch.equal(out, stock) else 'DIFFERS'} compressed={tuple(compressed.shape)}"
+
+
+def _short(error: Exception, chars: int, name: bool = True) -> str:
+    """An error on one line: its type (``name``) and message, cut to ``chars``."""
+    text = " ".join(str(error).split())[:chars]
+    return f"{type(error).__name__}: {text}" if name else text
+
+
+def _has(config, name: str) -> bool:
+    """Whether ``config`` has the field ``name`` (a per-layer one, Gemma 4's ``head_dim``, raises on read)."""
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return False
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError: there, but per layer
+        return True
+    return True
+
+
+def _limit_memory(gib: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma-separated model types (default: every causal LM)")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds per family")
+    parser.add_argument("--memory-gib", type=int, default=8, help="address space per family")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's family
+    args = parser.parse_args()
+    if args.one:
+        print(one(args.one), flush=True)
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    families = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    for mtype in families:
+        try:
+            run = subprocess.run([sys.executable, __file__, "--one", mtype], capture_output=True, text=True,
+                                 timeout=args.timeout, preexec_fn=lambda: _limit_memory(args.memory_gib))  # fmt: skip
+            lines = run.stdout.strip().splitlines()
+            result = lines[-1] if run.returncode == 0 and lines else f"crashed (exit {run.returncode})"
+        except subprocess.TimeoutExpired:
+            result = f"over {args.timeout} s"
+        print(f"{mtype}: {result}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
