@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .layer import KVCakeLayer
-from .recurrent import LinearAttentionLayer, held_states, select_state_rows, state_bytes
+from .recurrent import LinearAttentionLayer, select_state_rows, state_bytes
 
 _States = LinearAttentionLayer if LinearAttentionLayer is not None else object
 
@@ -37,12 +37,6 @@ class HybridLayer(KVCakeLayer, _States):
             KVCakeLayer.lazy_initialization(self, *args, **kwargs)
         else:
             _States.lazy_initialization(self, **kwargs)
-
-    def states(self) -> list[torch.Tensor]:
-        return held_states(self)
-
-    def state_bytes(self) -> int:
-        return state_bytes(self)
 
     def kv_bytes(self) -> int:
         """Keys and values held (``KVCakeLayer.kv_bytes``) plus the states (never compressed)."""

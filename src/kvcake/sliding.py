@@ -268,11 +268,8 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
     sliding = compressed = full = entries = full_entries = cross = recurrent = 0
     for layer in cache.layers:
         # a linear-attention layer's states (or those beside an attention: hybrid_layer.py), as a full cache's
-        states = (
-            state_bytes(layer)
-            if LinearAttentionLayer is not None and isinstance(layer, LinearAttentionLayer)
-            else 0
-        )
+        holds_states = LinearAttentionLayer is not None and isinstance(layer, LinearAttentionLayer)
+        states = state_bytes(layer) if holds_states else 0
         recurrent, full = recurrent + states, full + states
         if isinstance(layer, RecurrentLayer) or layer.keys is None:
             continue

@@ -120,9 +120,7 @@ def replay_compress(
                     f"layer {layer}: {query.shape[2]} recorded queries, {keys.shape[2]} cached keys, "
                     f"{input_ids.shape[1]} prompt ids: they must match"
                 )
-            if isinstance(
-                kv.layers[layer], HybridLayer
-            ):  # the states beside the attention, as the full cache's
+            if isinstance(kv.layers[layer], HybridLayer):  # its states beside the keys: the full cache's
                 copy_states(cache.layers[layer], kv.layers[layer])
             kv.update(keys, values, layer, kwargs={})  # a model's attention kwargs (hand-off unused)
             kv.consume(layer)  # what the kvcake attention function does before its hooks
