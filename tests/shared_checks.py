@@ -125,10 +125,29 @@ def compiled_and_eager_decoding(
     return runs[0][0], runs[0][1], runs[1][1]
 
 
-def step_and_oracle_logits(model, prompt, spec: str, static: bool, kept_as_dynamic_cache, new=None, at=None):
+def kept_as_dynamic_cache(model, ids, cache, split: int | None = None) -> transformers.DynamicCache:
+    """The stock model's cache of ``ids`` (its sliding layers and states as they are), each compressed
+    layer's keys and values exactly ``cache``'s kept entries, in position order; ``split``: a latent
+    layer's one key is ``[c; k_rot]``, handed to the stock layer as keys ``[:split]``, values the rest."""
+    with torch.no_grad():
+        stock = model(ids, use_cache=True).past_key_values
+    for lid in cache.compressed:
+        layer = cache.layers[lid]
+        held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
+        order = layer.positions.argsort(-1)[..., -held:, None]  # (B, H_kv, held, 1): in position order
+        keys, values = (
+            t.gather(2, order.expand(*order.shape[:-1], t.shape[-1])) for t in (layer.keys, layer.values)
+        )
+        if split is not None:
+            keys, values = keys[..., :split], keys[..., split:]
+        stock.layers[lid].keys, stock.layers[lid].values = keys, values
+    return stock
+
+
+def step_and_oracle_logits(model, prompt, spec: str, static: bool, oracle_cache, new=None, at=None):
     """``spec`` (budget 16, window 4) compresses ``prompt`` (1, S) in a KVCakeCache; then the logits of
     ``new`` (1, q) at positions ``at`` (default: token 5 at S) through it, and the stock model's over the
-    cache ``kept_as_dynamic_cache(model, prompt, cache)`` builds, holding exactly the kept entries:
+    cache ``oracle_cache(model, prompt, cache)`` builds (:func:`kept_as_dynamic_cache`), holding exactly the kept entries:
     (kvcake's, the oracle's) float32, and the oracle cache (the new tokens appended)."""
     n, dev = prompt.shape[1], prompt.device
     new = torch.tensor([[5]], device=dev) if new is None else new
@@ -137,7 +156,7 @@ def step_and_oracle_logits(model, prompt, spec: str, static: bool, kept_as_dynam
     cache = KVCakeCache(model, method, static=static, max_cache_len=n + new.shape[1])
     with kvcake.enable(model), torch.no_grad():
         model(prompt, **with_cache(model, cache))
-    oracle = kept_as_dynamic_cache(model, prompt, cache)
+    oracle = oracle_cache(model, prompt, cache)
     with torch.no_grad():
         want = model(new, **with_cache(model, oracle), position_ids=at).logits.float()
         with kvcake.enable(model):

@@ -11,11 +11,15 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import describe_model
-from shared_checks import assert_a_saved_context_answers_as_before, step_and_oracle_logits, tiny_model
+from shared_checks import (
+    assert_a_saved_context_answers_as_before,
+    kept_as_dynamic_cache,
+    step_and_oracle_logits,
+    tiny_model,
+)
 
 CONFIG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
@@ -38,21 +42,6 @@ def test_the_compressed_layers_shape_is_the_global_layers():
     assert (info.num_heads, info.num_kv_heads, info.head_dim) == (4, 1, 32)  # the sliding layers': 2 x 16
 
 
-def _kept_as_dynamic_cache(model, ids, cache) -> DynamicCache:
-    """The stock model's cache of the prompt, each global layer holding exactly kvcake's kept entries."""
-    with torch.no_grad():
-        stock = model(ids, use_cache=True).past_key_values
-    for lid in cache.compressed:
-        layer = cache.layers[lid]
-        held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
-        order = layer.positions.argsort(-1)[..., -held:, None].expand(-1, -1, -1, 32)
-        stock.layers[lid].keys, stock.layers[lid].values = (
-            layer.keys.gather(2, order),
-            layer.values.gather(2, order),
-        )
-    return stock
-
-
 @pytest.mark.parametrize("new", [1, 3])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("spec", ["snapkv", "criticalkv", "h2o"])
@@ -64,7 +53,7 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_entries(spec, s
             "before 5.24 the stock mask of a multi-token append spans the positions, not a shorter cache"
         )
     got, want, oracle = step_and_oracle_logits(
-        _model(), _ids(40, seed=1), spec, static, _kept_as_dynamic_cache, torch.arange(5, 5 + new)[None]
+        _model(), _ids(40, seed=1), spec, static, kept_as_dynamic_cache, torch.arange(5, 5 + new)[None]
     )
     assert [oracle.layers[i].keys.shape[2:] for i in (1, 3)] == [(16 + new, 32)] * 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from transformers import DynamicCache, PretrainedConfig
+from transformers import PretrainedConfig
 
 import kvcake
 from kvcake.adapters import describe_model, with_cache
@@ -30,6 +30,7 @@ from shared_checks import (
     cache_states,
     compiled_and_eager_decoding,
     full_and_compressed,
+    kept_as_dynamic_cache,
     step_and_oracle_logits,
     tiny_model,
 )
@@ -117,22 +118,6 @@ def test_a_prefill_leaves_the_full_caches_states_and_counts_their_bytes_apart(fa
     assert parts.full == states + n * 40 * 2 * 2 * width * 4 and parts.full_entries == n * 40 * 2  # fp32
 
 
-def _kept_as_dynamic_cache(model, ids, cache) -> DynamicCache:
-    """The stock model's cache of the prompt (its states), each hybrid layer's keys and values exactly
-    kvcake's kept entries, in position order."""
-    with torch.no_grad():
-        stock = model(ids, use_cache=True).past_key_values
-    for lid in cache.compressed:
-        layer = cache.layers[lid]
-        held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
-        order = layer.positions.argsort(-1)[..., -held:, None].expand(-1, -1, -1, layer.keys.shape[-1])
-        stock.layers[lid].keys, stock.layers[lid].values = (
-            layer.keys.gather(2, order),
-            layer.values.gather(2, order),
-        )
-    return stock
-
-
 @FAMILY
 @pytest.mark.parametrize("new", [1, 3])
 @pytest.mark.parametrize("static", [False, True])
@@ -143,7 +128,7 @@ def test_a_compressed_step_is_the_models_over_the_kept_entries_and_the_same_stat
     them beside the prompt's states (the Mamba blocks read and advance the same states)."""
     model = _model(family)
     got, want, oracle = step_and_oracle_logits(
-        model, _ids(40, seed=2), spec, static, _kept_as_dynamic_cache, torch.arange(5, 5 + new)[None]
+        model, _ids(40, seed=2), spec, static, kept_as_dynamic_cache, torch.arange(5, 5 + new)[None]
     )
     hybrid = describe_model(model).compressed_layers
     assert [oracle.layers[i].keys.shape[2] for i in hybrid] == [16 + new] * len(hybrid)

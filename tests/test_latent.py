@@ -5,6 +5,8 @@ transformers; releases that cache the expanded keys (before 5.24) are refused wi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -18,6 +20,7 @@ from shared_checks import (
     GREEDY,
     assert_a_covering_budget_decodes_the_stock_models,
     compiled_and_eager_decoding,
+    kept_as_dynamic_cache,
     step_and_oracle_logits,
     tiny_model,
 )
@@ -101,19 +104,6 @@ def test_the_absorbed_form_is_the_models_attention():
     torch.testing.assert_close(torch.einsum("ohr,bnr->bhno", composite, c[:, 0]).norm(dim=-1), per_head)
 
 
-def _kept_as_dynamic_cache(model, ids, cache) -> DynamicCache:
-    """The stock model's cache of the prompt, each latent layer holding exactly kvcake's kept latents."""
-    with torch.no_grad():
-        stock = model(ids, use_cache=True).past_key_values
-    for lid in cache.compressed:
-        layer = cache.layers[lid]
-        held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
-        order = layer.positions.argsort(-1)[..., -held:]  # (B, 1, held): in position order
-        kept = layer.keys.gather(2, order[..., None].expand(*order.shape, layer.keys.shape[-1]))  # [c; k_rot]
-        stock.layers[lid].keys, stock.layers[lid].values = kept[..., :16], kept[..., 16:]
-    return stock
-
-
 @pytest.mark.parametrize("new", [1, 3])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("spec", ["snapkv", "criticalkv", "h2o"])
@@ -123,7 +113,7 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, s
     over a DynamicCache holding exactly them."""
     new_ids = torch.arange(5, 5 + new)[None]
     got, want, oracle = step_and_oracle_logits(
-        _model(), _prompt(), spec, static, _kept_as_dynamic_cache, new_ids
+        _model(), _prompt(), spec, static, functools.partial(kept_as_dynamic_cache, split=16), new_ids
     )
     assert [oracle.layers[i].keys.shape[2] for i in range(3)] == [16 + new] * 3  # the kept, then the new
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -20,7 +20,7 @@ from kvcake.ragged import RaggedMeta, ragged_attention_reference
 from kvcake.replay import Captured, capture_queries, replay_compress
 from kvcake.scorers.base import PrefillInputs, window_attention_reference
 from kvcake.scorers.h2o import accumulated_attention
-from shared_checks import KWARGS_HANDOFF, step_and_oracle_logits
+from shared_checks import KWARGS_HANDOFF, kept_as_dynamic_cache, step_and_oracle_logits
 
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
@@ -227,21 +227,6 @@ def test_the_evals_replayed_prefill_applies_the_terms(kind):
             torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
 
 
-def _kept_as_dynamic_cache(model, ids, cache):
-    """The stock model's cache of the prompt, its full layers holding kvcake's kept entries."""
-    with torch.no_grad():
-        stock = model(ids, use_cache=True).past_key_values
-    for lid, layer in enumerate(cache.layers):
-        if getattr(layer, "positions", None) is None:  # a sliding layer: the stock one's
-            continue
-        held = int((layer.positions >= 0).sum(-1).max())  # static storage: empty slots at -1
-        order = layer.positions.argsort(-1)[..., -held:]  # (B, H_kv, held): in position order
-        pick = order[..., None].expand(*order.shape, layer.keys.shape[-1])
-        stock.layers[lid].keys = layer.keys.gather(2, pick)
-        stock.layers[lid].values = layer.values.gather(2, pick)
-    return stock
-
-
 @pytest.mark.parametrize("static", [False, pytest.param(True, marks=needs_handoff)])
 @pytest.mark.parametrize("layer_types", [("full_attention",) * 2, HYBRID])
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -251,7 +236,7 @@ def test_a_compressed_step_is_the_models_attention_over_the_kept_entries(kind, l
     equal the stock model's, eager, over a DynamicCache that holds exactly the kept entries."""
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     got, want, oracle = step_and_oracle_logits(
-        MODELS[kind](layer_types), ids, "snapkv", static, _kept_as_dynamic_cache
+        MODELS[kind](layer_types), ids, "snapkv", static, kept_as_dynamic_cache
     )
     assert oracle.layers[-1].keys.shape[2] == 16 + 1  # the kept entries, then the new token
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
