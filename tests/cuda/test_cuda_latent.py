@@ -5,12 +5,14 @@ CPU too (``KVCAKE_TEST_DEVICE=cpu``)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from cuda_helpers import DEVICE, assert_compiled_generate_is_eager, ids
 
-from shared_checks import step_and_oracle_logits
-from test_latent import _kept_as_dynamic_cache, _model
+from shared_checks import kept_as_dynamic_cache, step_and_oracle_logits
+from test_latent import _model
 
 pytestmark = pytest.mark.cuda
 # bf16: the absorbed query and output round where the stock expansion rounds the keys and values
@@ -22,7 +24,9 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 @pytest.mark.parametrize("spec", ["snapkv", "criticalkv"])
 def test_a_compressed_step_is_the_models_attention_over_the_kept_latents(spec, static, dtype):
     model = _model().to(device=DEVICE, dtype=dtype)
-    got, want, _ = step_and_oracle_logits(model, ids(40, seed=0), spec, static, _kept_as_dynamic_cache)
+    got, want, _ = step_and_oracle_logits(
+        model, ids(40, seed=0), spec, static, functools.partial(kept_as_dynamic_cache, split=16)
+    )
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from cuda_helpers import DEVICE, assert_compiled_generate_is_eager, ids
 
-from shared_checks import KWARGS_HANDOFF, step_and_oracle_logits
-from test_logit_terms import HYBRID, _gemma2, _gpt_oss, _kept_as_dynamic_cache
+from shared_checks import KWARGS_HANDOFF, kept_as_dynamic_cache, step_and_oracle_logits
+from test_logit_terms import HYBRID, _gemma2, _gpt_oss
 
 pytestmark = pytest.mark.cuda
 MODELS = {"gpt_oss": _gpt_oss, "gemma2": _gemma2}
@@ -28,7 +28,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_compressed_step_is_the_models_attention_over_the_kept_entries(kind, static, dtype):
     model = MODELS[kind](HYBRID).to(device=DEVICE, dtype=dtype)
-    got, want, _ = step_and_oracle_logits(model, ids(40, seed=0), "snapkv", static, _kept_as_dynamic_cache)
+    got, want, _ = step_and_oracle_logits(model, ids(40, seed=0), "snapkv", static, kept_as_dynamic_cache)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
