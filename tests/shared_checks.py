@@ -14,7 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 import kvcake
 from kvcake import KVCakeCache
-from kvcake.adapters import forward_hands_kwargs, with_cache
+from kvcake.adapters import with_cache
+from kvcake.model_code import forward_hands_kwargs
 from kvcake.recurrent import LinearAttentionLayer, held_states
 from kvcake.replay import Captured, capture_queries, replay_compress
 from kvcake.storage import load_context

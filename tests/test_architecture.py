@@ -49,6 +49,7 @@ LAYERS = {
         "gguf_tokenizer",
         "gguf_parts",
         "adapters",
+        "model_code",
         "layer_types",
         "recurrent",
         "devices",

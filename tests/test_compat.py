@@ -15,8 +15,9 @@ import transformers as tf
 
 import kvcake
 from kvcake import KVCakeCache
-from kvcake.adapters import cache_keyword, forward_hands_kwargs, hands_kwargs_to_cache, with_cache
+from kvcake.adapters import cache_keyword, with_cache
 from kvcake.cache import cache_kv_bytes
+from kvcake.model_code import calls_attention_interface, forward_hands_kwargs, hands_kwargs_to_cache
 
 TAKES_CACHE = "cache" in inspect.signature(tf.LlamaForCausalLM.forward).parameters
 
@@ -62,6 +63,44 @@ def test_the_kwargs_hand_off_is_read_off_every_cache_update_of_the_model():
     assert hands_kwargs_to_cache(torch.nn.Sequential(Hands(), NoCache()))
     assert not hands_kwargs_to_cache(torch.nn.Sequential(Hands(), Bare()))
     assert not hands_kwargs_to_cache(torch.nn.Sequential(NoCache()))  # nothing read: not claimed
+
+
+def attend_through_the_registry(query):
+    return ALL_ATTENTION_FUNCTIONS  # noqa: F821 (never run: only the loaded name is read)
+
+
+def test_the_attention_interface_is_read_off_the_code_of_a_layers_class():
+    """A class calls the interface where a method, a method's nested function, a property, a module
+    function one of them calls, or a base class reads the registry (``ALL_ATTENTION_FUNCTIONS``)."""
+
+    class Direct(torch.nn.Module):
+        def forward(self, query):
+            return ALL_ATTENTION_FUNCTIONS  # noqa: F821
+
+    class Helper(torch.nn.Module):
+        def forward(self, query):
+            return attend_through_the_registry(query)
+
+    class Nested(torch.nn.Module):
+        def forward(self, query):
+            return (lambda: ALL_ATTENTION_FUNCTIONS)()  # noqa: F821
+
+    class Property(torch.nn.Module):
+        @property
+        def attend(self):
+            return ALL_ATTENTION_FUNCTIONS  # noqa: F821
+
+    class Inherits(Direct):
+        pass
+
+    class Own(torch.nn.Module):  # attention written out (Bloom's ALiBi, XGLM)
+        def forward(self, query, key):
+            return torch.softmax(query @ key.transpose(-1, -2), -1)
+
+    assert all(map(calls_attention_interface, (Direct, Helper, Nested, Property, Inherits)))
+    assert not calls_attention_interface(Own) and not calls_attention_interface(torch.nn.Linear)
+    assert calls_attention_interface(tf.models.llama.modeling_llama.LlamaAttention)
+    assert not calls_attention_interface(tf.models.bloom.modeling_bloom.BloomAttention)
 
 
 def test_the_installed_release_gets_its_own_keyword(tiny_llama):

@@ -24,10 +24,11 @@ from transformers import (
 )
 
 import kvcake
-from kvcake.adapters import hands_kwargs_to_cache, with_cache
+from kvcake.adapters import with_cache
 from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
 from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS
+from kvcake.model_code import hands_kwargs_to_cache
 from shared_checks import KWARGS_HANDOFF, calls_while_tracing
 from tiny_hybrid import _tiny_gemma3
 

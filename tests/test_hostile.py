@@ -271,7 +271,7 @@ def _build(config):
         cls = {
             "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
             "t5": tf.T5ForConditionalGeneration, "bart": tf.BartForConditionalGeneration,
-            "bloom": tf.BloomForCausalLM,
+            "bloom": tf.BloomForCausalLM, "openai-gpt": tf.OpenAIGPTLMHeadModel,
             "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM, "diffllama": tf.DiffLlamaForCausalLM,
             "dory": getattr(tf, "DoryForCausalLM", None),
@@ -323,6 +323,15 @@ UNSUPPORTED = {
             activation_sparsity_pattern=[0.0] * 4,
         ),
         r"gemma3n_text: its last 2 layers read earlier layers' keys and values \(KV sharing, Gemma 3n\)",
+    ),
+    "bloom-own-attention": (  # ALiBi written out in BloomAttention: attn_implementation never reaches it
+        lambda: tf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4),
+        r"bloom: its attention is computed in the model's own code \(BloomAttention\), not through "
+        "transformers' attention interface",
+    ),
+    "gpt1-no-cache": (  # GPT-1's forward has no past_key_values
+        lambda: tf.OpenAIGPTConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+        r"openai-gpt: OpenAIGPTLMHeadModel's forward takes no KV cache",
     ),
     "jetmoe-tiled-heads": (  # 4 query heads: 2 KV heads x 2 experts a token, query head h on KV head h % 2
         lambda: tf.JetMoeConfig(
@@ -381,14 +390,6 @@ def test_unsupported_models_are_refused_up_front(name):
             kvcake.generate(model, ids(30), "cake", budget=16, window=8, max_new_tokens=2)
         with pytest.raises(ValueError, match=match):
             kvcake.compress(model, ids(30), "snapkv", budget=16, window=8)
-
-
-def test_attention_outside_the_interface_is_refused():
-    """ALiBi models (Bloom) compute attention without transformers' attention interface: the
-    kvcake attention never runs, and the cache says so instead of silently keeping everything."""
-    model = _build(tf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4))
-    with untouched(model), pytest.raises(RuntimeError, match=r"this architecture \(bloom\) does not call"):
-        kvcake.generate(model, ids(30), "cake", budget=16, window=8, max_new_tokens=2)
 
 
 # -- one cache, one conversation -----------------------------------------------------------------

@@ -13,9 +13,6 @@ cache and only the full-attention ("global") layers are compressed; and linear-a
 
 from __future__ import annotations
 
-import functools
-import inspect
-import re
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +22,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .layer_types import attention_shape, chunked_layers, hybrid_layers, layer_windows, recurrent_layers
 from .logit_terms import model_terms
+from .model_code import check_attention_calls, check_takes_cache, forward_cache_keyword, hands_kwargs_to_cache
 from .recurrent import check_supported
 
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
@@ -111,8 +109,9 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
 
     Raises ``ValueError`` up front for what would otherwise give wrong answers: models whose every
     layer slides (nothing to compress), encoder-decoders, latent attention (MLA) not in the form
-    ``kvcake.latent`` reads (:func:`check_latent`), models without attention (Mamba), KV sharing
-    across layers (Gemma 3n),
+    ``kvcake.latent`` reads (:func:`check_latent`), models without attention (Mamba) or without a KV
+    cache (RWKV), attention written out in a model's own code (Bloom, MPT: ``model_code.py``), KV
+    sharing across layers (Gemma 3n),
     and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, DiffLlama's two
     attention calls per layer, Dory's loops); full-attention layers of different shapes
     (``layer_types.attention_shape``). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
@@ -132,6 +131,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         raise ValueError(
             f"{mtype}: {_REFUSED_FAMILIES[mtype]}, which kvcake does not support; use a DynamicCache for this model"
         )
+    check_takes_cache(model, mtype)
     latent = latent_dims(text)
     if latent is not None:
         check_latent(model, mtype)
@@ -156,6 +156,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     windows = layer_windows(text, mtype)
     cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
     compressed = full_attention_layers(text.num_hidden_layers, windows, cross, recurrent)
+    check_attention_calls(model, mtype)
     num_heads, num_kv, head_dim = attention_shape(text, compressed, mtype)
     if latent:  # MLA: one latent "head", [c; k_rot] wide
         num_kv, head_dim = 1, sum(latent)
@@ -286,59 +287,17 @@ def output_projection(module: torch.nn.Module, like: torch.Tensor | None = None)
     return weight
 
 
-# A cache's update, its arguments next: ``cache.update(``, ``past_key_values.update(``, ``layer_past.update(``
-_CACHE_UPDATE = re.compile(r"\b\w*(?:cache|past)\w*\.update\(")
-
-
-def hands_kwargs_to_cache(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s attention hands its attention kwargs to ``cache.update`` (``update(k, v,
-    layer_idx, kwargs=kwargs)``), the hand-off a compiled kvcake step needs (``cache.HANDOFF``).
-    transformers' models do from 5.24 (5.0-5.3 pass ``cache_kwargs``, 5.6-5.23 nothing: checked on
-    5.0.0, 5.1.0, 5.3.0, 5.6.0, 5.10.4, 5.15.0, 5.18.0, 5.20.2-5.23.0); GPT-NeoX's not even in 5.24.
-    True where every class of the model whose forward updates a cache hands ``kwargs=`` in each call
-    (read from the source); False where none does, or none can be read."""
-    found = [forward_hands_kwargs(type(m)) for m in model.modules()]
-    return any(found) and False not in found
-
-
-@functools.cache
-def forward_hands_kwargs(cls: type) -> bool | None:
-    """Whether every cache update in ``cls.forward``'s source hands ``kwargs=``; None where it has
-    none, or its source cannot be read."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (TypeError, OSError):
-        return None
-    handed = []
-    for call in _CACHE_UPDATE.finditer(source):
-        depth, end = 1, call.end()
-        while depth and end < len(source):  # to the call's closing parenthesis
-            depth += {"(": 1, ")": -1}.get(source[end], 0)
-            end += 1
-        handed.append("kwargs=" in source[call.end() : end])
-    return all(handed) if handed else None
-
-
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword under which ``model``'s forward and ``generate`` take a ``Cache``: ``cache``
     where the forward accepts it (transformers >= 5.24, which deprecates the old name for removal
     in 5.40), else ``past_key_values`` (the 5.0 floor and earlier 5.x). A forward that names
     neither (BLIP-2's: its ``generate`` hands the cache to its language model's) defers to the
     language model's."""
-    keyword = _cache_keyword(type(model))
+    keyword = forward_cache_keyword(type(model))
     inner = getattr(model, "language_model", None)
     if keyword is None and isinstance(inner, torch.nn.Module):
-        keyword = _cache_keyword(type(inner))
+        keyword = forward_cache_keyword(type(inner))
     return keyword or "past_key_values"  # the name every 5.x release accepts
-
-
-@functools.cache
-def _cache_keyword(cls: type) -> str | None:
-    try:
-        params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):  # an opaque forward
-        return None
-    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:

@@ -54,7 +54,7 @@ from .tensor_parallel import HeadSplit, find_split
 # v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)`` with that same dict: it
 # reaches that layer's attention and no other, as state the compiler traces (a ContextVar is not).
 HANDOFF = "kvcake_cache"
-# Models that hand nothing (transformers 5.0-5.23's, GPT-NeoX's: ``adapters.hands_kwargs_to_cache``)
+# Models that hand nothing (transformers 5.0-5.23's, GPT-NeoX's: ``model_code.hands_kwargs_to_cache``)
 # get ``(cache, layer_idx, keys)`` in ``LEGACY_PENDING`` for their attention, eagerly only: the
 # compiler cannot trace a ContextVar, so their KVCakeCache is not compileable (``info.hands_kwargs``).
 LEGACY_PENDING: contextvars.ContextVar[tuple[KVCakeCache, int, torch.Tensor] | None]
@@ -212,7 +212,7 @@ class KVCakeCache(RecurrentStates, Cache):
                 f"{self._unconsumed}: run the model inside `with kvcake.enable(model):` (or use "
                 "kvcake.generate / kvcake.compress), otherwise nothing is compressed. If it already ran "
                 f"inside, this architecture ({self.model_type}) does not call transformers' attention "
-                "interface (e.g. ALiBi models) and kvcake cannot compress it"
+                "interface in every layer (some compute attention in their own code) and kvcake cannot compress it"
             )
         if layer.is_initialized and key_states.shape[0] != layer.batch:
             raise ValueError(
