@@ -37,6 +37,7 @@ FAMILIES = {
     "MiniCPM3Config": {},
     "Glm4MoeLiteConfig": {},
     "YoutuConfig": {},
+    "SarvamMLAConfig": {},
     "LongcatFlashConfig": {
         "q_lora_rank": 16,
         "head_dim": 8,
