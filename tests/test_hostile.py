@@ -274,7 +274,7 @@ def _build(config):
             "bloom": tf.BloomForCausalLM, "openai-gpt": tf.OpenAIGPTLMHeadModel,
             "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM, "diffllama": tf.DiffLlamaForCausalLM,
-            "dory": getattr(tf, "DoryForCausalLM", None),
+            "dory": getattr(tf, "DoryForCausalLM", None), "hrm_text": getattr(tf, "HrmTextForCausalLM", None),
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -365,6 +365,21 @@ UNSUPPORTED = {
             pad_token_id=0,
         ),  # fmt: skip
         r"dory: its layers run in loops",
+    ),
+    "hrm-cycles": (  # one stack of 2 layers run 2 x (1 + 1) times: 8 cache layers
+        lambda: _config(
+            "HrmTextConfig",
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            head_dim=16,
+            num_layers_per_stack=2,
+            H_cycles=2,
+            L_cycles=1,
+            num_hidden_layers=8,
+        ),  # fmt: skip
+        r"hrm_text: its layers run in cycles over the same modules",
     ),
 }
 

@@ -34,6 +34,8 @@ _REFUSED_FAMILIES = {
     "kvcake's attention over the kept entries would drop",
     "diffllama": "its attention calls the attention function twice per layer (differential attention), over values it "
     "rebuilds from the cached ones, where kvcake's attention answers one call per layer from the entries it keeps",
+    "hrm_text": "its layers run in cycles over the same modules, each cycle writing a cache layer of its own (the "
+    "module's layer_idx plus the cycle's offset), which the attention module's layer_idx does not name",
     "dory": "its layers run in loops, each loop past the first on its own copy of a layer's cache or on the last "
     "loop's keys, which kvcake's per-layer budgets and attention do not follow",
 }
@@ -113,7 +115,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     cache (RWKV), attention written out in a model's own code (Bloom, MPT: ``model_code.py``), KV
     sharing across layers (Gemma 3n),
     and the families of ``_REFUSED_FAMILIES`` (JetMoE's tiled heads, Doge's learned mask, DiffLlama's two
-    attention calls per layer, Dory's loops); full-attention layers of different shapes
+    attention calls per layer, Dory's loops, HRM's cycles); full-attention layers of different shapes
     (``layer_types.attention_shape``). Gemma 2's soft cap and GPT-OSS's sinks are handled (``kvcake.logit_terms``).
     Sliding and chunked layers of a hybrid are reported in ``windows`` (the chunked ones also in
     ``chunked``), cross-attention layers (Mllama, which attend to the image's states) in ``cross``,
