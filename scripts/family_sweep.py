@@ -10,7 +10,8 @@ and cake at budget 8 ran; ``DIFFERS``: the covering budget changed the tokens (a
 ``refused``: ``describe_model`` said why; ``kvcake fails``: an error at run time (a refusal there, or a
 bug); ``stock fails`` / ``config fails``: the tiny config below does not fit the family (not kvcake's).
 The tiny config sets only the fields the family's config has (2 layers, 4 query and 2 KV heads,
-hidden 64, vocabulary 128), so families whose configs need more say ``stock fails``."""
+hidden 64, vocabulary 128; latent attention's widths, ``LATENT``), and what ``FIT`` adds for a
+family, so families whose configs need more say ``stock fails``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              max_position_embeddings=512, moe_intermediate_size=32, num_experts=4, num_local_experts=4,
              n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
+# Latent attention (MLA: a config with ``kv_lora_rank``): its own widths, SMALL's head_dim does not fit it
+LATENT = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+              num_key_value_heads=4, head_dim=8)  # fmt: skip
+# Families whose tiny model needs more than SMALL (given as they are): a rotary width within the head,
+# a dense first layer, for hybrids an attention layer among the two (their default patterns put the
+# first one further down), Zamba's, Zamba2's and ZAYA's layer patterns
+LINEAR_HYBRID = dict(layer_types=["linear_attention", "full_attention"])
+FIT = {
+    "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "dots1": dict(first_k_dense_replace=1, n_shared_experts=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]), "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "bamba": dict(attn_layer_indices=[1]), "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=16),
+    "qwen3_next": LINEAR_HYBRID, "qwen3_5_text": LINEAR_HYBRID, "qwen3_5_moe_text": LINEAR_HYBRID,
+    "bailing_hybrid": LINEAR_HYBRID, "kimi_linear": LINEAR_HYBRID,
+    "zamba": dict(num_hidden_layers=6, attn_layer_period=3, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=1, mamba_dt_rank=4, attention_head_dim=16),
+    "zamba2": dict(num_hidden_layers=4, mamba_d_state=8, n_mamba_heads=4,
+                   layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+    "zaya": dict(num_hidden_layers=3, num_experts=2, num_experts_per_tok=1, router_hidden_size=16),
+}  # fmt: skip
 GREEDY = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
@@ -44,7 +65,10 @@ def one(mtype: str) -> str:
         return "no config class"
     try:
         defaults = config_class()
-        config = config_class(**{k: v for k, v in SMALL.items() if _has(defaults, k)})
+        small = {**SMALL, **(LATENT if _has(defaults, "kv_lora_rank") else {})}
+        config = config_class(
+            **{**{k: v for k, v in small.items() if _has(defaults, k)}, **FIT.get(mtype, {})}
+        )
     except Exception as e:
         return f"config fails: {_short(e, 100)}"
     if getattr(config, "is_encoder_decoder", False):
