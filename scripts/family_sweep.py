@@ -29,7 +29,8 @@ LATENT = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_
               num_key_value_heads=4, head_dim=8)  # fmt: skip
 # Families whose tiny model needs more than SMALL (given as they are): a rotary width within the head,
 # a dense first layer, for hybrids an attention layer among the two (their default patterns put the
-# first one further down), Zamba's, Zamba2's and ZAYA's layer patterns
+# first one further down), Zamba's, Zamba2's and ZAYA's layer patterns, a window shorter than Gemma 4's
+# positions (a window of all 512 is no window: its sliding layer would be compressed beside the global one)
 LINEAR_HYBRID = dict(layer_types=["linear_attention", "full_attention"])
 FIT = {
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "dots1": dict(first_k_dense_replace=1, n_shared_experts=1),
@@ -42,6 +43,7 @@ FIT = {
                   mamba_expand=1, mamba_dt_rank=4, attention_head_dim=16),
     "zamba2": dict(num_hidden_layers=4, mamba_d_state=8, n_mamba_heads=4,
                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+    "gemma4_text": dict(sliding_window=8), "gemma4_unified_text": dict(sliding_window=8),
     "zaya": dict(num_hidden_layers=3, num_experts=2, num_experts_per_tok=1, router_hidden_size=16),
 }  # fmt: skip
 GREEDY = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
