@@ -275,6 +275,7 @@ def _build(config):
             "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM, "diffllama": tf.DiffLlamaForCausalLM,
             "dory": getattr(tf, "DoryForCausalLM", None), "hrm_text": getattr(tf, "HrmTextForCausalLM", None),
+            "dots3_note_text": getattr(tf, "Dots3NoteForCausalLM", None),
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -380,6 +381,26 @@ UNSUPPORTED = {
             num_hidden_layers=8,
         ),  # fmt: skip
         r"hrm_text: its layers run in cycles over the same modules",
+    ),
+    "dots3-latent-per-layer": (  # latent attention with an indexer in its indexed layers, none in the sliding ones
+        lambda: _config(
+            "Dots3NoteTextConfig",
+            **SMALL,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["indexed_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "dense"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),  # fmt: skip
+        r"dots3_note_text: its sparse attention keeps an indexer's keys in the cache beside the latents",
     ),
 }
 

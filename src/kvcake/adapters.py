@@ -20,7 +20,14 @@ import transformers
 from accelerate.utils import align_module_device
 from transformers.pytorch_utils import Conv1D
 
-from .layer_types import attention_shape, chunked_layers, hybrid_layers, layer_windows, recurrent_layers
+from .layer_types import (
+    PerLayerAttributeError,
+    attention_shape,
+    chunked_layers,
+    hybrid_layers,
+    layer_windows,
+    recurrent_layers,
+)
 from .logit_terms import model_terms
 from .model_code import check_attention_calls, check_takes_cache, forward_cache_keyword, hands_kwargs_to_cache
 from .recurrent import check_supported
@@ -134,7 +141,14 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
             f"{mtype}: {_REFUSED_FAMILIES[mtype]}, which kvcake does not support; use a DynamicCache for this model"
         )
     check_takes_cache(model, mtype)
-    latent = latent_dims(text)
+    try:
+        latent = latent_dims(text)
+    except PerLayerAttributeError as e:  # latent attention in some layers only (dots.llm3)
+        check_latent(model, mtype)  # an indexer beside the latents is refused for that first
+        raise ValueError(
+            f"{mtype}: its config sets latent attention (kv_lora_rank) per layer, latent in some layers and "
+            "not in others, which kvcake does not support; use a DynamicCache"
+        ) from e
     if latent is not None:
         check_latent(model, mtype)
     terms = model_terms(model)

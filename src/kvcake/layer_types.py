@@ -16,6 +16,16 @@ from .recurrent import RECURRENT_TYPES, check_supported
 WINDOWED = ("sliding_attention", "chunked_attention")
 _NAMES = {"sliding_attention": "sliding-window", "chunked_attention": "chunked"}
 
+try:  # transformers 5.24's heterogeneous configs (Gemma 4): a per-layer field read as one raises this
+    from transformers.integrations.heterogeneity.configuration_utils import (
+        AmbiguousGlobalPerLayerAttributeError as PerLayerAttributeError,
+    )
+except ImportError:  # earlier releases set every field once
+
+    class PerLayerAttributeError(RuntimeError):
+        """Never raised: a release without per-layer configs."""
+
+
 try:  # transformers >= 5.x: per-layer types and kwargs, inferred the way its caches infer them
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # transformers 5.0 (our floor) lacks the helper: read the config as its caches do
