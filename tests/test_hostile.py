@@ -275,7 +275,7 @@ def _build(config):
             "gemma3n_text": tf.Gemma3nForCausalLM,
             "jetmoe": tf.JetMoeForCausalLM, "doge": tf.DogeForCausalLM, "diffllama": tf.DiffLlamaForCausalLM,
             "dory": getattr(tf, "DoryForCausalLM", None), "hrm_text": getattr(tf, "HrmTextForCausalLM", None),
-            "dots3_note_text": getattr(tf, "Dots3NoteForCausalLM", None),
+            "dots3_note_text": getattr(tf, "Dots3NoteForCausalLM", None), "minimax": tf.MiniMaxForCausalLM,
         }[config.model_type]  # fmt: skip
         return cls(config).eval()
 
@@ -381,6 +381,18 @@ UNSUPPORTED = {
             num_hidden_layers=8,
         ),  # fmt: skip
         r"hrm_text: its layers run in cycles over the same modules",
+    ),
+    "minimax-own-cache": (
+        lambda: tf.MiniMaxConfig(
+            **SMALL,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            layer_types=["linear_attention", "full_attention"],
+            pad_token_id=0,
+        ),  # fmt: skip
+        r"minimax: its model takes no cache but its own class",
     ),
     "dots3-latent-per-layer": (  # latent attention with an indexer in its indexed layers, none in the sliding ones
         lambda: _config(

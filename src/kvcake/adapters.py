@@ -41,6 +41,8 @@ _REFUSED_FAMILIES = {
     "kvcake's attention over the kept entries would drop",
     "diffllama": "its attention calls the attention function twice per layer (differential attention), over values it "
     "rebuilds from the cached ones, where kvcake's attention answers one call per layer from the entries it keeps",
+    "minimax": "its model takes no cache but its own class (MiniMaxCache, holding the lightning-attention layers' "
+    "states), so it refuses a KVCakeCache",
     "hrm_text": "its layers run in cycles over the same modules, each cycle writing a cache layer of its own (the "
     "module's layer_idx plus the cycle's offset), which the attention module's layer_idx does not name",
     "dory": "its layers run in loops, each loop past the first on its own copy of a layer's cache or on the last "
