@@ -174,7 +174,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     windows = layer_windows(text, mtype)
     cross = tuple(sorted(int(i) for i in getattr(text, "cross_attention_layers", None) or ()))  # Mllama
     compressed = full_attention_layers(text.num_hidden_layers, windows, cross, recurrent)
-    check_attention_calls(model, mtype)
+    check_attention_calls(model, mtype)  # after the layer types: a model without attention says so first
     num_heads, num_kv, head_dim = attention_shape(text, compressed, mtype)
     if latent:  # MLA: one latent "head", [c; k_rot] wide
         num_kv, head_dim = 1, sum(latent)

@@ -332,6 +332,7 @@ def main() -> int:
     for kind, presets in MODELS:
         full, tp = load_both(rank, kind)
         hybrid = kind != "llama"
+        shared = [p for p in HYBRID_PRESETS if p in presets]  # the float8 and beam checks run these
         if rank == 0 and hybrid:
             logger.info(HEADINGS[kind])
         for static in (False, True):  # the sort-and-copy decoding path and the preallocated one
@@ -339,11 +340,11 @@ def main() -> int:
                 bad = check(preset, full, tp, ids, mask, static, rank, world)
                 if bad:
                     failed[f"{kind} {preset}{' static' if static else ''}"] = bad
-        for preset in [p for p in HYBRID_PRESETS if p in presets]:  # float8: scales over every rank's heads
+        for preset in shared:  # float8 storage: the scales over every rank's heads
             bad = check(preset, full, tp, ids, mask, True, rank, world, kv_dtype="fp8")
             if bad:
                 failed[f"{kind} {preset} fp8"] = bad
-        for preset in [p for p in HYBRID_PRESETS if p in presets]:  # beams: each rank reorders its rows alike
+        for preset in shared:  # beam search: each rank reorders its heads' rows alike
             beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
             if not torch.equal(*beams):
                 failed[f"{kind} {preset} beams"] = [f"{beams[1].tolist()} vs {beams[0].tolist()}"]
