@@ -10,7 +10,9 @@ for ``HYBRID_PRESETS`` on a tiny Gemma 3 of the same shape whose layers alternat
 layers have a head dim and KV heads of their own (32 and 2 against 16 and 4; values from the keys'
 projection, ``attention_k_eq_v``; ``GEMMA4_PRESETS``), and on a tiny Qwen3.5 whose layers
 alternate linear attention (a gated DeltaNet: its states whole on every rank, transformers' plan
-gathering those layers' outputs) and full attention. Checked per preset and path:
+gathering those layers' outputs) and full attention, and on a tiny Llama 4 (8 layers: three
+chunked, chunks of 64 tokens, then a full one, twice; MoE blocks whose experts the plan splits).
+Checked per preset and path:
 
 - greedy tokens equal the one-process run, logits within ``LOGIT_ATOL``;
 - the layer budgets are identical on every rank and equal the one-process budgets;
@@ -19,10 +21,9 @@ gathering those layers' outputs) and full attention. Checked per preset and path
 - each rank's bytes are its heads' share of the one-process cache's bytes (``heads_bytes``; a
   ring's per-slot flags are whole on every rank);
 - a compressed context (``kvcake.compress``) answers a question with the one-process tokens;
-- beam search (three beams, static storage) gives the one-process tokens, for ``HYBRID_PRESETS``
-  on both models;
-- with the kept entries in float8 (``kv_dtype="fp8"``, static storage), for ``HYBRID_PRESETS`` on
-  both models: all of the above but the context, and every layer's key and value scales equal
+- beam search (three beams, static storage) gives the one-process tokens, for the
+  ``HYBRID_PRESETS`` a model runs, on every model;
+- with the kept entries in float8 (``kv_dtype="fp8"``, static storage), for the same presets: all of the above but the context, and every layer's key and value scales equal
   the one-process ones (taken over every rank's heads).
 
 A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE) and a tiny Falcon-H1 (attention beside
@@ -69,6 +70,10 @@ try:  # transformers 5.24 (5.12's Gemma 4 has no per-layer configs; the suite te
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 except ImportError:
     Gemma4ForCausalLM = Gemma4TextConfig = None
+try:  # chunked attention (three layers in four), a MoE block in every layer
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+except ImportError:
+    Llama4ForCausalLM = Llama4TextConfig = None
 from kvcake.tensor_parallel import HeadSplit
 
 # The tensor-parallel forward sums o_proj's and down_proj's partial products over ranks, so its
@@ -91,6 +96,7 @@ MODELS = (
     (("llama", PRESETS), ("gemma3", HYBRID_PRESETS))
     + ((("gemma4", GEMMA4_PRESETS),) if Gemma4TextConfig is not None else ())
     + ((("qwen3_5", HYBRID_PRESETS),) if Qwen3_5TextConfig is not None else ())
+    + ((("llama4", HYBRID_PRESETS),) if Llama4TextConfig is not None else ())
 )
 # the models whose attention the plan leaves whole, with the presets run on them (``check_whole``)
 WHOLE = ("deepseek_v3", "falcon_h1")
@@ -101,6 +107,7 @@ HEADINGS = {
     "deepseek_v3": "DeepSeek-V3 (latent attention; the plan splits its MLP and experts, not its heads):",
     "falcon_h1": "Falcon-H1 (attention beside Mamba in every layer; the plan splits its embeddings only):",
     "qwen3_5": "Qwen3.5 hybrid (linear attention, full, linear attention, full):",
+    "llama4": "Llama 4 (three chunked layers of 64 tokens, then a full one, twice; MoE in every layer):",
 }
 logger = logging.getLogger("check_tp")
 
@@ -126,6 +133,10 @@ def save_tiny(folder: str, kind: str) -> None:
                                   attention_k_eq_v=True, sliding_window=64, layer_types=types,
                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=256)  # fmt: skip
         Gemma4ForCausalLM(config).save_pretrained(folder)
+    elif kind == "llama4":
+        config = Llama4TextConfig(**{**shape, "num_hidden_layers": 8}, head_dim=16, intermediate_size_mlp=128,
+                                  attention_chunk_size=64, num_local_experts=2, num_experts_per_tok=1)  # fmt: skip
+        Llama4ForCausalLM(config).save_pretrained(folder)
     elif kind == "falcon_h1":
         config = FalconH1Config(**shape, head_dim=16, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
                                 mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_d_ssm=64)  # fmt: skip
