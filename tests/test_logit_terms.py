@@ -300,3 +300,21 @@ def test_a_budget_covering_the_prompt_decodes_the_stock_models_tokens(kind):
     want = model.generate(ids, max_new_tokens=12, do_sample=False)
     got, _ = kvcake.generate(model, ids, "h2o", budget=64, window=4, max_new_tokens=12)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["position_bias", "sinks", "alibi"])
+def test_a_term_kvcake_does_not_apply_is_refused(tiny_llama, name):
+    """A model whose attention call gets a term kvcake does not apply (T5's and Inkling's additive
+    position bias, sinks under another name than GPT-OSS's ``s_aux``, ALiBi) would decode other
+    tokens under compression with no error: the call is refused, naming the term, where a
+    compressed layer is reached (the keyword reaches the attention as a model's own would; the
+    stock cache passes it through untouched)."""
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    term = {name: torch.zeros(1, 4, 12, 12)}
+    cache = kvcake.KVCakeCache(tiny_llama, "snapkv", budget=8, window=2)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        with pytest.raises(ValueError, match=rf"hands its attention .*\({name}=\.\.\.\).*DynamicCache"):
+            tiny_llama(ids, **with_cache(tiny_llama, cache), **term)
+        other = kvcake.KVCakeCache(tiny_llama, "snapkv", budget=8, window=2)
+        with_none = tiny_llama(ids, **with_cache(tiny_llama, other), **{name: None}).logits
+        assert torch.equal(with_none, tiny_llama(ids).logits)  # the prompt's own attention, as stock

@@ -125,9 +125,10 @@ def _make_attention(inner_name: str):
             return inner(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
+        # Gemma 2's soft cap, GPT-OSS's sinks; any other term refused before the cache moves (kvcake.logit_terms)
+        terms = LogitTerms.of(kwargs)
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
-        terms = LogitTerms.of(kwargs)  # Gemma 2's soft cap, GPT-OSS's sinks (kvcake.logit_terms)
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
             if layer.static is not None:  # one token over the ring, without the model's mask
                 return layer.attend(query, scaling, terms).to(query.dtype), None

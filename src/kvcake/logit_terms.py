@@ -11,6 +11,9 @@ Two terms, as the model's attention call hands them to the attention function:
 kvcake's own attention over the kept entries applies them as the model's eager kernel does. The
 fused kernels (SDPA, the variable-length ones on CUDA) have neither, so where a model has one the
 rows take the explicit softmax; the scorers read the probabilities the model gives its tokens.
+
+Any other term a model hands its attention call (``UNKNOWN_TERMS``: an additive position bias,
+sinks under another name, ALiBi slopes) is refused where kvcake would attend or score without it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+# Keyword arguments of an attention call that change its logits, which kvcake's attention over the
+# kept entries and its scorers do not apply (transformers 5.24: T5's and Inkling's ``position_bias``,
+# Inkling's ``sinks``; Bloom's ``alibi``, were its attention on the interface)
+UNKNOWN_TERMS = {
+    "position_bias": "an additive position bias",
+    "sinks": "attention sinks (kvcake applies GPT-OSS's, handed over as s_aux)",
+    "alibi": "ALiBi position biases",
+}
 
 
 class LogitTerms(NamedTuple):
@@ -28,7 +40,15 @@ class LogitTerms(NamedTuple):
 
     @classmethod
     def of(cls, kwargs: dict) -> LogitTerms:
-        """The terms of one attention call, from the keyword arguments the model passed it."""
+        """The terms of one attention call, from the keyword arguments the model passed it; a
+        ``ValueError`` for a term kvcake does not apply (``UNKNOWN_TERMS``)."""
+        for name, what in UNKNOWN_TERMS.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"this model hands its attention {what} ({name}=...), which kvcake's attention over "
+                    "the kept entries and its scorers do not apply, so a compressed cache would change "
+                    "its outputs: run it with transformers' own cache (DynamicCache) instead"
+                )
         return cls(kwargs.get("softcap"), kwargs.get("s_aux"))
 
     @property
