@@ -89,9 +89,13 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
 # scripts/h2o_block_rows.py`, 2026-11-26); with the 32 and 16 rows of an 8 MiB block and the
 # maxima subtracted (the loop before then) 0.223 s and 0.929 s, 1.29 x and 1.44 x. On an AMD EPYC
 # core at 4096 tokens (base-2 exponentials, 2026-11-28, best of 5) 16-256 rows took 1.10-1.25 x,
-# 32-128 rows 1.10-1.13 x: no reason to move it. On a GPU a block large enough to keep the matmuls
-# wide.
-BLOCK_BYTES = 32 << 20  # the CPU (kvcake.devices.cpu_route)
+# 32-128 rows 1.10-1.13 x. At 8192 tokens 128 rows beat the 64 that 32 MiB gave in every
+# measurement: 0.96 against 1.04 x SDPA (AMD EPYC, 2026-11-29), 1.21 / 1.12 / 1.10 against 1.26 /
+# 1.13 / 1.19 x in three runs on an Intel Xeon core (2026-11-30, best of 5), where at 4096 64-256
+# rows were within each run's noise (1.09-1.23 x); so the CPU takes up to ``CPU_MAX_ROWS`` rows
+# within 64 MiB. On a GPU a block large enough to keep the matmuls wide.
+BLOCK_BYTES = 64 << 20  # the CPU (kvcake.devices.cpu_route)
+CPU_MAX_ROWS = 128
 DEVICE_BLOCK_BYTES = 256 << 20
 MIN_ROWS = 16
 # Where a block's rows may be exponentiated without subtracting each row's maximum (the CPU, whose
@@ -111,9 +115,11 @@ LOG2E = 1.4426950408889634
 
 def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int:
     """Query rows per block of :func:`attention_with_column_sums`: a power of two, at least
-    ``MIN_ROWS``, whose float32 logits fit the device's block size."""
-    budget = BLOCK_BYTES if cpu_route(device) else DEVICE_BLOCK_BYTES
-    rows = max(1, budget // (4 * batch * heads * max(length, 1)))
+    ``MIN_ROWS``, whose float32 logits fit the device's block size (on the CPU at most
+    ``CPU_MAX_ROWS``)."""
+    cpu = cpu_route(device)
+    rows = max(1, (BLOCK_BYTES if cpu else DEVICE_BLOCK_BYTES) // (4 * batch * heads * max(length, 1)))
+    rows = min(rows, CPU_MAX_ROWS) if cpu else rows
     return max(MIN_ROWS, 1 << (rows.bit_length() - 1))
 
 
