@@ -30,7 +30,9 @@ LATENT = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_
 # Families whose tiny model needs more than SMALL (given as they are): a rotary width within the head,
 # a dense first layer, for hybrids an attention layer among the two (their default patterns put the
 # first one further down), Zamba's, Zamba2's and ZAYA's layer patterns, a window shorter than Gemma 4's
-# positions (a window of all 512 is no window: its sliding layer would be compressed beside the global one)
+# positions (a window of all 512 is no window: its sliding layer would be compressed beside the global one),
+# expert groups within the tiny expert count (AXK1), RoPE per layer type (Cohere Compass), Inkling 2's own
+# vocabulary and sliding-attention widths, Qwen4-Exp's indexer and n-gram widths
 LINEAR_HYBRID = dict(layer_types=["linear_attention", "full_attention"])
 FIT = {
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "dots1": dict(first_k_dense_replace=1, n_shared_experts=1),
@@ -39,11 +41,21 @@ FIT = {
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=16),
     "qwen3_next": LINEAR_HYBRID, "qwen3_5_text": LINEAR_HYBRID, "qwen3_5_moe_text": LINEAR_HYBRID,
     "bailing_hybrid": LINEAR_HYBRID, "kimi_linear": LINEAR_HYBRID,
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+                           indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4, ngram_vocab_size_base=1024,
+                           split_ngram_parts=8, hc_lowrank=8, shared_expert_intermediate_size=32, linear_key_head_dim=16,
+                           linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
     "zamba": dict(num_hidden_layers=6, attn_layer_period=3, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4,
                   mamba_expand=1, mamba_dt_rank=4, attention_head_dim=16),
     "zamba2": dict(num_hidden_layers=4, mamba_d_state=8, n_mamba_heads=4,
                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
     "gemma4_text": dict(sliding_window=8), "gemma4_unified_text": dict(sliding_window=8),
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8, rope_parameters={
+        kind: dict(rope_type="default", rope_theta=10000.0) for kind in ("sliding_attention", "full_attention")}),
+    "axk1": dict(n_group=1, topk_group=1),
+    **{name: dict(unpadded_vocab_size=128, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                  sliding_window_size=8, rel_extent=16, moe_intermediate_size=32)
+       for name in ("inkling2_text", "inkling2_loop_text")},
     "zaya": dict(num_hidden_layers=3, num_experts=2, num_experts_per_tok=1, router_hidden_size=16),
 }  # fmt: skip
 GREEDY = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
