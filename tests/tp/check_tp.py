@@ -23,8 +23,9 @@ Checked per preset and path:
 - a compressed context (``kvcake.compress``) answers a question with the one-process tokens;
 - beam search (three beams, static storage) gives the one-process tokens, for the
   ``HYBRID_PRESETS`` a model runs, on every model;
-- with the kept entries in float8 (``kv_dtype="fp8"``, static storage), for the same presets: all of the above but the context, and every layer's key and value scales equal
-  the one-process ones (taken over every rank's heads).
+- with the kept entries in float8 (``kv_dtype="fp8"``, static storage), for the same presets:
+  all of the above but the context, and every layer's key and value scales equal the
+  one-process ones (taken over every rank's heads).
 
 A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE) and a tiny Falcon-H1 (attention beside
 a Mamba block in every layer, ``kvcake.hybrid_layer``) last: transformers' plans split DeepSeek-V3's
