@@ -26,6 +26,7 @@ from transformers import (
 
 import kvcake
 from kvcake.adapters import with_cache
+from kvcake.bench.step_counts import tiny_llama as counts_llama
 from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
 from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS
@@ -483,10 +484,7 @@ def test_a_compiled_step_writes_the_new_entry_in_place(spec):
     a capacity of 1025 columns (decode=fixed) or 1600 (decode=none)."""
     from torch._inductor.utils import run_and_get_code
 
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
-    ).eval()  # fmt: skip
+    model = counts_llama(layers=1)  # the per-step counts' model (4096 positions)
     ids = torch.randint(3, 128, (1, 1500), generator=torch.Generator().manual_seed(0))
     cache = KVCakeCache(model, kvcake.make_method(spec, budget=1024, window=4), max_cache_len=1600)
     step = torch.compile(model.forward, fullgraph=True)
