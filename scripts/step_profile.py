@@ -4,8 +4,9 @@ still add" (issue 22).
 
     PYTHONPATH=src python3 scripts/step_profile.py --methods snapkv,cake,critical-adakv --threads 2
 
-Each step is the decode benchmark's (``torch.compile(greedy_step(model), fullgraph=True)``, inductor,
-after a prefill of ``--length`` tokens of the default model, budget ``--budget``). After 4 warm-up
+Each step is the decode benchmark's (``torch.compile(greedy_step(model), fullgraph=True)``, inductor),
+after one prefill of ``--length`` tokens shared by every preset (of the default model, or past its
+positions of a random model of its shape, as the benchmark's), budget ``--budget``. After 4 warm-up
 steps, ``--steps`` steps are timed (the median wall clock) and ``--steps`` more run under
 ``torch.profiler``; its self CPU time per step is split into the weights' matrix products
 (``aten::mm``/``addmm``, what no cache changes), the attention kernel (``scaled_dot_product``), the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import statistics
 import time
 
@@ -46,18 +48,11 @@ def _part(name: str) -> str | None:
     return "other ATen" if name.startswith("aten::") else None
 
 
-def profile_step(models, ids: torch.Tensor, spec: str, budget: int, steps: int) -> dict:
-    """The wall clock and the profile split of ``spec``'s compiled step (``floor``: the model's own)."""
-    model, room = models.model, 8 + 2 * steps
-    if spec == "floor":
-        cache, pos = floor_cache(model, ids, room), FLOOR_TOKENS
-    else:
-        cache = build_cache(model, spec, budget, max_cache_len=ids.shape[1] + room)
-        shared_prefill(model, ids, [cache])
-        cache.timing, pos = False, ids.shape[1]  # as the decode benchmark's compiled steps
+def profile_step(model, cache, start: int, tok: torch.Tensor, steps: int) -> dict:
+    """The wall clock and the profile split of ``cache``'s compiled step from position ``start``."""
+    pos = start
     torch._dynamo.reset()
     step = torch.compile(greedy_step(model), fullgraph=True)
-    tok = ids[:, -1:].clone()
     walls = []
 
     def run() -> None:
@@ -67,7 +62,9 @@ def profile_step(models, ids: torch.Tensor, spec: str, budget: int, steps: int) 
         walls.append(time.perf_counter() - t)
         pos += 1
 
-    with kvcake.enable(model), torch.no_grad():
+    # the kvcake attention for a kvcake cache, the stock one for the floor (as the benchmark's)
+    attention = kvcake.enable(model) if isinstance(cache, kvcake.KVCakeCache) else contextlib.nullcontext()
+    with attention, torch.no_grad():
         for _ in range(4):
             run()
         walls.clear()
@@ -84,14 +81,14 @@ def profile_step(models, ids: torch.Tensor, spec: str, budget: int, steps: int) 
         if part == "other ATen":
             other[event.key.removeprefix("aten::")] += event.self_cpu_time_total / steps / 1e3
     wall = statistics.median(walls[:steps]) * 1e3
-    return dict(method=spec, wall=wall, split=split, other=other.most_common(3))
+    return dict(wall=wall, split=split, other=other.most_common(3))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", default="snapkv,cake,adakv", help="presets, comma-separated")
     p.add_argument(
-        "--length", type=int, default=1024, help="prompt tokens (the default model's positions at most)"
+        "--length", type=int, default=1024, help="prompt tokens (past the model's positions: a random model)"
     )
     p.add_argument("--budget", type=int, default=128, help="entries per layer")
     p.add_argument("--steps", type=int, default=10, help="steps timed, and as many profiled")
@@ -100,13 +97,28 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = load_models(device=torch.device("cpu"), dtype=torch.float32)
-    if args.length > models.max_positions:
-        raise ValueError(
-            f"--length {args.length} is longer than the model's {models.max_positions} positions"
+    model, label = models.for_length(args.length)  # as the decode benchmark's rows
+    tokenizer = models.tokenizer if model is models.model else None
+    ids, _ = prompt_ids(tokenizer, args.length, model.config.vocab_size, torch.device("cpu"))
+    print(f"{label}, {args.length} tokens, budget {args.budget}, {torch.get_num_threads()} thread(s)")
+    specs = [m for m in args.methods.split(",") if m]
+    room = 8 + 2 * args.steps
+    caches = [build_cache(model, m, args.budget, max_cache_len=args.length + room) for m in specs]
+    if caches:  # one prefill for every preset (the benchmark's shared prefill)
+        shared_prefill(model, ids, caches)
+    for c in caches:
+        c.timing = False  # as the decode benchmark's compiled steps
+    tok = ids[:, -1:].clone()
+    rows = [
+        dict(
+            method="floor",
+            **profile_step(model, floor_cache(model, ids, room), FLOOR_TOKENS, tok, args.steps),
         )
-    ids, _ = prompt_ids(models.tokenizer, args.length, models.model.config.vocab_size, torch.device("cpu"))
-    rows = [profile_step(models, ids, spec, args.budget, args.steps)
-            for spec in ["floor", *[m for m in args.methods.split(",") if m]]]  # fmt: skip
+    ]
+    rows += [
+        dict(method=m, **profile_step(model, c, args.length, tok, args.steps))
+        for m, c in zip(specs, caches, strict=True)
+    ]
     cols = ["weights' matmuls", "attention kernel", "generated code", "guards", "other ATen"]
     print(
         f"| cache | step ms (median of {args.steps}) | "
