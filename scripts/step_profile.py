@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import statistics
-import time
 
 import torch
 
-import kvcake
-from kvcake.bench.caches import build_cache, greedy_step, shared_prefill
+from kvcake.bench.caches import build_cache, shared_prefill
 from kvcake.bench.common import load_models, prompt_ids
+from kvcake.bench.decoder import Decoder
 from kvcake.bench.floor import FLOOR_TOKENS, floor_cache
+from kvcake.bench.probes import Clock
 
 PARTS = {  # profiler event name -> column (self CPU time); everything else: "other ATen"
     "aten::mm": "weights' matmuls",
@@ -49,30 +48,18 @@ def _part(name: str) -> str | None:
 
 
 def profile_step(model, cache, start: int, tok: torch.Tensor, steps: int) -> dict:
-    """The wall clock and the profile split of ``cache``'s compiled step from position ``start``."""
-    pos = start
+    """The wall clock and the profile split of ``cache``'s compiled step from position ``start``: the
+    decode benchmark's own (``kvcake.bench.decoder.Decoder``: its compiled step, attention and
+    timing), 4 warm-up steps, ``steps`` timed, ``steps`` profiled."""
     torch._dynamo.reset()
-    step = torch.compile(greedy_step(model), fullgraph=True)
-    walls = []
-
-    def run() -> None:
-        nonlocal tok, pos
-        t = time.perf_counter()
-        tok = step(tok, torch.tensor([[pos]]), cache)
-        walls.append(time.perf_counter() - t)
-        pos += 1
-
-    # the kvcake attention for a kvcake cache, the stock one for the floor (as the benchmark's)
-    attention = kvcake.enable(model) if isinstance(cache, kvcake.KVCakeCache) else contextlib.nullcontext()
-    with attention, torch.no_grad():
-        for _ in range(4):
-            run()
-        walls.clear()
-        for _ in range(steps):
-            run()
+    dec = Decoder(model, cache, tok, start, Clock(torch.device("cpu")))
+    with torch.no_grad():
+        dec.compile("inductor", warmup=4)
+        if dec.fast is None:
+            raise RuntimeError(f"the step of {type(cache).__name__} did not compile: {dec.compiled}")
+        dec.timed_compiled(steps)
         with torch.profiler.profile() as prof:
-            for _ in range(steps):
-                run()
+            dec.timed_compiled(steps)
     split, other = collections.Counter(), collections.Counter()
     for event in prof.key_averages():
         part = _part(event.key)
@@ -80,7 +67,7 @@ def profile_step(model, cache, start: int, tok: torch.Tensor, steps: int) -> dic
             split[part] += event.self_cpu_time_total / steps / 1e3  # ms a step
         if part == "other ATen":
             other[event.key.removeprefix("aten::")] += event.self_cpu_time_total / steps / 1e3
-    wall = statistics.median(walls[:steps]) * 1e3
+    wall = statistics.median(dec.compiled_times[:steps]) * 1e3
     return dict(wall=wall, split=split, other=other.most_common(3))
 
 
@@ -106,8 +93,6 @@ def main() -> None:
     caches = [build_cache(model, m, args.budget, max_cache_len=args.length + room) for m in specs]
     if caches:  # one prefill for every preset (the benchmark's shared prefill)
         shared_prefill(model, ids, caches)
-    for c in caches:
-        c.timing = False  # as the decode benchmark's compiled steps
     tok = ids[:, -1:].clone()
     rows = [
         dict(
