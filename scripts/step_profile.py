@@ -6,14 +6,16 @@ still add" (issue 22).
 
 Each step is the decode benchmark's (``torch.compile(greedy_step(model), fullgraph=True)``, inductor),
 after one prefill of ``--length`` tokens shared by every preset (of the default model, or past its
-positions of a random model of its shape, as the benchmark's), budget ``--budget``. After 4 warm-up
-steps, ``--steps`` steps are timed (the median wall clock) and ``--steps`` more run under
-``torch.profiler``; its self CPU time per step is split into the weights' matrix products
-(``aten::mm``/``addmm``, what no cache changes), the attention kernel (``scaled_dot_product``), the
-rest of inductor's generated code and its wrapper (``CompiledFxGraph``, self time), dynamo's guard
-check (``TorchDynamo Cache Lookup``) and every other ATen call outside the generated code (the three
-largest named). The profiler adds its own time, and this host's speed drifts between rows (they run
-one after another, not interleaved): read the split, not the last digit.
+positions of a random model of its shape, as the benchmark's), budget ``--budget``. Every cache's
+step is compiled side by side and warmed (4 steps); then, in ``--rounds`` interleaved rounds over
+the caches (as the benchmark's compiled column), each takes ``--steps`` timed steps (the median
+wall clock over the rounds) and ``--steps`` more under ``torch.profiler``; its self CPU time per
+step is split into the weights' matrix products (``aten::mm``/``addmm``, what no cache changes),
+the attention kernel (``scaled_dot_product``), the rest of inductor's generated code and its
+wrapper (``CompiledFxGraph``, self time), dynamo's guard check (``TorchDynamo Cache Lookup``) and
+every other ATen call outside the generated code (the three largest named), averaged over the
+rounds. The profiler adds its own time, and the host's speed drifts within a round too: read the
+split, not the last digit.
 """
 
 from __future__ import annotations
@@ -47,19 +49,8 @@ def _part(name: str) -> str | None:
     return "other ATen" if name.startswith("aten::") else None
 
 
-def profile_step(model, cache, start: int, tok: torch.Tensor, steps: int) -> dict:
-    """The wall clock and the profile split of ``cache``'s compiled step from position ``start``: the
-    decode benchmark's own (``kvcake.bench.decoder.Decoder``: its compiled step, attention and
-    timing), 4 warm-up steps, ``steps`` timed, ``steps`` profiled."""
-    torch._dynamo.reset()
-    dec = Decoder(model, cache, tok, start, Clock(torch.device("cpu")))
-    with torch.no_grad():
-        dec.compile("inductor", warmup=4)
-        if dec.fast is None:
-            raise RuntimeError(f"the step of {type(cache).__name__} did not compile: {dec.compiled}")
-        dec.timed_compiled(steps)
-        with torch.profiler.profile() as prof:
-            dec.timed_compiled(steps)
+def split_of(prof, steps: int) -> tuple[collections.Counter, collections.Counter]:
+    """The profile's self CPU time per step (ms) by part, and the other ATen calls' by name."""
     split, other = collections.Counter(), collections.Counter()
     for event in prof.key_averages():
         part = _part(event.key)
@@ -67,8 +58,35 @@ def profile_step(model, cache, start: int, tok: torch.Tensor, steps: int) -> dic
             split[part] += event.self_cpu_time_total / steps / 1e3  # ms a step
         if part == "other ATen":
             other[event.key.removeprefix("aten::")] += event.self_cpu_time_total / steps / 1e3
-    wall = statistics.median(dec.compiled_times[:steps]) * 1e3
-    return dict(wall=wall, split=split, other=other.most_common(3))
+    return split, other
+
+
+def profile_steps(decoders: dict[str, Decoder], steps: int, rounds: int) -> list[dict]:
+    """Each cache's compiled step (the decode benchmark's own: ``kvcake.bench.decoder.Decoder``,
+    its compiled step, attention and timing) compiled side by side and warmed (4 steps), then in
+    ``rounds`` interleaved rounds ``steps`` timed and ``steps`` profiled per cache, so a slow
+    moment of the host falls on every row alike: the median wall clock and the mean split."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for label, dec in decoders.items():
+            dec.compile("inductor", warmup=4)
+            if dec.fast is None:
+                raise RuntimeError(f"the step of {label} did not compile: {dec.compiled}")
+        splits = {label: (collections.Counter(), collections.Counter()) for label in decoders}
+        for _ in range(rounds):
+            for label, dec in decoders.items():
+                dec.timed_compiled(steps)
+                with torch.profiler.profile() as prof:
+                    for _ in range(steps):
+                        dec.step(dec.fast, compiled=True)
+                split, other = split_of(prof, steps * rounds)
+                splits[label][0].update(split)
+                splits[label][1].update(other)
+    return [
+        dict(method=label, wall=statistics.median(dec.compiled_times) * 1e3, split=splits[label][0],
+             other=splits[label][1].most_common(3))
+        for label, dec in decoders.items()
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -78,7 +96,8 @@ def main() -> None:
         "--length", type=int, default=1024, help="prompt tokens (past the model's positions: a random model)"
     )
     p.add_argument("--budget", type=int, default=128, help="entries per layer")
-    p.add_argument("--steps", type=int, default=10, help="steps timed, and as many profiled")
+    p.add_argument("--steps", type=int, default=10, help="steps timed, and as many profiled, per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over every cache")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args()
     if args.threads:
@@ -89,24 +108,18 @@ def main() -> None:
     ids, _ = prompt_ids(tokenizer, args.length, model.config.vocab_size, torch.device("cpu"))
     print(f"{label}, {args.length} tokens, budget {args.budget}, {torch.get_num_threads()} thread(s)")
     specs = [m for m in args.methods.split(",") if m]
-    room = 8 + 2 * args.steps
+    room = 8 + 2 * args.steps * args.rounds  # the warm-up, timed and profiled steps of every round
     caches = [build_cache(model, m, args.budget, max_cache_len=args.length + room) for m in specs]
     if caches:  # one prefill for every preset (the benchmark's shared prefill)
         shared_prefill(model, ids, caches)
     tok = ids[:, -1:].clone()
-    rows = [
-        dict(
-            method="floor",
-            **profile_step(model, floor_cache(model, ids, room), FLOOR_TOKENS, tok, args.steps),
-        )
-    ]
-    rows += [
-        dict(method=m, **profile_step(model, c, args.length, tok, args.steps))
-        for m, c in zip(specs, caches, strict=True)
-    ]
+    clock = Clock(torch.device("cpu"))
+    decoders = {"floor": Decoder(model, floor_cache(model, ids, room), tok, FLOOR_TOKENS, clock)}
+    decoders |= {m: Decoder(model, c, tok, args.length, clock) for m, c in zip(specs, caches, strict=True)}
+    rows = profile_steps(decoders, args.steps, args.rounds)
     cols = ["weights' matmuls", "attention kernel", "generated code", "guards", "other ATen"]
     print(
-        f"| cache | step ms (median of {args.steps}) | "
+        f"| cache | step ms (median of {args.steps * args.rounds}) | "
         + " | ".join(f"{c} ms" for c in cols)
         + " | largest other ATen (ms) |"
     )
