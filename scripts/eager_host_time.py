@@ -28,15 +28,18 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from kvcake import PRESETS, KVCakeCache, enable, make_method
+from kvcake.bench.caches import greedy_step
 from kvcake.bench.step_counts import CountOps, tiny_llama
 
 
 class Decoding:
-    """One cache's eager decode from the end of a prompt: ``step()`` times one greedy step."""
+    """One cache's eager decode from the end of a prompt, through the benches' greedy step
+    (``kvcake.bench.caches.greedy_step``); ``step()`` times one token."""
 
-    def __init__(self, model, cache, ids: torch.Tensor, kvcake: bool) -> None:
-        self.model, self.cache, self.pos, self.times = model, cache, ids.shape[1], []
-        self.context = (lambda: enable(model)) if kvcake else contextlib.nullcontext
+    def __init__(self, model, cache, ids: torch.Tensor, compressed: bool) -> None:
+        self.cache, self.pos, self.times = cache, ids.shape[1], []
+        self.greedy = greedy_step(model)
+        self.context = (lambda: enable(model)) if compressed else contextlib.nullcontext
         with self.context(), torch.no_grad():
             self.tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
 
@@ -44,11 +47,7 @@ class Decoding:
         position = torch.full((1, 1), self.pos)
         with self.context(), torch.no_grad():
             start = time.perf_counter()
-            self.tok = (
-                self.model(self.tok, past_key_values=self.cache, position_ids=position)
-                .logits[:, -1:]
-                .argmax(-1)
-            )
+            self.tok = self.greedy(self.tok, position, self.cache)
             if timed:
                 self.times.append(time.perf_counter() - start)
         self.pos += 1
@@ -56,7 +55,7 @@ class Decoding:
     def ops(self) -> int:
         """ATen ops of one more step."""
         with self.context(), torch.no_grad(), CountOps() as counter:
-            self.model(self.tok, past_key_values=self.cache, position_ids=torch.full((1, 1), self.pos))
+            self.greedy(self.tok, torch.full((1, 1), self.pos), self.cache)
         return sum(counter.ops.values())
 
 
@@ -84,7 +83,7 @@ def main() -> None:
         "StaticCache": (lambda: StaticCache(model.config, max_cache_len=capacity), False),
     }
     caches |= {spec: (kvcake_cache(spec), True) for spec in args.methods.split(",") if spec}
-    runs = {name: Decoding(model, make(), ids, kvcake) for name, (make, kvcake) in caches.items()}
+    runs = {name: Decoding(model, make(), ids, compressed) for name, (make, compressed) in caches.items()}
     for i in range(3 + args.steps):  # round robin, one step each: a slow moment falls on every cache alike
         for run in runs.values():
             run.step(timed=i >= 3)
