@@ -88,9 +88,9 @@ PROMPT, PADDED, BUDGET, NEW_TOKENS = 1024, 300, 64, 8
 # one preset per layer allocator, head allocator and selector, to keep the run short
 HYBRID_PRESETS = ("snapkv", "cake", "adakv", "cake-adakv", "layer-defensivekv")
 # Gemma 4 without layer-defensivekv: on this tiny model its one ranking over the layers keeps one entry
-# differently under the float32 rounding of the tensor-parallel sums on 2 of 3 prompts (positions
-# 705 and 706 of a head), as it does in one process between float32 and float64 on the same prompts
-# (2026-11-30); criticalkv, defensivekv and the other presets keep the same entries there
+# differently under the float32 rounding of the tensor-parallel sums in 2 of 3 batches (positions
+# 575 and 579 of a head in this batch, seed 1), exactly as one process in float64 does; criticalkv,
+# defensivekv and the other presets keep the same entries there (scripts/near_ties.py, 2026-12-01)
 GEMMA4_PRESETS = ("snapkv", "cake", "adakv", "cake-adakv", "criticalkv", "defensivekv")
 # the models, each with the presets run on it; Qwen3.5 where the installed transformers has it
 MODELS = (
