@@ -287,6 +287,23 @@ def _chameleon_with_an_image():
     )
 
 
+def _emu3_with_an_image():
+    """Images as the tokens of a VQ codebook (16 codes, ``<|visual token N|>``): an 8 x 8 image is 4
+    rows of 4 codes, each row ended by an end-of-line token, 20 tokens; ``image_sizes`` beside it."""
+    codes = {f"<|visual token {code:06d}|>": 200 + code for code in range(16)}
+    vq = {"codebook_size": 16, "embed_dim": 8, "latent_channels": 32, "base_channels": 32, "channel_multiplier": [1, 1],
+          "num_res_blocks": 1, "attn_resolutions": [], "hidden_size": 32, "num_attention_heads": 1}  # fmt: skip
+    text = {k: v for k, v in _text("emu3").items() if k != "model_type"}
+    config = tf.Emu3Config(
+        vq_config=vq, text_config=text, vocabulary_map={"<image>": IMAGE, "<|extra_200|>": 298, **codes}
+    )
+    return (
+        tf.Emu3ForConditionalGeneration(config),
+        _ids_with_an_image(12, 20),
+        {"pixel_values": torch.randn(1, 3, 8, 8), "image_sizes": torch.tensor([[8, 8]])},
+    )
+
+
 def _fuyu_with_an_image():
     """Patches straight into a Persimmon language model (partial rotary, q/k norms)."""
     text = {"model_type": "persimmon", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
@@ -430,6 +447,7 @@ BUILDERS = {
     "glm4v": (_glm4v_with_an_image, "Glm4vForConditionalGeneration"),
     "idefics2": (_idefics2_with_an_image, "Idefics2ForConditionalGeneration"),
     "chameleon": (_chameleon_with_an_image, "ChameleonForConditionalGeneration"),
+    "emu3": (_emu3_with_an_image, "Emu3ForConditionalGeneration"),
     "fuyu": (_fuyu_with_an_image, "FuyuForCausalLM", "5.24"),  # before: patches as image_patches
     "janus": (_janus_with_an_image, "JanusForConditionalGeneration"),
     "ovis2": (_ovis2_with_an_image, "Ovis2ForConditionalGeneration"),
