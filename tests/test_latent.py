@@ -1,7 +1,8 @@
-"""Latent attention (MLA: DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, Youtu, LongCat-Flash, and the
-linear-attention hybrids Kimi Linear and Bailing): kvcake compresses the latents the model caches,
-scoring and attending in the absorbed form (``kvcake.latent``). Tiny random models of the installed
-transformers; releases that cache the expanded keys (before 5.24) are refused with the fix."""
+"""Latent attention (MLA: DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, Youtu, Sarvam-MLA, Mistral 4,
+LongCat-Flash, and the linear-attention hybrids Kimi Linear and Bailing): kvcake compresses the
+latents the model caches, scoring and attending in the absorbed form (``kvcake.latent``). Tiny random
+models of the installed transformers; releases that cache the expanded keys (before 5.24) are
+refused with the fix."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ FAMILIES = {
     "Glm4MoeLiteConfig": {},
     "YoutuConfig": {},
     "SarvamMLAConfig": {},
+    "Mistral4Config": {"pad_token_id": 0},
     "LongcatFlashConfig": {
         "q_lora_rank": 16,
         "head_dim": 8,
