@@ -27,9 +27,10 @@ Checked per preset and path:
   all of the above but the context, and every layer's key and value scales equal the
   one-process ones (taken over every rank's heads).
 
-A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE) and a tiny Falcon-H1 (attention beside
-a Mamba block in every layer, ``kvcake.hybrid_layer``) last: transformers' plans split DeepSeek-V3's
-MLP and experts and Falcon-H1's embeddings and leave their attention whole, so every rank holds every
+A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE), a tiny Falcon-H1 (attention beside
+a Mamba block in every layer, ``kvcake.hybrid_layer``) and a tiny GPT-OSS (attention sinks, loaded
+with the eager attention; sliding and full layers; MoE) last: transformers' plans split DeepSeek-V3's
+MLP and experts and the others' embeddings and leave their attention whole, so every rank holds every
 head and the whole cache and compresses alike with no split (``WHOLE_PRESETS``, both paths): tokens,
 logits, budgets, kept entries and bytes as one process's.
 
@@ -53,6 +54,8 @@ from transformers import (
     FalconH1ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
 )
@@ -100,13 +103,16 @@ MODELS = (
     + ((("llama4", HYBRID_PRESETS),) if Llama4TextConfig is not None else ())
 )
 # the models whose attention the plan leaves whole, with the presets run on them (``check_whole``)
-WHOLE = ("deepseek_v3", "falcon_h1")
+WHOLE = ("deepseek_v3", "falcon_h1", "gpt_oss")
+# what a model loads with beyond the plan: GPT-OSS's sinks need the eager attention (SDPA has none)
+LOAD_KWARGS = {"gpt_oss": {"attn_implementation": "eager"}}
 WHOLE_PRESETS = ("snapkv", "cake", "adakv", "criticalkv", "h2o")
 HEADINGS = {
     "gemma3": "Gemma 3 hybrid (sliding, full, sliding, full):",
     "gemma4": "Gemma 4 hybrid (sliding, full, sliding, full; full layers 2 KV heads of dim 32):",
     "deepseek_v3": "DeepSeek-V3 (latent attention; the plan splits its MLP and experts, not its heads):",
     "falcon_h1": "Falcon-H1 (attention beside Mamba in every layer; the plan splits its embeddings only):",
+    "gpt_oss": "GPT-OSS (attention sinks, sliding and full layers, MoE; the plan splits its embeddings only):",
     "qwen3_5": "Qwen3.5 hybrid (linear attention, full, linear attention, full):",
     "llama4": "Llama 4 (three chunked layers of 64 tokens, then a full one, twice; MoE in every layer):",
 }
@@ -142,6 +148,15 @@ def save_tiny(folder: str, kind: str) -> None:
         config = FalconH1Config(**shape, head_dim=16, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
                                 mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_d_ssm=64)  # fmt: skip
         FalconH1ForCausalLM(config).save_pretrained(folder)
+    elif kind == "gpt_oss":  # sinks drawn large (N(0, 2)), so that they weigh in the softmax
+        types = ["sliding_attention", "full_attention"] * 2
+        config = GptOssConfig(**shape, head_dim=16, sliding_window=64, layer_types=types, num_local_experts=2,
+                              num_experts_per_tok=1)  # fmt: skip
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+        model.save_pretrained(folder)
     elif kind == "deepseek_v3":
         mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
@@ -324,8 +339,9 @@ def load_both(rank: int, kind: str):
             save_tiny(folder[0], kind)
         dist.broadcast_object_list(folder, src=0)
         dist.barrier()
-        tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto")
-        full = AutoModelForCausalLM.from_pretrained(folder[0])
+        extra = LOAD_KWARGS.get(kind, {})
+        tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto", **extra)
+        full = AutoModelForCausalLM.from_pretrained(folder[0], **extra)
         dist.barrier()  # rank 0's folder is read by every rank before it goes
     return full, tp
 
@@ -386,7 +402,7 @@ def main() -> int:
             logger.error("FAIL %s", line)
         logger.info(
             "%s, %d on %s (attention whole) x %d ranks: %s",
-            ", ".join(f"{len(p)} presets on {kind}" for kind, p in MODELS), len(WHOLE_PRESETS), " and ".join(WHOLE), world,
+            ", ".join(f"{len(p)} presets on {kind}" for kind, p in MODELS), len(WHOLE_PRESETS), ", ".join(WHOLE), world,
             "FAILED" if problems else "all equal",
         )  # fmt: skip
     return 1 if problems else 0
