@@ -19,13 +19,12 @@ from transformers import (
     CompileConfig,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     StaticCache,
 )
 
 import kvcake
 from kvcake.adapters import with_cache
+from kvcake.bench.step_counts import GraphCounter
 from kvcake.bench.step_counts import tiny_llama as counts_llama
 from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
@@ -43,32 +42,9 @@ needs_kwargs_handoff = pytest.mark.skipif(
 )
 
 
-def _two_layer_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    return model.eval()
-
-
-class _GraphCounter:
-    """A torch.compile backend that runs each captured graph eagerly and counts them."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return gm.forward
-
-
 def _decode_static_cache(model, inside: bool, steps: int = 6):
     torch._dynamo.reset()
-    counter = _GraphCounter()
+    counter = GraphCounter()
     step = torch.compile(model.forward, backend=counter, fullgraph=True)
     ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     cache = StaticCache(config=model.config, max_cache_len=64)
@@ -84,7 +60,7 @@ def _decode_static_cache(model, inside: bool, steps: int = 6):
 
 
 def test_a_stock_static_cache_compiles_inside_enable_exactly_as_outside():
-    model = _two_layer_llama()
+    model = counts_llama(2)
     graphs_out, logits_out = _decode_static_cache(model, inside=False)
     graphs_in, logits_in = _decode_static_cache(model, inside=True)
     assert graphs_out <= 2
@@ -112,7 +88,7 @@ def _decode_kvcake(
     ``cache_kw``: more of the ``KVCakeCache``'s options (float8 storage); ``plain``: a list that
     gets whether a layer decoded plain (the model's own kernel over every token)."""
     torch._dynamo.reset()
-    counter = _GraphCounter()
+    counter = GraphCounter()
     step = (
         torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=dynamic)
         if compiled
@@ -154,7 +130,7 @@ def test_a_kvcake_decode_step_compiles_whole_into_at_most_two_graphs(spec, batch
     """fullgraph=True raises on any graph break; the second graph is the one with the growing 2-D
     attention mask's length symbolic (without a mask passed in, one graph: the ``dynamic=False``
     test below)."""
-    model = _two_layer_llama()
+    model = counts_llama(2)
     graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True)
     _, eager = _decode_kvcake(model, spec, batch, compiled=False)
     assert graphs <= 2
@@ -186,7 +162,7 @@ def test_random_compositions_compile_whole_and_decode_as_eager(case):
     in float8 or not, compiles each step whole into at most two graphs over 64 steps, and its
     logits equal the eager steps' exactly (``KVCAKE_COMPILE_CASES=200``: a deeper search)."""
     spec, budget, batch, storage = _composition(case)
-    model = _two_layer_llama()
+    model = counts_llama(2)
     plain = []
     graphs, compiled = _decode_kvcake(model, spec, batch, compiled=True, plain=plain, **budget, **storage)
     _, eager = _decode_kvcake(model, spec, batch, compiled=False, **budget, **storage)
@@ -215,7 +191,7 @@ def test_a_budget_covering_the_prompt_compiles(spec, budget):
     exactly so; with a budget covering the capacity (200), or ``decode=none`` (snapkv), it stays
     plain, and a compiled step neither reads its counts nor evicts. Before, the first three failed
     to trace (the dynamic path's budget check is data-dependent)."""
-    model = _two_layer_llama()
+    model = counts_llama(2)
     plain = []
     graphs, compiled = _decode_kvcake(model, spec, 1, compiled=True, budget=budget, plain=plain)
     _, eager = _decode_kvcake(model, spec, 1, compiled=False, budget=budget)
@@ -245,7 +221,7 @@ def test_a_decode_step_traces_with_symbolic_shapes(spec):
     """``dynamic=True``: every size symbolic, as after a recompile with automatic dynamic shapes.
     The step writes its state by copies, not through ops' ``out=`` (fake tensors refuse ``out=``
     where an input has a symbolic size: transformers' compiled generate failed so on an H200)."""
-    model = _two_layer_llama()
+    model = counts_llama(2)
     graphs, compiled = _decode_kvcake(model, spec, 2, compiled=True, dynamic=True)
     _, eager = _decode_kvcake(model, spec, 2, compiled=False)
     assert graphs <= 2
@@ -278,9 +254,9 @@ def test_a_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):
     ``max_cache_len`` reserved it), so ``dynamic=False`` (no symbolic sizes, every changed int a
     recompile) captures one graph, past dynamo's recompile limit (8) of steps. Before, each step
     recompiled on ``layers[i].length`` and ``layers[i].room``."""
-    model = _two_layer_llama()
+    model = counts_llama(2)
     torch._dynamo.reset()
-    counter = _GraphCounter()
+    counter = GraphCounter()
     step = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=False)
     cache, compiled = _decode_without_mask(model, spec, 10, step, 60 + 10)
     assert counter.graphs == 1
@@ -289,7 +265,7 @@ def test_a_decode_step_compiles_into_one_graph_even_with_dynamic_false(spec):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     # eager steps after compiled ones count from the length read back (5 compiled, then 5 eager)
     torch._dynamo.reset()
-    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True, dynamic=False)
+    step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True, dynamic=False)
     calls = iter([step] * 5 + [model.forward] * 5)
     cache, mixed = _decode_without_mask(model, spec, 10, lambda *a, **k: next(calls)(*a, **k), 60 + 10)
     assert [cache.layers[i].length for i in cache.compressed] == [70] * len(cache.compressed)
@@ -304,7 +280,7 @@ def test_a_compiled_step_reads_no_host_array_and_the_counts_catch_up(spec):
     CPU ops in the graph. The step counts on the device (``step.common.count_step``); read after
     compiled steps, and after eager ones that follow, the counts equal an eager decode's, for
     decode=none and decode=fixed, dense and ragged (each head's entries, window included)."""
-    model = _two_layer_llama()
+    model = counts_llama(2)
     torch._dynamo.reset()
     inputs = []
 
@@ -337,9 +313,9 @@ def test_a_compiled_step_leaves_the_byte_counters_alone(spec, monkeypatch):
     around the graph. The bytes and the peak the cache reports after compiled steps are an eager
     decode's."""
     traced = calls_while_tracing(monkeypatch, KVCakeLayer, "kv_bytes")
-    model = _two_layer_llama()
+    model = counts_llama(2)
     torch._dynamo.reset()
-    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True)
+    step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
     compiled, _ = _decode_without_mask(model, spec, 4, step, 60 + 4)
     assert traced and not any(traced)  # the prefill's, eager; none while tracing a step
     eager, _ = _decode_without_mask(model, spec, 4, model.forward, 60 + 4)
@@ -355,9 +331,9 @@ def test_a_compiled_step_past_max_cache_len_stops_with_a_clear_error(spec):
     grows instead (``test_static.py``)."""
     from kvcake.step.common import PAST_CAPACITY
 
-    model = _two_layer_llama()
+    model = counts_llama(2)
     torch._dynamo.reset()
-    step = torch.compile(model.forward, backend=_GraphCounter(), fullgraph=True)
+    step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
     with pytest.raises(RuntimeError, match=re.escape(PAST_CAPACITY[:60])):
         _decode_without_mask(model, spec, 4, step, 60 + 2)
 
@@ -372,7 +348,7 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
         graphs.append(gm)
         return gm.forward
 
-    model = _two_layer_llama()
+    model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
@@ -393,7 +369,7 @@ def _two_layer_neox() -> GPTNeoXForCausalLM:
     return model.eval()
 
 
-@pytest.mark.parametrize("build", [_two_layer_llama, _two_layer_neox], ids=["llama", "neox"])
+@pytest.mark.parametrize("build", [lambda: counts_llama(2), _two_layer_neox], ids=["llama", "neox"])
 def test_compile_is_refused_where_the_model_does_not_hand_off_kwargs(build):
     """Where the model's attention hands cache.update nothing (every model of 5.0-5.23; GPT-NeoX's
     even in 5.24, which the check before 2026-11-29, read off ``Cache.update``'s signature, did not
@@ -433,7 +409,7 @@ def test_a_compressed_contexts_question_then_a_compiled_decode(spec, budget):
         graphs.append(gm)
         return gm.forward
 
-    model = _two_layer_llama()
+    model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     question = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     ctx = kvcake.compress(model, ids, spec, budget=budget, window=4)
