@@ -43,7 +43,7 @@ class KVCakeLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
-    counts_lag = False  # compiled steps counted on the device only (``steps``): see ``counts``
+    counts_lag, host_steps = False, 0  # steps not yet in ``counts``: compiled (``steps``), eager
     latent = False  # latent attention (MLA): the attention reads ``operands``, not the entries as held
 
     def __init__(self) -> None:
@@ -83,14 +83,14 @@ class KVCakeLayer(CacheLayerMixin):
 
     @property
     def counts(self) -> np.ndarray | None:
-        """(B, H_kv) kept entries, on the host (compiled steps: ``step.common.count_step``)."""
-        return catch_up_counts(self) if self.counts_lag else self._counts
+        """(B, H_kv) kept entries, on the host (the steps since: ``step.common.count_step``)."""
+        return catch_up_counts(self) if self.counts_lag or self.host_steps else self._counts
 
     @counts.setter
     def counts(self, value: np.ndarray | None) -> None:
-        if self.counts_lag:  # replaced: what the device counted no longer applies
+        if self.counts_lag:  # replaced: what the steps counted no longer applies
             self.steps.zero_()
-        self._counts, self.counts_lag = value, False
+        self._counts, self.counts_lag, self.host_steps = value, False, 0
 
     # -- transformers' CacheLayerMixin interface ---------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
