@@ -19,11 +19,13 @@ import kvcake
 from kvcake import PRESETS, KVCakeCache, make_method, varlen
 from kvcake import fp8 as fp8_module
 from kvcake.adapters import with_cache
+from kvcake.bench.step_counts import GraphCounter
+from kvcake.bench.step_counts import tiny_llama as counts_llama
 from kvcake.fp8 import FP8, HEADROOM, RECENT, decode, encode, recent_bytes, store
 from kvcake.sliding import SlidingLayer
 from kvcake.step import ragged as ragged_step
 from test_cli import call, model_args, tiny_dir  # noqa: F401 (tiny_dir: the CLI's tiny model folder)
-from test_compile import _GraphCounter, _two_layer_llama, needs_kwargs_handoff
+from test_compile import needs_kwargs_handoff
 from test_varlen import fake_kernel
 
 STEPS = 8
@@ -229,9 +231,9 @@ def test_a_later_entry_past_the_range_saturates(tiny_llama):
 @needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
 def test_a_float8_decode_step_compiles_whole(spec):
-    model = _two_layer_llama()
+    model = counts_llama(2)
     torch._dynamo.reset()
-    counter = _GraphCounter()
+    counter = GraphCounter()
     step = torch.compile(model.forward, backend=counter, fullgraph=True)
     compiled, _ = _decode(model, spec, "fp8", batch=2, step=step)
     eager, _ = _decode(model, spec, "fp8", batch=2)
