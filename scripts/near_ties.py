@@ -34,15 +34,9 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "tp"))
 import check_tp  # noqa: E402  (the test-tp models and run, not a package)
 
+from kvcake.inspect import kept_mask  # noqa: E402
+
 PRESETS = check_tp.GEMMA4_PRESETS + ("layer-defensivekv",)
-
-
-def batch(seed: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``check_tp.py``'s batch: two prompts, the second left-padded (``check_tp.PADDED`` tokens)."""
-    ids = torch.randint(3, 256, (2, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    ids[1, : check_tp.PADDED], mask[1, : check_tp.PADDED] = 0, 0
-    return ids, mask
 
 
 def kept(model, ids: torch.Tensor, mask: torch.Tensor, preset: str) -> tuple[np.ndarray, list[torch.Tensor]]:
@@ -50,13 +44,8 @@ def kept(model, ids: torch.Tensor, mask: torch.Tensor, preset: str) -> tuple[np.
     the new tokens' logits."""
     out, cache = check_tp.run(model, ids, mask, preset, static=True)
     length = out.sequences.shape[1]
-    rows = []
-    for layer in (cache.layers[lid] for lid in cache.compressed):
-        pos = layer.padded_positions().cpu()  # (B, H_kv, N), -1 = empty
-        held = torch.zeros(*pos.shape[:2], length + 1, dtype=torch.bool)
-        held.scatter_(2, torch.where(pos >= 0, pos, length), True)
-        rows.append(held[..., :length])
-    return torch.stack(rows, 1).numpy(), [s.double() for s in out.scores]
+    held = np.stack([kept_mask(cache, length, row) for row in range(ids.shape[0])])
+    return held, [s.double() for s in out.scores]
 
 
 def gathered(mask: np.ndarray, world: int) -> np.ndarray:
@@ -104,7 +93,7 @@ def main() -> int:
         logger.info("%s, %d-token prompts; float64: one process in float64 against float32%s",
                     args.model, args.length, f"; split: {world} ranks against one process" if split else "")  # fmt: skip
     for seed in range(1, args.batches + 1):
-        ids, mask = batch(seed, args.length)
+        ids, mask = check_tp.batch(seed, args.length)
         for preset in args.presets.split(","):
             ref, ref_logits = kept(whole, ids, mask, preset)
             wide, wide_logits = kept(double, ids, mask, preset)

@@ -67,12 +67,12 @@ def _as_ids(tokenizer, text: str | torch.Tensor) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def kept_mask(cache: KVCakeCache, length: int) -> np.ndarray:
-    """(L_g, H_kv, length) bool: which prompt positions each compressed layer (every layer, or
-    the global layers of a hybrid) and KV head of sequence 0 holds."""
+def kept_mask(cache: KVCakeCache, length: int, row: int = 0) -> np.ndarray:
+    """(L_g, H_kv, length) bool: which of the first ``length`` positions each compressed layer
+    (every layer, or the global layers of a hybrid) and KV head of sequence ``row`` holds."""
     rows = []
     for layer in (cache.layers[lid] for lid in cache.compressed):
-        pos = layer.padded_positions()[0].cpu()  # (H_kv, N), -1 = empty
+        pos = layer.padded_positions()[row].cpu()  # (H_kv, N), -1 = empty
         mask = torch.zeros(pos.shape[0], length + 1, dtype=torch.bool)  # host: pos is on the CPU
         mask.scatter_(1, torch.where((pos >= 0) & (pos < length), pos, length), True)
         rows.append(mask[:, :length].numpy())

@@ -168,6 +168,15 @@ def save_tiny(folder: str, kind: str) -> None:
         LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
 
 
+def batch(seed: int, length: int = PROMPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random prompts, the second left-padded to the first's length (``PADDED`` padding tokens),
+    and their attention mask."""
+    ids = torch.randint(3, 256, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :PADDED], mask[1, :PADDED] = 0, 0
+    return ids, mask
+
+
 def run(model, ids, mask, preset, static, kv_dtype=None):
     method = kvcake.make_method(preset, budget=BUDGET)
     cache = kvcake.KVCakeCache(model, method, static=static, kv_dtype=kv_dtype)
@@ -352,10 +361,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    # two prompts, the second left-padded to the first's length (PADDED padding tokens)
-    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    ids[1, :PADDED], mask[1, :PADDED] = 0, 0
+    ids, mask = batch(1)
     failed = {}
     for kind, presets in MODELS:
         full, tp = load_both(rank, kind)
