@@ -75,6 +75,22 @@ def test_return_dict_in_generate(tiny_llama, tok, scenario):
     assert torch.equal(out.sequences, plain) and len(out.logits) == 4
 
 
+@pytest.mark.parametrize("scenario", ["context", "question"])
+def test_answer_many_questions(tiny_llama, tok, scenario, monkeypatch):
+    """A list of questions (kvpress's pipeline's ``questions=``) returns their answers in order, each
+    what the question alone gets; in the context scenario the document is compressed once."""
+    doc, qs = document(160), ["w3 w4 w5", "w9 w1", "w3 w4 w5"]
+    kwargs = {"method": "snapkv", "keep_ratio": 0.3, "window": 8, "scenario": scenario, "max_new_tokens": 6}
+    alone = [kvcake.answer(tiny_llama, tok, context=doc, question=q, **kwargs) for q in qs]
+    compressions = []
+    compress = kvcake.api.compress
+    monkeypatch.setattr(kvcake.api, "compress", lambda *a, **k: compressions.append(1) or compress(*a, **k))
+    together = kvcake.answer(tiny_llama, tok, context=doc, question=qs, **kwargs)
+    assert together == alone and together[0] == together[2]
+    assert kvcake.answer(tiny_llama, tok, context=doc, question=tuple(qs[:1]), **kwargs) == alone[:1]
+    assert len(compressions) == (2 if scenario == "context" else 0)  # once per call, whatever the questions
+
+
 def test_compress_refuses_inputs_it_sets_itself(tiny_llama):
     ids = torch.randint(10, 100, (1, 40))
     for name in ("use_cache", "logits_to_keep", "inputs_embeds"):
@@ -97,6 +113,12 @@ def test_answer_refuses_bad_input_before_work(tiny_llama, tok):
         kvcake.answer(tiny_llama, tok, context="w1", question="w2", scenario="both")
     with pytest.raises(ValueError, match="question= must be non-empty text"):
         kvcake.answer(tiny_llama, tok, context="w1 w2", question="  ")
+    with pytest.raises(ValueError, match="question= must be non-empty text or a non-empty list of it"):
+        kvcake.answer(tiny_llama, tok, context="w1 w2", question=[])
+    with pytest.raises(ValueError, match=r"question= must be non-empty text \(or a list of it\), got 3"):
+        kvcake.answer(tiny_llama, tok, context="w1 w2", question=["w2", 3])
+    with pytest.raises(ValueError, match="context= must be non-empty text"):
+        kvcake.answer(tiny_llama, tok, context=" ", question="w2")
     with pytest.raises(ValueError, match="give keep_ratio= or its older name ratio=, not both"):
         kvcake.answer(tiny_llama, tok, context="w1", question="w2", keep_ratio=0.5, ratio=0.5)
     with pytest.raises(ValueError, match="method 'full' keeps every entry: drop budget="):

@@ -2,11 +2,12 @@
 compress once and ask many times.
 
 >>> kvcake.answer(model, tokenizer, context=document, question="Who wrote it?")   # -> str
+>>> kvcake.answer(model, tokenizer, context=document, question=["Who?", "When?"])  # -> list[str]
 
-Return conventions: ``answer`` returns text; ``generate`` returns what ``model.generate``
-returns (prompt and answer ids, (B, S + n)) and the cache; ``CompressedContext.generate``
-returns only the answer's ids (B, n), since its prompt is split between the context and the
-question.
+Return conventions: ``answer`` returns text (a list of texts for a list of questions);
+``generate`` returns what ``model.generate`` returns (prompt and answer ids, (B, S + n)) and the
+cache; ``CompressedContext.generate`` returns only the answer's ids (B, n), since its prompt is
+split between the context and the question.
 
 >>> method = kvcake.make_method("cake", budget=128)
 >>> with kvcake.enable(model):
@@ -23,6 +24,7 @@ or, for a document served to many questions (context-only compression):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import transformers
@@ -293,7 +295,7 @@ def answer(
     model: torch.nn.Module,
     tokenizer,
     context: str,
-    question: str,
+    question: str | Sequence[str],
     method: Method | str | None = None,
     *,
     scenario: str = "context",
@@ -306,9 +308,11 @@ def answer(
     kv_dtype: str | None = None,
     kv_recent: int | None = None,
     **generate_kwargs,
-) -> str:
+) -> str | list[str]:
     """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
-    answer as text.
+    answer as text, or, for a list of questions, the list of their answers in order (kvpress's
+    pipeline's ``questions=``): in the context scenario the document is compressed once and every
+    question is asked after it; question-aware, each question is compressed with the document.
 
     The prompt is laid out as the ``kvcake`` command lays it out (:func:`kvcake.build_prompt`):
     with the tokenizer's chat template when it has one (``chat=None``), the document and the
@@ -338,14 +342,15 @@ def answer(
         raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
     if method is None:
         method = DEFAULT_METHOD[scenario]
-    for name, text in (("context", context), ("question", question)):
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{name}= must be non-empty text, got {text!r}")
-    prompt = build_prompt(tokenizer, context.strip() + "\n\n", question.strip(), chat=chat)
+    questions = _questions(question)
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError(f"context= must be non-empty text, got {context!r}")
+    prompts = [build_prompt(tokenizer, context.strip() + "\n\n", q.strip(), chat=chat) for q in questions]
     device = next(model.parameters()).device
     generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs}
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
-    check_positions(model, prompt.full.shape[1], generate_kwargs)
+    for prompt in prompts:  # every question checked before any work
+        check_positions(model, prompt.full.shape[1], generate_kwargs)
     sizes = {
         "budget": budget,
         "keep_ratio": keep_ratio,
@@ -354,12 +359,31 @@ def answer(
         "kv_dtype": kv_dtype,
         "kv_recent": kv_recent,
     }
-    if scenario == "question":
-        ids = prompt.full.to(device)
-        out, _ = generate(model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs)
-        new = getattr(out, "sequences", out)[:, ids.shape[1] :]
-    else:
-        ctx = compress(model, prompt.context.to(device), method, **sizes)
-        new = ctx.generate(prompt.question.to(device), **generate_kwargs)
-    new = getattr(new, "sequences", new)  # return_dict_in_generate=True
-    return tokenizer.decode(new[0], skip_special_tokens=True).strip()
+    contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
+    answers = []
+    for prompt in prompts:
+        if scenario == "question":
+            ids = prompt.full.to(device)
+            out, _ = generate(
+                model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs
+            )
+            new = getattr(out, "sequences", out)[:, ids.shape[1] :]
+        else:  # a chat template puts the same ids before every question; a context serves them all
+            key = prompt.context.numpy().tobytes()
+            if key not in contexts:
+                contexts[key] = compress(model, prompt.context.to(device), method, **sizes)
+            new = contexts[key].generate(prompt.question.to(device), **generate_kwargs)
+        new = getattr(new, "sequences", new)  # return_dict_in_generate=True
+        answers.append(tokenizer.decode(new[0], skip_special_tokens=True).strip())
+    return answers[0] if isinstance(question, str) else answers
+
+
+def _questions(question: str | Sequence[str]) -> list[str]:
+    """``answer``'s question, or its list of questions, checked: non-empty text each."""
+    questions = [question] if isinstance(question, str) else question
+    if not isinstance(questions, (list, tuple)) or not questions:
+        raise ValueError(f"question= must be non-empty text or a non-empty list of it, got {question!r}")
+    for text in questions:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"question= must be non-empty text (or a list of it), got {text!r}")
+    return list(questions)
