@@ -91,6 +91,24 @@ def test_answer_many_questions(tiny_llama, tok, scenario, monkeypatch):
     assert len(compressions) == (2 if scenario == "context" else 0)  # once per call, whatever the questions
 
 
+@pytest.mark.parametrize("scenario", ["context", "question"])
+def test_answer_prefix_starts_the_answer(tiny_llama, tok, scenario):
+    """``answer_prefix`` (kvpress's pipeline's) follows the question, at the start of the assistant
+    turn; the answer is what the model writes after it: transformers' own greedy tokens there."""
+    doc, q, prefix = document(120), "w3 w4 w5", "w7 w8"
+    got = kvcake.answer(tiny_llama, tok, context=doc, question=q, method="full", scenario=scenario,
+                        answer_prefix=prefix, max_new_tokens=6)  # fmt: skip
+    ids = kvcake.build_prompt(tok, doc + "\n\n", q, prefix).full
+    assert tok.decode(ids[0, -2:]) == prefix  # the turn's last tokens
+    out = tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              pad_token_id=tok.pad_token_id)  # fmt: skip
+    assert got == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    assert got != kvcake.answer(tiny_llama, tok, context=doc, question=q, method="full", scenario=scenario,
+                                max_new_tokens=6)  # fmt: skip
+    with pytest.raises(TypeError, match="answer_prefix= must be text, got int"):
+        kvcake.answer(tiny_llama, tok, context=doc, question=q, answer_prefix=3)
+
+
 def test_compress_refuses_inputs_it_sets_itself(tiny_llama):
     ids = torch.randint(10, 100, (1, 40))
     for name in ("use_cache", "logits_to_keep", "inputs_embeds"):

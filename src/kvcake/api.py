@@ -304,6 +304,7 @@ def answer(
     ratio: float | None = None,
     window: int = 32,
     chat: bool | None = None,
+    answer_prefix: str = "",
     max_new_tokens: int = 64,
     kv_dtype: str | None = None,
     kv_recent: int | None = None,
@@ -332,6 +333,10 @@ def answer(
         A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
         default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
         in both scenarios: README "Which method").
+    answer_prefix:
+        Text the answer starts with (kvpress's pipeline's ``answer_prefix``), put after the question
+        (at the start of the assistant turn with a chat template); the returned answer is what
+        the model writes after it.
     kv_dtype, kv_recent:
         ``"fp8"``: the kept entries in float8, the last ``kv_recent`` tokens' also in the model's
         dtype (:func:`generate`); None: the model's dtype.
@@ -345,7 +350,11 @@ def answer(
     questions = _questions(question)
     if not isinstance(context, str) or not context.strip():
         raise ValueError(f"context= must be non-empty text, got {context!r}")
-    prompts = [build_prompt(tokenizer, context.strip() + "\n\n", q.strip(), chat=chat) for q in questions]
+    if not isinstance(answer_prefix, str):
+        raise TypeError(f"answer_prefix= must be text, got {type(answer_prefix).__name__}")
+    prompts = [
+        build_prompt(tokenizer, context.strip() + "\n\n", q.strip(), answer_prefix, chat) for q in questions
+    ]
     device = next(model.parameters()).device
     generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs}
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
