@@ -130,8 +130,8 @@ def test_any_flipped_byte_is_refused(saved, tiny_llama, tmp_path):
     assert torch.equal(load_context(tiny_llama, path).logits, ctx.logits)  # the original still loads
 
 
-def _rewrite(path, out, edit_meta=None, drop=None):
-    """Re-encode a saved file with its metadata edited or a tensor removed (valid checksum)."""
+def _rewrite(path, out, edit_meta=None, drop=None, edit_tensors=None):
+    """Re-encode a saved file with its metadata edited, a tensor removed or tensors edited (valid checksum)."""
     tensors = safetensors.torch.load(path.read_bytes())
     with safetensors.safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["kvcake"])
@@ -139,6 +139,8 @@ def _rewrite(path, out, edit_meta=None, drop=None):
         edit_meta(meta)
     if drop:
         del tensors[drop]
+    if edit_tensors:
+        edit_tensors(tensors)
     text = json.dumps(meta, sort_keys=True)
     safetensors.torch.save_file(
         tensors, str(out), metadata={"kvcake": text, "kvcake.sha256": storage.format._digest(text, tensors)}
@@ -161,6 +163,52 @@ def test_missing_tensor_is_refused(saved, tiny_llama, tmp_path):
     out = _rewrite(path, tmp_path / "partial.kvc", drop="layers.2.values")
     with pytest.raises(ContextFileError, match=r"incomplete: 'layers.2.values' is missing"):
         load_context(tiny_llama, out)
+
+
+def _set(section, key, value):
+    return lambda meta: meta[section].update({key: value}) if section else meta.update({key: value})
+
+
+def _layer0(key, value):
+    return lambda meta: meta["layers"][0].update({key: value})
+
+
+def _cut(name, dim):  # one entry fewer along ``dim``
+    return lambda tensors: tensors.update(
+        {name: tensors[name].narrow(dim, 0, tensors[name].shape[dim] - 1).contiguous()}
+    )
+
+
+# A file whose checksum holds but whose description contradicts itself or its tensors (written by
+# hand, or by another tool): each is refused with what does not fit, never loaded half-way.
+INCONSISTENT = {
+    "unbuildable method": ({"edit_meta": _set("method", "spec", "layers=nope")}, "its method .* cannot be rebuilt"),
+    "method rebuilt otherwise": ({"edit_meta": _set("method", "window", 9)}, "its method rebuilds as .* not the saved"),
+    "storage": ({"edit_meta": _set("cache", "kv_storage", "fp4")}, "its storage cannot be rebuilt"),
+    "layer count": ({"edit_meta": lambda m: m["layers"].pop()}, r"it has \d+ layers, the model \d+"),
+    "layout": ({"edit_meta": _layer0("layout", "sparse")}, "layer 0 has an unknown layout 'sparse'"),
+    "float8 flag": ({"edit_meta": _layer0("fp8", True)}, "layer 0: its float8 storage does not match"),
+    "kept entries": ({"edit_meta": lambda m: m["cache"].update(kept_entries=m["cache"]["kept_entries"] + 1)},
+                     "the rebuilt cache does not hold what was saved"),
+    "context length": ({"edit_meta": lambda m: m["context"].update(length=m["context"]["length"] + 1)},
+                       "its context ids do not match its description"),
+    "counts": ({"edit_tensors": _cut("layers.0.counts", 1)}, "layer 0 has inconsistent shapes"),
+    "positions": ({"edit_tensors": _cut("layers.0.positions", 2)}, r"layer 0: dense keys \(.*\) do not fit the model"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(INCONSISTENT))
+def test_inconsistent_file_is_refused(saved, tiny_llama, tmp_path, case):
+    _, path = saved
+    edits, message = INCONSISTENT[case]
+    out = _rewrite(path, tmp_path / "edited.kvc", **edits)
+    with pytest.raises(ContextFileError, match=message):
+        load_context(tiny_llama, out)
+
+
+def test_directory_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(ContextFileError, match="is a directory, not a kvcake context file"):
+        load_context(tiny_llama, tmp_path)
 
 
 def test_foreign_files_are_refused(tiny_llama, tmp_path):
