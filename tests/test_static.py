@@ -38,10 +38,10 @@ def _kept(cache: KVCakeCache) -> list[list[list[int]]]:
     return out
 
 
-def _decode(model, spec: str, static: bool, batch=None, max_cache_len=None):
+def _decode(model, spec: str, static: bool, batch=None, max_cache_len=None, budget=24, window=4):
     ids, mask = _batch() if batch is None else batch
     cache = KVCakeCache(
-        model, make_method(spec, budget=24, window=4), static=static, max_cache_len=max_cache_len
+        model, make_method(spec, budget=budget, window=window), static=static, max_cache_len=max_cache_len
     )
     logits, kept = [], []
     with kvcake.enable(model), torch.no_grad():
@@ -69,6 +69,19 @@ def test_static_decoding_equals_the_reference(tiny_llama, spec):
         assert a == b, f"kept sets differ at decode step {step}"
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert (cache.layer_counts() == ref.layer_counts()).all()
+
+
+@pytest.mark.parametrize("budget, window", [(24, 4), (10, 6), (9, 6)])
+def test_streamingllm_victim_by_rank(tiny_llama, budget, window):
+    """StreamingLLM's victim is a head's oldest entry after its 4 sinks: a full static layer takes it
+    by ``kthvalue`` (``layer.kth``) where every head keeps more than sinks + window besides the new
+    token (budget >= 4 + window, the boundary included), else by its scores; the reference's tokens
+    and kept entries either way."""
+    ref_logits, ref_kept, _ = _decode(tiny_llama, "streamingllm", False, budget=budget, window=window)
+    logits, kept, cache = _decode(tiny_llama, "streamingllm", True, budget=budget, window=window)
+    assert {cache.layers[lid].kth for lid in cache.compressed} == {5 if budget >= 4 + window else 0}
+    assert kept == ref_kept
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
 def _short_batch():

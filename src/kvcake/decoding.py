@@ -50,6 +50,7 @@ def plan(cache: Cache, layer_idx: int) -> None:
     bounded = fixed and capacity is not None and layer.plain
     layer.covers_capacity = bounded and bool((budget >= capacity).all())
     layer.evicts_ahead = bounded and not layer.covers_capacity
+    layer.oldest = cache.method.scorer.oldest_victim(cache.method.budget.window) if fixed else None
 
 
 def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:

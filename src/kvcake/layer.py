@@ -43,7 +43,7 @@ class KVCakeLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
-    counts_lag, host_steps = False, 0  # steps not yet in ``counts``: compiled (``steps``), eager
+    counts_lag, host_steps, oldest, kth = False, 0, None, 0  # step.common.count_step; step.dense.evict
     latent = False  # latent attention (MLA): the attention reads ``operands``, not the entries as held
 
     def __init__(self) -> None:

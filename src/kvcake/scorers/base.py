@@ -254,6 +254,13 @@ class Scorer:
             scores = scores + torch.where(torch.isfinite(previous), previous, torch.zeros_like(previous))
         return scores
 
+    def oldest_victim(self, window: int) -> tuple[int, int] | None:
+        """``(k, least)`` where a decode step's victim is always a head's ``k``-th oldest held entry
+        once every head holds at least ``least`` entries besides the new token, with its newest
+        ``window`` protected (scores that rank by position alone); None where the scores decide.
+        A full static layer then takes its victim by ``kthvalue`` (``kvcake.step.dense.evict``)."""
+        return None
+
     def decode_step(
         self, probs: torch.Tensor | None, positions: torch.Tensor, previous: torch.Tensor | None
     ) -> torch.Tensor:

@@ -40,6 +40,10 @@ class StreamingScorer(Scorer):
             pos = torch.where(sink, torch.full_like(pos, float(1 << 40)), pos)
         return pos.repeat_interleave(groups, dim=1)
 
+    def oldest_victim(self, window: int) -> tuple[int, int]:
+        # the oldest entry after the sinks, where one is left outside the window
+        return self.n_sink + 1, self.n_sink + window
+
     def decode_step(self, probs, positions, previous):
         pos = positions.float()  # (B, H_kv, N)
         k = min(self.n_sink, positions.shape[-1])

@@ -31,6 +31,7 @@ from .common import (
     bias,
     check_room,
     choose_victim,
+    count_step,
     filled,
     finish,
     fused_attention,
@@ -65,6 +66,9 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
         layer.room = width - n
     else:  # each head's first empty column, and the rows that index it (``append``)
         layer.free = layer.positions.argmin(-1, keepdim=True)  # (B, H_kv, 1)
+        # every head full and holding what the scorer's oldest_victim needs: the victim by rank (``evict``)
+        k, least = layer.oldest or (0, 0)
+        layer.kth = k if layer.full and int(budget.min()) >= least else 0
         b, h = layer.positions.shape[:2]
         layer.batch_rows = torch.arange(b, device=layer.keys.device).view(b, 1, 1)
         layer.head_rows = torch.arange(h, device=layer.keys.device).view(1, h, 1)
@@ -126,7 +130,14 @@ def evict(layer, scorer, probs: torch.Tensor | None, window: int, across=None) -
 
     probs: (B, H_kv, G, C) from ``attend``; ``across``: see ``common.rank``. The victim's column
     (``common.choose_victim``) becomes the head's ``free`` slot, where the next token is written:
-    nothing is moved."""
+    nothing is moved. Where the scorer ranks by position alone (``Scorer.oldest_victim``, StreamingLLM)
+    and ``to_static`` found every head full and large enough (``layer.kth``), the victim is each
+    head's ``kth`` oldest entry, one ``kthvalue``: what the scores would pick (``tests/test_static.py``)."""
+    if layer.kth:
+        victim = layer.positions.kthvalue(layer.kth, -1, keepdim=True).indices  # (B, H_kv, 1)
+        layer.positions.scatter_(2, layer.free.copy_(victim), -1)
+        count_step(layer)
+        return
     ranked = rank(scorer, probs, layer.positions, layer.scores if scorer.stateful else None, across)
     if scorer.stateful:  # keep the new sums, in place (common.mark_static)
         in_held_order(ranked, out=layer.scores)
