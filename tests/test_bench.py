@@ -333,6 +333,18 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     result["targets"] = bench_decode_module.decode_targets(result["rows"])
     page = report._decode(result, tmp_path, tmp_path / "page.md")
     assert "out of any cache's reach in that mode" in page
+    # a run whose read probe the weights' own matmuls beat (a shared host's bandwidth moved): its
+    # bounds are not judged, in the targets and on the page
+    floor["matmul_s"] = (
+        0.5 * floor["bound_s"] * floor["matmul_bytes"] / (floor["weight_bytes"] + floor["kv_bytes"])
+    )
+    result["targets"] = bench_decode_module.decode_targets(result["rows"])
+    assert [t["ok"] for t in result["targets"] if "read bound" in t["target"]] == [None] * len(bound)
+    page = report._decode(result, tmp_path, tmp_path / "page.md")
+    assert (
+        "the bound not judged**" in page and "The weights' matmuls alone took 0.50 x their read bound" in page
+    )
+    assert "NOT JUDGED" in bench_decode_module.decode_tables(result)
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
     assert "| the counts |" in bench_decode_module.decode_tables(result)
     with pytest.raises(ValueError, match="unknown decoding policies"):

@@ -208,6 +208,9 @@ def decode_targets(rows: list[dict]) -> list[dict]:
     full_best = min(fulls, key=best_s) if fulls else None
     floor = floor_row(rows, longest)
     below = "" if floor is None else f"; {floor_words(floor)}"  # the model's own step, against its bound
+    # the weights' own matmuls faster than the run's read probe allows: the probe understated the
+    # bandwidth (a shared host's), so no step is judged against bounds drawn from it (ok None)
+    unjudged = floor is not None and floor.get("matmul_s") is not None and matmul_ratio(floor) < 1
     out = []
     for r in rows:
         if r["length"] != longest or r["method"] in REFERENCE_ROWS:
@@ -222,7 +225,7 @@ def decode_targets(rows: list[dict]) -> list[dict]:
             out.append(dict(target=f"step <= {BOUND_TARGET} x its read bound", length=longest, method=r["method"],
                             budget=r["budget"], policy=r["policy"], value=mine / r["bound_s"],
                             detail=f"{mine * 1e3:.1f} of {r['bound_s'] * 1e3:.1f} ms{below}",
-                            ok=mine <= BOUND_TARGET * r["bound_s"]))  # fmt: skip
+                            ok=None if unjudged else mine <= BOUND_TARGET * r["bound_s"]))  # fmt: skip
         out.append(dict(target=f"speed-up >= {SPEEDUP_TARGET:.0%} of allowed", length=longest, method=r["method"],
                         budget=r["budget"], policy=r["policy"], value=r["fraction"],
                         detail=f"{r['speedup']:.2f}x of {r['allowed']:.2f}x", ok=r["fraction"] >= SPEEDUP_TARGET))  # fmt: skip

@@ -28,8 +28,9 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
+def verdict(ok: bool | None) -> str:
+    """A target's check: None where the run cannot judge it (``decode.decode_targets``)."""
+    return "NOT JUDGED" if ok is None else "PASS" if ok else "MISS"
 
 
 def write_json(path: Path, data: dict) -> Path:
