@@ -166,7 +166,7 @@ def test_missing_tensor_is_refused(saved, tiny_llama, tmp_path):
 
 
 def _set(section, key, value):
-    return lambda meta: meta[section].update({key: value}) if section else meta.update({key: value})
+    return lambda meta: meta[section].update({key: value})
 
 
 def _layer0(key, value):
