@@ -262,6 +262,36 @@ def test_decode_bench_takes_float8_rows(models, tmp_path, monkeypatch):
         assert rows[("snapkv+fp8", policy)]["kv_bytes"] * 4 == rows[("snapkv", policy)]["kv_bytes"]
 
 
+def test_decode_bench_bounds_from_the_fastest_of_its_read_probes(models, tmp_path, monkeypatch):
+    """The read bandwidth is probed before the first round and after every round of every
+    length; every row's bound comes from the fastest probe, and the page says how many there
+    were and their range (a shared host's single probe once read half the bandwidth)."""
+    reads = iter([10.0, 40.0, 20.0, 30.0, 25.0])
+    real = bench_decode_module.measure_bandwidth
+
+    def probe(device, size_bytes):
+        return dict(real(device, size_bytes), read_gbps=next(reads))
+
+    monkeypatch.setattr(bench_decode_module, "measure_bandwidth", probe)
+    result = bench.bench_decode(models, lengths=(48, 64), methods=("snapkv",), budgets=(BUDGET,),
+                                policies=("fixed",), steps=2, rounds=2, warmup=1, window=WINDOW,
+                                bandwidth_bytes=2**20, out=tmp_path)  # fmt: skip
+    band = result["bandwidth"]
+    assert band["probes"] == [10.0, 40.0, 20.0, 30.0, 25.0] and band["read_gbps"] == 40.0
+    for r in result["rows"]:
+        assert r["bound_s"] == pytest.approx((r["weight_bytes"] + r["kv_bytes"]) / 40e9)
+    text = bench_decode_module.decode_tables(result)
+    assert "/ 40.0 GB/s read bandwidth measured in this run (the fastest of 5 read probes" in text
+    assert "(10.0-40.0 GB/s)" in text
+    from kvcake.bench import report
+
+    assert "40.0 GB/s (the fastest of 5 read probes taken through the run (10.0-40.0 GB/s); copy:" in (
+        report._decode(result, tmp_path, tmp_path / "page.md")
+    )
+    with pytest.raises(ValueError, match="at least one bandwidth probe"):
+        bench.bandwidth.fastest([])
+
+
 def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, monkeypatch):
     """``compile``: a compiled step per cache (fullgraph; the ``eager`` backend here, to capture
     without inductor's minutes) timed beside the eager one, the presets' own decoding policies

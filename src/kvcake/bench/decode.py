@@ -6,7 +6,8 @@ receives a copy of the full cache (the full cache's compileable layout). Each is
 alone, greedy, one token per step, in interleaved rounds after a warm-up, and, with ``compile``,
 compiled one cache at a time. Decoding reads every weight and every cached entry once per token,
 so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with the read bandwidth measured
-in the same run (``bandwidth.measure``). Compressing the cache can therefore speed a step up by at
+in the same run (``bandwidth.measure``, before the first round and again after every round and
+after the compiled steps; the fastest probe sets every bound, ``bandwidth.fastest``). Compressing the cache can therefore speed a step up by at
 most ``(W + C_full) / (W + C_method)``: the "allowed" speed-up the achieved one is compared with.
 The ``floor`` row is the model's own step with only :data:`FLOOR_TOKENS` tokens cached, decoded in
 the same rounds (and compiled whenever ``compile`` is on): what a step costs on the device with next
@@ -24,6 +25,7 @@ import torch
 
 from ..adapters import with_cache
 from ..fp8 import SUFFIX, storage_spec
+from .bandwidth import fastest, probes_words
 from .bandwidth import measure as measure_bandwidth
 from .caches import static_copy
 from .common import (
@@ -122,7 +124,7 @@ def run_decode(
         raise ValueError(f"unknown decoding policies {bad}: use fixed, none or preset (the method's own)")
     methods = tuple(m for m in methods if m != "full")
     clock = Clock(models.device)
-    band = measure_bandwidth(models.device, bandwidth_bytes)
+    probes = [measure_bandwidth(models.device, bandwidth_bytes)]  # and after every round: fastest() below
     rows = []
     for length in lengths:
         model, label = models.for_length(length)
@@ -162,6 +164,7 @@ def run_decode(
                 )
                 for dec in state.values():
                     dec.timed(per_round)
+                probes.append(measure_bandwidth(models.device, bandwidth_bytes))
             if compile:
                 chosen = {}
                 for (m, b, _), dec in state.items():
@@ -171,6 +174,7 @@ def run_decode(
                         chosen[f"{m} {b or ''}".strip()] = dec
                 backend = compile if isinstance(compile, str) else "inductor"
                 time_compiled(chosen, backend, warmup, steps, rounds)
+                probes.append(measure_bandwidth(models.device, bandwidth_bytes))
         full_s = median(state[("full", 0, "-")].times)
         full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
         for (m, b, p), dec in state.items():
@@ -181,13 +185,15 @@ def run_decode(
             compiled_s = dec.compiled
             rows.append(dict(
                 length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=dec.times,
-                compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes,
-                bound_s=(w_bytes + c_bytes) / (band["read_gbps"] * 1e9), speedup=full_s / s, allowed=allowed,
+                compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes, speedup=full_s / s, allowed=allowed,
                 fraction=(full_s / s) / allowed, hook_s=hook, hook_share=hook / s, matmul_s=matmul_s,
                 matmul_bytes=matmul_bytes,
             ))  # fmt: skip
         del state, entries, caches, full
         gc.collect()
+    band = fastest(probes)
+    for r in rows:  # the read bound, from the run's fastest probe
+        r["bound_s"] = (r["weight_bytes"] + r["kv_bytes"]) / (band["read_gbps"] * 1e9)
     result = dict(bench="decode", machine=machine, bandwidth=band, lengths=list(lengths), methods=list(methods),
                   budgets=list(budgets), policies=list(policies), steps=steps, rounds=rounds, warmup=warmup,
                   window=window, rows=rows, ragged_length=ragged_length, compile=compile)  # fmt: skip
@@ -270,7 +276,7 @@ def decode_tables(result: dict) -> str:
     b = result["bandwidth"]
     head = (f"Decode time per token (median of {result['steps']} steps in {result['rounds']} rounds after "
             f"{result['warmup']} warm-up steps); bound = (weights + KV bytes) / {b['read_gbps']:.1f} GB/s read "
-            f"bandwidth measured in this run. `{FLOOR}` is the model's own step with only the prompt's first "
+            f"bandwidth measured in this run ({probes_words(b)}). `{FLOOR}` is the model's own step with only the prompt's first "
             f"{FLOOR_TOKENS} tokens cached (a StaticCache, decoded in the same rounds, compiled whenever the run "
             f"compiles): no cache makes a step cheaper, so its bound/actual is what this device allows a step at all")  # fmt: skip
     floor = next((r for r in result["rows"] if r["method"] == FLOOR and r.get("matmul_s") is not None), None)

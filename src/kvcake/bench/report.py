@@ -262,6 +262,7 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
     parts = _section(
         "Decode time per token", decode_bench.decode_tables(result), _fig(figures, doc, "decode.png", "decode"),
         read_gbps=b["read_gbps"], copy_gbps=b["copy_gbps"], size_mib=b["size_bytes"] / MiB,
+        probes=bandwidth_bench.probes_words(b),
     )  # fmt: skip
     rows = result["rows"]
     t = result["targets"]
