@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from kvcake import PRESETS, KVCakeCache, enable, make_method
+from kvcake.adapters import with_cache
 from kvcake.bench.caches import greedy_step
 from kvcake.bench.step_counts import CountOps, tiny_llama
 
@@ -41,7 +42,7 @@ class Decoding:
         self.greedy = greedy_step(model)
         self.context = (lambda: enable(model)) if compressed else contextlib.nullcontext
         with self.context(), torch.no_grad():
-            self.tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            self.tok = model(ids, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
 
     def step(self, timed: bool = True) -> None:
         position = torch.full((1, 1), self.pos)

@@ -67,10 +67,10 @@ def main() -> None:
         cont = following[:, :-1]  # fed; its logits predict the rest
         with torch.no_grad():
             cache = DynamicCache()
-            first = model(ctx_ids, past_key_values=cache).logits[0, -1:]
-            ref = torch.cat([first, model(cont, past_key_values=copy.deepcopy(cache)).logits[0]])
+            first = model(ctx_ids, **kvcake.with_cache(model, cache)).logits[0, -1:]
+            ref = torch.cat([first, model(cont, **kvcake.with_cache(model, copy.deepcopy(cache))).logits[0]])
             for r in recents:
-                got = model(cont, past_key_values=RecentExact(cache.layers, r)).logits[0]
+                got = model(cont, **kvcake.with_cache(model, RecentExact(cache.layers, r))).logits[0]
                 kls[f"recent {r}"].append(kl(ref, torch.cat([first, got])))
             ctx = kvcake.compress(model, ctx_ids, "full", kv_dtype="fp8")
             kls["kvcake"].append(kl(ref, torch.cat([ctx.logits, ctx.forward(cont)[0]])))
