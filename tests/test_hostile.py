@@ -60,8 +60,30 @@ def test_empty_prompt(tiny_llama):
         for fn in (kvcake.generate, kvcake.compress):
             with pytest.raises(ValueError, match="the prompt is empty: give at least one token"):
                 fn(tiny_llama, empty, "cake", budget=16, window=8)
-        with pytest.raises(TypeError, match=r"input_ids must be a \(batch, length\) tensor"):
-            kvcake.generate(tiny_llama, torch.tensor([1, 2, 3]), "cake", budget=16)
+        # what a newcomer passes instead of ids, each refused with its fix
+        encoding = tf.BatchEncoding(
+            {"input_ids": ids(24), "attention_mask": torch.ones(1, 24, dtype=torch.long)}
+        )
+        wrong = [
+            ("Name three colours.", "got text: tokenize it .* or ask in text with kvcake.answer"),
+            (
+                encoding,
+                r"got the tokenizer's output \(BatchEncoding\): unpack it, kvcake.generate\(model, \*\*enc\)",
+            ),
+            ([1, 2, 3], r"got a list: torch.tensor\(\[ids\]\)"),
+            (torch.tensor([1, 2, 3]), r"got a 1-D tensor of 3 ids: ids.unsqueeze\(0\)"),
+            (torch.tensor([[[1, 2, 3]]]), r"got a tensor of shape \(1, 1, 3\)"),
+        ]
+        for value, fix in wrong:
+            for fn in (kvcake.generate, kvcake.compress):
+                with pytest.raises(
+                    TypeError, match=r"must be a \(batch, length\) tensor of token ids, " + fix
+                ):
+                    fn(tiny_llama, value, "cake", budget=16)
+        # the fix the tokenizer's output is given works
+        out, _ = kvcake.generate(tiny_llama, **encoding, budget=16, window=8, max_new_tokens=2)
+        assert out.shape == (1, 26)
+        assert kvcake.compress(tiny_llama, **encoding, budget=16, window=8).input_ids.shape == (1, 24)
         # A plain forward of nothing fails inside the model itself (transformers' reshape), before
         # the cache sees anything: documented, not ours to intercept.
         cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)

@@ -61,3 +61,23 @@ def build_prompt(
     ctx = tokenizer(head, add_special_tokens=not chat, return_tensors="pt")["input_ids"]
     q = tokenizer(tail, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return PromptIds(ctx, q)
+
+
+def not_ids(value) -> str:
+    """What is wrong with ``value`` where a (batch, length) tensor of token ids was expected, and
+    the fix: text, a tokenizer's output, a list or a 1-D tensor each get their own."""
+    head = "input_ids must be a (batch, length) tensor of token ids"
+    if isinstance(value, str):
+        return (f"{head}, got text: tokenize it (tokenizer(text, return_tensors='pt').input_ids, or "
+                "tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors='pt')), "
+                "or ask in text with kvcake.answer(model, tokenizer, context, question)")  # fmt: skip
+    if hasattr(value, "keys") and "input_ids" in value.keys():  # a BatchEncoding or a dict
+        return (f"{head}, got the tokenizer's output ({type(value).__name__}): unpack it, "
+                "kvcake.generate(model, **enc) (or kvcake.compress(model, **enc)), which passes its attention_mask too")  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return f"{head}, got a {type(value).__name__}: torch.tensor([ids]) makes a batch of one"
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        return f"{head}, got a 1-D tensor of {value.shape[0]} ids: ids.unsqueeze(0) makes a batch of one"
+    if isinstance(value, torch.Tensor):
+        return f"{head}, got a tensor of shape {tuple(value.shape)}"
+    return f"{head}, got {type(value).__name__}"
