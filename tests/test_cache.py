@@ -537,3 +537,35 @@ def test_cake_stage_runs_at_the_next_layers_update_before_its_keys(tiny_llama, n
     assert [e[:2] for e in events] == expected + [("read",)] * per
     assert casc.pending_stage is None and casc.prefilled
     assert len(casc.preferences) == (4 if method.layers.needs_preferences else 0)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake", "adakv", "critical-adakv"])
+def test_a_context_compressed_alone_answers_a_batch_of_follow_ups(tiny_llama, name):
+    """A document compressed once (batch 1) answers several follow-ups of one length in one batch,
+    each row what that follow-up alone gets; the context is unchanged. Padded follow-ups, and more
+    follow-ups than a context of several sequences has, are refused with the fix."""
+    ctx = kvcake.compress(tiny_llama, prompt(160, seed=5), name, budget=48, window=8)
+    kept = [layer.padded_positions().clone() for layer in ctx.cache.layers]
+    a, b, c = prompt(12, seed=6), prompt(12, seed=7), prompt(8, seed=8)
+    alone = [ctx.generate(q, max_new_tokens=5, do_sample=False) for q in (a, b)]
+    both = ctx.generate(torch.cat([a, b]), max_new_tokens=5, do_sample=False)
+    assert torch.equal(both, torch.cat(alone[:2]))
+    ones = torch.ones(2, 12, dtype=torch.long)  # a tokenizer's mask of follow-ups of one length
+    assert torch.equal(
+        ctx.generate(torch.cat([b, a]), attention_mask=ones, max_new_tokens=5), torch.cat(alone[1::-1])
+    )
+    torch.testing.assert_close(ctx.forward(torch.cat([a, b])), torch.cat([ctx.forward(a), ctx.forward(b)]))
+    assert all(
+        torch.equal(layer.padded_positions(), k) for layer, k in zip(ctx.cache.layers, kept, strict=True)
+    )
+    padded, mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), c], 1), ones.clone()
+    mask[1, :4] = 0
+    with pytest.raises(ValueError, match="follow-ups with padding are not supported: .* one at a time"):
+        ctx.generate(torch.cat([a, padded]), attention_mask=mask, max_new_tokens=1)
+    with pytest.raises(
+        ValueError, match=r"attention_mask is the follow-ups' own, shaped like them \(2, 12\)"
+    ):
+        ctx.generate(torch.cat([a, b]), attention_mask=torch.ones(2, 172), max_new_tokens=1)
+    pair = kvcake.compress(tiny_llama, prompt(160, seed=5, batch=2), name, budget=48, window=8)
+    with pytest.raises(ValueError, match="3 follow-ups for a context of 2 sequences: give one per sequence"):
+        pair.generate(torch.cat([a, b, a]), max_new_tokens=1)

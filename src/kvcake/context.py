@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
@@ -125,32 +126,72 @@ class CompressedContext:
         """A private copy of the compressed cache, to extend without touching this context."""
         return copy.deepcopy(self.cache)
 
-    def _extend_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.shape[0] != self.input_ids.shape[0]:
-            raise ValueError(f"follow-up batch {ids.shape[0]} != context batch {self.input_ids.shape[0]}")
-        full = torch.cat([self.input_ids, ids.to(self.input_ids.device)], dim=1)
-        mask = torch.cat([self.attention_mask, torch.ones_like(ids, dtype=self.attention_mask.dtype)], dim=1)
-        return full, mask
+    def _follow_ups(
+        self, ids: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[CompressedContext, torch.Tensor, torch.Tensor]:
+        """(the context to extend, the whole ids, the whole mask) for follow-ups ``ids`` (B, q) and
+        their own ``mask`` (B, q) or None (every one a token: padding is refused). A follow-up per
+        sequence of the context, or any number of them at once to a context compressed alone
+        (batch 1): then a copy of it with that many rows (:meth:`_repeated`)."""
+        ids = ids[None] if ids.dim() == 1 else ids
+        b, n = self.input_ids.shape[0], ids.shape[0]
+        if n != b and b != 1:
+            raise ValueError(
+                f"{n} follow-ups for a context of {b} sequences: give one per sequence (row i follows "
+                "sequence i), or compress the document alone (a batch of 1), which takes any number at once"
+            )
+        ids = ids.to(self.input_ids.device)
+        if mask is not None and mask.shape != ids.shape:
+            raise ValueError(
+                f"attention_mask is the follow-ups' own, shaped like them {tuple(ids.shape)}, got "
+                f"{tuple(mask.shape)}: the context's part is the context's"
+            )
+        if mask is not None and not bool(mask.bool().all()):
+            raise ValueError(
+                "follow-ups with padding are not supported: a compressed layer would store and attend "
+                "the padding as tokens. Ask follow-ups of different lengths one at a time (or "
+                "kvcake.answer(..., question=[...])); follow-ups of one length go in one batch"
+            )
+        mask = torch.ones_like(ids, dtype=self.attention_mask.dtype)
+        ctx = self if n == b else self._repeated(n)
+        full = torch.cat([ctx.input_ids, ids], dim=1)
+        return ctx, full, torch.cat([ctx.attention_mask, mask], dim=1)
 
-    def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+    def _repeated(self, n: int) -> CompressedContext:
+        """A context of ``n`` sequences, each this one's (batch 1), its cache a private copy."""
+        cache = self.fork()
+        cache.batch_repeat_interleave(n)
+
+        def rows(t):
+            return None if t is None else t.repeat_interleave(n, dim=0)
+
+        return dataclasses.replace(
+            self, cache=cache, input_ids=rows(self.input_ids), attention_mask=rows(self.attention_mask),
+            logits=rows(self.logits), rope_deltas=rows(self.rope_deltas),
+            token_inputs={k: rows(t) for k, t in self.token_inputs.items()},
+        )  # fmt: skip
+
+    def generate(
+        self, question_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs
+    ) -> torch.Tensor:
         """Append ``question_ids`` (B, q) to a fork of the context and generate; returns only the
         new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``
         (with ``return_dict_in_generate=True``, ``model.generate``'s output whose ``sequences`` are
-        the answer's ids)."""
-        full, mask = self._extend_inputs(question_ids)
-        check_generation(self.model, generate_kwargs)
-        check_positions(self.model, full.shape[1], generate_kwargs)
-        cache = self.fork()
+        the answer's ids). A context of B sequences takes a follow-up per sequence; one compressed
+        alone takes any number of follow-ups of one length at once, answered in one batch
+        (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused)."""
+        check_generation(self.model, generate_kwargs)  # refusals first, before any copy
+        check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)
+        ctx, full, mask = self._follow_ups(question_ids, attention_mask)
+        cache = self.fork() if ctx is self else ctx.cache
         cache.reserve(
             generation_length(self.model, generate_kwargs, full.shape[1])
         )  # static storage's capacity
         rows = generation_rows(self.model, generate_kwargs)
         cache.batch_repeat_interleave(rows)  # generate repeats each sequence for its beams or samples
-        with enable(self.model), torch.no_grad(), self._positions(rows):
+        with enable(self.model), torch.no_grad(), ctx._positions(rows):
             out = self.model.generate(
-                input_ids=full, attention_mask=mask, **self._token_inputs(full.shape[1]),
+                input_ids=full, attention_mask=mask, **ctx._token_inputs(full.shape[1]),
                 **generate_with_cache(self.model, cache, generate_kwargs),
             )  # fmt: skip
         if hasattr(out, "sequences"):  # return_dict_in_generate=True: the output, its sequences the answer's
@@ -165,12 +206,12 @@ class CompressedContext:
                 f"{mtype}'s forward encodes an image at every call, so a context's text follow-up cannot be "
                 "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
             )
-        full, mask = self._extend_inputs(ids)
+        ctx, full, mask = self._follow_ups(ids, None)
         ids = full[:, self.input_ids.shape[1] :]
-        cache = self.fork()
-        with enable(self.model), torch.no_grad(), self._positions():
-            out = self.model(input_ids=ids, attention_mask=mask, **self._appended_positions(ids, mask),
-                             **self._token_inputs(full.shape[1], ids.shape[1]), **with_cache(self.model, cache))  # fmt: skip
+        cache = self.fork() if ctx is self else ctx.cache
+        with enable(self.model), torch.no_grad(), ctx._positions():
+            out = self.model(input_ids=ids, attention_mask=mask, **ctx._appended_positions(ids, mask),
+                             **ctx._token_inputs(full.shape[1], ids.shape[1]), **with_cache(self.model, cache))  # fmt: skip
         return out.logits
 
     @contextlib.contextmanager
