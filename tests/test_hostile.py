@@ -118,6 +118,27 @@ def test_right_padding_and_all_padding_raise(tiny_llama):
             tiny_llama(x, attention_mask=right, **with_cache(tiny_llama, cache))
 
 
+@pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
+def test_padding_among_appended_tokens_raises(tiny_llama, spec):
+    """A second generate on a kept cache whose new tokens are padded (rows of different lengths)
+    would store the padding as entries and attend it: refused, where it used to answer."""
+    cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        out = tiny_llama.generate(ids(60, batch=2), **with_cache(tiny_llama, cache), max_new_tokens=2)
+        more = torch.cat([out, ids(6, seed=3, batch=2)], 1)
+        mask = torch.ones_like(more)
+        mask[1, out.shape[1] : out.shape[1] + 2] = 0  # row 2's follow-up is 4 tokens, left-padded
+        with pytest.raises(
+            ValueError, match="padding among tokens appended to a compressed cache is not supported"
+        ):
+            tiny_llama.generate(more, attention_mask=mask, **with_cache(tiny_llama, cache), max_new_tokens=2)
+        unpadded = KVCakeCache(tiny_llama, spec, budget=16, window=8)  # the same without padding runs
+        tiny_llama.generate(ids(60, batch=2), **with_cache(tiny_llama, unpadded), max_new_tokens=2)
+        tiny_llama.generate(
+            more, attention_mask=torch.ones_like(more), **with_cache(tiny_llama, unpadded), max_new_tokens=2
+        )
+
+
 # -- budgets -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs,error,match",

@@ -70,6 +70,18 @@ def key_validity(mask: torch.Tensor | None, batch: int, kv_len: int, device: tor
     return valid.expand(batch, kv_len) if valid.shape[0] != batch else valid
 
 
+def _refuse_padded_append(mask: torch.Tensor | None, batch: int, q: int, device: torch.device) -> None:
+    """Tokens appended to a compressed cache several at a time (a second ``generate`` on a kept
+    cache, a follow-up) are stored as entries and attended, so padding among them would count as
+    text: refused (a prompt's padding is read off the mask at prefill, ``key_validity``)."""
+    if mask is not None and not bool(key_validity(mask, batch, q, device).all()):
+        raise ValueError(
+            "padding among tokens appended to a compressed cache is not supported (the cache would store and "
+            "attend it as text; this cache is now unusable): make a new cache per prompt (kvcake.generate does), "
+            "or append rows of one length without padding"
+        )
+
+
 def _legacy_handoff(layer_idx: int | None, key: torch.Tensor):
     """The cache a release without the kwargs hand-off left for this layer (``cache.LEGACY_PENDING``),
     taken once: the same layer and the very keys its ``update`` returned, else None."""
@@ -153,6 +165,8 @@ def _make_attention(inner_name: str):
                 out, sums = (fused[0], None), fused[1]
             cache.after_prefill_attention(layer_idx, module, query, valid, scaling, sums, terms)
             return out
+        if q > 1 and not torch.compiler.is_compiling():  # tokens appended several at a time
+            _refuse_padded_append(attention_mask, query.shape[0], q, key.device)
         want = cache.wants_probs(layer_idx, q)
         if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
             out = inner(  # so the output rounds exactly as a full cache's (bf16 on CUDA: a float32
