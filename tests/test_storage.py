@@ -102,6 +102,15 @@ def test_missing_file(tiny_llama, tmp_path):
         load_context(tiny_llama, tmp_path / "nope.kvc")
 
 
+def test_arguments_the_wrong_way_round(saved, tiny_llama):
+    _, path = saved
+    fix = r"takes the model first, then the file, got \({}, {}\): kvcake.load_context\(model, 'doc.kvc'\)"
+    with pytest.raises(TypeError, match=fix.format(type(path).__name__, "LlamaForCausalLM")):
+        load_context(path, tiny_llama)
+    with pytest.raises(TypeError, match=fix.format("str", "str")):
+        load_context(str(path), str(path))
+
+
 @pytest.mark.parametrize("keep", [0, 5, 8, 100, "header", "half", "all-but-one"])
 def test_truncated_file_is_refused(saved, tiny_llama, tmp_path, keep):
     _, path = saved

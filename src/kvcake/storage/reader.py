@@ -73,6 +73,11 @@ def load_context(
         The file was saved for another model (fingerprint), with another KV dtype, in an
         unknown format version, or it is truncated, corrupted or incomplete.
     """
+    if not isinstance(model, torch.nn.Module) or isinstance(path, torch.nn.Module):
+        raise TypeError(
+            f"load_context(model, path) takes the model first, then the file, got ({type(model).__name__}, "
+            f"{type(path).__name__}): kvcake.load_context(model, 'doc.kvc')"
+        )
     p = Path(path).expanduser()
     size = _file_size(p)
     data = p.read_bytes()
