@@ -149,7 +149,11 @@ def test_padding_among_appended_tokens_raises(tiny_llama, spec):
         ({"budget": 12.5}, TypeError, "budget must be an int"),
         ({"budget": True}, TypeError, "budget must be an int, got bool"),
         ({"budget": "64"}, TypeError, "budget must be an int, got str"),
-        ({"ratio": 0.0}, ValueError, r"ratio must be in \(0, 1\], got 0.0: pass e.g. ratio=0.25"),
+        (
+            {"ratio": 0.0},
+            ValueError,
+            r"keep_ratio must be in \(0, 1\], got 0.0 \(the fraction of the prompt kept; .*\): pass e.g. keep_ratio=0.25",
+        ),
         ({"ratio": -0.2}, ValueError, r"ratio must be in \(0, 1\]"),
         ({"ratio": 1.0001}, ValueError, r"ratio must be in \(0, 1\]"),
         ({"ratio": float("nan")}, ValueError, r"ratio must be in \(0, 1\]"),

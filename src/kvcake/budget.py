@@ -81,9 +81,14 @@ class BudgetSpec:
                 raise ValueError(f"budget must be positive, got {self.budget}: pass e.g. budget=128")
         if self.ratio is not None:
             if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-                raise TypeError(f"ratio must be a number, got {type(self.ratio).__name__}")
+                raise TypeError(
+                    f"keep_ratio must be a number, got {type(self.ratio).__name__}: pass e.g. keep_ratio=0.25"
+                )
             if not math.isfinite(self.ratio) or not 0.0 < self.ratio <= 1.0:
-                raise ValueError(f"ratio must be in (0, 1], got {self.ratio}: pass e.g. ratio=0.25")
+                raise ValueError(
+                    f"keep_ratio must be in (0, 1], got {self.ratio} (the fraction of the prompt kept; "
+                    "kvpress's compression_ratio=0.75 is keep_ratio=0.25): pass e.g. keep_ratio=0.25"
+                )
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be a positive int, got {self.window!r}")
         if self.window > MAX_BUDGET:
