@@ -167,7 +167,11 @@ def test_padding_among_appended_tokens_raises(tiny_llama, spec):
         ({"budget": 16, "window": 0}, ValueError, "window must be a positive int, got 0"),
         ({"budget": 16, "window": 2.5}, ValueError, "window must be a positive int"),
         ({"budget": 10**31, "window": 10**30}, ValueError, "is beyond any prompt: pass at most"),
-        ({}, ValueError, "give exactly one of budget= .entries per layer. or ratio="),
+        (
+            {},
+            ValueError,
+            "give exactly one of budget= .entries per layer. or keep_ratio= .the fraction kept.",
+        ),
         ({"budget": 64, "ratio": 0.5}, ValueError, "give exactly one of budget"),
     ],
 )
@@ -185,7 +189,7 @@ def test_bad_budgets_raise_everywhere(tiny_llama, kwargs, error, match):
 def test_ratio_too_small_for_the_window(tiny_llama):
     with (
         untouched(tiny_llama),
-        pytest.raises(ValueError, match="smaller than the window .8.: raise ratio= or lower window="),
+        pytest.raises(ValueError, match="smaller than the window .8.: raise keep_ratio= or lower window="),
     ):
         kvcake.compress(tiny_llama, ids(60), "cake", ratio=0.1, window=8)
 
@@ -297,9 +301,13 @@ def test_unknown_methods_and_options(tiny_llama, spec, match):
 def test_method_object_and_budget_twice(tiny_llama):
     method = make_method("cake", budget=16, window=8)
     with untouched(tiny_llama):
-        with pytest.raises(ValueError, match="give budget=/ratio= either to make_method or here, not both"):
+        with pytest.raises(
+            ValueError, match="give budget=/keep_ratio= either to make_method or here, not both"
+        ):
             kvcake.generate(tiny_llama, ids(30), method, budget=16)
-        with pytest.raises(ValueError, match="pass budget=/ratio= to make_method, not with a Method object"):
+        with pytest.raises(
+            ValueError, match="pass budget=/keep_ratio= to make_method, not with a Method object"
+        ):
             KVCakeCache(tiny_llama, method, budget=16)
         for bad in (None, 3, ["cake"]):
             with pytest.raises(ValueError, match="method must be a preset name or a composed string"):

@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 def _as_method(method: Method | str, budget: int | None, ratio: float | None, window: int) -> Method:
     if isinstance(method, Method):
         if budget is not None or ratio is not None:
-            raise ValueError("give budget=/ratio= either to make_method or here, not both")
+            raise ValueError("give budget=/keep_ratio= either to make_method or here, not both")
         return method
     return make_method(method, budget=budget, ratio=ratio, window=window)
 

@@ -71,7 +71,7 @@ class BudgetSpec:
 
     def __post_init__(self) -> None:
         if (self.budget is None) == (self.ratio is None):
-            raise ValueError("give exactly one of budget= (entries per layer) or ratio= (kept fraction)")
+            raise ValueError("give exactly one of budget= (entries per layer) or keep_ratio= (the fraction kept)")
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, int):
                 raise TypeError(
@@ -116,7 +116,7 @@ class BudgetSpec:
             i = int(short.nonzero()[0, 0])
             raise ValueError(
                 f"ratio {self.ratio} of a {int(lengths[i])}-token prompt gives a budget of {int(avg[i])}, "
-                f"smaller than the window ({self.window}): raise ratio= or lower window="
+                f"smaller than the window ({self.window}): raise keep_ratio= or lower window="
             )
         return avg
 

@@ -124,7 +124,7 @@ class KVCakeCache(RecurrentStates, Cache):
         self.kv_recent = check_kv_recent(kv_recent, self.kv_dtype)
         self.info: ModelInfo = describe_model(model)
         if budget_kwargs and isinstance(method, Method):
-            raise ValueError("pass budget=/ratio= to make_method, not with a Method object")
+            raise ValueError("pass budget=/keep_ratio= to make_method, not with a Method object")
         self.method = method if isinstance(method, Method) else make_method(method, **budget_kwargs)
         self.model_type = self.info.model_type
         windows = self.info.windows or (None,) * self.info.num_layers
