@@ -71,7 +71,9 @@ class BudgetSpec:
 
     def __post_init__(self) -> None:
         if (self.budget is None) == (self.ratio is None):
-            raise ValueError("give exactly one of budget= (entries per layer) or keep_ratio= (the fraction kept)")
+            raise ValueError(
+                "give exactly one of budget= (entries per layer) or keep_ratio= (the fraction kept)"
+            )
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, int):
                 raise TypeError(
