@@ -151,6 +151,7 @@ def test_a_reorder_equals_a_cache_of_the_reordered_prompts(tiny_llama, spec, sta
 UNMOVED = {"used_dev", "pos_zero", "steps", "batch_rows", "head_rows", "pad_index", "pad_rows", "pad_heads",
            "pad_rows4", "pad_bias", "cu_k", "next_end", "zero", "empty"}  # fmt: skip
 MOVED = {"dense": set(PER_SEQUENCE), "ragged": {*PER_SLOT, *PER_SEGMENT, *PER_HEAD, *SLOT_INDICES}}
+VIEWS_OF_FREE = {"free_keys", "free_values"}  # (B, H_kv, 1, d) views of ``free``: moved with it
 
 
 @pytest.mark.parametrize("spec,layout", [("cake", "dense"), ("snapkv", "dense"), ("adakv", "ragged"),
@@ -167,7 +168,7 @@ def test_a_static_reorder_of_beams_is_in_place(tiny_llama, spec, layout):
     layer = cache.layers[cache.compressed[0]]
     assert layer.static is not None and layer.layout == layout
     tensors = {name: t for name, t in vars(layer).items() if isinstance(t, torch.Tensor)}
-    assert set(tensors) - MOVED[layout] <= UNMOVED
+    assert set(tensors) - MOVED[layout] <= UNMOVED | VIEWS_OF_FREE
     view = layer.pad_heads if layout == "ragged" else slice(None)
     before = {name: t.data_ptr() for name, t in tensors.items()}
     entries = [layer.positions[view].clone(), layer.keys[view].clone()]
@@ -175,6 +176,8 @@ def test_a_static_reorder_of_beams_is_in_place(tiny_llama, spec, layout):
     assert {name: getattr(layer, name).data_ptr() for name in tensors} == before
     assert torch.equal(layer.positions[view], entries[0][[1, 2, 1]])
     assert torch.equal(layer.keys[view], entries[1][[1, 2, 1]])
+    for name in VIEWS_OF_FREE & set(tensors):  # views of the permuted free
+        assert torch.equal(getattr(layer, name)[..., 0], layer.free)
 
 
 @pytest.mark.skipif(not KWARGS_HANDOFF, reason="this transformers' models do not hand kwargs to cache.update")

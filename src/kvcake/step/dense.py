@@ -72,6 +72,9 @@ def to_static(layer, budget: np.ndarray | None, room: int = GROWTH) -> None:
         b, h = layer.positions.shape[:2]
         layer.batch_rows = torch.arange(b, device=layer.keys.device).view(b, 1, 1)
         layer.head_rows = torch.arange(h, device=layer.keys.device).view(1, h, 1)
+        col = layer.free.unsqueeze(-1)  # views of ``free``, which steps write in place: ``append``'s indices
+        layer.free_keys = col.expand(b, h, 1, layer.keys.shape[-1])
+        layer.free_values = col.expand(b, h, 1, layer.values.shape[-1])
 
 
 def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -87,15 +90,20 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.bias.index_fill_(3, col, 0.0)
         layer.used_dev.add_(1)
         return
-    # fixed: one column per head, keys[b, h, free[b, h]] = k[b, h]. index_put_, which inductor writes
-    # in place, where scatter_ became a copy of the whole tensor, the scatter into it and a copy back
-    # (SmolLM2, `cake` at budget 128, one CPU step compiled: 34 -> 29 ms, its generated kernels 1.9 ->
-    # 0.7 ms, 2026-11-30). Positions and mask are small: scatter_, their cheaper eager op.
-    at = (layer.batch_rows, layer.head_rows, layer.free)  # (B, 1, 1), (1, H_kv, 1), (B, H_kv, 1)
+    # fixed: one column per head, keys[b, h, free[b, h]] = k[b, h]. Compiled, index_put_, which inductor
+    # writes in place, where scatter_ became a copy of the whole tensor, the scatter into it and a copy
+    # back (SmolLM2, `cake` at budget 128, one CPU step compiled: 34 -> 29 ms, its generated kernels 1.9
+    # -> 0.7 ms, 2026-11-30); eagerly scatter_, the same writes in a third of index_put_'s host time
+    # (19 against 6 us a call on the CPU: index_put_ broadcasts its three indices at every call).
     if layer.bias is not None:
         layer.bias.scatter_(3, layer.free.unsqueeze(-1), 0.0)
-    layer.keys.index_put_(at, k)
-    layer.values.index_put_(at, v)  # (latent: narrower values)
+    if torch.compiler.is_compiling():
+        at = (layer.batch_rows, layer.head_rows, layer.free)  # (B, 1, 1), (1, H_kv, 1), (B, H_kv, 1)
+        layer.keys.index_put_(at, k)
+        layer.values.index_put_(at, v)  # (latent: narrower values)
+    else:  # free_keys, free_values: (B, H_kv, 1, d) views of free (to_static)
+        layer.keys.scatter_(2, layer.free_keys, k)
+        layer.values.scatter_(2, layer.free_values, v)
     layer.positions.scatter_(2, layer.free, layer.newest)
 
 
