@@ -7,8 +7,9 @@ alone, greedy, one token per step, in interleaved rounds after a warm-up, and, w
 compiled one cache at a time. Decoding reads every weight and every cached entry once per token,
 so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with the read bandwidth measured
 in the same run (``bandwidth.measure``, before the first round and again after every round and
-after the compiled steps; the fastest probe sets every bound, ``bandwidth.fastest``). Compressing the cache can therefore speed a step up by at
-most ``(W + C_full) / (W + C_method)``: the "allowed" speed-up the achieved one is compared with.
+after the compiled steps; the fastest probe sets every bound, ``bandwidth.fastest``). Compressing
+the cache can therefore speed a step up by at most ``(W + C_full) / (W + C_method)``: the
+"allowed" speed-up the achieved one is compared with.
 The ``floor`` row is the model's own step with only :data:`FLOOR_TOKENS` tokens cached, decoded in
 the same rounds (and compiled whenever ``compile`` is on): what a step costs on the device with next
 to no cache to read. ``matmul_s`` times the weights' matrix products alone (:func:`matmul_probe`):

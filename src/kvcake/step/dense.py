@@ -93,8 +93,9 @@ def append(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     # fixed: one column per head, keys[b, h, free[b, h]] = k[b, h]. Compiled, index_put_, which inductor
     # writes in place, where scatter_ became a copy of the whole tensor, the scatter into it and a copy
     # back (SmolLM2, `cake` at budget 128, one CPU step compiled: 34 -> 29 ms, its generated kernels 1.9
-    # -> 0.7 ms, 2026-11-30); eagerly scatter_, the same writes in a third of index_put_'s host time
-    # (19 against 6 us a call on the CPU: index_put_ broadcasts its three indices at every call).
+    # -> 0.7 ms, 2026-11-30); eagerly scatter_, the same writes without index_put_'s broadcast of its
+    # three indices at every call (CPU profiler: 19 against 6 us a call; the CAKE presets' eager step
+    # 1.47-1.50 -> 1.36-1.40 x DynamicCache's, scripts/eager_host_time.py, 2026-12-01).
     if layer.bias is not None:
         layer.bias.scatter_(3, layer.free.unsqueeze(-1), 0.0)
     if torch.compiler.is_compiling():
