@@ -198,7 +198,11 @@ def test_saved_context_answers_like_a_fresh_one(tiny_dir, tmp_path, capsys, monk
     assert code == 0, err
     assert loaded == fresh and loaded.strip()
     code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, "--method", "snapkv", *ask])
-    assert code == 2 and "--load uses the method saved" in err
+    assert (
+        code == 2
+        and "--load uses the method saved with the context, and its storage: drop --method/--budget/--keep-ratio/"
+        in err
+    )
 
 
 def test_no_chat_template_and_ratio(tiny_dir, capsys, monkeypatch):

@@ -202,7 +202,7 @@ def _context_from_args(args: argparse.Namespace):
                 or getattr(args, "kv_recent", None) is not None):  # fmt: skip
             raise ValueError(
                 "--load uses the method saved with the context, and its storage: drop "
-                "--method/--budget/--ratio/--window/--scenario/--kv-dtype/--kv-recent"
+                "--method/--budget/--keep-ratio/--window/--scenario/--kv-dtype/--kv-recent"
             )
         info = read_context_info(args.load)
         extra = info.get("extra") or {}
