@@ -165,7 +165,8 @@ def _make_attention(inner_name: str):
                 out, sums = (fused[0], None), fused[1]
             cache.after_prefill_attention(layer_idx, module, query, valid, scaling, sums, terms)
             return out
-        if q > 1 and not torch.compiler.is_compiling():  # tokens appended several at a time
+        if q > 1 and layer_idx == cache.compressed[0] and not torch.compiler.is_compiling():
+            # tokens appended several at a time: once a forward, every compressed layer reads this mask
             _refuse_padded_append(attention_mask, query.shape[0], q, key.device)
         want = cache.wants_probs(layer_idx, q)
         if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
