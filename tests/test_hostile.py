@@ -139,6 +139,37 @@ def test_padding_among_appended_tokens_raises(tiny_llama, spec):
         )
 
 
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])  # a dense and a ragged cache
+@pytest.mark.parametrize("where", ["keyword", "generation config"])
+def test_model_generate_with_use_cache_false_is_refused(request, model_name, spec, where):
+    """With use_cache=False, generate feeds the whole sequence at every step, and transformers stored
+    it again behind the compressed prompt (a DynamicCache does the same): the answer came out wrong,
+    silently. Checkpoints trained with gradient checkpointing save use_cache=False in their configs,
+    which generate forwards. Refused before the cache moves; a plain forward is served."""
+    model = request.getfixturevalue(model_name)
+    cache = KVCakeCache(model, spec, budget=16, window=8)
+    config = model.generation_config
+    before = config.use_cache
+    kwargs = {"use_cache": False} if where == "keyword" else {}
+    try:
+        config.use_cache = where == "keyword"
+        with (
+            untouched(model),
+            pytest.raises(ValueError, match=r"use_cache=False with a KVCakeCache: .* Pass use_cache=True"),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")  # (past_key_values= deprecated from 5.24)
+            with kvcake.enable(model), torch.no_grad():
+                model.generate(ids(40), **with_cache(model, cache), max_new_tokens=3, **kwargs)
+        assert cache.get_seq_length() == 0  # refused before the prompt reached it
+        with kvcake.enable(model), torch.no_grad():
+            model(ids(40), **with_cache(model, cache))
+        assert cache.get_seq_length() == 40
+    finally:
+        config.use_cache = before
+
+
 # -- budgets -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs,error,match",

@@ -21,7 +21,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters import describe_model
-from .cache import HANDOFF, LEGACY_PENDING
+from .cache import HANDOFF, LEGACY_PENDING, KVCakeCache
 from .devices import input_device
 from .latent import expand_output, query_over
 from .logit_terms import LogitTerms, model_terms
@@ -79,6 +79,24 @@ def _refuse_padded_append(mask: torch.Tensor | None, batch: int, q: int, device:
             "padding among tokens appended to a compressed cache is not supported (the cache would store and "
             "attend it as text; this cache is now unusable): make a new cache per prompt (kvcake.generate does), "
             "or append rows of one length without padding"
+        )
+
+
+def _refuse_use_cache_off(module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook of the model inside ``enable``: ``use_cache=False`` beside a KVCakeCache
+    (passed, or a model config's that ``generate`` forwards: training with gradient checkpointing
+    saves one) makes ``generate`` feed the whole sequence at every step, which transformers stores
+    again behind what the cache holds (a ``DynamicCache`` too, silently): refused before the cache
+    moves. Read at the model's own call, where the flag is the caller's (a decoder layer's default
+    is ``False`` in some models, so the attention cannot tell)."""
+    if kwargs.get("use_cache") is False and any(
+        isinstance(kwargs.get(name), KVCakeCache) for name in ("cache", "past_key_values")
+    ):
+        raise ValueError(
+            "use_cache=False with a KVCakeCache: model.generate would feed the whole sequence again at every "
+            "step and the cache would store it a second time, so the answer would be wrong. Pass "
+            "use_cache=True (a model whose config or generation config says use_cache=False, as training "
+            "with gradient checkpointing saves it, needs it explicitly), or no cache"
         )
 
 
@@ -238,11 +256,13 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     if original == "flex_attention":
         original = "eager" if model_terms(model) else "sdpa"
     name = register(original)
+    hook = model.register_forward_pre_hook(_refuse_use_cache_off, with_kwargs=True)
     try:
         _set_impl(model, name)
         with sdpa_policy(sdpa, input_device(model)):
             yield model
     finally:
+        hook.remove()
         for config, impl in configs:
             config._attn_implementation = impl
         LEGACY_PENDING.set(None)
