@@ -170,6 +170,30 @@ def test_model_generate_with_use_cache_false_is_refused(request, model_name, spe
         config.use_cache = before
 
 
+def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
+    """Transformers' eager attention returns its weights; a compressed layer's later steps return
+    none (its kept entries are not the model's positions), which left empty tuples, silently."""
+    eager = tiny_llama.config._attn_implementation
+    tiny_llama.config._attn_implementation = "eager"
+    kvcake.attention._warn_no_weights.cache_clear()
+    try:
+        cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
+        with (
+            kvcake.enable(tiny_llama),
+            torch.no_grad(),
+            caplog.at_level("WARNING", logger="kvcake.attention"),
+        ):
+            out = tiny_llama.generate(ids(40), **with_cache(tiny_llama, cache), max_new_tokens=3,
+                                      return_dict_in_generate=True, output_attentions=True)  # fmt: skip
+        assert [a.shape for a in out.attentions[0]] == [(1, 4, 40, 40)] * 4  # the prompt's: the model's
+        assert len(out.attentions) > 1 and all(len(step) == 0 for step in out.attentions[1:])
+        assert (
+            caplog.text.count("output_attentions=True: a compressed layer returns no attention weights") == 1
+        )
+    finally:
+        tiny_llama.config._attn_implementation = eager
+
+
 # -- budgets -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs,error,match",

@@ -100,6 +100,16 @@ def _refuse_use_cache_off(module, args: tuple, kwargs: dict) -> None:
         )
 
 
+@functools.cache
+def _warn_no_weights() -> None:
+    """Once a process: what ``output_attentions=True`` gets from a compressed layer's later steps."""
+    logger.warning(
+        "output_attentions=True: a compressed layer returns no attention weights for the tokens after "
+        "the prompt (its kept entries are not the model's positions); the prompt's are the model's own "
+        "(eager attention). kvcake.inspect.kept_mask(cache, length) says which positions each layer kept"
+    )
+
+
 def _legacy_handoff(layer_idx: int | None, key: torch.Tensor):
     """The cache a release without the kwargs hand-off left for this layer (``cache.LEGACY_PENDING``),
     taken once: the same layer and the very keys its ``update`` returned, else None."""
@@ -197,6 +207,8 @@ def _make_attention(inner_name: str):
             if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
                 cache.lay_out_after_append(layer_idx)
             return out
+        if kwargs.get("output_attentions") and not torch.compiler.is_compiling():
+            _warn_no_weights()
         out, probs = layer.attend(
             query_over(layer, module, query), scaling, want, terms
         )  # (latent: absorbed)
