@@ -87,7 +87,10 @@ def test_info_is_readable_without_a_model(saved):
 
 def test_other_model_is_refused(saved, tiny_mha):
     _, path = saved
-    with pytest.raises(ContextFileError, match=r"was saved for model .*2 KV heads.*; this is .*4 KV heads"):
+    with pytest.raises(
+        ContextFileError,
+        match=r"was saved for model .*2 KV heads.*; this is .*4 KV heads.*: load it with the model it was saved for",
+    ):
         load_context(tiny_mha, path)
 
 

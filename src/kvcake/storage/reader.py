@@ -113,7 +113,8 @@ def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> No
         saved.get(k) != here[k] for k in ("model_type", "num_layers", "num_kv_heads", "head_dim")
     ):
         raise ContextFileError(
-            f"{path} was saved for model {_describe_saved(saved)}; this is {_describe_saved(here)}"
+            f"{path} was saved for model {_describe_saved(saved)}; this is {_describe_saved(here)}: load it "
+            "with the model it was saved for, or compress the document again with this one"
         )
     if meta.get("kv_dtype") != here["dtype"]:
         raise ContextFileError(
