@@ -205,6 +205,25 @@ def test_saved_context_answers_like_a_fresh_one(tiny_dir, tmp_path, capsys, monk
     )
 
 
+def test_a_saved_context_loads_the_model_in_its_dtype(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--load picks the dtype the context was saved in, as it picks its model (it said "load the model
+    with dtype=torch.bfloat16", which the command line cannot do); another --dtype is refused."""
+    base = [*model_args(tiny_dir), "--method", "snapkv", "--budget", "24", "--window", "8"]
+    kvc = str(tmp_path / "doc.kvc")
+    code, _, err = call(capsys, monkeypatch, ["save", *base, "--dtype", "bfloat16",
+                                              "--context-file", str(tiny_dir / "doc.txt"), "--out", kvc])  # fmt: skip
+    assert code == 0, err
+    ask = ["--question", "w3 w4", "--max-new-tokens", "4"]
+    _, fresh, _ = call(capsys, monkeypatch, ["generate", *base, "--dtype", "bfloat16",
+                                             "--context-file", str(tiny_dir / "doc.txt"), *ask])  # fmt: skip
+    code, loaded, err = call(capsys, monkeypatch, ["generate", "--load", kvc, *model_args(tiny_dir), *ask])
+    assert code == 0, err
+    assert loaded == fresh and loaded.strip()
+    code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, *model_args(tiny_dir), "--dtype", "float32",
+                                              *ask])  # fmt: skip
+    assert code == 2 and "holds bfloat16 keys and values" in err and "--dtype bfloat16" in err
+
+
 def test_no_chat_template_and_ratio(tiny_dir, capsys, monkeypatch):
     code, out, err = call(capsys, monkeypatch, ["generate", *model_args(tiny_dir), "--no-chat-template",
                                                 "--context-file", str(tiny_dir / "doc.txt"), "--question", "w9",

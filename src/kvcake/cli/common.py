@@ -206,7 +206,7 @@ def _context_from_args(args: argparse.Namespace):
             )
         info = read_context_info(args.load)
         extra = info.get("extra") or {}
-        model, tokenizer = _load(args, extra.get("model"))
+        model, tokenizer = _load(args, extra.get("model"), info.get("kv_dtype"))
         start = time.perf_counter()
         ctx = load_context(model, args.load, static=static)
         chat = extra.get("chat")

@@ -28,8 +28,8 @@ def _common(parser: argparse.ArgumentParser, load: bool = False) -> None:
     g.add_argument("--model", default=None,
                    help=f"built-in name, model folder, .gguf file or Hub id (default: {DEFAULT_MODEL}{saved})")  # fmt: skip
     g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="parameter dtype (default: float32)")  # fmt: skip
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help=f"parameter dtype (default: float32{saved.replace('model', 'dtype')})")  # fmt: skip
     g.add_argument("--offline", action="store_true", help="never contact the Hugging Face Hub for a Hub id")
 
 
@@ -117,12 +117,13 @@ def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario
     return make_method(spec, budget=budget, ratio=ratio, window=window)
 
 
-def _load(args: argparse.Namespace, saved_model: str | None = None):
+def _load(args: argparse.Namespace, saved_model: str | None = None, saved_dtype: str | None = None):
     from ..models import DEFAULT_MODEL, load_model
 
     name = args.model or saved_model or DEFAULT_MODEL
+    dtype = args.dtype or saved_dtype or "float32"  # (--load: the dtype its keys and values were saved in)
     start = time.perf_counter()
-    model, tokenizer = load_model(name, dtype=getattr(torch, args.dtype), device=args.device,
+    model, tokenizer = load_model(name, dtype=getattr(torch, dtype), device=args.device,
                                   local_files_only=args.offline)  # fmt: skip
     logger.info("loaded model %s in %.1f s", name, time.perf_counter() - start)
     return model, tokenizer

@@ -119,7 +119,7 @@ def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> No
     if meta.get("kv_dtype") != here["dtype"]:
         raise ContextFileError(
             f"{path} holds {meta.get('kv_dtype')} keys and values but the model runs in {here['dtype']}: "
-            f"load the model with dtype=torch.{meta.get('kv_dtype')}"
+            f"load the model with dtype=torch.{meta.get('kv_dtype')} (the command line: --dtype {meta.get('kv_dtype')})"
         )
 
 
