@@ -170,6 +170,39 @@ def test_model_generate_with_use_cache_false_is_refused(request, model_name, spe
         config.use_cache = before
 
 
+class _Wrapper(torch.nn.Module):
+    """A model wrapped as PEFT wraps one: its generate calls the inner model's generate."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_use_cache_false_is_refused_through_a_wrapper(tiny_llama):
+    """``enable(wrapper)``: the refusal is also registered on the wrapped model, whose own call the
+    wrapper's generate reaches (PEFT 0.21's LoRA models, checked by hand: not refused before)."""
+    wrapper = _Wrapper(tiny_llama)
+    cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
+    with (
+        untouched(tiny_llama),
+        pytest.raises(ValueError, match=r"use_cache=False with a KVCakeCache"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        with kvcake.enable(wrapper), torch.no_grad():
+            wrapper.generate(ids(40), **with_cache(tiny_llama, cache), use_cache=False, max_new_tokens=3)
+    assert cache.get_seq_length() == 0
+    with kvcake.enable(wrapper), torch.no_grad():  # and the wrapped model decodes with the cache
+        out = wrapper.generate(ids(40), **with_cache(tiny_llama, cache), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > 40 and cache.budgets.tolist() == [[16] * 4]
+
+
 def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
     """Transformers' eager attention returns its weights; a compressed layer's later steps return
     none (its kept entries are not the model's positions), which left empty tuples, silently."""

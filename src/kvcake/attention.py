@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, GenerationMixin
 from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -268,13 +268,18 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     if original == "flex_attention":
         original = "eager" if model_terms(model) else "sdpa"
     name = register(original)
-    hook = model.register_forward_pre_hook(_refuse_use_cache_off, with_kwargs=True)
+    hooks = [  # the model's call, and a wrapped model's (PEFT's generate calls its base model's)
+        m.register_forward_pre_hook(_refuse_use_cache_off, with_kwargs=True)
+        for m in model.modules()
+        if m is model or isinstance(m, GenerationMixin)
+    ]
     try:
         _set_impl(model, name)
         with sdpa_policy(sdpa, input_device(model)):
             yield model
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         for config, impl in configs:
             config._attn_implementation = impl
         LEGACY_PENDING.set(None)
