@@ -28,8 +28,9 @@ def _common(parser: argparse.ArgumentParser, load: bool = False) -> None:
     g.add_argument("--model", default=None,
                    help=f"built-in name, model folder, .gguf file or Hub id (default: {DEFAULT_MODEL}{saved})")  # fmt: skip
     g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    saved_dtype = "; with --load, the dtype the context was saved with" if load else ""
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help=f"parameter dtype (default: float32{saved.replace('model', 'dtype')})")  # fmt: skip
+                   help=f"parameter dtype (default: float32{saved_dtype})")  # fmt: skip
     g.add_argument("--offline", action="store_true", help="never contact the Hugging Face Hub for a Hub id")
 
 
