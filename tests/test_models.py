@@ -88,6 +88,14 @@ def test_local_folder_dtype_and_attention(tiny_folder):
     model, _ = load_model(str(folder), dtype=torch.bfloat16, attn_implementation="eager")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config._attn_implementation == "eager"
+    model, _ = load_model(folder, dtype="bfloat16")  # the name, as from_pretrained takes it (was refused)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with pytest.raises(
+        TypeError, match=r"dtype must be a torch.dtype such as torch.bfloat16 \(or its name\), got 'bf16'"
+    ):
+        load_model(folder, dtype="bf16")
+    with pytest.raises(ValueError, match="dtype must be a floating-point dtype, got torch.int8"):
+        load_model(folder, dtype="int8")
 
 
 def test_a_vision_language_folder_loads_through_image_text_to_text(tmp_path, tiny_folder):
@@ -171,7 +179,7 @@ def test_default_model_aliases(alias):
     [
         ({"name_or_path": 123}, TypeError),
         ({"name_or_path": "  "}, ValueError),
-        ({"dtype": "float32"}, TypeError),
+        ({"dtype": "f32"}, TypeError),
         ({"dtype": torch.int64}, ValueError),
         ({"device": 0.5}, TypeError),
         ({"device": "no-such-device"}, ValueError),
@@ -299,3 +307,25 @@ def test_each_transformers_version_keeps_its_own_conversion(monkeypatch, tmp_pat
         folder = conversion._ensure_converted(gguf, conversion.converted_folder(tmp_path, "m"))
         assert folder.name == f"m@transformers-{version}"
     assert made == ["m@transformers-5.0.0", "m@transformers-5.24.0"]
+
+
+def test_org_name_ids_are_tried_even_when_they_resemble_a_builtin(monkeypatch):
+    """``HuggingFaceTB/SmolLM2-360M-Instruct`` is another model, not a typo of the built-in
+    ``smollm2-135m-instruct``: it is looked up (it may be cached, or downloadable) and was refused
+    as a typo before. Where it cannot be found, the message names the built-in that needs no download."""
+    asked = []
+
+    def offline(name, **kwargs):
+        asked.append((name, kwargs.get("local_files_only")))
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
+
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(
+        FileNotFoundError, match="Could not find model 'HuggingFaceTB/SmolLM2-360M-Instruct'"
+    ) as info:
+        load_model("HuggingFaceTB/SmolLM2-360M-Instruct")
+    assert asked == [("HuggingFaceTB/SmolLM2-360M-Instruct", False)]
+    assert "The built-in 'smollm2-135m-instruct' needs no download" in str(info.value)
+    with pytest.raises(FileNotFoundError) as info:
+        load_model("someorg/unrelated-model")
+    assert "needs no download" not in str(info.value)

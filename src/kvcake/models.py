@@ -9,8 +9,7 @@ Each transformers version has its own folder (``<model>@transformers-<version>``
 environments sharing the cache do not reconvert each time one or the other runs.
 
 Cache location, first match wins: the ``cache_dir`` argument, the ``KVCAKE_CACHE_DIR``
-environment variable, ``$XDG_CACHE_HOME/kvcake/models``, ``~/.cache/kvcake/models``. Each converted
-model is a sub-folder named after the model and the transformers version.
+environment variable, ``$XDG_CACHE_HOME/kvcake/models``, ``~/.cache/kvcake/models``.
 """
 
 from __future__ import annotations
@@ -166,7 +165,7 @@ def default_cache_root() -> Path:
 def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
@@ -191,12 +190,11 @@ def load_model(
         - a path to a ``.gguf`` file, converted and cached the same way under the file's stem;
         - a local folder written by ``save_pretrained``;
         - anything else is a Hugging Face Hub id (``org/name``), loaded with ``from_pretrained``
-          from the local Hugging Face cache when it is there, else from the Hub. A name close to
-          a built-in one (``"gemma3"``), or one without ``org/`` that is not cached, fails at
-          once with the names it may mean, without contacting the Hub.
+          from the local Hugging Face cache when it is there, else from the Hub. A name without
+          ``org/`` that is not cached fails at once with the built-in names it may mean.
     dtype:
-        Floating-point dtype of the parameters. Converted GGUF models are cached in float32 and
-        cast on load.
+        Floating-point dtype of the parameters, or its name (``"bfloat16"``). Converted GGUF models
+        are cached in float32 and cast on load.
     device:
         Device to move the model to, e.g. ``"cpu"`` (the default) or ``"cuda:0"``; leave it unset
         when ``device_map`` or ``quantization_config`` places the model.
@@ -230,8 +228,10 @@ def load_model(
     name = os.fspath(name_or_path)
     if not name.strip():
         raise ValueError("name_or_path must not be empty")
+    if isinstance(dtype, str):  # "bfloat16", as from_pretrained takes it
+        dtype = getattr(torch, dtype, dtype)
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16 (or its name), got {dtype!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     if own := sorted(set(from_pretrained) & {"torch_dtype", "pretrained_model_name_or_path"}):
@@ -353,27 +353,26 @@ def _load_folder(folder: Path, kwargs: dict[str, Any]) -> tuple[PreTrainedModel,
     return model, tokenizer
 
 
-def _known_names() -> list[str]:
-    return sorted(set(BUILTIN_MODELS) | {m.name for m in BUILTIN_MODELS.values()})
+def _close_builtins(name: str) -> list[str]:
+    """Built-in names ``name`` may be a typo of ("gemma3", "smolm2"), closest first."""
+    typed, known = name.strip().lower(), sorted(set(BUILTIN_MODELS) | {m.name for m in BUILTIN_MODELS.values()})  # fmt: skip
+    close = difflib.get_close_matches(typed, known, n=3, cutoff=0.6)
+    return close + [k for k in known if k not in close  # a typo in a shortened name
+                    and difflib.SequenceMatcher(None, typed, k[: len(typed)]).ratio() >= 0.8]  # fmt: skip
 
 
 def _check_hub_name(name: str) -> None:
-    """Fail fast, before any network access, on a name that is not a Hub id kvcake would find:
-    one close to a built-in name (a typo), or one without an ``org/`` that is not in the local
-    Hugging Face cache (the Hub's own short names are reachable as ``org/name``)."""
-    typed = name.strip().lower()
-    close = difflib.get_close_matches(typed, _known_names(), n=3, cutoff=0.6)
-    close += [  # a typo in a shortened name: "gemma3", "smolm2"
-        k for k in _known_names()
-        if k not in close and difflib.SequenceMatcher(None, typed, k[: len(typed)]).ratio() >= 0.8
-    ]  # fmt: skip
-    if close or ("/" not in name and not _hub_cached(name)):
-        hint = f"did you mean {' or '.join(repr(c) for c in close[:3])}? " if close else ""
-        raise FileNotFoundError(
-            f"{name!r} is not a built-in model ({', '.join(sorted({m.name for m in BUILTIN_MODELS.values()}))}), "
-            f"a model folder, a .gguf file or a cached Hub id: {hint}Hub ids are written org/name. "
-            f"{_HOW_TO_GET_A_MODEL}"
-        )
+    """Fail fast, without the network, on a name without ``org/`` that is not cached. An ``org/name``
+    id is always tried, even one like a built-in name (``HuggingFaceTB/SmolLM2-360M-Instruct``)."""
+    if "/" in name or _hub_cached(name):
+        return
+    close = _close_builtins(name)
+    hint = f"did you mean {' or '.join(repr(c) for c in close[:3])}? " if close else ""
+    raise FileNotFoundError(
+        f"{name!r} is not a built-in model ({', '.join(sorted({m.name for m in BUILTIN_MODELS.values()}))}), "
+        f"a model folder, a .gguf file or a cached Hub id: {hint}Hub ids are written org/name. "
+        f"{_HOW_TO_GET_A_MODEL}"
+    )
 
 
 def _hub_cached(name: str) -> bool:
@@ -391,9 +390,11 @@ def _load_hub(name: str, kwargs: dict[str, Any], *, local_files_only: bool) -> t
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
         model = _generation_model(name, local_files_only=local_files_only, **kwargs)
     except (OSError, HFValidationError) as exc:
+        near = _close_builtins(name.split("/")[-1])[:1]
         raise FileNotFoundError(
             f"Could not find model {name!r} locally or download it from the Hugging Face Hub "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-            f"{_HOW_TO_GET_A_MODEL}"
+            + "".join(f"The built-in {c!r} needs no download. " for c in near)
+            + _HOW_TO_GET_A_MODEL
         ) from exc
     return model, tokenizer
