@@ -1,6 +1,8 @@
 """Saving and loading compressed contexts: exact round trips, clear refusals, atomic writes."""
 
 import json
+import os
+import stat
 import struct
 
 import numpy as np
@@ -252,6 +254,28 @@ def test_save_is_atomic(saved, monkeypatch, tmp_path):
     with pytest.raises(OSError):
         save_context(ctx, target)
     assert target.read_bytes() == before and list(tmp_path.iterdir()) == [target]  # the old file survives
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_saved_file_has_the_permissions_open_gives(saved, tmp_path):
+    """A new file gets 0o666 less the umask, as ``open(path, "wb")`` and safetensors give (it was the
+    temporary file's 0o600: a server running as another user could not read a context saved for it);
+    a file written over keeps its own mode."""
+    ctx, _ = saved
+    mask = os.umask(0o027)
+    try:
+        save_context(ctx, tmp_path / "new.kvc")
+        open(tmp_path / "plain", "wb").close()
+    finally:
+        os.umask(mask)
+    assert (
+        stat.S_IMODE((tmp_path / "new.kvc").stat().st_mode)
+        == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+        == 0o640
+    )
+    (tmp_path / "new.kvc").chmod(0o604)
+    save_context(ctx, tmp_path / "new.kvc")
+    assert stat.S_IMODE((tmp_path / "new.kvc").stat().st_mode) == 0o604
 
 
 def test_unprefilled_cache_is_refused(tiny_llama, saved, tmp_path):

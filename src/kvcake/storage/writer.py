@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -186,13 +187,28 @@ def _write_chunks(fh, data: bytes) -> None:
         fh.write(view[start : start + _CHUNK])
 
 
+def _umask() -> int:
+    """The process's umask: Linux's /proc says it; elsewhere it is set and set back (Python has no
+    reader, and the brief change could touch a file another thread creates meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomically(target: Path, data: bytes) -> None:
     """Temporary file in the target's folder, fsync, ``os.replace``; nothing left on failure."""
     if target.is_dir():
         raise IsADirectoryError(f"{target} is a directory: give a file name such as {target / 'context.kvc'}")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
+    try:  # the permissions open(target, "wb") gives: the file's own, else 0o666 less the umask (mkstemp's are 0o600)
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             _write_chunks(fh, data)
             fh.flush()
