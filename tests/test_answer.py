@@ -141,6 +141,16 @@ def test_answer_refuses_bad_input_before_work(tiny_llama, tok):
         kvcake.answer(tiny_llama, tok, context="w1", question="w2", keep_ratio=0.5, ratio=0.5)
     with pytest.raises(ValueError, match="method 'full' keeps every entry: drop budget="):
         kvcake.answer(tiny_llama, tok, context="w1", question="w2", method="full", budget=64)
+    # no tokenizer, or the model and the tokenizer the wrong way round (were 'NoneType' object is
+    # not callable, and an error from inside the model)
+    with pytest.raises(
+        TypeError, match=r"a tokenizer turns the text into ids, got NoneType: .*kvcake.load_model"
+    ):
+        kvcake.answer(tiny_llama, None, context="w1", question="w2")
+    with pytest.raises(
+        TypeError, match=r"the tokenizer is a model \(LlamaForCausalLM\): give the model first"
+    ):
+        kvcake.answer(tok, tiny_llama, context="w1", question="w2")
 
 
 def test_keep_ratio_is_ratio(tiny_llama):

@@ -73,6 +73,8 @@ def test_empty_prompt(tiny_llama):
             ([1, 2, 3], r"got a list: torch.tensor\(\[ids\]\)"),
             (torch.tensor([1, 2, 3]), r"got a 1-D tensor of 3 ids: ids.unsqueeze\(0\)"),
             (torch.tensor([[[1, 2, 3]]]), r"got a tensor of shape \(1, 1, 3\)"),
+            (ids(24).float(), r"got a torch.float32 tensor: ids are integers \(torch.long; ids.long\(\)"),
+            (ids(24).bool(), r"got a torch.bool tensor: ids are integers"),
         ]
         for value, fix in wrong:
             for fn in (kvcake.generate, kvcake.compress):
@@ -89,6 +91,24 @@ def test_empty_prompt(tiny_llama):
         cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
         with pytest.raises(RuntimeError, match="0 elements"), kvcake.enable(tiny_llama), torch.no_grad():
             tiny_llama(empty, **with_cache(tiny_llama, cache))
+
+
+def test_follow_ups_that_are_not_ids(tiny_llama):
+    """A compressed context's follow-ups: text or non-integer tensors are refused with the fix
+    (text failed with "'str' object has no attribute 'shape'"); (B, q) and (q,) ids are taken."""
+    ctx = kvcake.compress(tiny_llama, ids(40), "snapkv", budget=16, window=8)
+    wrong = [("What?", "got text: tokenize it"), (ids(3).float(), "got a torch.float32 tensor"),
+             ([5, 6], "got a list"), (ids(3)[None], r"got a tensor of shape \(1, 1, 3\)")]  # fmt: skip
+    for value, fix in wrong:
+        with pytest.raises(
+            TypeError, match=r"question_ids must be a \(batch, length\) tensor of token ids, " + fix
+        ):
+            ctx.generate(value, max_new_tokens=2)
+        with pytest.raises(TypeError, match=r"^ids must be a \(batch, length\) tensor of token ids, " + fix):
+            ctx.forward(value)
+    one = ctx.generate(ids(3), max_new_tokens=2, do_sample=False)
+    assert torch.equal(one, ctx.generate(ids(3)[0], max_new_tokens=2, do_sample=False))
+    assert torch.equal(one, ctx.generate(ids(3).int(), max_new_tokens=2, do_sample=False))
 
 
 def test_prompt_longer_than_the_models_positions(tiny_llama):

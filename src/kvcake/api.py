@@ -44,7 +44,7 @@ from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, defaul
 from .cache import KVCakeCache
 from .context import CompressedContext, check_answerable, check_generation, check_positions, generation_length
 from .method import FULL, Method, make_method, resolve_ratio
-from .prompts import build_prompt, not_ids
+from .prompts import build_prompt, is_integer, not_ids
 from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def _warn_if_starved(method: Method, prompt_tokens: int) -> None:
 
 
 def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids):
         raise TypeError(not_ids(input_ids))
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")

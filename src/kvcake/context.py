@@ -23,6 +23,7 @@ from .adapters import (
 )
 from .attention import enable
 from .cache import KVCakeCache
+from .prompts import is_integer, not_ids
 
 
 def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
@@ -180,6 +181,7 @@ class CompressedContext:
         the answer's ids). A context of B sequences takes a follow-up per sequence; one compressed
         alone takes any number of follow-ups of one length at once, answered in one batch
         (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused)."""
+        _check_follow_ups(question_ids)
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
         check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)
         ctx, full, mask = self._follow_ups(question_ids, attention_mask)
@@ -206,6 +208,7 @@ class CompressedContext:
                 f"{mtype}'s forward encodes an image at every call, so a context's text follow-up cannot be "
                 "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
             )
+        _check_follow_ups(ids, "ids")
         ctx, full, mask = self._follow_ups(ids, None)
         ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork() if ctx is self else ctx.cache
@@ -265,3 +268,9 @@ class CompressedContext:
         from .storage.writer import save_context  # the writer does not import this module
 
         save_context(self, path)
+
+
+def _check_follow_ups(ids, name: str = "question_ids") -> None:
+    """Refuse follow-ups that are not a (B, q) or (q,) tensor of integer ids, naming the fix."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or not is_integer(ids):
+        raise TypeError(not_ids(ids, name))

@@ -46,6 +46,12 @@ def build_prompt(
     """Token ids of ``context`` + ``question`` (+ ``answer_prefix``), split after the context.
 
     ``chat=None`` uses the tokenizer's chat template when it has one."""
+    if isinstance(tokenizer, torch.nn.Module):
+        raise TypeError(f"the tokenizer is a model ({type(tokenizer).__name__}): give the model first, then its "
+                        "tokenizer, kvcake.answer(model, tokenizer, ...)")  # fmt: skip
+    if not (callable(tokenizer) and hasattr(tokenizer, "decode")):
+        raise TypeError(f"a tokenizer turns the text into ids, got {type(tokenizer).__name__}: model, tokenizer = "
+                        "kvcake.load_model(...) gives both (or AutoTokenizer.from_pretrained)")  # fmt: skip
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     if chat:
@@ -63,10 +69,10 @@ def build_prompt(
     return PromptIds(ctx, q)
 
 
-def not_ids(value) -> str:
+def not_ids(value, name: str = "input_ids") -> str:
     """What is wrong with ``value`` where a (batch, length) tensor of token ids was expected, and
-    the fix: text, a tokenizer's output, a list or a 1-D tensor each get their own."""
-    head = "input_ids must be a (batch, length) tensor of token ids"
+    the fix: text, a tokenizer's output, a list, a 1-D or a non-integer tensor each get their own."""
+    head = f"{name} must be a (batch, length) tensor of token ids"
     if isinstance(value, str):
         return (f"{head}, got text: tokenize it (tokenizer(text, return_tensors='pt').input_ids, or "
                 "tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors='pt')), "
@@ -76,8 +82,17 @@ def not_ids(value) -> str:
                 "kvcake.generate(model, **enc) (or kvcake.compress(model, **enc)), which passes its attention_mask too")  # fmt: skip
     if isinstance(value, (list, tuple)):
         return f"{head}, got a {type(value).__name__}: torch.tensor([ids]) makes a batch of one"
+    if isinstance(value, torch.Tensor) and not is_integer(value):
+        return (
+            f"{head}, got a {value.dtype} tensor: ids are integers (torch.long; ids.long() if these are ids)"
+        )
     if isinstance(value, torch.Tensor) and value.dim() == 1:
         return f"{head}, got a 1-D tensor of {value.shape[0]} ids: ids.unsqueeze(0) makes a batch of one"
     if isinstance(value, torch.Tensor):
         return f"{head}, got a tensor of shape {tuple(value.shape)}"
     return f"{head}, got {type(value).__name__}"
+
+
+def is_integer(ids: torch.Tensor) -> bool:
+    """Whether ``ids`` can be token ids: an integer dtype (not floating, complex or bool)."""
+    return not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
