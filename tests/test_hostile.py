@@ -4,8 +4,10 @@ hooks and logits are as before, errors included)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
+import threading
 import types
 import warnings
 
@@ -602,6 +604,57 @@ def test_unsupported_models_are_refused_up_front(name):
             kvcake.generate(model, ids(30), "cake", budget=16, window=8, max_new_tokens=2)
         with pytest.raises(ValueError, match=match):
             kvcake.compress(model, ids(30), "snapkv", budget=16, window=8)
+
+
+# -- threads -------------------------------------------------------------------------------------
+def test_threads_share_one_enable(tiny_llama):
+    """Two threads answering follow-ups of one compressed context, as a server's worker threads do:
+    B starts while A is decoding (A installed the kvcake attention), and A finishes and leaves its
+    ``enable`` block while B is inside its prefill. Each block used to restore the model as it left,
+    so B went on with the stock attention over its KVCakeCache (shape errors: 6 of 8 threads in a
+    run of 8 on this model). The blocks now share one installation, undone by the last to leave:
+    both answers equal the ones asked alone, and the model is restored after."""
+    ctx = kvcake.compress(tiny_llama, ids(80), "snapkv", budget=24, window=8)
+    questions = {"a": ids(4, seed=1), "b": ids(4, seed=2)}
+    alone = {name: ctx.generate(q, max_new_tokens=5, do_sample=False) for name, q in questions.items()}
+    a_decoding, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+    forwards = collections.Counter()
+
+    def interleave(module, args, kwargs):
+        name = threading.current_thread().name
+        forwards[name] += 1
+        if name == "a" and forwards[name] == 2:  # A's first decode step: let B start, wait till it is inside
+            a_decoding.set()
+            b_inside.wait(30)
+        if name == "b" and forwards[name] == 1:  # B's prefill: wait till A has left its block
+            b_inside.set()
+            a_done.wait(30)
+
+    answers, errors = {}, []
+
+    def ask(name):
+        try:
+            answers[name] = ctx.generate(questions[name], max_new_tokens=5, do_sample=False)
+        except Exception as exc:  # reported below, with the thread's name
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        finally:
+            if name == "a":
+                a_done.set()
+
+    with untouched(tiny_llama):
+        handle = tiny_llama.register_forward_pre_hook(interleave, with_kwargs=True)
+        try:
+            a = threading.Thread(target=ask, args=("a",), name="a")
+            b = threading.Thread(target=ask, args=("b",), name="b")
+            a.start()
+            assert a_decoding.wait(30)
+            b.start()
+            a.join(60)
+            b.join(60)
+        finally:
+            handle.remove()
+    assert not errors, errors
+    assert all(torch.equal(answers[name], alone[name]) for name in questions)
 
 
 # -- one cache, one conversation -----------------------------------------------------------------

@@ -10,8 +10,11 @@ nothing is patched at import and a call without a KVCakeCache runs the stock ker
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -252,34 +255,63 @@ def enable(model: torch.nn.Module, sdpa: str = "auto") -> Iterator[torch.nn.Modu
     ``attn_implementation="flex_attention"`` runs SDPA inside the block, the same attention). ``sdpa``: the SDPA
     backend policy of the block's attention calls (``kvcake.sdpa``; ``"auto"``: flash, then
     memory-efficient, then math on CUDA, SDPA's own choice elsewhere; ``"default"``: SDPA's own
-    choice everywhere).
+    choice everywhere). Blocks on one model, nested or in several threads at once, share one
+    installation: the first block's ``sdpa`` holds until the last one ends, which restores the model.
     """
     check_policy(sdpa)
     describe_model(model)
+    with _HELD_LOCK:
+        held = _HELD.get(model)
+        if held is None and not (model.config._attn_implementation or "").startswith(PREFIX):
+            held = _HELD[model] = _install(model, sdpa)
+        if held is not None:
+            held.count += 1
+    try:
+        yield model
+    finally:
+        LEGACY_PENDING.set(None)
+        if held is not None:
+            with _HELD_LOCK:
+                held.count -= 1
+                if held.count == 0:
+                    del _HELD[model]
+                    held.restore.close()
+
+
+@dataclasses.dataclass
+class _Held:
+    """One model's installation of the kvcake attention: the blocks inside it, and its undoing."""
+
+    restore: contextlib.ExitStack
+    count: int = 0
+
+
+_HELD: weakref.WeakKeyDictionary[torch.nn.Module, _Held] = weakref.WeakKeyDictionary()
+_HELD_LOCK = threading.Lock()
+
+
+def _install(model: torch.nn.Module, sdpa: str) -> _Held:
+    """Switch ``model`` (and every sub-model's config) to the kvcake attention, refuse
+    ``use_cache=False`` beside a KVCakeCache, and hold the SDPA policy; the returned stack undoes it."""
     configs = [(sub.config, sub.config._attn_implementation) for sub in model.modules()
                if getattr(sub, "config", None) is not None and hasattr(sub.config, "_attn_implementation")]  # fmt: skip
     original = model.config._attn_implementation or "eager"
-    if original.startswith(PREFIX):  # nested: already enabled
-        yield model
-        return
     # flex_attention's mask is a BlockMask, which kvcake cannot read (padding, positions), and the CPU
     # kernel with a tensor mask as score mod crashed the process (torch 2.13): SDPA computes the same,
     # or eager where the model caps its logits or has sinks (SDPA has neither)
     if original == "flex_attention":
         original = "eager" if model_terms(model) else "sdpa"
     name = register(original)
-    hooks = [  # the model's call, and a wrapped model's (PEFT's generate calls its base model's)
-        m.register_forward_pre_hook(_refuse_use_cache_off, with_kwargs=True)
-        for m in model.modules()
-        if m is model or isinstance(m, GenerationMixin)
-    ]
-    try:
-        _set_impl(model, name)
-        with sdpa_policy(sdpa, input_device(model)):
-            yield model
-    finally:
-        for hook in hooks:
-            hook.remove()
+
+    def configs_back() -> None:
         for config, impl in configs:
             config._attn_implementation = impl
-        LEGACY_PENDING.set(None)
+
+    with contextlib.ExitStack() as restore:
+        restore.callback(configs_back)
+        for m in model.modules():  # the model's call, and a wrapped model's (PEFT's calls its base's)
+            if m is model or isinstance(m, GenerationMixin):
+                restore.callback(m.register_forward_pre_hook(_refuse_use_cache_off, with_kwargs=True).remove)
+        _set_impl(model, name)
+        restore.enter_context(sdpa_policy(sdpa, input_device(model)))
+        return _Held(restore.pop_all())
