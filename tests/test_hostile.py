@@ -668,6 +668,25 @@ def test_generate_and_compress_always_make_a_fresh_cache(tiny_llama):
         kvcake.compress(tiny_llama, x, "cake", budget=16, window=8).cache  # fmt: skip
 
 
+def test_cache_made_for_another_model_raises(tiny_llama):
+    """A KVCakeCache holds one layer per layer of the model it was made for: a deeper model failed
+    with an IndexError, a shallower one left the cache half prefilled and was told an earlier
+    forward had failed. Both name the fix now."""
+    config = tiny_llama.config.to_dict() | {"num_hidden_layers": 2}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        shallow = tf.LlamaForCausalLM(tf.LlamaConfig(**config)).eval()
+    for made_for, runs, error, match in [
+        (shallow, tiny_llama, ValueError, "layer 2 of a model updated this KVCakeCache of 2 layers: make the cache "
+         r"with the model that runs it, KVCakeCache\(model, ...\)"),
+        (tiny_llama, shallow, RuntimeError, "prefill did not finish .* or a model of fewer than its 4 layers ran "
+         "it.* make a new KVCakeCache with the model that runs it"),
+    ]:  # fmt: skip
+        cache = KVCakeCache(made_for, "snapkv", budget=16, window=8)
+        with untouched(runs), pytest.raises(error, match=match), kvcake.enable(runs), torch.no_grad():
+            runs.generate(ids(40), **with_cache(runs, cache), max_new_tokens=3, do_sample=False)
+
+
 def test_reused_cache_with_another_batch_size_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with untouched(tiny_llama), kvcake.enable(tiny_llama), torch.no_grad():

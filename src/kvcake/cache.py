@@ -16,9 +16,8 @@ and attend over what it physically holds, with logical positions; with the ``fix
 policy each layer and head is evicted back to its budget every step (``decoding.py``). The cache
 keeps the layers, the ``Cache`` interface (beam search's reorder: ``sequences.py``) and the bytes.
 
-The cache reports the *logical* length (tokens seen), so transformers derives RoPE positions
-and the 2-D padding mask in logical columns; the attention maps them onto the physical
-entries through their stored positions.
+The cache reports the *logical* length (tokens seen), so transformers derives RoPE positions and the
+2-D padding mask in logical columns; the attention maps them onto physical entries by their positions.
 
 Hybrid models (Gemma 3): sliding-window layers get transformers' own sliding layer
 (``sliding.py``), never scored or evicted; "layers" in budgets, allocation and the cascade mean
@@ -96,10 +95,9 @@ class KVCakeCache(RecurrentStates, Cache):
         of the prompt on, one byte per element, read back in the model's dtype, the last ``kv_recent``
         tokens' entries (None: 32; 0: none) also held and read in the model's dtype (``kvcake.fp8``).
 
-    Memory: ``kv_bytes()`` (and the peaks) count the buffers the cache holds, so with static
-    storage they include the reserved capacity (empty slots are memory too); a
-    :class:`~kvcake.context.CompressedContext` keeps its cache in the dynamic layout, exactly
-    the kept entries, and reserves capacity only when it is asked a question.
+    Memory: ``kv_bytes()`` (and the peaks) count the buffers the cache holds, so with static storage
+    they include the reserved capacity (empty slots are memory too); a :class:`~kvcake.context.CompressedContext`
+    keeps its cache in the dynamic layout, exactly the kept entries, and reserves capacity only when asked.
 
     Use it inside :func:`kvcake.enable` (or through ``kvcake.api``): ``with kvcake.enable(model):
     model.generate(ids, cache=cache)`` (``past_key_values=cache`` before transformers 5.24).
@@ -160,17 +158,15 @@ class KVCakeCache(RecurrentStates, Cache):
         # CPU, -1 = empty, in the layer's order: best first while ranked): the cascade's tests.
         self.record = record
         self.history: list[tuple[int, int, torch.Tensor]] = []
-        self._stage = -1
+        self._stage, self._bar = -1, None
         self.progress = progress  # True: a bar over the layers during prefill (long prompts on a CPU)
-        self._bar = None
         self.tau: TauChoice | None = None  # CAKE's temperatures, once the budget is known (temperatures.py)
         cake = isinstance(self.method.layers, CakeAllocator)  # its temperatures: per model
         self._fingerprint = model_fingerprint(model) if cake else None
         self._model_name = model_name(model) if cake else None  # for warnings
         self.static = bool(static)  # see the class docstring; False: the dynamic reference
         self._plan_sliding()
-        _check_capacity(max_cache_len)
-        self._max_cache_len = max_cache_len
+        self._max_cache_len = _check_capacity(max_cache_len)
         # Tensor parallelism: this process holds a block of each layer's KV heads; CAKE's preferences
         # and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
         self.split: HeadSplit | None = find_split(model)
@@ -181,6 +177,9 @@ class KVCakeCache(RecurrentStates, Cache):
 
     # -- Cache interface -----------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"layer {layer_idx} of a model updated this KVCakeCache of {len(self.layers)} layers: "
+                             "make the cache with the model that runs it, KVCakeCache(model, ...)")  # fmt: skip
         layer = self.layers[layer_idx]
         held = layer.keys, layer.values  # a static step (and the ring) writes into them
         if isinstance(layer, (SlidingLayer, CrossLayer)):  # never compressed (sliding.py, cross.py)
@@ -202,8 +201,9 @@ class KVCakeCache(RecurrentStates, Cache):
             )
         if not self.prefilled and layer_idx == self.compressed[0] and layer.is_initialized:
             raise RuntimeError(
-                "this KVCakeCache's prefill did not finish (an earlier forward was interrupted by an "
-                "error): its state is incomplete, so make a new KVCakeCache"
+                "this KVCakeCache's prefill did not finish (an earlier forward was interrupted by an error, or "
+                f"a model of fewer than its {len(self.layers)} layers ran it): its state is incomplete, so make "
+                "a new KVCakeCache with the model that runs it"
             )
         if self._unconsumed is not None:
             LEGACY_PENDING.set(None)  # do not keep this cache's keys alive past the error
@@ -283,8 +283,7 @@ class KVCakeCache(RecurrentStates, Cache):
     def reserve(self, max_cache_len: int | None) -> None:
         """Set the capacity (class docstring) before decoding, e.g. a context's fork's once its question
         and ``max_new_tokens`` are known. Static layers keep theirs until a multi-token append."""
-        _check_capacity(max_cache_len)
-        self._max_cache_len = max_cache_len
+        self._max_cache_len = _check_capacity(max_cache_len)
         if self.prefilled:
             self.plan_static(lay_out=False)
 
@@ -391,10 +390,11 @@ class KVCakeCache(RecurrentStates, Cache):
         self.tau = None if value is None else TauChoice(float(value[0]), float(value[1]), "saved")
 
 
-def _check_capacity(max_cache_len: int | None) -> None:
-    """``max_cache_len`` must be None or a positive token count (bool is not one)."""
+def _check_capacity(max_cache_len: int | None) -> int | None:
+    """``max_cache_len``, which must be None or a positive token count (bool is not one)."""
     if max_cache_len is not None and (type(max_cache_len) is not int or max_cache_len < 1):
         raise ValueError(
             f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
             f"(or None when unknown), got {max_cache_len!r}"
         )
+    return max_cache_len
