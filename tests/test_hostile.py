@@ -385,6 +385,10 @@ def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
         ("cake,", "empty part in method"),
         ("cake,select=", "'select' has no value"),
         ("caek", "did you mean 'cake'"),
+        (
+            "full,decode=fixed",
+            "method 'full' keeps every entry and takes no parts or options, got 'full,decode=fixed'",
+        ),
         ("cake,score.gamma=abc", "bad option for score=cake"),
         ("cake,score.gamma=nan", "CAKE gamma must be >= 0"),
         ("cake,score.kernel=4", "pooling kernel must be a positive odd int"),

@@ -229,6 +229,9 @@ def make_method(
     name = "custom"
     if "=" not in tokens[0]:
         name = tokens.pop(0).lower()
+        if name == FULL:
+            raise ValueError(f"method 'full' keeps every entry and takes no parts or options, got {spec!r}: "
+                             "write 'full'")  # fmt: skip
         if name not in PRESETS:
             close = difflib.get_close_matches(name, [*PRESETS, FULL], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
