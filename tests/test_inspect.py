@@ -57,6 +57,20 @@ def test_kept_mask_matches_cache(tiny_llama, name):
     assert mask[:, :, -8:].all(), "the window is always kept"
 
 
+def test_kept_mask_of_a_context_and_its_refusals(tiny_llama):
+    """A compressed context reads as its cache, and the length defaults to the tokens seen (the
+    function the output_attentions warning names took only a cache and a length: a context failed
+    with an AttributeError); a cache without its prompt, or another object, is refused."""
+    ctx = kvcake.compress(tiny_llama, ids(120, seed=2), "adakv", budget=20, window=8)
+    assert np.array_equal(kept_mask(ctx), kept_mask(ctx.cache, 120))
+    with pytest.raises(ValueError, match="holds no prompt yet"):
+        kept_mask(kvcake.KVCakeCache(tiny_llama, "snapkv", budget=20, window=8))
+    with pytest.raises(
+        TypeError, match="kept_mask reads a KVCakeCache or a compressed context, got NoneType"
+    ):
+        kept_mask(None)
+
+
 def test_empty_prompt_is_an_error(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="empty"):
         inspect_prompt(tiny_llama, WordTokenizer(), "  ", budget=24, out_dir=tmp_path)

@@ -284,4 +284,6 @@ def test_unprefilled_cache_is_refused(tiny_llama, saved, tmp_path):
                                      ctx.input_ids, ctx.attention_mask, ctx.logits)  # fmt: skip
     with pytest.raises(ValueError, match="prefilled"):
         save_context(empty, tmp_path / "x.kvc")
+    with pytest.raises(TypeError, match="save_context takes a compressed context .*, got a KVCakeCache"):
+        save_context(ctx.cache, tmp_path / "x.kvc")  # generate's cache, say (was an AttributeError)
     assert not (tmp_path / "x.kvc").exists()

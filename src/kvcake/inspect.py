@@ -34,6 +34,7 @@ from matplotlib.ticker import MaxNLocator
 
 from .api import compress
 from .cache import KVCakeCache
+from .context import CompressedContext
 from .method import Method, make_method
 from .temperatures import Scenario
 
@@ -67,9 +68,18 @@ def _as_ids(tokenizer, text: str | torch.Tensor) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def kept_mask(cache: KVCakeCache, length: int, row: int = 0) -> np.ndarray:
-    """(L_g, H_kv, length) bool: which of the first ``length`` positions each compressed layer
-    (every layer, or the global layers of a hybrid) and KV head of sequence ``row`` holds."""
+def kept_mask(cache: KVCakeCache | CompressedContext, length: int | None = None, row: int = 0) -> np.ndarray:
+    """(L_g, H_kv, length) bool: which of the first ``length`` positions (None: every token the cache
+    has seen) each compressed layer (every layer, or the global layers of a hybrid) and KV head of
+    sequence ``row`` holds. ``cache``: a KVCakeCache, or a compressed context (its cache)."""
+    cache = cache.cache if isinstance(cache, CompressedContext) else cache
+    if not isinstance(cache, KVCakeCache):
+        raise TypeError(f"kept_mask reads a KVCakeCache or a compressed context, got {type(cache).__name__}")
+    if not cache.prefilled:
+        raise ValueError(
+            "this KVCakeCache holds no prompt yet: read its kept entries once the prompt has run"
+        )
+    length = cache.get_seq_length() if length is None else length
     rows = []
     for layer in (cache.layers[lid] for lid in cache.compressed):
         pos = layer.padded_positions()[row].cpu()  # (H_kv, N), -1 = empty

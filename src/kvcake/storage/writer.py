@@ -69,6 +69,11 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
 
     Returns the path written.
     """
+    if isinstance(ctx, KVCakeCache):
+        raise TypeError(
+            "save_context takes a compressed context (kvcake.compress(model, ids, ...)), got a KVCakeCache: "
+            "a file keeps the ids and the last logits beside the cache, so that questions can follow it"
+        )
     cache = ctx.cache
     if not isinstance(cache, KVCakeCache) or not cache.prefilled:
         raise ValueError("only a prefilled KVCakeCache can be saved (make it with kvcake.compress)")
