@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 
 import pytest
@@ -234,6 +236,22 @@ def test_atomic_write_replaces_stale_folder_and_cleans_up(tmp_path):
     conversion._write_atomically(target, build)
     assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_converted_folder_has_the_permissions_mkdir_gives(tmp_path):
+    """The converted model's folder gets 0o777 less the umask, as ``mkdir`` would make it (it was the
+    temporary folder's 0o700: a cache shared through KVCAKE_CACHE_DIR was unreadable to other users)."""
+    mask = os.umask(0o022)
+    try:
+        conversion._write_atomically(
+            tmp_path / "model", lambda folder: (folder / "config.json").write_text("{}")
+        )
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(mask)
+    modes = {stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model", "plain")}
+    assert modes == {0o755}
 
 
 def test_atomic_write_failure_leaves_nothing_half_written(tmp_path):

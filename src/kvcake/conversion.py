@@ -171,6 +171,20 @@ def _ensure_converted(gguf_path: Path, folder: Path) -> Path:
     return folder
 
 
+def process_umask() -> int:
+    """The process's umask: Linux's /proc says it; elsewhere it is set and set back (Python has no
+    reader, and the brief change could touch a file another thread creates meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomically(target: Path, build: Callable[[Path], None]) -> None:
     """Run ``build`` on a fresh temporary folder beside ``target``, then rename it to ``target``.
 
@@ -180,6 +194,7 @@ def _write_atomically(target: Path, build: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         build(tmp)
+        os.chmod(tmp, 0o777 & ~process_umask())  # as mkdir makes it (mkdtemp's 0o700 hides a shared cache)
         if target.exists():
             # os.replace cannot overwrite a non-empty folder: move the stale one aside first.
             stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))

@@ -19,6 +19,7 @@ import torch
 from ..adapters import describe_model
 from ..cache import KVCakeCache
 from ..cascade import SequenceBudgets
+from ..conversion import process_umask
 from ..cross import CrossLayer, cross_entry
 from ..fp8 import RECENT_TENSORS
 from ..hybrid_layer import HybridLayer
@@ -192,20 +193,6 @@ def _write_chunks(fh, data: bytes) -> None:
         fh.write(view[start : start + _CHUNK])
 
 
-def _umask() -> int:
-    """The process's umask: Linux's /proc says it; elsewhere it is set and set back (Python has no
-    reader, and the brief change could touch a file another thread creates meanwhile)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _write_atomically(target: Path, data: bytes) -> None:
     """Temporary file in the target's folder, fsync, ``os.replace``; nothing left on failure."""
     if target.is_dir():
@@ -213,7 +200,7 @@ def _write_atomically(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:  # the permissions open(target, "wb") gives: the file's own, else 0o666 less the umask (mkstemp's are 0o600)
-        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as fh:
             _write_chunks(fh, data)
             fh.flush()
