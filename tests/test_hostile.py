@@ -113,6 +113,27 @@ def test_follow_ups_that_are_not_ids(tiny_llama):
     assert torch.equal(one, ctx.generate(ids(3).int(), max_new_tokens=2, do_sample=False))
 
 
+def test_context_after_the_model_moved(make_tiny_llama, tmp_path):
+    """A context's keys and values are in the dtype (and on the device) the model ran in when it was
+    compressed; a model cast since failed inside the attention ("Expected query, key, and value to
+    have the same dtype", or an index_put error for Ada-KV) and saved a file its own loader refuses.
+    Now generate, forward and save name what changed and the fix; moved back, it answers as before."""
+    model = make_tiny_llama()
+    for method in ("snapkv", "adakv"):
+        ctx = kvcake.compress(model, ids(60), method, budget=16, window=8)
+        before = ctx.generate(ids(3, seed=1), max_new_tokens=2, do_sample=False)
+        model.to(torch.bfloat16)
+        fix = r"compressed with the model in torch.float32 on cpu, which now runs in torch.bfloat16 on cpu: " \
+            r"move it back \(model.to\(torch.float32\)\), or compress the document again"  # fmt: skip
+        for call, args in ((ctx.generate, (ids(3, seed=1),)), (ctx.forward, (ids(3),)),
+                           (ctx.save, (tmp_path / "ctx.kvc",))):  # fmt: skip
+            with pytest.raises(ValueError, match=fix):
+                call(*args)
+        model.to(torch.float32)
+        assert torch.equal(ctx.generate(ids(3, seed=1), max_new_tokens=2, do_sample=False), before)
+    assert not (tmp_path / "ctx.kvc").exists()
+
+
 def test_prompt_longer_than_the_models_positions(tiny_llama):
     too_long = ids(tiny_llama.config.max_position_embeddings + 1)
     with untouched(tiny_llama):

@@ -122,6 +122,20 @@ class CompressedContext:
     logits: torch.Tensor
     rope_deltas: torch.Tensor | None = None
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    placed: tuple[torch.dtype, torch.device] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.placed = _placement(self.model)  # what the cache's keys and values were computed in
+
+    def _check_placement(self) -> None:
+        """The model must still run in the dtype and on the device the context was compressed with."""
+        if (now := _placement(self.model)) != self.placed:
+            back = [f"model.to({was})" if isinstance(was, torch.dtype) else f"model.to('{was}')"
+                    for held, was in zip(now, self.placed, strict=True) if held != was]  # fmt: skip
+            raise ValueError(
+                f"this context was compressed with the model in {self.placed[0]} on {self.placed[1]}, which now "
+                f"runs in {now[0]} on {now[1]}: move it back ({', '.join(back)}), or compress the document again"
+            )
 
     def fork(self) -> KVCakeCache:
         """A private copy of the compressed cache, to extend without touching this context."""
@@ -182,6 +196,7 @@ class CompressedContext:
         alone takes any number of follow-ups of one length at once, answered in one batch
         (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused)."""
         _check_follow_ups(question_ids)
+        self._check_placement()
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
         check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)
         ctx, full, mask = self._follow_ups(question_ids, attention_mask)
@@ -209,6 +224,7 @@ class CompressedContext:
                 "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
             )
         _check_follow_ups(ids, "ids")
+        self._check_placement()
         ctx, full, mask = self._follow_ups(ids, None)
         ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork() if ctx is self else ctx.cache
@@ -274,3 +290,9 @@ def _check_follow_ups(ids, name: str = "question_ids") -> None:
     """Refuse follow-ups that are not a (B, q) or (q,) tensor of integer ids, naming the fix."""
     if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or not is_integer(ids):
         raise TypeError(not_ids(ids, name))
+
+
+def _placement(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """(dtype, device) of the model's first floating-point parameter: what its keys are computed in."""
+    first = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return (torch.float32, torch.device("cpu")) if first is None else (first.dtype, first.device)
