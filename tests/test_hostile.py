@@ -95,6 +95,18 @@ def test_empty_prompt(tiny_llama):
             tiny_llama(empty, **with_cache(tiny_llama, cache))
 
 
+def test_attention_mask_not_shaped_like_the_ids(tiny_llama):
+    """A mask of another shape failed deep inside the model ("The size of tensor a (40) must match
+    the size of tensor b (39)"); it is refused up front with the fix, for generate and compress."""
+    with untouched(tiny_llama):
+        for mask, got in [(torch.ones(1, 39, dtype=torch.long), r"\(1, 39\)"), ([1] * 40, "list")]:
+            for fn in (kvcake.generate, kvcake.compress):
+                with pytest.raises(
+                    ValueError, match=r"attention_mask must be shaped like input_ids \(1, 40\), got " + got
+                ):
+                    fn(tiny_llama, ids(40), "snapkv", budget=16, window=8, attention_mask=mask)
+
+
 def test_follow_ups_that_are_not_ids(tiny_llama):
     """A compressed context's follow-ups: text or non-integer tensors are refused with the fix
     (text failed with "'str' object has no attribute 'shape'"); (B, q) and (q,) ids are taken."""

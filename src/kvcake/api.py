@@ -44,7 +44,7 @@ from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, defaul
 from .cache import KVCakeCache
 from .context import CompressedContext, check_answerable, check_generation, check_positions, generation_length
 from .method import FULL, Method, make_method, resolve_ratio
-from .prompts import build_prompt, is_integer, not_ids
+from .prompts import build_prompt, check_mask, is_integer, not_ids
 from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,10 @@ def _warn_if_starved(method: Method, prompt_tokens: int) -> None:
         )
 
 
-def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module) -> None:
+def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module, mask: torch.Tensor | None) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids):
         raise TypeError(not_ids(input_ids))
+    check_mask(mask, input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -161,7 +162,7 @@ def generate(
     (None: 32; 0: none) also in the model's dtype; None keeps the model's dtype.
     """
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
-    _check_ids(input_ids, model)
+    _check_ids(input_ids, model, generate_kwargs.get("attention_mask"))
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
@@ -240,7 +241,7 @@ def compress(
     model, as its processor returns them (``pixel_values``, ``image_grid_thw``, ``token_type_ids``,
     ...). The image's tokens are compressed like the text's; follow-ups are text."""
     scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
-    _check_ids(input_ids, model)
+    _check_ids(input_ids, model, attention_mask)
     check_answerable(model)
     ratio = resolve_ratio(ratio, keep_ratio)
     budget, ratio = _default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)

@@ -96,3 +96,14 @@ def not_ids(value, name: str = "input_ids") -> str:
 def is_integer(ids: torch.Tensor) -> bool:
     """Whether ``ids`` can be token ids: an integer dtype (not floating, complex or bool)."""
     return not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+
+
+def check_mask(mask, input_ids: torch.Tensor) -> None:
+    """Refuse an ``attention_mask`` that is not a tensor shaped like ``input_ids`` (B, S), naming the fix."""
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"attention_mask must be shaped like input_ids {tuple(input_ids.shape)}, got {got}: pass the "
+            "tokenizer's own with its ids (kvcake.generate(model, **tokenizer(texts, return_tensors='pt', "
+            "padding=True)))"
+        )
