@@ -312,6 +312,8 @@ def test_usage_errors_exit_2(capsys, monkeypatch):
     assert code == 2 and "invalid int value" in err
     code, _, err = call(capsys, monkeypatch, ["generate", "--prompt", "x", "--budget", "3", "--ratio", "0.5"])
     assert code == 2 and "not allowed with" in err
+    code, _, err = call(capsys, monkeypatch, ["eval", "--lengths", "3x"])  # the message says 2k is taken
+    assert code == 2 and "expected comma-separated integers (k = 1024: 2k,4096), got '3x'" in err
 
 
 def test_extension_commands_plug_in(capsys, monkeypatch):

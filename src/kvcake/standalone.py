@@ -80,7 +80,9 @@ def comma_ints(text: str) -> tuple[int, ...]:
         try:
             values.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers (k = 1024: 2k,4096), got {text!r}"
+            ) from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return tuple(values)
