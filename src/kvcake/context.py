@@ -127,7 +127,7 @@ class CompressedContext:
     def __post_init__(self) -> None:
         self.placed = _placement(self.model)  # what the cache's keys and values were computed in
 
-    def _check_placement(self) -> None:
+    def check_placement(self) -> None:
         """The model must still run in the dtype and on the device the context was compressed with."""
         if (now := _placement(self.model)) != self.placed:
             back = [f"model.to({was})" if isinstance(was, torch.dtype) else f"model.to('{was}')"
@@ -196,7 +196,7 @@ class CompressedContext:
         alone takes any number of follow-ups of one length at once, answered in one batch
         (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused)."""
         _check_follow_ups(question_ids)
-        self._check_placement()
+        self.check_placement()
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
         check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)
         ctx, full, mask = self._follow_ups(question_ids, attention_mask)
@@ -224,7 +224,7 @@ class CompressedContext:
                 "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
             )
         _check_follow_ups(ids, "ids")
-        self._check_placement()
+        self.check_placement()
         ctx, full, mask = self._follow_ups(ids, None)
         ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork() if ctx is self else ctx.cache

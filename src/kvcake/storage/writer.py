@@ -75,7 +75,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             "save_context takes a compressed context (kvcake.compress(model, ids, ...)), got a KVCakeCache: "
             "a file keeps the ids and the last logits beside the cache, so that questions can follow it"
         )
-    ctx._check_placement()  # the model's dtype and device, which the file records, are the cache's
+    ctx.check_placement()  # the model's dtype and device, which the file records, are the cache's
     cache = ctx.cache
     if not isinstance(cache, KVCakeCache) or not cache.prefilled:
         raise ValueError("only a prefilled KVCakeCache can be saved (make it with kvcake.compress)")
