@@ -205,6 +205,33 @@ def test_saved_context_answers_like_a_fresh_one(tiny_dir, tmp_path, capsys, monk
     )
 
 
+def test_a_document_on_standard_input(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``--context-file -`` reads the document from stdin (it was "no such file: -"): generate and save
+    answer as from the file; chat, whose questions come on stdin, refuses it before loading the model."""
+    base = [*model_args(tiny_dir), "--method", "snapkv", *SMALL]
+    document = (tiny_dir / "doc.txt").read_text()
+    ask = ["--question", "w3 w4"]
+    _, from_file, _ = call(
+        capsys, monkeypatch, ["generate", *base, "--context-file", str(tiny_dir / "doc.txt"), *ask]
+    )
+    code, piped, err = call(
+        capsys, monkeypatch, ["generate", *base, "--context-file", "-", *ask], stdin=document
+    )
+    assert code == 0, err
+    assert piped == from_file and piped.strip()
+    kvc = str(tmp_path / "piped.kvc")
+    code, _, err = call(
+        capsys, monkeypatch, ["save", *base[:-2], "--context-file", "-", "--out", kvc], stdin=document
+    )
+    assert code == 0, err
+    _, loaded, _ = call(capsys, monkeypatch, ["generate", "--load", kvc, *ask, "--max-new-tokens", "6"])
+    assert loaded == from_file
+    code, _, err = call(capsys, monkeypatch, ["generate", *base, "--context-file", "-", *ask], stdin="  \n")
+    assert code == 2 and "standard input is empty" in err
+    code, _, err = call(capsys, monkeypatch, ["chat", *base, "--context-file", "-"], stdin="w3 w4\n")
+    assert code == 2 and "chat reads its questions from standard input: give the document as a file" in err
+
+
 def test_a_saved_context_loads_the_model_in_its_dtype(tiny_dir, tmp_path, capsys, monkeypatch):
     """--load picks the dtype the context was saved in, as it picks its model (it said "load the model
     with dtype=torch.bfloat16", which the command line cannot do); another --dtype is refused."""

@@ -24,7 +24,9 @@ logger = logging.getLogger("kvcake.cli")
 
 def _configure_chat(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--context-file", help="the document to compress once")
+    src.add_argument(
+        "--context-file", help="the document to compress once (a file: the questions come on stdin)"
+    )
     src.add_argument("--load", metavar="FILE", help="a context saved with 'kvcake save'")
     _method_args(p)
     _layout_args(p)
@@ -34,6 +36,8 @@ def _configure_chat(p: argparse.ArgumentParser) -> None:
 
 def _run_chat(args: argparse.Namespace) -> int:
     _check_generation(args)
+    if args.context_file == "-":
+        raise ValueError("chat reads its questions from standard input: give the document as a file, not -")
     model, tokenizer, ctx, chat, prefill = _context_from_args(args)
     gen = _gen_kwargs(args, tokenizer)
     _report(f"{cache_summary(ctx.cache, 'context')} | {prefill}")

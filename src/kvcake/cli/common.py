@@ -19,10 +19,15 @@ logger = logging.getLogger("kvcake.cli")
 
 
 def _read_text(path: str) -> str:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"no such file: {p}" if not p.exists() else f"{p} is not a file")
-    text = p.read_text(encoding="utf-8")
+    """The document at ``path``, or on standard input for ``-`` (``cat doc.txt | kvcake generate
+    --context-file - ...``)."""
+    if path == "-":
+        text, p = sys.stdin.read(), "standard input"
+    else:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"no such file: {p}" if not p.exists() else f"{p} is not a file")
+        text = p.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"{p} is empty")
     return text

@@ -30,7 +30,8 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the whole prompt, compressed with the question (question-aware)")
     src.add_argument(
-        "--context-file", help="a document to compress; --question is asked after it (context-only)"
+        "--context-file",
+        help="a document to compress ('-': standard input); --question is asked after it (context-only)",
     )
     src.add_argument(
         "--load", metavar="FILE", help="a context saved with 'kvcake save'; --question is asked after it"

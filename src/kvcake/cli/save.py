@@ -10,7 +10,7 @@ from .options import _layout_args, _method_args, _storage_args
 
 
 def _configure_save(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--context-file", required=True, help="the document to compress")
+    p.add_argument("--context-file", required=True, help="the document to compress ('-': standard input)")
     p.add_argument("--out", required=True, help="the file to write (e.g. doc.kvc), replaced atomically")
     _method_args(p)
     _storage_args(p)
