@@ -469,3 +469,15 @@ def test_the_matmul_probe_counts_every_projection_weight_once():
     assert any(isinstance(m, Conv1D) for m in model.modules()) and len(weights) == 2 * 4 + 1
     seconds, nbytes = matmul_probe(model, Clock(torch.device("cpu")), repeats=1)
     assert seconds > 0 and nbytes == sum(w.numel() * w.element_size() for w in weights.values())
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["decode", "--methods", "snapk"], "did you mean 'snapkv'"),
+    (["memory", "--methods", "full"], "full cache is always measured"),
+    (["decode", "--methods", "snapkv", "--policies", "fixed,sometimes"], "--policies"),
+    (["decode", "--methods", "snapkv", "--quick", "--steps", "1"], "--steps at least --rounds"),
+])  # fmt: skip
+def test_cli_refuses_bad_methods_before_loading_a_model(argv, words, monkeypatch, capsys):
+    monkeypatch.setattr("kvcake.bench.common.load_models", lambda *a, **k: pytest.fail("no model for a typo"))
+    assert cli.main(argv) == 2
+    assert words in capsys.readouterr().err

@@ -155,6 +155,32 @@ def _setting(args, name: str):
     return (QUICK if args.quick else DEFAULTS)[name]
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse a bad ``--methods``, ``--policies`` or ``--steps``/``--rounds`` before any model is loaded
+    (a typo cost the model's load, then an error from inside the bench): each spec is parsed as the
+    bench will build it."""
+    from ..fp8 import storage_spec
+    from ..method import make_method
+
+    if args.methods is None:
+        pass
+    elif all(storage_spec(m)[0].strip().lower() == "full" for m in args.methods):
+        raise ValueError(f"--methods {','.join(args.methods)}: the full cache is always measured; name the "
+                         "compressed methods to compare with it, e.g. --methods snapkv,cake")  # fmt: skip
+    for name in args.methods or ():
+        spec = storage_spec(name)[0]
+        if spec.strip().lower() != "full":
+            make_method(spec, budget=128, window=args.window)
+    if bad := [p for p in args.policies if p not in ("fixed", "none", "preset")]:
+        raise ValueError(
+            f"--policies: unknown decoding policies {bad}; use fixed, none or preset (the method's own)"
+        )
+    steps, rounds = _setting(args, "steps"), _setting(args, "rounds")
+    if args.which in ("decode", "all") and (rounds < 1 or steps < rounds):
+        raise ValueError(f"--steps {steps} --rounds {rounds}: the timed steps are spread over the rounds, so "
+                         "--rounds must be at least 1 and --steps at least --rounds")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench(es) named by ``args.which``; returns the exit status (0; 2 on bad input)."""
     import torch
@@ -174,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if args.which == "report":
         return _report(args)
     try:
+        check_arguments(args)
         device = pick_device(args.device)
     except (ValueError, RuntimeError) as err:
         print(f"kvcake bench: {err}", file=sys.stderr)

@@ -120,7 +120,9 @@ def run_decode(
     host syncs, compiled graphs; a tiny model, deterministic), for the page. Writes ``out/decode.json`` and ``out/decode.png``; returns
     the result dict."""
     if steps < rounds or rounds < 1:
-        raise ValueError("need rounds >= 1 and steps >= rounds")
+        raise ValueError(
+            f"steps ({steps}) are spread over rounds ({rounds}): need rounds >= 1 and steps >= rounds"
+        )
     if bad := [p for p in policies if p not in ("fixed", "none", "preset")]:
         raise ValueError(f"unknown decoding policies {bad}: use fixed, none or preset (the method's own)")
     methods = tuple(m for m in methods if m != "full")
