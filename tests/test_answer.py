@@ -84,11 +84,53 @@ def test_answer_many_questions(tiny_llama, tok, scenario, monkeypatch):
     alone = [kvcake.answer(tiny_llama, tok, context=doc, question=q, **kwargs) for q in qs]
     compressions = []
     compress = kvcake.api.compress
-    monkeypatch.setattr(kvcake.api, "compress", lambda *a, **k: compressions.append(1) or compress(*a, **k))
+    monkeypatch.setattr(
+        kvcake.answers, "compress", lambda *a, **k: compressions.append(1) or compress(*a, **k)
+    )
     together = kvcake.answer(tiny_llama, tok, context=doc, question=qs, **kwargs)
     assert together == alone and together[0] == together[2]
     assert kvcake.answer(tiny_llama, tok, context=doc, question=tuple(qs[:1]), **kwargs) == alone[:1]
     assert len(compressions) == (2 if scenario == "context" else 0)  # once per call, whatever the questions
+
+
+@pytest.mark.parametrize("scenario", ["context", "question"])
+@pytest.mark.parametrize("kw", [{}, {"num_beams": 2, "num_return_sequences": 2}])
+def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, scenario, kw):
+    """Questions of one token length are answered together, at most ``batch_size`` at once, in the
+    order of each batch's first question: after the document compressed once (context), or each
+    compressed with it as a row of one batch (question-aware). Every answer is the one its
+    question gets alone (the first of its returned sequences)."""
+    doc = document(160)
+    qs = ["w3 w4 w5", "w9 w1", "w6 w7 w8", "w2 w2", "w5 w4 w3", "w1 w1 w1"]
+    kwargs = {
+        "method": "cake",
+        "keep_ratio": 0.3,
+        "window": 8,
+        "max_new_tokens": 6,
+        "scenario": scenario,
+        **kw,
+    }
+    alone = [kvcake.answer(tiny_llama, tok, context=doc, question=q, **kwargs) for q in qs]
+    batches = []
+    if scenario == "context":
+        run = kvcake.CompressedContext.generate
+        monkeypatch.setattr(kvcake.CompressedContext, "generate",
+                            lambda self, ids, **k: batches.append(ids.shape[0]) or run(self, ids, **k))  # fmt: skip
+    else:
+        run = kvcake.answers.generate
+        monkeypatch.setattr(kvcake.answers, "generate",
+                            lambda model, ids, *a, **k: batches.append(ids.shape[0]) or run(model, ids, *a, **k))  # fmt: skip
+    assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=2, **kwargs) == alone
+    assert batches == [2, 2, 2]  # questions 0 and 2, 4 and 5 (three words), 1 and 3 (two)
+    batches.clear()
+    assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=4, **kwargs) == alone
+    assert batches == [4, 2]
+    batches.clear()
+    assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=1, **kwargs) == alone
+    assert batches == [1] * 6
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"batch_size= must be a positive int .*got {bad}"):
+            kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=bad)
 
 
 @pytest.mark.parametrize("scenario", ["context", "question"])

@@ -27,7 +27,7 @@ README = SRC.parent / "README.md"
 LAYERS = {
     "faces": ["cli", "eval", "bench", "demo", "inspect", "calibration.cli", "standalone"],
     "package": ["kvcake"],
-    "api": ["api", "calibration", "replay", "storage", "storage.reader"],
+    "api": ["answers", "api", "calibration", "replay", "storage", "storage.reader"],
     "context": ["context"],
     "cache": ["cache", "cascade", "head_counts", "pending_norms", "decoding", "attention", "storage.writer"],
     "method": ["method", "temperatures", "layer", "step", "sliding", "cross", "latent", "hybrid_layer"],

@@ -6,7 +6,8 @@ composable parts: a layer allocator x a head allocator x a token scorer x a sele
 """
 
 from .adapters import with_cache
-from .api import answer, compress, generate
+from .answers import answer
+from .api import compress, generate
 from .attention import enable
 from .budget import BudgetSpec
 from .cache import KVCakeCache

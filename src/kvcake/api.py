@@ -1,5 +1,5 @@
-"""The Python API: answer a question about a text, compress with ``model.generate``, or
-compress once and ask many times.
+"""The Python API on token ids: compress with ``model.generate``, or compress once and ask many
+times (``kvcake.answer``, text in and text out, is in ``answers.py`` above this module).
 
 >>> kvcake.answer(model, tokenizer, context=document, question="Who wrote it?")   # -> str
 >>> kvcake.answer(model, tokenizer, context=document, question=["Who?", "When?"])  # -> list[str]
@@ -24,7 +24,6 @@ or, for a document served to many questions (context-only compression):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import torch
 import transformers
@@ -40,11 +39,11 @@ from .adapters import (
     with_cache,
 )
 from .attention import enable
-from .budget import DEFAULT_METHOD, STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
+from .budget import STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
 from .context import CompressedContext, check_answerable, check_generation, check_positions, generation_length
 from .method import FULL, Method, make_method, resolve_ratio
-from .prompts import build_prompt, check_mask, is_integer, not_ids
+from .prompts import check_mask, is_integer, not_ids
 from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
@@ -287,113 +286,3 @@ def _check_model_inputs(model_inputs: dict, ids_shape: torch.Size) -> None:
             f"kvcake.compress got {', '.join(taken)}: it prefills its own cache from input_ids and keeps the "
             "last token's logits; pass only the model's other inputs (images: pixel_values, image_grid_thw, ...)"
         )
-
-
-SCENARIOS = ("context", "question")
-
-
-def answer(
-    model: torch.nn.Module,
-    tokenizer,
-    context: str,
-    question: str | Sequence[str],
-    method: Method | str | None = None,
-    *,
-    scenario: str = "context",
-    budget: int | None = None,
-    keep_ratio: float | None = None,
-    ratio: float | None = None,
-    window: int = 32,
-    chat: bool | None = None,
-    answer_prefix: str = "",
-    max_new_tokens: int = 64,
-    kv_dtype: str | None = None,
-    kv_recent: int | None = None,
-    **generate_kwargs,
-) -> str | list[str]:
-    """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
-    answer as text, or, for a list of questions, the list of their answers in order (kvpress's
-    pipeline's ``questions=``): in the context scenario the document is compressed once and every
-    question is asked after it; question-aware, each question is compressed with the document.
-
-    The prompt is laid out as the ``kvcake`` command lays it out (:func:`kvcake.build_prompt`):
-    with the tokenizer's chat template when it has one (``chat=None``), the document and the
-    question form one user turn, ``<context>\n\n<question>``.
-
-    Parameters
-    ----------
-    scenario:
-        ``"context"`` (default): the document is compressed alone, then the question is asked
-        after it, as when one document serves many questions (use :func:`compress` to keep it);
-        ``"question"``: the question is compressed with the document (question-aware, easier).
-    budget, keep_ratio:
-        Entries kept per layer, or the fraction of the prompt kept (``ratio`` is its older
-        name; kvpress's ``compression_ratio=0.2`` is ``keep_ratio=0.8``). Neither keeps
-        ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
-    method:
-        A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
-        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
-        in both scenarios: README "Which method").
-    answer_prefix:
-        Text the answer starts with (kvpress's pipeline's ``answer_prefix``), put after the question
-        (at the start of the assistant turn with a chat template); the returned answer is what
-        the model writes after it.
-    kv_dtype, kv_recent:
-        ``"fp8"``: the kept entries in float8, the last ``kv_recent`` tokens' also in the model's
-        dtype (:func:`generate`); None: the model's dtype.
-    generate_kwargs:
-        Passed to ``model.generate`` (greedy unless ``do_sample=True``).
-    """
-    if scenario not in SCENARIOS:
-        raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
-    if method is None:
-        method = DEFAULT_METHOD[scenario]
-    questions = _questions(question)
-    if not isinstance(context, str) or not context.strip():
-        raise ValueError(f"context= must be non-empty text, got {context!r}")
-    if not isinstance(answer_prefix, str):
-        raise TypeError(f"answer_prefix= must be text, got {type(answer_prefix).__name__}")
-    prompts = [
-        build_prompt(tokenizer, context.strip() + "\n\n", q.strip(), answer_prefix, chat) for q in questions
-    ]
-    device = next(model.parameters()).device
-    generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs}
-    generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
-    for prompt in prompts:  # every question checked before any work
-        check_positions(model, prompt.full.shape[1], generate_kwargs)
-    sizes = {
-        "budget": budget,
-        "keep_ratio": keep_ratio,
-        "ratio": ratio,
-        "window": window,
-        "kv_dtype": kv_dtype,
-        "kv_recent": kv_recent,
-    }
-    contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
-    answers = []
-    for prompt in prompts:
-        if scenario == "question":
-            ids = prompt.full.to(device)
-            out, _ = generate(
-                model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs
-            )
-            new = getattr(out, "sequences", out)[:, ids.shape[1] :]
-        else:  # a chat template puts the same ids before every question; a context serves them all
-            key = prompt.context.numpy().tobytes()
-            if key not in contexts:
-                contexts[key] = compress(model, prompt.context.to(device), method, **sizes)
-            new = contexts[key].generate(prompt.question.to(device), **generate_kwargs)
-        new = getattr(new, "sequences", new)  # return_dict_in_generate=True
-        answers.append(tokenizer.decode(new[0], skip_special_tokens=True).strip())
-    return answers[0] if isinstance(question, str) else answers
-
-
-def _questions(question: str | Sequence[str]) -> list[str]:
-    """``answer``'s question, or its list of questions, checked: non-empty text each."""
-    questions = [question] if isinstance(question, str) else question
-    if not isinstance(questions, (list, tuple)) or not questions:
-        raise ValueError(f"question= must be non-empty text or a non-empty list of it, got {question!r}")
-    for text in questions:
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"question= must be non-empty text (or a list of it), got {text!r}")
-    return list(questions)

@@ -1,0 +1,150 @@
+"""The text-level API: ``kvcake.answer`` (text in, text out; kvpress's pipeline's questions=).
+
+A document compressed alone serves every question asked after it. Questions of one token length
+are answered together in one batch: ``CompressedContext.generate`` takes several follow-ups of
+one length, and ``generate`` several prompts of one length (padding is not supported for
+follow-ups, since a compressed layer would keep the padding as tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .api import compress, generate
+from .budget import DEFAULT_METHOD
+from .context import CompressedContext, check_positions
+from .method import Method
+from .prompts import PromptIds, build_prompt
+
+SCENARIOS = ("context", "question")
+
+
+def answer(
+    model: torch.nn.Module,
+    tokenizer,
+    context: str,
+    question: str | Sequence[str],
+    method: Method | str | None = None,
+    *,
+    scenario: str = "context",
+    budget: int | None = None,
+    keep_ratio: float | None = None,
+    ratio: float | None = None,
+    window: int = 32,
+    chat: bool | None = None,
+    answer_prefix: str = "",
+    max_new_tokens: int = 64,
+    kv_dtype: str | None = None,
+    kv_recent: int | None = None,
+    batch_size: int = 8,
+    **generate_kwargs,
+) -> str | list[str]:
+    """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
+    answer as text, or, for a list of questions, the list of their answers in order (kvpress's
+    pipeline's ``questions=``): in the context scenario the document is compressed once and every
+    question is asked after it; question-aware, each question is compressed with the document.
+
+    The prompt is laid out as the ``kvcake`` command lays it out (:func:`kvcake.build_prompt`):
+    with the tokenizer's chat template when it has one (``chat=None``), the document and the
+    question form one user turn, ``<context>\n\n<question>``.
+
+    Parameters
+    ----------
+    scenario:
+        ``"context"`` (default): the document is compressed alone, then the question is asked
+        after it, as when one document serves many questions (use :func:`compress` to keep it);
+        ``"question"``: the question is compressed with the document (question-aware, easier).
+    budget, keep_ratio:
+        Entries kept per layer, or the fraction of the prompt kept (``ratio`` is its older
+        name; kvpress's ``compression_ratio=0.2`` is ``keep_ratio=0.8``). Neither keeps
+        ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
+    method:
+        A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
+        default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
+        in both scenarios: README "Which method").
+    answer_prefix:
+        Text the answer starts with (kvpress's pipeline's ``answer_prefix``), put after the question
+        (at the start of the assistant turn with a chat template); the returned answer is what
+        the model writes after it.
+    kv_dtype, kv_recent:
+        ``"fp8"``: the kept entries in float8, the last ``kv_recent`` tokens' also in the model's
+        dtype (:func:`generate`); None: the model's dtype.
+    batch_size:
+        Questions of one token length are answered together, at most this many in one batch (each
+        row holds its own copy of the compressed document while it decodes; question-aware, each
+        row is compressed as it would be alone); 1 answers one question at a time. A row's answer
+        is the one it gets alone, up to the rounding of batched matrix products.
+    generate_kwargs:
+        Passed to ``model.generate`` (greedy unless ``do_sample=True``).
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"batch_size= must be a positive int (questions answered at once), got {batch_size!r}"
+        )
+    if method is None:
+        method = DEFAULT_METHOD[scenario]
+    questions = _questions(question)
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError(f"context= must be non-empty text, got {context!r}")
+    if not isinstance(answer_prefix, str):
+        raise TypeError(f"answer_prefix= must be text, got {type(answer_prefix).__name__}")
+    prompts = [
+        build_prompt(tokenizer, context.strip() + "\n\n", q.strip(), answer_prefix, chat) for q in questions
+    ]
+    device = next(model.parameters()).device
+    generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs}
+    generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    for prompt in prompts:  # every question checked before any work
+        check_positions(model, prompt.full.shape[1], generate_kwargs)
+    sizes = {
+        "budget": budget,
+        "keep_ratio": keep_ratio,
+        "ratio": ratio,
+        "window": window,
+        "kv_dtype": kv_dtype,
+        "kv_recent": kv_recent,
+    }
+    answers: list[str] = [""] * len(prompts)
+    contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
+    for group in _batches(prompts, batch_size):
+        if scenario == "question":  # each prompt compressed whole, a row of one batch
+            ids = torch.cat([prompts[i].full for i in group]).to(device)
+            out, _ = generate(
+                model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs
+            )
+            new = getattr(out, "sequences", out)[:, ids.shape[1] :]  # return_dict_in_generate=True
+        else:
+            key = prompts[group[0]].context.numpy().tobytes()
+            if key not in contexts:  # a chat template puts the same ids before every question
+                contexts[key] = compress(model, prompts[group[0]].context.to(device), method, **sizes)
+            ids = torch.cat([prompts[i].question for i in group]).to(device)
+            new = contexts[key].generate(ids, **generate_kwargs)
+            new = getattr(new, "sequences", new)
+        rows = new.shape[0] // len(group)  # each question's first row (beams, num_return_sequences)
+        for j, i in enumerate(group):
+            answers[i] = tokenizer.decode(new[j * rows], skip_special_tokens=True).strip()
+    return answers[0] if isinstance(question, str) else answers
+
+
+def _batches(prompts: list[PromptIds], size: int) -> list[list[int]]:
+    """Indices of ``prompts`` in batches of at most ``size`` that share the context's ids and the
+    question's length, in the order of each batch's first question."""
+    groups: dict[tuple[bytes, int], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault((prompt.context.numpy().tobytes(), prompt.question.shape[1]), []).append(i)
+    return [g[k : k + size] for g in groups.values() for k in range(0, len(g), size)]
+
+
+def _questions(question: str | Sequence[str]) -> list[str]:
+    """``answer``'s question, or its list of questions, checked: non-empty text each."""
+    questions = [question] if isinstance(question, str) else question
+    if not isinstance(questions, (list, tuple)) or not questions:
+        raise ValueError(f"question= must be non-empty text or a non-empty list of it, got {question!r}")
+    for text in questions:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"question= must be non-empty text (or a list of it), got {text!r}")
+    return list(questions)
