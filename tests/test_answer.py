@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, TextStreamer
 
 import kvcake
 from kvcake.budget import DEFAULT_KEEP_RATIO, default_budget
@@ -128,6 +128,12 @@ def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, sc
     batches.clear()
     assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=1, **kwargs) == alone
     assert batches == [1] * 6
+    if not kw:  # a streamer takes one sequence (transformers' refuse a batch, and beams)
+        batches.clear()
+        streamed = kvcake.answer(
+            tiny_llama, tok, context=doc, question=qs, streamer=TextStreamer(tok), **kwargs
+        )
+        assert streamed == alone and batches == [1] * 6
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"batch_size= must be a positive int .*got {bad}"):
             kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=bad)

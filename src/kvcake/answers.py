@@ -74,8 +74,9 @@ def answer(
     batch_size:
         Questions of one token length are answered together, at most this many in one batch (each
         row holds its own copy of the compressed document while it decodes; question-aware, each
-        row is compressed as it would be alone); 1 answers one question at a time. A row's answer
-        is the one it gets alone, up to the rounding of batched matrix products.
+        row is compressed as it would be alone); 1 answers one question at a time, and so does a
+        ``streamer=`` (transformers' streamers take one sequence). A row's answer is the one it
+        gets alone, up to the rounding of batched matrix products.
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``).
     """
@@ -110,7 +111,7 @@ def answer(
     }
     answers: list[str] = [""] * len(prompts)
     contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
-    for group in _batches(prompts, batch_size):
+    for group in _batches(prompts, 1 if generate_kwargs.get("streamer") is not None else batch_size):
         if scenario == "question":  # each prompt compressed whole, a row of one batch
             ids = torch.cat([prompts[i].full for i in group]).to(device)
             out, _ = generate(
