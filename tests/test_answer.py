@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
 import kvcake
-from kvcake.budget import DEFAULT_KEEP_RATIO, default_budget
+from kvcake.budget import DEFAULT_KEEP_RATIO, MAX_BUDGET, default_budget
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|end|>", "<|assistant|>"]
 WORDS = [f"w{i}" for i in range(128 - len(SPECIALS))]
@@ -221,10 +221,26 @@ def test_scenario_defaults(tiny_llama):
     assert int(ctx.cache.budgets[0, 0]) == 200
     _, cache = kvcake.generate(tiny_llama, ids, "snapkv", max_new_tokens=2, do_sample=False)
     assert cache.method.budget.ratio == DEFAULT_KEEP_RATIO["question"] == 0.25
-    assert default_budget("question", 100) == {"budget": 100}  # 25 < the 32-token window
+    assert default_budget("question", 100) == {"budget": MAX_BUDGET}  # 25 < the 32-token window: all kept
     assert default_budget("context", 100) == {"ratio": 0.5}
     with pytest.raises(ValueError, match="scenario must be one of"):
         default_budget("document", 100)
+
+
+@pytest.mark.parametrize("spec", ["cake", "streamingllm", "h2o", "tova", "cake-adakv", "snapkv"])
+def test_a_prompt_too_short_for_the_default_is_not_compressed(tiny_llama, spec):
+    """No budget given and a prompt too short for the scenario's keep ratio: every entry is kept,
+    while decoding too. The default was the prompt's own length, so a decode=fixed preset evicted
+    one of the oldest entries at every step (under CAKE's avg pooling the attention sink first,
+    in every layer) and garbled the answers of short prompts."""
+    ids = torch.randint(7, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    ref = tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    out, cache = kvcake.generate(tiny_llama, ids, spec, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref) and cache.method.budget.describe() == "budget=all"
+    parts = cache.kv_bytes_parts()
+    assert parts.entries == parts.full_entries
+    ctx = kvcake.compress(tiny_llama, ids[:, :40], spec)  # 20 < the 32-token window
+    assert torch.equal(ctx.generate(ids[:, 40:], max_new_tokens=12, do_sample=False), ref[:, 60:])
 
 
 def test_full_method_keeps_everything_while_decoding(tiny_llama):

@@ -8,10 +8,13 @@ budget (``budget=128``) or a kept fraction of each sequence's own prompt (``rati
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Budgets beyond this many entries per layer are all "unbounded" (see BudgetSpec.per_layer).
 MAX_BUDGET = 1 << 40
@@ -38,13 +41,18 @@ STARVED_MIN_TOKENS = 1024
 
 def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[str, int | float]:
     """``budget=``/``ratio=`` keyword for a prompt of ``prompt_tokens`` when the user gave none:
-    ``DEFAULT_KEEP_RATIO[scenario]``, or the whole prompt when that ratio would leave less than
-    the window (short prompts need no compression)."""
+    ``DEFAULT_KEEP_RATIO[scenario]``, or every entry (``MAX_BUDGET``: the prompt's and those after
+    it) when that ratio would leave less than the window. A prompt that short needs no
+    compression; a budget of its own length would have a ``decode=fixed`` preset evict one of its
+    oldest entries at every step (the attention sink first under CAKE's average pooling, whose
+    zero padding halves the oldest entry's score), which garbled short answers."""
     if scenario not in DEFAULT_KEEP_RATIO:
         raise ValueError(f"scenario must be one of {', '.join(DEFAULT_KEEP_RATIO)}, got {scenario!r}")
     ratio = DEFAULT_KEEP_RATIO[scenario]
     if round(ratio * prompt_tokens) < window:
-        return {"budget": max(window, prompt_tokens)}
+        logger.info("a %d-token prompt is too short for the default keep ratio %s (it would keep fewer than the "
+                    "%d-token window): every entry is kept", prompt_tokens, ratio, window)  # fmt: skip
+        return {"budget": MAX_BUDGET}
     return {"ratio": ratio}
 
 
@@ -122,5 +130,12 @@ class BudgetSpec:
             )
         return avg
 
+    @property
+    def keeps_all(self) -> bool:
+        """Whether the budget is beyond any prompt (``MAX_BUDGET``): nothing is ever evicted."""
+        return self.budget is not None and self.budget >= MAX_BUDGET
+
     def describe(self) -> str:
+        if self.keeps_all:
+            return "budget=all"
         return f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"

@@ -226,7 +226,7 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
     _calibrated_indicator(cache)
-    if bool((per_layer >= lengths).all()) and cache.method.name != "full":
+    if bool((per_layer >= lengths).all()) and not budget.keeps_all and cache.method.name != "full":
         logger.warning(
             "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
             budget.describe(),
