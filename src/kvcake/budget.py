@@ -45,7 +45,7 @@ def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[
     it) when that ratio would leave less than the window. A prompt that short needs no
     compression; a budget of its own length would have a ``decode=fixed`` preset evict one of its
     oldest entries at every step (the attention sink first under CAKE's average pooling, whose
-    zero padding halves the oldest entry's score), which garbled short answers."""
+    zero padding leaves the oldest entry three of its five terms), which garbled short answers."""
     if scenario not in DEFAULT_KEEP_RATIO:
         raise ValueError(f"scenario must be one of {', '.join(DEFAULT_KEEP_RATIO)}, got {scenario!r}")
     ratio = DEFAULT_KEEP_RATIO[scenario]

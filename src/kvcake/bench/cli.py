@@ -162,9 +162,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     from ..fp8 import storage_spec
     from ..method import make_method
 
-    if args.methods is None:
-        pass
-    elif all(storage_spec(m)[0].strip().lower() == "full" for m in args.methods):
+    if args.methods and all(storage_spec(m)[0].strip().lower() == "full" for m in args.methods):
         raise ValueError(f"--methods {','.join(args.methods)}: the full cache is always measured; name the "
                          "compressed methods to compare with it, e.g. --methods snapkv,cake")  # fmt: skip
     for name in args.methods or ():
