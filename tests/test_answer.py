@@ -96,10 +96,10 @@ def test_answer_many_questions(tiny_llama, tok, scenario, monkeypatch):
 @pytest.mark.parametrize("scenario", ["context", "question"])
 @pytest.mark.parametrize("kw", [{}, {"num_beams": 2, "num_return_sequences": 2}])
 def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, scenario, kw):
-    """Questions of one token length are answered together, at most ``batch_size`` at once, in the
-    order of each batch's first question: after the document compressed once (context), or each
-    compressed with it as a row of one batch (question-aware). Every answer is the one its
-    question gets alone (the first of its returned sequences)."""
+    """Questions of one token length are answered together, at most ``batch_size`` at once (such
+    groups in the order of their first questions): after the document compressed once (context),
+    or each compressed with it as a row of one batch (question-aware). Every answer is the one
+    its question gets alone (the first of its returned sequences)."""
     doc = document(160)
     qs = ["w3 w4 w5", "w9 w1", "w6 w7 w8", "w2 w2", "w5 w4 w3", "w1 w1 w1"]
     kwargs = {
@@ -134,9 +134,13 @@ def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, sc
             tiny_llama, tok, context=doc, question=qs, streamer=TextStreamer(tok), **kwargs
         )
         assert streamed == alone and batches == [1] * 6
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match=f"batch_size= must be a positive int .*got {bad}"):
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match=f"batch_size= is how many questions .* an int: got {bad}"):
             kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=bad)
+    with pytest.raises(
+        ValueError, match=r"batch_size= must be at least 1 \(1: one question at a time\), got 0"
+    ):
+        kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=0)
 
 
 @pytest.mark.parametrize("scenario", ["context", "question"])

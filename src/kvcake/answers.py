@@ -82,10 +82,10 @@ def answer(
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
-            f"batch_size= must be a positive int (questions answered at once), got {batch_size!r}"
-        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"batch_size= is how many questions are answered at once, an int: got {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size= must be at least 1 (1: one question at a time), got {batch_size}")
     if method is None:
         method = DEFAULT_METHOD[scenario]
     questions = _questions(question)
@@ -133,7 +133,7 @@ def answer(
 
 def _batches(prompts: list[PromptIds], size: int) -> list[list[int]]:
     """Indices of ``prompts`` in batches of at most ``size`` that share the context's ids and the
-    question's length, in the order of each batch's first question."""
+    question's length: such groups in the order of their first questions, each cut in order."""
     groups: dict[tuple[bytes, int], list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault((prompt.context.numpy().tobytes(), prompt.question.shape[1]), []).append(i)
