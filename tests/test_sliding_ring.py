@@ -1,10 +1,12 @@
-"""Hybrid models' sliding layers decode in a ring of ``window`` slots (``kvcake.sliding``): the
-same tokens as transformers' own layer (up to float rounding: the ring sums in slot order), the
-same compiled and eager, and one compiled graph per step even with ``dynamic=False``, where
-transformers' own ``StaticCache`` recompiles at every step on a hybrid model (its sliding layer's
-host count and mask offset)."""
+"""Hybrid models' sliding layers decode in a ring of ``window`` slots, or of the cache's capacity
+where that is less (``kvcake.sliding``): the same tokens as transformers' own layer (up to float
+rounding: the ring sums in slot order), the same compiled and eager, and one compiled graph per
+step even with ``dynamic=False``, where transformers' own ``StaticCache`` recompiles at every
+step on a hybrid model (its sliding layer's host count and mask offset)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -25,15 +27,17 @@ SLIDING = (0, 1, 3, 4)
 
 
 def _decode(
-    model, step, *, prompt: int, steps: int, batch: int = 1, static: bool = True, spec: str = "snapkv"
-):
+    model, step, *, prompt: int, steps: int, batch: int = 1, static: bool = True, spec: str = "snapkv",
+    capacity: int | None = None,
+):  # fmt: skip
     """Prefill ``prompt`` tokens (left padding of 3 on sequence 1 when ``batch`` is 2), then
-    ``steps`` single-token steps through ``step``; returns the cache and the (steps, B, vocab) logits."""
+    ``steps`` single-token steps through ``step``; returns the cache and the (steps, B, vocab) logits.
+    ``capacity``: the cache's ``max_cache_len`` (default ``prompt + steps``)."""
     ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1:, :3] = 0
     cache = KVCakeCache(model, kvcake.make_method(spec, budget=8, window=4), static=static,
-                        max_cache_len=prompt + steps)  # fmt: skip
+                        max_cache_len=capacity or prompt + steps)  # fmt: skip
     logits = []
     with kvcake.enable(model), torch.no_grad():
         out = model(ids, attention_mask=mask if batch > 1 else None, **with_cache(model, cache))
@@ -67,6 +71,36 @@ def test_the_ring_decodes_as_transformers_sliding_layer(prompt, batch):
         keys, values = ring.layers[i].window()
         torch.testing.assert_close(keys, ref_cache.layers[i].keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(values, ref_cache.layers[i].values, rtol=1e-5, atol=1e-5)
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_ring_holds_no_more_slots_than_the_capacity_and_grows_past_it_eagerly(batch):
+    """As transformers' static sliding layers (``min(window, max_cache_len)``): a capacity shorter
+    than the window lays the ring out with that many slots (a 5-token prompt on Gemma-3-270M held
+    a 512-slot ring per sliding layer, 20 x a DynamicCache's bytes). Eager steps past it grow the
+    ring to the window, every token in its slot; the logits are the dynamic layer's throughout."""
+    model = _tiny_gemma3()
+    for capacity, slots in [(9, 9), (6, TINY_GEMMA3_WINDOW)]:  # 4 + 5 tokens; 4 + 5 past 6: grown
+        ring, got = _decode(model, model.forward, prompt=4, steps=5, batch=batch, capacity=capacity)
+        _, ref = _decode(model, model.forward, prompt=4, steps=5, batch=batch, static=False)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        for i in SLIDING:
+            assert ring.layers[i].static == "ring" and ring.layers[i].keys.shape[2] == slots
+            assert ring.layers[i].valid.shape == (batch, slots) and ring.layers[i].cumulative_length == 9
+
+
+@needs_kwargs_handoff
+def test_a_compiled_ring_step_past_its_capacity_stops_with_a_clear_error():
+    """A compiled step counts the ring's tokens on the device only: past the capacity it was laid
+    out for, a device-side check stops it instead of writing past the ring."""
+    from kvcake.sliding import PAST_RING
+
+    model = _tiny_gemma3()
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
+    with pytest.raises(RuntimeError, match=re.escape(PAST_RING[60:120])):
+        _decode(model, step, prompt=4, steps=5, capacity=6)
 
 
 def test_a_multi_token_append_leaves_the_ring_and_comes_back():

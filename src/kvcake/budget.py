@@ -139,3 +139,13 @@ class BudgetSpec:
         if self.keeps_all:
             return "budget=all"
         return f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+
+
+def check_capacity(max_cache_len: int | None) -> int | None:
+    """``max_cache_len``, which must be None or a positive token count (bool is not one)."""
+    if max_cache_len is not None and (type(max_cache_len) is not int or max_cache_len < 1):
+        raise ValueError(
+            f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
+            f"(or None when unknown), got {max_cache_len!r}"
+        )
+    return max_cache_len

@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache
 from . import cascade, decoding
 from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
+from .budget import check_capacity
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
 from .fp8 import check_kv_dtype, check_kv_recent
@@ -165,8 +166,8 @@ class KVCakeCache(RecurrentStates, Cache):
         self._fingerprint = model_fingerprint(model) if cake else None
         self._model_name = model_name(model) if cake else None  # for warnings
         self.static = bool(static)  # see the class docstring; False: the dynamic reference
+        self._max_cache_len = check_capacity(max_cache_len)
         self._plan_sliding()
-        self._max_cache_len = _check_capacity(max_cache_len)
         # Tensor parallelism: this process holds a block of each layer's KV heads; CAKE's preferences
         # and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
         self.split: HeadSplit | None = find_split(model)
@@ -269,8 +270,8 @@ class KVCakeCache(RecurrentStates, Cache):
                 self._track_bytes(lid)
 
     def _plan_sliding(self) -> None:  # with static storage, in a ring (sliding.py; the kwargs hand-off)
-        for layer in (x for x in self.layers if isinstance(x, SlidingLayer)):
-            layer.plan = self.static and self.info.hands_kwargs
+        for layer in (x for x in self.layers if isinstance(x, SlidingLayer)):  # (its size: the capacity)
+            layer.plan, layer.capacity = self.static and self.info.hands_kwargs, self.max_cache_len
 
     def serve(self, static: bool) -> None:
         """Choose how a prefilled cache kept in the dynamic layout (a compressed context) decodes:
@@ -283,9 +284,11 @@ class KVCakeCache(RecurrentStates, Cache):
     def reserve(self, max_cache_len: int | None) -> None:
         """Set the capacity (class docstring) before decoding, e.g. a context's fork's once its question
         and ``max_new_tokens`` are known. Static layers keep theirs until a multi-token append."""
-        self._max_cache_len = _check_capacity(max_cache_len)
+        self._max_cache_len = check_capacity(max_cache_len)
         if self.prefilled:
             self.plan_static(lay_out=False)
+        else:
+            self._plan_sliding()
 
     def compact(self) -> None:
         """Move the layers in static storage back to the dynamic layout, which holds exactly the
@@ -388,13 +391,3 @@ class KVCakeCache(RecurrentStates, Cache):
     @_tau.setter
     def _tau(self, value: tuple[float, float] | None) -> None:  # a context file read back
         self.tau = None if value is None else TauChoice(float(value[0]), float(value[1]), "saved")
-
-
-def _check_capacity(max_cache_len: int | None) -> int | None:
-    """``max_cache_len``, which must be None or a positive token count (bool is not one)."""
-    if max_cache_len is not None and (type(max_cache_len) is not int or max_cache_len < 1):
-        raise ValueError(
-            f"max_cache_len must be a positive int, the prompt's tokens plus the tokens to generate "
-            f"(or None when unknown), got {max_cache_len!r}"
-        )
-    return max_cache_len

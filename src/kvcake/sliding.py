@@ -9,12 +9,13 @@ kernel and mask, exactly as a ``DynamicCache``'s. Every compression method, budg
 allocation applies to the global layers only.
 
 Decoding with static storage (the cache's default, ``static=True``), a sliding layer moves at
-its first single-token step into a *ring* of ``window`` slots (``static == "ring"``): token ``p``
-is written in place at slot ``p % window``, over the one that left the window, and the kvcake
-attention reads every slot holding a token (``valid``: not empty, not padding) without the
-model's mask. Nothing in a step depends on a host count (the tokens seen are a device tensor
-while compiling, read back once when asked), so a compiled step is one graph for hybrid models
-too. A multi-token append moves the layer back to transformers' layout first. Slots are in ring
+its first single-token step into a *ring* of ``window`` slots (``static == "ring"``; no more than
+the cache's ``max_cache_len`` where that is known, as transformers' static sliding layers, grown
+to the window by an eager step past it): token ``p`` is written in place at slot ``p % window``,
+over the one that left the window, and the kvcake attention reads every slot holding a token
+(``valid``: not empty, not padding) without the model's mask. Nothing in a step depends on a host
+count (the tokens seen are a device tensor while compiling, read back once when asked), so a
+compiled step is one graph for hybrid models too. A multi-token append moves the layer back to transformers' layout first. Slots are in ring
 order, not position order, so the attention sums in another order than the model's kernel on
 the dynamic layer: equal up to float rounding (tests), not bit for bit.
 
@@ -42,13 +43,19 @@ from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
 from .recurrent import LinearAttentionLayer, RecurrentLayer, state_bytes
 
+PAST_RING = (
+    "a compiled decode step went past KVCakeCache(max_cache_len=...), the tokens a sliding layer's ring was "
+    "laid out for: pass max_cache_len=prompt + every token to generate (an eager step grows the ring instead)"
+)
+
 
 class SlidingLayer(DynamicSlidingWindowLayer):
     """transformers' ``DynamicSlidingWindowLayer`` plus kvcake's bookkeeping and the ring (module
     docstring).
 
     Holds keys/values ``(B, H_kv, min(seen, window - 1), d)``, the last ``window - 1`` entries
-    (the query itself makes ``window``), or in the ring ``(B, H_kv, window, d)``."""
+    (the query itself makes ``window``), or in the ring ``(B, H_kv, window, d)`` (fewer slots where
+    ``capacity`` is less)."""
 
     is_croppable = False  # the cache as a whole cannot be cropped (its global layers evicted)
 
@@ -57,6 +64,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.chunked = chunked  # attends within chunks of ``sliding_window`` tokens (module docstring)
         super().__init__(sliding_window=sliding_window, **kwargs)  # by name: 5.8.1-5.13.1 take a config first
         self.plan = False  # decode in the ring (the cache's static storage), from the next step
+        self.capacity: int | None = None  # the cache's max_cache_len: a ring no longer (None: the window)
         self.static: str | None = None  # "ring" while decoding in place
         self.valid: torch.Tensor | None = None  # (B, window) bool: ring slots holding a token
         self.seen: torch.Tensor | None = None  # 0-d long: tokens seen, counted on the device
@@ -168,23 +176,41 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         b, hkv, n, _ = self.keys.shape
         n = min(n, self.sliding_window - 1, self.length)
         slots = self._slots(n)
-        keys = self.keys.new_zeros(b, hkv, self.sliding_window, self.keys.shape[-1])
-        values = self.values.new_zeros(b, hkv, self.sliding_window, self.values.shape[-1])
+        # as transformers' static sliding layers: no more slots than the tokens the cache will hold
+        # (token p at slot p % window: a shorter ring is the first slots of the window's)
+        size = self.sliding_window if self.capacity is None else min(self.sliding_window, max(self.capacity, self.length + 1))  # fmt: skip
+        keys = self.keys.new_zeros(b, hkv, size, self.keys.shape[-1])
+        values = self.values.new_zeros(b, hkv, size, self.values.shape[-1])
         keys[:, :, slots] = self.keys[:, :, self.keys.shape[2] - n :]
         values[:, :, slots] = self.values[:, :, self.values.shape[2] - n :]
-        valid = torch.zeros(b, self.sliding_window, dtype=torch.bool, device=keys.device)
+        valid = torch.zeros(b, size, dtype=torch.bool, device=keys.device)
         valid[:, slots] = True if visible is None else visible[:, visible.shape[1] - n :].to(keys.device)
         self.keys, self.values, self.valid = keys, values, valid
         self.seen = torch.tensor(self.length, dtype=torch.long, device=keys.device)
-        self.slot_order = torch.arange(self.sliding_window, device=keys.device)  # (window,)
+        self.slot_order = torch.arange(size, device=keys.device)  # (size,)
         # (B,) long, a chunked layer's: each row's place in its chunk, the tokens its last query saw less one
         self.phase = torch.full((b,), (self.length - 1) % self.sliding_window, device=keys.device)
         if visible is not None:
             self.phase.copy_(visible.sum(-1) - 1)
         self.static = "ring"
+        self._mark_static()
+
+    def _mark_static(self) -> None:
         if not torch.compiler.is_compiling():  # fixed addresses, as transformers' static layers (CUDA graphs)
             for t in (self.keys, self.values, self.valid, self.seen, self.slot_order, self.phase):
                 torch._dynamo.mark_static_address(t)
+
+    def _grow(self) -> None:
+        """Past the capacity its ring was laid out for, eagerly: a ring of the whole window, every slot
+        where it was (a compiled step stops instead, ``_ring_append``)."""
+        size, window = self.keys.shape[2], self.sliding_window
+        keys = self.keys.new_zeros(*self.keys.shape[:2], window, self.keys.shape[-1])
+        values = self.values.new_zeros(*self.values.shape[:2], window, self.values.shape[-1])
+        valid = self.valid.new_zeros(self.valid.shape[0], window)
+        keys[:, :, :size], values[:, :, :size], valid[:, :size] = self.keys, self.values, self.valid
+        self.keys, self.values, self.valid = keys, values, valid
+        self.slot_order = torch.arange(window, device=keys.device)
+        self._mark_static()
 
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values transformers' layer holds (the last ``window - 1`` tokens, oldest
@@ -203,6 +229,11 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
     def _ring_append(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """One token written in place at slot ``seen % window``; returns the ring."""
+        if self.keys.shape[2] < self.sliding_window:  # a ring the capacity cut short
+            if torch.compiler.is_compiling():
+                torch._assert_async(self.seen < self.keys.shape[2], PAST_RING)
+            elif self.length >= self.keys.shape[2]:
+                self._grow()
         slot = torch.remainder(self.seen, self.sliding_window).reshape(1)
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)

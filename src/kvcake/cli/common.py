@@ -164,7 +164,7 @@ def cache_summary(cache, label: str) -> str:
             f", the last {ring} tokens' also exact)" if ring else ")"
         )
     if p.sliding:
-        line += (f"; sliding layers {_fmt_bytes(p.sliding)} (their window), "
+        line += (f"; sliding layers {_fmt_bytes(p.sliding)} (at most their window), "
                  f"{len(cache.compressed)} global layers {_fmt_bytes(p.compressed)}")  # fmt: skip
     return line + _tau_line(cache)
 
