@@ -137,6 +137,20 @@ def test_static_storage_grows_past_its_capacity_as_the_reference(tiny_llama, spe
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["cake", "cake-oneshot", "streamingllm", "h2o", "tova", "cake-adakv"])
+def test_decode_fixed_past_max_cache_len_keeps_its_budget(tiny_llama, spec):
+    """A budget (140) above the prompt (120 tokens, 95 on the padded row) and room for 5 tokens
+    (``max_cache_len``): static storage held the entries plus the tokens left, so the steps past
+    it evicted below the budget (this test failed). An eager step past the capacity now lays the
+    layers out as without one: the reference's kept sets and logits."""
+    ref_logits, ref_kept, _ = _decode(tiny_llama, spec, static=False, budget=140)
+    logits, kept, cache = _decode(tiny_llama, spec, static=True, max_cache_len=120 + 5, budget=140)
+    assert cache.max_cache_len is None  # dropped at the step past it
+    for step, (a, b) in enumerate(zip(ref_kept, kept, strict=True)):
+        assert a == b, f"kept sets differ at decode step {step}"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
 # ragged presets whose decode steps attend without probabilities: on CUDA their static layers
 # go to the variable-length kernel (decode=none, and decode=fixed with a probability-free scorer)
 RAGGED_KERNEL = ["adakv", "critical-adakv", "defensivekv", "layer-defensivekv", FIXED[-1]]

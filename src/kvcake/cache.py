@@ -222,6 +222,7 @@ class KVCakeCache(RecurrentStates, Cache):
             )
         if self._waiting:  # the previous layer's stage (cascade.PendingStage) or eviction
             self._run_stage()  # (pending_norms.PendingNorms)
+        decoding.outgrow_capacity(self, layer_idx, key_states.shape[-2])  # an eager step past max_cache_len
         keys, values = layer.update(key_states, value_states, **kwargs)
         self._hand_off(layer_idx, keys, kwargs)
         self._track_bytes(layer_idx, held)

@@ -53,6 +53,23 @@ def plan(cache: Cache, layer_idx: int) -> None:
     layer.oldest = cache.method.scorer.oldest_victim(cache.method.budget.window) if fixed else None
 
 
+def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
+    """Before an eager single-token step past ``max_cache_len`` (read at the first compressed layer):
+    plan and lay out every layer as without one. A ``decode=fixed`` layer whose budget is above its
+    entries holds only the entries plus the tokens that were left (``KVCakeLayer.to_static``), so
+    past them it would evict below its budget; ``decode=none`` storage and sliding rings grow anyway.
+    A compiled step cannot lay anything out: ``decode=none`` and the rings stop it with an error."""
+    cap, first = cache.max_cache_len, cache.layers[layer_idx]
+    if cap is None or torch.compiler.is_compiling() or not cache.prefilled or tokens != 1:
+        return
+    if layer_idx != cache.compressed[0] or first.length < cap:  # (a count on the host, read eagerly)
+        return
+    cache.reserve(None)  # the capacity no longer holds
+    for layer in (cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None):
+        layer.step.to_dynamic(layer)
+    cache.plan_static(lay_out=True)
+
+
 def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:
     """Bring layer ``layer_idx`` back to its decoding budget after one step's attention."""
     layer = cache.layers[layer_idx]
