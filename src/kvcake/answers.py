@@ -111,7 +111,7 @@ def answer(
     }
     answers: list[str] = [""] * len(prompts)
     contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
-    for group in _batches(prompts, 1 if generate_kwargs.get("streamer") is not None else batch_size):
+    for key, group in _batches(prompts, 1 if generate_kwargs.get("streamer") is not None else batch_size):
         if scenario == "question":  # each prompt compressed whole, a row of one batch
             ids = torch.cat([prompts[i].full for i in group]).to(device)
             out, _ = generate(
@@ -119,7 +119,6 @@ def answer(
             )
             new = getattr(out, "sequences", out)[:, ids.shape[1] :]  # return_dict_in_generate=True
         else:
-            key = prompts[group[0]].context.numpy().tobytes()
             if key not in contexts:  # a chat template puts the same ids before every question
                 contexts[key] = compress(model, prompts[group[0]].context.to(device), method, **sizes)
             ids = torch.cat([prompts[i].question for i in group]).to(device)
@@ -131,13 +130,14 @@ def answer(
     return answers[0] if isinstance(question, str) else answers
 
 
-def _batches(prompts: list[PromptIds], size: int) -> list[list[int]]:
-    """Indices of ``prompts`` in batches of at most ``size`` that share the context's ids and the
-    question's length: such groups in the order of their first questions, each cut in order."""
+def _batches(prompts: list[PromptIds], size: int) -> list[tuple[bytes, list[int]]]:
+    """(the context's ids as bytes, indices of ``prompts``): batches of at most ``size`` that share
+    the context's ids and the question's length, such groups in the order of their first
+    questions, each cut in order."""
     groups: dict[tuple[bytes, int], list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault((prompt.context.numpy().tobytes(), prompt.question.shape[1]), []).append(i)
-    return [g[k : k + size] for g in groups.values() for k in range(0, len(g), size)]
+    return [(key, g[k : k + size]) for (key, _), g in groups.items() for k in range(0, len(g), size)]
 
 
 def _questions(question: str | Sequence[str]) -> list[str]:

@@ -15,9 +15,10 @@ to the window by an eager step past it): token ``p`` is written in place at slot
 over the one that left the window, and the kvcake attention reads every slot holding a token
 (``valid``: not empty, not padding) without the model's mask. Nothing in a step depends on a host
 count (the tokens seen are a device tensor while compiling, read back once when asked), so a
-compiled step is one graph for hybrid models too. A multi-token append moves the layer back to transformers' layout first. Slots are in ring
-order, not position order, so the attention sums in another order than the model's kernel on
-the dynamic layer: equal up to float rounding (tests), not bit for bit.
+compiled step is one graph for hybrid models too. A multi-token append moves the layer back to
+transformers' layout first. Slots are in ring order, not position order, so the attention sums in
+another order than the model's kernel on the dynamic layer: equal up to float rounding (tests),
+not bit for bit.
 
 Chunked layers (Llama 4's ``chunked_attention``) are the same layer with ``chunked=True``: a token
 attends the tokens of its chunk (``C`` tokens, the chunk size, held as the window, as transformers
@@ -178,22 +179,28 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         slots = self._slots(n)
         # as transformers' static sliding layers: no more slots than the tokens the cache will hold
         # (token p at slot p % window: a shorter ring is the first slots of the window's)
-        size = self.sliding_window if self.capacity is None else min(self.sliding_window, max(self.capacity, self.length + 1))  # fmt: skip
-        keys = self.keys.new_zeros(b, hkv, size, self.keys.shape[-1])
-        values = self.values.new_zeros(b, hkv, size, self.values.shape[-1])
+        held = self.sliding_window if self.capacity is None else max(self.capacity, self.length + 1)
+        keys, values, valid = self._empty_ring(min(self.sliding_window, held))
         keys[:, :, slots] = self.keys[:, :, self.keys.shape[2] - n :]
         values[:, :, slots] = self.values[:, :, self.values.shape[2] - n :]
-        valid = torch.zeros(b, size, dtype=torch.bool, device=keys.device)
         valid[:, slots] = True if visible is None else visible[:, visible.shape[1] - n :].to(keys.device)
         self.keys, self.values, self.valid = keys, values, valid
         self.seen = torch.tensor(self.length, dtype=torch.long, device=keys.device)
-        self.slot_order = torch.arange(size, device=keys.device)  # (size,)
         # (B,) long, a chunked layer's: each row's place in its chunk, the tokens its last query saw less one
         self.phase = torch.full((b,), (self.length - 1) % self.sliding_window, device=keys.device)
         if visible is not None:
             self.phase.copy_(visible.sum(-1) - 1)
         self.static = "ring"
         self._mark_static()
+
+    def _empty_ring(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zeroed keys and values (B, H_kv, size, d) like the held ones, their flags (B, size), and
+        ``slot_order`` set for ``size`` slots."""
+        b, hkv = self.keys.shape[:2]
+        keys = self.keys.new_zeros(b, hkv, size, self.keys.shape[-1])
+        values = self.values.new_zeros(b, hkv, size, self.values.shape[-1])
+        self.slot_order = torch.arange(size, device=keys.device)  # (size,)
+        return keys, values, torch.zeros(b, size, dtype=torch.bool, device=keys.device)
 
     def _mark_static(self) -> None:
         if not torch.compiler.is_compiling():  # fixed addresses, as transformers' static layers (CUDA graphs)
@@ -203,13 +210,10 @@ class SlidingLayer(DynamicSlidingWindowLayer):
     def _grow(self) -> None:
         """Past the capacity its ring was laid out for, eagerly: a ring of the whole window, every slot
         where it was (a compiled step stops instead, ``_ring_append``)."""
-        size, window = self.keys.shape[2], self.sliding_window
-        keys = self.keys.new_zeros(*self.keys.shape[:2], window, self.keys.shape[-1])
-        values = self.values.new_zeros(*self.values.shape[:2], window, self.values.shape[-1])
-        valid = self.valid.new_zeros(self.valid.shape[0], window)
+        size = self.keys.shape[2]
+        keys, values, valid = self._empty_ring(self.sliding_window)
         keys[:, :, :size], values[:, :, :size], valid[:, :size] = self.keys, self.values, self.valid
         self.keys, self.values, self.valid = keys, values, valid
-        self.slot_order = torch.arange(window, device=keys.device)
         self._mark_static()
 
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,16 +160,17 @@ def check_arguments(args: argparse.Namespace) -> None:
     (a typo cost the model's load, then an error from inside the bench): each spec is parsed as the
     bench will build it."""
     from ..fp8 import storage_spec
-    from ..method import make_method
+    from ..method import FULL, make_method
+    from .decode import POLICIES
 
-    if args.methods and all(storage_spec(m)[0].strip().lower() == "full" for m in args.methods):
+    specs = [storage_spec(name)[0] for name in args.methods or ()]
+    compressed = [spec for spec in specs if spec.strip().lower() != FULL]
+    if specs and not compressed:
         raise ValueError(f"--methods {','.join(args.methods)}: the full cache is always measured; name the "
                          "compressed methods to compare with it, e.g. --methods snapkv,cake")  # fmt: skip
-    for name in args.methods or ():
-        spec = storage_spec(name)[0]
-        if spec.strip().lower() != "full":
-            make_method(spec, budget=128, window=args.window)
-    if bad := [p for p in args.policies if p not in ("fixed", "none", "preset")]:
+    for spec in compressed:
+        make_method(spec, budget=128, window=args.window)
+    if bad := [p for p in args.policies if p not in POLICIES]:
         raise ValueError(
             f"--policies: unknown decoding policies {bad}; use fixed, none or preset (the method's own)"
         )

@@ -72,6 +72,7 @@ BEST_FULL_TARGET = 0.5
 BOUND_TARGET = 1.3
 FULL_STATIC = "full-static"  # the full cache in a transformers StaticCache (compileable)
 REFERENCE_ROWS = ("full", FULL_STATIC, FLOOR)  # the rows that are not methods
+POLICIES = ("fixed", "none", "preset")  # decoding policies: fixed, none, or each method's own
 
 
 def _decode_configs(methods, budgets, policies, length: int) -> list[tuple[str, int, str]]:
@@ -123,7 +124,7 @@ def run_decode(
         raise ValueError(
             f"steps ({steps}) are spread over rounds ({rounds}): need rounds >= 1 and steps >= rounds"
         )
-    if bad := [p for p in policies if p not in ("fixed", "none", "preset")]:
+    if bad := [p for p in policies if p not in POLICIES]:
         raise ValueError(f"unknown decoding policies {bad}: use fixed, none or preset (the method's own)")
     methods = tuple(m for m in methods if m != "full")
     clock = Clock(models.device)
