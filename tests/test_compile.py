@@ -338,6 +338,73 @@ def test_a_compiled_step_past_max_cache_len_stops_with_a_clear_error(spec):
         _decode_without_mask(model, spec, 4, step, 60 + 2)
 
 
+def _decode_past(
+    spec: str, budget: int, max_cache_len: int | None, step_for, padding: int = 25
+) -> tuple[list, Exception | None]:
+    """A batch of 2 (120 tokens, ``padding`` of them on the left of the second), prefilled eagerly,
+    then up to 8 steps through ``step_for(model)``; returns each step's logits and the error that
+    stopped it."""
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (2, 120), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :padding] = 0
+    method = kvcake.make_method(spec, budget=budget, window=4)
+    cache = KVCakeCache(model, method, static=True, max_cache_len=max_cache_len)
+    step, logits = step_for(model), []
+    with kvcake.enable(model), torch.no_grad():
+        tok = model(ids, attention_mask=mask, **with_cache(model, cache)).logits[:, -1:].argmax(-1)
+        for _ in range(8):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            try:
+                out = step(tok, attention_mask=mask, **with_cache(model, cache))
+            except (RuntimeError, ValueError) as error:
+                return logits, error
+            tok = out.logits[:, -1:].argmax(-1)
+            logits.append(out.logits[:, -1])
+    return logits, None
+
+
+def _compiled(model):
+    torch._dynamo.reset()
+    return torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["h2o", "cake"])
+def test_a_compiled_step_decodes_a_plain_layer_up_to_its_budget_then_stops_clearly(spec):
+    """A budget (122) above the prompt (120, no padding) and no ``max_cache_len``: the layers
+    evict nothing from the prompt and stay plain (the model's own kernel reads them). A compiled step reads a
+    plain layer's length against its smallest budget, a host int of its plan, not its counts
+    (traced as data-dependent: the first compiled step failed to trace); at the step that would
+    evict from it, which lays it out anew, it stops with ``PAST_BUDGET`` (in the error's cause
+    with fullgraph; without, the step breaks the graph and evicts eagerly)."""
+    from kvcake.decoding import PAST_BUDGET
+
+    eager, _ = _decode_past(spec, 122, None, lambda model: model.forward, padding=0)
+    compiled, error = _decode_past(spec, 122, None, _compiled, padding=0)
+    assert 1 <= len(compiled) < 8 and error is not None
+    assert PAST_BUDGET in f"{error} {error.__cause__}"
+    tol = PLAIN_TOLERANCE  # the model's own kernel, compiled
+    torch.testing.assert_close(torch.stack(compiled), torch.stack(eager[: len(compiled)]), rtol=tol, atol=tol)
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["cake", "streamingllm", "cake-adakv"])
+def test_a_compiled_decode_fixed_step_past_max_cache_len_stops_with_a_clear_error(spec):
+    """A budget (140) above the prompt and room for 5 tokens (``max_cache_len=125``): each head's
+    static storage holds its entries plus those 5, less than its budget. An eager step past it
+    lays the cache out anew (``test_static.py``); a compiled one evicted below the budget, in
+    silence, and now stops at a device-side check (``PAST_CAPACITY``) after the 5 steps, which
+    decode as eager's."""
+    from kvcake.step.common import PAST_CAPACITY
+
+    eager, _ = _decode_past(spec, 140, 125, lambda model: model.forward)
+    compiled, error = _decode_past(spec, 140, 125, _compiled)
+    assert len(compiled) == 5 and isinstance(error, RuntimeError)
+    assert PAST_CAPACITY[:80] in str(error)
+    torch.testing.assert_close(torch.stack(compiled), torch.stack(eager[:5]), rtol=1e-5, atol=1e-5)
+
+
 @needs_kwargs_handoff
 def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
     """``compile=`` makes the cache static (``is_compileable``) and hands transformers' generate a

@@ -13,6 +13,13 @@ from transformers.cache_utils import Cache
 from .ragged import to_device
 from .selectors import SelectionInputs, TopK
 
+PAST_BUDGET = (
+    "a compiled decode step reached the decoding budget of a layer that evicted nothing from the prompt "
+    "(its budget was above it): its first eviction lays it out anew, which a compiled step cannot. Pass "
+    "KVCakeCache(max_cache_len=prompt + every token to generate), which lays it out before the first "
+    "step, or run the steps past it eagerly"
+)
+
 
 def wants_probs(cache: Cache, layer_idx: int) -> bool:
     """Whether this step's attention must return probabilities (decoding-time eviction)."""
@@ -25,11 +32,15 @@ def wants_probs(cache: Cache, layer_idx: int) -> bool:
 
 
 def _over_budget(cache: Cache, layer, layer_idx: int) -> bool:
-    """Whether a dynamic layer holds more than its decoding budget on some head: none where its
-    budget covers the capacity and the tokens seen are within it (``plan``), a fact of
-    the plan that a compiled step reads as it is (the count check traces as data-dependent)."""
-    if layer.covers_capacity and layer.length <= cache.max_cache_len:
-        return False
+    """Whether a dynamic layer holds more than its decoding budget on some head. A plain layer
+    holds at most ``length`` entries a head: within its smallest budget (``evicts_past``, a host
+    int of its static plan) it is over none, which a compiled step reads as it is (the count check
+    traces as data-dependent); past it, a compiled step cannot evict from it (``PAST_BUDGET``)."""
+    if layer.plain and layer.evicts_past is not None:
+        if layer.length <= layer.evicts_past:
+            return False
+        if torch.compiler.is_compiling():
+            raise ValueError(PAST_BUDGET)
     return bool((layer.counts > cache.decode_budget[:, cache._slot[layer_idx]]).any())
 
 
@@ -41,15 +52,15 @@ def plan(cache: Cache, layer_idx: int) -> None:
     capacity is reached (``evicts_ahead``): its first eviction, left to the dynamic path, would
     run inside a decode step, which a compiled step cannot (its check is data-dependent), so it
     moves into static storage with the others and evicts in place, read by the kvcake attention.
-    Where its budget covers the capacity (``covers_capacity``), a compiled step reads that fact
-    instead of its counts (``_over_budget``). Without a known capacity neither holds."""
+    Where its budget covers the capacity, or the capacity is unknown, it stays plain; a compiled
+    step reads its length instead of its counts (``_over_budget``) and stops where it would evict."""
     layer, capacity = cache.layers[layer_idx], cache.max_cache_len
     budget = cache.decode_budget[:, cache._slot[layer_idx]]  # (B, H_kv)
     fixed = cache.method.decode == "fixed"
     layer.static_plan = (budget if fixed else None, capacity)
     bounded = fixed and capacity is not None and layer.plain
-    layer.covers_capacity = bounded and bool((budget >= capacity).all())
-    layer.evicts_ahead = bounded and not layer.covers_capacity
+    layer.evicts_ahead = bounded and not bool((budget >= capacity).all())
+    layer.evicts_past = int(budget.min()) if fixed else None
     layer.oldest = cache.method.scorer.oldest_victim(cache.method.budget.window) if fixed else None
 
 
@@ -58,13 +69,14 @@ def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
     plan and lay out every layer as without one. A ``decode=fixed`` layer whose budget is above its
     entries holds only the entries plus the tokens that were left (``KVCakeLayer.to_static``), so
     past them it would evict below its budget; ``decode=none`` storage and sliding rings grow anyway.
-    A compiled step cannot lay anything out: ``decode=none`` and the rings stop it with an error."""
+    A compiled step cannot lay anything out: where the storage does not serve past the capacity it
+    stops with an error (``step.common.PAST_CAPACITY``, ``sliding.PAST_RING``)."""
     cap, first = cache.max_cache_len, cache.layers[layer_idx]
     if cap is None or torch.compiler.is_compiling() or not cache.prefilled or tokens != 1:
         return
     if layer_idx != cache.compressed[0] or first.length < cap:  # (a count on the host, read eagerly)
         return
-    cache.reserve(None)  # the capacity no longer holds
+    cache._max_cache_len = None  # the capacity no longer holds (planned below)
     for layer in (cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None):
         layer.step.to_dynamic(layer)
     cache.plan_static(lay_out=True)

@@ -51,8 +51,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.length = 0  # logical columns seen (the property below)
         self.layout = "dense"
         self.plain = True
-        # plain: whether decode=fixed evicts from it before the capacity, or its budget covers that (decoding.plan)
-        self.evicts_ahead = self.covers_capacity = False
+        self.evicts_ahead, self.evicts_past = False, None  # plain, decode=fixed (decoding.plan)
         self.ranked = False  # entries in the selector's order (each head's best first), not position order
         self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
         self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
@@ -213,13 +212,14 @@ class KVCakeLayer(CacheLayerMixin):
 
     def to_static(self) -> None:
         """Move into ``static_plan``'s buffers: ``decode=none`` reserves a slot per token up to
-        ``max_cache_len`` (``GROWTH`` if unknown); ``decode=fixed`` per head its budget, or
-        its entries plus the tokens left where that is less, plus the spare slot."""
+        ``max_cache_len`` (``GROWTH`` if unknown); ``decode=fixed`` per head its budget, or its
+        entries plus the tokens left where that is less (then ``full_at``, the length past which
+        it cannot serve: ``step.common.advance``), plus the spare slot."""
         budget, max_len = self.static_plan
-        self.plain = False  # read by the kvcake attention from now on (decoding.plan)
+        self.plain, self.full_at = False, None  # plain: read by the kvcake attention from now on
         room = GROWTH if max_len is None else max(max_len - self.length, 0)
-        if budget is not None and max_len is not None:
-            budget = np.minimum(budget, self.counts + room)  # a head cannot hold more
+        if budget is not None and max_len is not None and (budget > self.counts + room).any():
+            budget, self.full_at = np.minimum(budget, self.counts + room), self.length + room
         self.step.to_static(self, budget, room)
         if budget is None and max_len is not None:  # decode=none with room for every token to come:
             self.room, self.full_at = None, self.length + max(room, 1)  # no count in the step

@@ -104,7 +104,9 @@ def filled(t: torch.Tensor, width: int, fill, dim: int = 2) -> torch.Tensor:
 def advance(layer, grow: Callable) -> None:
     """Before an append: ``decode=none`` takes one slot of the room, after the layout's ``grow``
     where none is left, and every head counts one more entry; ``newest`` (B, H_kv, 1) steps to
-    the new token's position (after ``grow``, which may lay the layer out anew)."""
+    the new token's position (after ``grow``, which may lay the layer out anew). A compiled
+    ``decode=fixed`` step where some head holds less than its budget (its storage sized to
+    ``max_cache_len``: ``full_at``) stops at a device-side check past it, as ``check_room``."""
     if layer.static == "none":
         if layer.room is None and not torch.compiler.is_compiling() and layer.length >= layer.full_at:
             layer.room = 0  # past max_cache_len, eagerly: grow and count as without one
@@ -115,11 +117,14 @@ def advance(layer, grow: Callable) -> None:
             layer.room -= 1
         count_step(layer)
     layer.newest.add_(1)
+    if layer.static == "fixed" and layer.full_at is not None and torch.compiler.is_compiling():
+        # some head's budget is above what its storage holds (the tokens up to max_cache_len)
+        torch._assert_async((layer.newest < layer.full_at).all(), PAST_CAPACITY)
 
 
 PAST_CAPACITY = (
-    "a compiled decode step went past KVCakeCache(max_cache_len=...), the capacity reserved for "
-    "decode=none: pass max_cache_len=prompt + every token to generate (an eager step grows the storage instead)"
+    "a compiled decode step went past KVCakeCache(max_cache_len=...), the tokens its static storage was "
+    "laid out for: pass max_cache_len=prompt + every token to generate (an eager step lays the storage out anew)"
 )
 
 
