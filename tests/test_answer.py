@@ -313,3 +313,30 @@ def test_transformers_pipeline_with_a_kvcake_cache(tiny_llama, tok):
         ]
     assert reply == stock and compressed.split()
     assert small.budgets.tolist() == [[24] * 4] and small.kv_bytes() < covered.kv_bytes()
+
+
+@pytest.mark.parametrize("scenario", ["context", "question"])
+def test_answer_takes_compile(tiny_llama, tok, scenario):
+    """``compile=`` reaches a compressed context's ``generate`` (context) or ``kvcake.generate``
+    (question) instead of transformers' ``model.generate``, which refused it as an unknown kwarg:
+    a recording backend captures the decoding forward, the answers are eager's."""
+    from transformers import CompileConfig
+
+    from shared_checks import KWARGS_HANDOFF
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
+        graphs.append(gm)
+        return gm.forward
+
+    doc, questions = document(120), ["w3 w4 w5", "w6 w7 w8"]
+    kw = {"scenario": scenario, "budget": 24, "window": 4, "max_new_tokens": 6}
+    eager = kvcake.answer(tiny_llama, tok, doc, questions, compile=False, **kw)
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    if not KWARGS_HANDOFF:
+        with pytest.raises(ValueError, match="upgrade transformers or use compile=False"):
+            kvcake.answer(tiny_llama, tok, doc, questions, compile=config, **kw)
+        return
+    assert kvcake.answer(tiny_llama, tok, doc, questions, compile=config, **kw) == eager and graphs

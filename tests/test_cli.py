@@ -299,7 +299,6 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         (["generate", "--prompt", "w1", "--max-new-tokens", "5000"], "positions, but the model has 4096"),
         (["generate", "--prompt", "w1", "--num-beams", "0"], "--num-beams must be at least 1, got 0"),
         (["generate", "--prompt", "w1", "--num-beams", "2", "--compile"], "beam search runs eagerly: drop --compile"),
-        (["generate", "--context-file", "DOC", "--question", "w1", "--compile"], "--compile applies to --prompt"),
         (["generate", "--prompt", "w1", "--compile", "--dynamic"], "drop --dynamic"),
         (["generate", "--context-file", "DOC", "--question", "w1", "--max-new-tokens", "4000"],
          "positions, but the model has 4096"),
@@ -503,6 +502,44 @@ def test_scenario_picks_the_temperature_set(tiny_dir, tmp_path, capsys, monkeypa
     assert "--scenario" in out
     code, out, err = call(capsys, monkeypatch, [*prompt, "--scenario", "document"])
     assert code == 2 and "invalid choice: 'document'" in err
+
+
+def test_generate_compile_reaches_a_compressed_contexts_generate(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``--compile`` with ``--context-file`` reaches ``CompressedContext.generate(compile=True)``
+    (it was refused: a compressed document decoded eagerly); without it, None (transformers
+    decides, eager on a CPU). A recording backend stands in for inductor; the tokens are eager's."""
+    import torch
+    from transformers import CompileConfig
+
+    from kvcake.context import CompressedContext
+    from shared_checks import KWARGS_HANDOFF
+
+    graphs, seen = [], []
+    real = CompressedContext.generate
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def recording(self, *args, compile=None, **kwargs):
+        seen.append(compile)
+        if compile is True:
+            compile = CompileConfig(fullgraph=True, backend=backend, mode=None)
+        return real(self, *args, compile=compile, **kwargs)
+
+    monkeypatch.setattr(CompressedContext, "generate", recording)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("w1 w2 " * 40)
+    args = ["generate", *model_args(tiny_dir), "--context-file", str(doc), "--question", "w3 w4", *SMALL]
+    eager = call(capsys, monkeypatch, args)
+    torch._dynamo.reset()
+    compiled = call(capsys, monkeypatch, [*args, "--compile"])
+    assert seen == [None, True]
+    if KWARGS_HANDOFF:
+        assert eager[0] == compiled[0] == 0, compiled[2]
+        assert compiled[1] == eager[1] and len(graphs) >= 1
+    else:
+        assert compiled[0] == 2 and "upgrade transformers or use compile=False" in compiled[2]
 
 
 def test_generate_compile_decodes_the_same_tokens(tiny_dir, capsys, monkeypatch):

@@ -425,6 +425,43 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
     assert torch.equal(out, ref)
 
 
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["layer-defensivekv", "cake", "h2o"])
+def test_a_compressed_contexts_generate_with_compile_compiles_its_decoding(spec):
+    """``CompressedContext.generate(compile=...)``, as ``kvcake.generate``'s (it was not taken:
+    transformers refused the unknown kwarg, and ``kvcake --compile`` refused a context): three
+    follow-ups of 6 tokens in one batch, the fork laid out in static storage after the question,
+    its decoding forward captured whole, the tokens eager's."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
+        graphs.append(gm)
+        return gm.forward
+
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
+    questions = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    ctx = kvcake.compress(model, ids, spec, budget=24, window=4)
+    eager = ctx.generate(questions, max_new_tokens=10, do_sample=False, compile=False)
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    compiled = ctx.generate(questions, max_new_tokens=10, do_sample=False, compile=config)
+    assert 1 <= len(graphs) <= 2 and torch.equal(compiled, eager)
+
+
+def test_compile_refusals_name_the_fix():
+    """A context compressed with ``static=False`` decodes in the dynamic layout, which compile=True
+    cannot compile; a value that is not a switch or a ``CompileConfig`` is refused, not read as True."""
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    questions = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    dynamic = kvcake.compress(model, ids, "snapkv", budget=16, window=4, static=False)
+    with pytest.raises(ValueError, match="drop static=False"):
+        dynamic.generate(questions, max_new_tokens=2, compile=True)
+    with pytest.raises(TypeError, match="compile must be None, True, False or a transformers CompileConfig"):
+        kvcake.generate(model, ids, "snapkv", budget=16, window=4, max_new_tokens=2, compile="yes")
+
+
 def _two_layer_neox() -> GPTNeoXForCausalLM:
     config = GPTNeoXConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

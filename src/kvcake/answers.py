@@ -78,7 +78,8 @@ def answer(
         ``streamer=`` (transformers' streamers take one sequence). A row's answer is the one it
         gets alone, up to the rounding of batched matrix products.
     generate_kwargs:
-        Passed to ``model.generate`` (greedy unless ``do_sample=True``).
+        Passed to ``model.generate`` (greedy unless ``do_sample=True``), but for ``compile=``,
+        as ``kvcake.generate`` and ``CompressedContext.generate`` take it.
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")

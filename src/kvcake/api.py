@@ -26,13 +26,11 @@ from __future__ import annotations
 import logging
 
 import torch
-import transformers
 from transformers import CompileConfig
 
 from .adapters import (
     TOKEN_INPUTS,
     cache_keyword,
-    describe_model,
     generate_with_cache,
     generation_setting,
     rope_delta_holders,
@@ -41,7 +39,14 @@ from .adapters import (
 from .attention import enable
 from .budget import STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
 from .cache import KVCakeCache
-from .context import CompressedContext, check_answerable, check_generation, check_positions, generation_length
+from .context import (
+    CompressedContext,
+    check_answerable,
+    check_generation,
+    check_positions,
+    compile_options,
+    generation_length,
+)
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import check_mask, is_integer, not_ids
 from .temperatures import Scenario
@@ -169,34 +174,7 @@ def generate(
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
     room = generation_length(model, generate_kwargs, input_ids.shape[1])  # decode storage, preallocated
-    if compile is False:
-        generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
-    elif compile is not None:
-        if not static:
-            raise ValueError(
-                "compile=True compiles the static decode step: drop static=False (or compile=True)"
-            )
-        if (generation_setting(model, generate_kwargs, "num_beams") or 1) > 1:
-            raise ValueError(
-                "compile=True compiles greedy and sampled decoding; transformers' beam search runs the model's "
-                "forward eagerly, so nothing would be compiled: drop compile=True (or num_beams)"
-            )
-        info = describe_model(model)
-        if info.own_masks:
-            raise ValueError(
-                f"compile=True: {info.model_type} builds its masks from a 2-D padding mask and cannot take the 4-D "
-                "mask transformers gives a compiled decode (its StaticCache fails there too): use compile=False"
-            )
-        if not info.hands_kwargs:
-            raise ValueError(
-                f"compile=True needs a model whose attention passes its kwargs to cache.update, as transformers' "
-                f"models do from 5.24 ({info.model_type} under the installed transformers "
-                f"{transformers.__version__} does not, so the kvcake attention reads its cache back eagerly "
-                "only): upgrade transformers or use compile=False"
-            )
-        config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
-        config._compile_all_devices = True  # transformers compiles on accelerators only by default
-        generate_kwargs["compile_config"] = config
+    compile_options(model, compile, static, generate_kwargs)
     cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario,
                         kv_dtype=kv_dtype, kv_recent=kv_recent)  # fmt: skip
     with enable(model), torch.no_grad():

@@ -11,6 +11,8 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
+import transformers
+from transformers import CompileConfig
 
 from .adapters import (
     IMAGE_IN_EVERY_FORWARD,
@@ -45,6 +47,47 @@ def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
             "use_cache=False would feed the whole sequence again at every step into the compressed "
             "cache: drop use_cache=False (kvcake always decodes with its cache)"
         )
+
+
+def compile_options(model: torch.nn.Module, compile, static: bool, generate_kwargs: dict) -> None:
+    """Put ``compile`` (``kvcake.generate``'s and ``CompressedContext.generate``'s argument) into
+    ``generate_kwargs`` after refusing what it cannot compile: None leaves it to transformers,
+    which compiles a compileable cache's decoding forward on accelerators, not on a CPU; False
+    decodes eagerly everywhere; True (``torch.compile(fullgraph=True)``) or a ``CompileConfig``
+    compiles it on any device."""
+    if compile is False:
+        generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
+        return
+    if compile is None:
+        return
+    if not isinstance(compile, (bool, CompileConfig)):
+        raise TypeError(f"compile must be None, True, False or a transformers CompileConfig, got {compile!r}")
+    if not static:
+        raise ValueError(
+            "compile=True compiles the static decode step, and this cache decodes in the dynamic layout: drop "
+            "static=False (given to kvcake.generate or kvcake.compress), or compile=True"
+        )
+    if (generation_setting(model, generate_kwargs, "num_beams") or 1) > 1:
+        raise ValueError(
+            "compile=True compiles greedy and sampled decoding; transformers' beam search runs the model's "
+            "forward eagerly, so nothing would be compiled: drop compile=True (or num_beams)"
+        )
+    info = describe_model(model)
+    if info.own_masks:
+        raise ValueError(
+            f"compile=True: {info.model_type} builds its masks from a 2-D padding mask and cannot take the 4-D "
+            "mask transformers gives a compiled decode (its StaticCache fails there too): use compile=False"
+        )
+    if not info.hands_kwargs:
+        raise ValueError(
+            f"compile=True needs a model whose attention passes its kwargs to cache.update, as transformers' "
+            f"models do from 5.24 ({info.model_type} under the installed transformers "
+            f"{transformers.__version__} does not, so the kvcake attention reads its cache back eagerly "
+            "only): upgrade transformers or use compile=False"
+        )
+    config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on accelerators only by default
+    generate_kwargs["compile_config"] = config
 
 
 def check_answerable(model: torch.nn.Module) -> None:
@@ -187,17 +230,22 @@ class CompressedContext:
         )  # fmt: skip
 
     def generate(
-        self, question_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs
-    ) -> torch.Tensor:
+        self, question_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+        compile: bool | CompileConfig | None = None, **generate_kwargs,
+    ) -> torch.Tensor:  # fmt: skip
         """Append ``question_ids`` (B, q) to a fork of the context and generate; returns only the
         new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``
         (with ``return_dict_in_generate=True``, ``model.generate``'s output whose ``sequences`` are
         the answer's ids). A context of B sequences takes a follow-up per sequence; one compressed
         alone takes any number of follow-ups of one length at once, answered in one batch
-        (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused)."""
+        (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused).
+        ``compile``: as ``kvcake.generate``'s (None: transformers compiles the decoding forward on
+        accelerators; True: on any device; False: never), the context's layers laid out in static
+        storage right after the question."""
         _check_follow_ups(question_ids)
         self.check_placement()
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
+        compile_options(self.model, compile, self.cache.static, generate_kwargs)
         check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)
         ctx, full, mask = self._follow_ups(question_ids, attention_mask)
         cache = self.fork() if ctx is self else ctx.cache

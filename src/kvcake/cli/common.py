@@ -253,11 +253,13 @@ def _tau_line(cache) -> str:
     return f" | CAKE {cache.tau.describe()}" if getattr(cache, "tau", None) is not None else ""
 
 
-def _answer(ctx, tokenizer, question: str, chat: bool, gen: dict) -> tuple[torch.Tensor, _Streamer, float]:
+def _answer(
+    ctx, tokenizer, question: str, chat: bool, gen: dict, compile: bool | None = None
+) -> tuple[torch.Tensor, _Streamer, float]:
     q_ids = _question_ids(tokenizer, question, chat).to(ctx.input_ids.device)
     streamer = _Streamer(tokenizer, gen)
     start = time.perf_counter()
-    out = ctx.generate(q_ids, **streamer.kwargs(), **gen)
+    out = ctx.generate(q_ids, **streamer.kwargs(), compile=compile, **gen)
     streamer.finish(out)
     return out, streamer, start
 

@@ -39,9 +39,9 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", help="the question asked after --context-file or --load")
     p.add_argument(
         "--compile", action="store_true",
-        help="with --prompt: compile the static decode step on any device (torch.compile, fullgraph; "
-        "kvcake.generate(compile=True)); without it transformers compiles on CUDA only. The first tokens "
-        "pay for the compilation, and on a CPU inductor is often slower than eager",
+        help="compile the static decode step on any device (torch.compile, fullgraph; kvcake.generate's or a "
+        "compressed context's generate(compile=True)); without it transformers compiles on CUDA only. The first "
+        "tokens pay for the compilation, and on a CPU inductor is often slower than eager",
     )  # fmt: skip
     _method_args(p)
     _layout_args(p)
@@ -55,9 +55,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError("--question goes with --context-file or --load; put it inside --prompt instead")
     if args.prompt is None and args.question is None:
         raise ValueError("--context-file and --load need --question")
-    if args.compile and args.prompt is None:
-        raise ValueError("--compile applies to --prompt (question-aware decoding); a compressed document "
-                         "(--context-file, --load) decodes eagerly: drop --compile")  # fmt: skip
     if args.compile and args.dynamic:
         raise ValueError("--compile compiles the static decode step: drop --dynamic (or --compile)")
     if args.compile and args.num_beams > 1:
@@ -67,7 +64,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.prompt is None:
         model, tokenizer, ctx, chat, prefill = _context_from_args(args)
         gen = _gen_kwargs(args, tokenizer)
-        out, streamer, start = _answer(ctx, tokenizer, args.question, chat, gen)
+        out, streamer, start = _answer(ctx, tokenizer, args.question, chat, gen, compile=args.compile or None)
         first = (streamer.first or time.perf_counter()) - start
         _report(f"{cache_summary(ctx.cache, 'context')} | {prefill} | question + {streamer.label(first)} | "
                 f"{out.shape[1]} new tokens, decode {_fmt_rate(streamer)}")  # fmt: skip
