@@ -69,7 +69,8 @@ def _check_generation(args: argparse.Namespace) -> None:
         f"--{n.replace('_', '-')}" for n in ("temperature", "top_p", "seed") if getattr(args, n) is not None
     ]
     if given and not args.sample:
-        raise ValueError(f"{', '.join(given)} only apply with --sample (greedy decoding has no randomness)")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{', '.join(given)} only {verb} with --sample (greedy decoding has no randomness)")
     if args.temperature is not None and not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise ValueError(f"--temperature must be positive, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
