@@ -125,6 +125,22 @@ def test_follow_ups_that_are_not_ids(tiny_llama):
     assert torch.equal(one, ctx.generate(ids(3).int(), max_new_tokens=2, do_sample=False))
 
 
+def test_an_empty_follow_up_is_refused(tiny_llama):
+    """A follow-up of no token: generate fed the context again behind the cache and answered
+    wrongly (a full context: [100, 23, 7, 10] where the model says [86, 88, 88, 88]); forward
+    failed on a reshape. Both refuse it, naming ctx.logits."""
+    ctx = kvcake.compress(tiny_llama, ids(40), "full")
+    for empty in (
+        torch.zeros(1, 0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, 3).long(),
+    ):
+        with pytest.raises(ValueError, match=r"holds no token: .*ctx\.logits"):
+            ctx.generate(empty, max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"holds no token: .*ctx\.logits"):
+            ctx.forward(empty)
+
+
 def test_context_after_the_model_moved(make_tiny_llama, tmp_path):
     """A context's keys and values are in the dtype (and on the device) the model ran in when it was
     compressed; a model cast since failed inside the attention ("Expected query, key, and value to
@@ -309,7 +325,12 @@ def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
             r"window \(32\) is larger than the budget \(16\).*lower window=",
         ),
         ({"budget": 16, "window": 0}, ValueError, "window must be a positive int, got 0"),
-        ({"budget": 16, "window": 2.5}, ValueError, "window must be a positive int"),
+        (
+            {"budget": 16, "window": 2.5},
+            TypeError,
+            "window must be a positive int, got float: pass e.g. window=32",
+        ),
+        ({"budget": 16, "window": "4"}, TypeError, "window must be a positive int, got str"),
         ({"budget": 10**31, "window": 10**30}, ValueError, "is beyond any prompt: pass at most"),
         (
             {},
@@ -458,7 +479,7 @@ def test_method_object_and_budget_twice(tiny_llama):
         ):
             KVCakeCache(tiny_llama, method, budget=16)
         for bad in (None, 3, ["cake"]):
-            with pytest.raises(ValueError, match="method must be a preset name or a composed string"):
+            with pytest.raises(TypeError, match="method must be a preset name or a composed string, got"):
                 KVCakeCache(tiny_llama, bad, budget=16)
 
 

@@ -198,6 +198,7 @@ def _cut(name, dim):  # one entry fewer along ``dim``
 INCONSISTENT = {
     "unbuildable method": ({"edit_meta": _set("method", "spec", "layers=nope")}, "its method .* cannot be rebuilt"),
     "method rebuilt otherwise": ({"edit_meta": _set("method", "window", 9)}, "its method rebuilds as .* not the saved"),
+    "method field's type": ({"edit_meta": _set("method", "window", "8")}, "its method .* cannot be rebuilt: window"),
     "storage": ({"edit_meta": _set("cache", "kv_storage", "fp4")}, "its storage cannot be rebuilt"),
     "layer count": ({"edit_meta": lambda m: m["layers"].pop()}, r"it has \d+ layers, the model \d+"),
     "layout": ({"edit_meta": _layer0("layout", "sparse")}, "layer 0 has an unknown layout 'sparse'"),

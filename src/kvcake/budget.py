@@ -99,7 +99,11 @@ class BudgetSpec:
                     f"keep_ratio must be in (0, 1], got {self.ratio} (the fraction of the prompt kept; "
                     "kvpress's compression_ratio=0.75 is keep_ratio=0.25): pass e.g. keep_ratio=0.25"
                 )
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise TypeError(
+                f"window must be a positive int, got {type(self.window).__name__}: pass e.g. window=32"
+            )
+        if self.window < 1:
             raise ValueError(f"window must be a positive int, got {self.window!r}")
         if self.window > MAX_BUDGET:
             raise ValueError(f"window ({self.window}) is beyond any prompt: pass at most {MAX_BUDGET}")

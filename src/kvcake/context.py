@@ -338,6 +338,11 @@ def _check_follow_ups(ids, name: str = "question_ids") -> None:
     """Refuse follow-ups that are not a (B, q) or (q,) tensor of integer ids, naming the fix."""
     if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or not is_integer(ids):
         raise TypeError(not_ids(ids, name))
+    if ids.numel() == 0:  # generate would feed the context again behind the cache (a wrong answer)
+        raise ValueError(
+            f"{name} of shape {tuple(ids.shape)} holds no token: a follow-up needs at least one "
+            "(the context's own next-token logits are ctx.logits)"
+        )
 
 
 def _placement(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

@@ -214,7 +214,11 @@ def make_method(
     """
     if isinstance(spec, Method):
         return spec
-    if not isinstance(spec, str) or not spec.strip():
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"method must be a preset name or a composed string, got {type(spec).__name__}: {spec!r}"
+        )
+    if not spec.strip():
         raise ValueError(f"method must be a preset name or a composed string, got {spec!r}")
     ratio = resolve_ratio(ratio, keep_ratio)
     if spec.strip().lower() == FULL:

@@ -129,7 +129,7 @@ def _rebuild(
     m = meta["method"]
     try:
         method = _rebuild_method(m["spec"], m["budget"], m["ratio"], m["window"], m["name"])
-    except ValueError as err:
+    except (ValueError, TypeError) as err:  # a field of the wrong type too
         raise ContextFileError(f"its method {m.get('describe')!r} cannot be rebuilt: {err}") from None
     if method.describe() != m["describe"]:
         raise ContextFileError(
