@@ -389,6 +389,36 @@ def test_a_compiled_step_decodes_a_plain_layer_up_to_its_budget_then_stops_clear
 
 
 @needs_kwargs_handoff
+def test_transformers_default_compile_evicts_a_plain_layer_eagerly_at_its_budget():
+    """The README's ``model.generate`` with a ``KVCakeCache`` (no ``max_cache_len``), compiled as
+    transformers compiles a compileable cache's decoding on CUDA: its default ``CompileConfig``
+    (``fullgraph=False``). A budget (48) above the prompt (40) keeps the layers plain for 8 steps;
+    the step that evicts breaks the graph (``PAST_BUDGET`` while tracing) and evicts eagerly, and
+    30 tokens are eager's."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
+        graphs.append(gm)
+        return gm.forward
+
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for compiled in (False, True):
+        cache = KVCakeCache(model, kvcake.make_method("h2o", budget=48, window=4))
+        config = CompileConfig(backend=backend, mode=None)
+        config._compile_all_devices = True  # as on CUDA
+        kw = {"compile_config": config} if compiled else {"disable_compile": True}
+        torch._dynamo.reset()
+        with kvcake.enable(model):
+            outs.append(
+                model.generate(ids, **with_cache(model, cache), max_new_tokens=30, do_sample=False, **kw)
+            )
+    assert graphs and torch.equal(outs[0], outs[1])
+    assert cache.layer_counts().max() == 48  # it evicted
+
+
+@needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["cake", "streamingllm", "cake-adakv"])
 def test_a_compiled_decode_fixed_step_past_max_cache_len_stops_with_a_clear_error(spec):
     """A budget (140) above the prompt and room for 5 tokens (``max_cache_len=125``): each head's
