@@ -26,6 +26,19 @@ from kvcake.storage import load_context
 KWARGS_HANDOFF = all(forward_hands_kwargs(c) for c in (LlamaAttention, Gemma3Attention))
 
 
+def graph_recorder() -> tuple:
+    """(backend, graphs): a ``torch.compile`` backend that records each graph it is given into
+    ``graphs`` and runs it as traced (inductor takes minutes on this CPU). A plain function, so a
+    ``CompileConfig`` holding it survives ``generate``'s deep copy as itself."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
 def calls_while_tracing(monkeypatch, cls, name: str) -> list[bool]:
     """Wrap ``cls.name`` (a method) so that each call records whether it ran while a compiled
     step was being traced (``torch.compiler.is_compiling``); the calls go through unchanged.

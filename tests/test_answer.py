@@ -322,13 +322,9 @@ def test_answer_takes_compile(tiny_llama, tok, scenario):
     a recording backend captures the decoding forward, the answers are eager's."""
     from transformers import CompileConfig
 
-    from shared_checks import KWARGS_HANDOFF
+    from shared_checks import KWARGS_HANDOFF, graph_recorder
 
-    graphs = []
-
-    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     doc, questions = document(120), ["w3 w4 w5", "w6 w7 w8"]
     kw = {"scenario": scenario, "budget": 24, "window": 4, "max_new_tokens": 6}

@@ -20,7 +20,7 @@ from kvcake import KVCakeCache
 from kvcake.adapters import with_cache
 from kvcake.step.dense import PER_SEQUENCE
 from kvcake.step.ragged import PER_HEAD, PER_SEGMENT, PER_SLOT, SLOT_INDICES
-from shared_checks import KWARGS_HANDOFF
+from shared_checks import KWARGS_HANDOFF, graph_recorder
 
 # a dense prefill-only preset, dense and ragged decode=fixed ones (H2O's kept sums, CAKE's budgets),
 # ragged decode=none ones: every kind of state the rows carry
@@ -186,11 +186,7 @@ def test_a_compiled_step_stays_one_graph_across_reorders(tiny_llama, spec):
     """``torch.compile(model.forward, fullgraph=True)`` over 8 steps of two prompts' three beams each,
     the beams reordered after each step as beam search does (inside each prompt's): one graph, and
     the logits of the eager decode with the same reorders."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     ids = _prompts(batch=2)[0].repeat_interleave(3, 0)  # (6, 40)
     reorders = torch.tensor([[1, 1, 0, 3, 5, 4], [2, 0, 1, 5, 3, 3]])

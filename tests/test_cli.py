@@ -513,14 +513,10 @@ def test_generate_compile_reaches_a_compressed_contexts_generate(tiny_dir, tmp_p
     from transformers import CompileConfig
 
     from kvcake.context import CompressedContext
-    from shared_checks import KWARGS_HANDOFF
+    from shared_checks import KWARGS_HANDOFF, graph_recorder
 
-    graphs, seen = [], []
+    (backend, graphs), seen = graph_recorder(), []
     real = CompressedContext.generate
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
 
     def recording(self, *args, compile=None, **kwargs):
         seen.append(compile)
@@ -553,14 +549,10 @@ def test_generate_compile_decodes_the_same_tokens(tiny_dir, capsys, monkeypatch)
     from transformers import CompileConfig
 
     from kvcake import api
-    from shared_checks import KWARGS_HANDOFF
+    from shared_checks import KWARGS_HANDOFF, graph_recorder
 
-    graphs, seen = [], []
+    (backend, graphs), seen = graph_recorder(), []
     real = api.generate
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
 
     def recording(*args, compile=None, static=True, **kwargs):
         seen.append((compile, static))

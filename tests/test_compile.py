@@ -30,7 +30,7 @@ from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
 from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS
 from kvcake.model_code import hands_kwargs_to_cache
-from shared_checks import KWARGS_HANDOFF, calls_while_tracing
+from shared_checks import KWARGS_HANDOFF, calls_while_tracing, graph_recorder
 from tiny_hybrid import _tiny_gemma3
 
 pytestmark = pytest.mark.slow
@@ -395,11 +395,7 @@ def test_transformers_default_compile_evicts_a_plain_layer_eagerly_at_its_budget
     (``fullgraph=False``). A budget (48) above the prompt (40) keeps the layers plain for 8 steps;
     the step that evicts breaks the graph (``PAST_BUDGET`` while tracing) and evicts eagerly, and
     30 tokens are eager's."""
-    graphs = []
-
-    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -439,11 +435,7 @@ def test_a_compiled_decode_fixed_step_past_max_cache_len_stops_with_a_clear_erro
 def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
     """``compile=`` makes the cache static (``is_compileable``) and hands transformers' generate a
     CompileConfig: its decoding forward is captured whole (fullgraph) and the tokens are eager's."""
-    graphs = []
-
-    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
@@ -462,11 +454,7 @@ def test_a_compressed_contexts_generate_with_compile_compiles_its_decoding(spec)
     transformers refused the unknown kwarg, and ``kvcake --compile`` refused a context): three
     follow-ups of 6 tokens in one batch, the fork laid out in static storage after the question,
     its decoding forward captured whole, the tokens eager's."""
-    graphs = []
-
-    def backend(gm, example_inputs):  # a plain function: generate deep-copies its config
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
@@ -537,11 +525,7 @@ def test_a_compressed_contexts_question_then_a_compiled_decode(spec, budget):
     layers of a context that evicted nothing (budgets 60 and 70 for 60 tokens) where decoding will
     evict from them (``decoding.plan``; before, their step failed to trace); with a budget covering
     the capacity (200) they stay plain."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))

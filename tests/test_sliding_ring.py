@@ -17,7 +17,7 @@ from kvcake.adapters import with_cache
 from kvcake.bench.step_counts import SYNCING, GraphCounter, step_ops
 from kvcake.cache import KVCakeCache
 from kvcake.sliding import SlidingLayer
-from shared_checks import KWARGS_HANDOFF, calls_while_tracing
+from shared_checks import KWARGS_HANDOFF, calls_while_tracing, graph_recorder
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
 
 needs_kwargs_handoff = pytest.mark.skipif(
@@ -207,11 +207,7 @@ def test_transformers_static_cache_recompiles_on_a_hybrid_model_where_the_ring_d
 def test_kvcake_generate_compiles_a_hybrid_models_decoding_forward():
     """``kvcake.generate(compile=...)`` on Gemma 3: the cache is compileable, the decoding forward
     is captured whole, and the tokens are the eager ring's."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_recorder()
 
     model = _tiny_gemma3()
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(5))
