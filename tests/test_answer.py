@@ -95,11 +95,12 @@ def test_answer_many_questions(tiny_llama, tok, scenario, monkeypatch):
 
 @pytest.mark.parametrize("scenario", ["context", "question"])
 @pytest.mark.parametrize("kw", [{}, {"num_beams": 2, "num_return_sequences": 2}])
-def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, scenario, kw):
-    """Questions of one token length are answered together, at most ``batch_size`` at once (such
-    groups in the order of their first questions): after the document compressed once (context),
-    or each compressed with it as a row of one batch (question-aware). Every answer is the one
-    its question gets alone (the first of its returned sequences)."""
+def test_answer_batches_questions(tiny_llama, tok, monkeypatch, scenario, kw):
+    """Questions are answered together, at most ``batch_size`` at once: after the document
+    compressed once, those of one token length (context; such groups in the order of their first
+    questions), or each compressed with it as a row of one left-padded batch, whatever their
+    lengths (question-aware). Every answer is the one its question gets alone (the first of its
+    returned sequences)."""
     doc = document(160)
     qs = ["w3 w4 w5", "w9 w1", "w6 w7 w8", "w2 w2", "w5 w4 w3", "w1 w1 w1"]
     kwargs = {
@@ -121,7 +122,11 @@ def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, sc
         monkeypatch.setattr(kvcake.answers, "generate",
                             lambda model, ids, *a, **k: batches.append(ids.shape[0]) or run(model, ids, *a, **k))  # fmt: skip
     assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=2, **kwargs) == alone
-    assert batches == [2, 2, 2]  # questions 0 and 2, 4 and 5 (three words), 1 and 3 (two)
+    assert batches == [
+        2,
+        2,
+        2,
+    ]  # context: questions 0 and 2, 4 and 5 (three words), 1 and 3 (two); else in order
     batches.clear()
     assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=4, **kwargs) == alone
     assert batches == [4, 2]
@@ -141,6 +146,27 @@ def test_answer_batches_questions_of_one_length(tiny_llama, tok, monkeypatch, sc
         ValueError, match=r"batch_size= must be at least 1 \(1: one question at a time\), got 0"
     ):
         kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=0)
+
+
+def test_question_aware_batches_mix_lengths_where_the_default_sizes_agree(tiny_llama, tok, monkeypatch):
+    """Question-aware, no size given: prompts of different lengths share a left-padded batch where
+    the default sizes they get alone agree (a keep ratio for both), and not where a shorter one
+    alone would be kept whole (``kvcake.budget.default_budget``: a 0.25 ratio under the window);
+    every answer is the one its question gets alone."""
+    short, longer = "w3 w4", "w3 w4 w5 w6 w7 w8 w9"
+    base = kvcake.build_prompt(tok, document(110) + "\n\n", short).full.shape[1]
+    doc = document(110 + 125 - base)  # the short question's prompt: 125 tokens, kept whole alone
+    lengths = [kvcake.build_prompt(tok, doc + "\n\n", q).full.shape[1] for q in (short, longer)]
+    assert lengths == [125, 130]
+    batches, run = [], kvcake.answers.generate
+    monkeypatch.setattr(kvcake.answers, "generate",
+                        lambda model, ids, *a, **k: batches.append(ids.shape) or run(model, ids, *a, **k))  # fmt: skip
+    kw = {"method": "snapkv", "scenario": "question", "max_new_tokens": 6}
+    for qs, shapes in (((short, longer), [(1, 125), (1, 130)]), ((longer, longer + " w1"), [(2, 131)])):
+        alone = [kvcake.answer(tiny_llama, tok, doc, q, **kw) for q in qs]
+        batches.clear()
+        assert kvcake.answer(tiny_llama, tok, doc, list(qs), **kw) == alone
+        assert batches == [torch.Size(s) for s in shapes]
 
 
 @pytest.mark.parametrize("scenario", ["context", "question"])

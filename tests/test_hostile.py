@@ -331,6 +331,7 @@ def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
             "window must be a positive int, got float: pass e.g. window=32",
         ),
         ({"budget": 16, "window": "4"}, TypeError, "window must be a positive int, got str"),
+        ({"budget": 16, "window": None}, TypeError, "window must be a positive int, got NoneType"),
         ({"budget": 10**31, "window": 10**30}, ValueError, "is beyond any prompt: pass at most"),
         (
             {},
@@ -349,6 +350,15 @@ def test_bad_budgets_raise_everywhere(tiny_llama, kwargs, error, match):
                 kvcake.generate(tiny_llama, ids(50), "cake", **kwargs, max_new_tokens=2)
         with pytest.raises(error, match=match):
             KVCakeCache(tiny_llama, "adakv", **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, "4", 0])
+def test_a_bad_window_without_a_size_is_refused_by_name(tiny_llama, window):
+    """No size given: the default keep ratio is weighed against the window first, which failed
+    on a comparison ("'<' not supported between instances of 'int' and 'str'")."""
+    error = ValueError if window == 0 else TypeError
+    with untouched(tiny_llama), pytest.raises(error, match="window must be a positive int, got"):
+        kvcake.generate(tiny_llama, ids(50), "cake", window=window, max_new_tokens=2)
 
 
 def test_ratio_too_small_for_the_window(tiny_llama):

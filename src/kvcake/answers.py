@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .api import compress, generate
-from .budget import DEFAULT_METHOD
+from .budget import DEFAULT_METHOD, default_budget
 from .context import CompressedContext, check_positions
 from .method import Method
 from .prompts import PromptIds, build_prompt
@@ -72,9 +72,11 @@ def answer(
         ``"fp8"``: the kept entries in float8, the last ``kv_recent`` tokens' also in the model's
         dtype (:func:`generate`); None: the model's dtype.
     batch_size:
-        Questions of one token length are answered together, at most this many in one batch (each
-        row holds its own copy of the compressed document while it decodes; question-aware, each
-        row is compressed as it would be alone); 1 answers one question at a time, and so does a
+        Questions answered together, at most this many in one batch: after the document, those of
+        one token length (each row holds its own copy of the compressed document while it
+        decodes); question-aware, any lengths, left-padded, each row compressed as it would be
+        alone (rows whose default sizes would differ alone go apart: ``default_budget``); 1
+        answers one question at a time, and so does a
         ``streamer=`` (transformers' streamers take one sequence). A row's answer is the one it
         gets alone, up to the rounding of batched matrix products.
     generate_kwargs:
@@ -112,12 +114,17 @@ def answer(
     }
     answers: list[str] = [""] * len(prompts)
     contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
-    for key, group in _batches(prompts, 1 if generate_kwargs.get("streamer") is not None else batch_size):
+    size = 1 if generate_kwargs.get("streamer") is not None else batch_size
+    if scenario == "question":  # any lengths share a batch, left-padded, where their sizes agree
+        defaults = budget is None and keep_ratio is None and ratio is None and isinstance(method, str)
+        keys = [_default_key(p.full.shape[1], window) if defaults else None for p in prompts]
+    else:  # the question appended to the document: one length a batch (padding is refused there)
+        keys = [p.question.shape[1] for p in prompts]
+    for key, group in _batches(prompts, keys, size):
         if scenario == "question":  # each prompt compressed whole, a row of one batch
-            ids = torch.cat([prompts[i].full for i in group]).to(device)
-            out, _ = generate(
-                model, ids, method, attention_mask=torch.ones_like(ids), **sizes, **generate_kwargs
-            )
+            ids, mask = _left_padded([prompts[i].full for i in group], generate_kwargs["pad_token_id"])
+            out, _ = generate(model, ids.to(device), method, attention_mask=mask.to(device), **sizes,
+                              **generate_kwargs)  # fmt: skip
             new = getattr(out, "sequences", out)[:, ids.shape[1] :]  # return_dict_in_generate=True
         else:
             if key not in contexts:  # a chat template puts the same ids before every question
@@ -131,14 +138,32 @@ def answer(
     return answers[0] if isinstance(question, str) else answers
 
 
-def _batches(prompts: list[PromptIds], size: int) -> list[tuple[bytes, list[int]]]:
+def _batches(prompts: list[PromptIds], keys: list, size: int) -> list[tuple[bytes, list[int]]]:
     """(the context's ids as bytes, indices of ``prompts``): batches of at most ``size`` that share
-    the context's ids and the question's length, such groups in the order of their first
-    questions, each cut in order."""
-    groups: dict[tuple[bytes, int], list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        groups.setdefault((prompt.context.numpy().tobytes(), prompt.question.shape[1]), []).append(i)
+    the context's ids and their ``keys``, such groups in the order of their first questions, each
+    cut in order."""
+    groups: dict[tuple[bytes, object], list[int]] = {}
+    for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
+        groups.setdefault((prompt.context.numpy().tobytes(), key), []).append(i)
     return [(key, g[k : k + size]) for (key, _), g in groups.items() for k in range(0, len(g), size)]
+
+
+def _default_key(tokens: int, window: int) -> tuple:
+    """The default sizes a prompt of ``tokens`` gets alone (``kvcake.generate`` reads them off a
+    batch's padded length): prompts batched together must get the same."""
+    return tuple(sorted(default_budget("question", tokens, window).items()))
+
+
+def _left_padded(rows: list[torch.Tensor], pad_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), each (B, longest): the (1, n) rows padded on the left with ``pad_id``
+    (0 where the tokenizer has none: masked either way)."""
+    width = max(r.shape[1] for r in rows)
+    device = rows[0].device
+    ids = torch.full((len(rows), width), 0 if pad_id is None else pad_id, dtype=rows[0].dtype, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for j, r in enumerate(rows):
+        ids[j, width - r.shape[1] :], mask[j, width - r.shape[1] :] = r[0], 1
+    return ids, mask
 
 
 def _questions(question: str | Sequence[str]) -> list[str]:

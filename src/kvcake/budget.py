@@ -48,12 +48,21 @@ def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[
     zero padding leaves the oldest entry three of its five terms), which garbled short answers."""
     if scenario not in DEFAULT_KEEP_RATIO:
         raise ValueError(f"scenario must be one of {', '.join(DEFAULT_KEEP_RATIO)}, got {scenario!r}")
+    check_window(window)
     ratio = DEFAULT_KEEP_RATIO[scenario]
     if round(ratio * prompt_tokens) < window:
         logger.info("a %d-token prompt is too short for the default keep ratio %s (it would keep fewer than the "
                     "%d-token window): every entry is kept", prompt_tokens, ratio, window)  # fmt: skip
         return {"budget": MAX_BUDGET}
     return {"ratio": ratio}
+
+
+def check_window(window) -> None:
+    """The protected recent window must be a positive int (bool is not one)."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be a positive int, got {type(window).__name__}: pass e.g. window=32")
+    if window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
 
 
 @dataclass(frozen=True)
@@ -99,12 +108,7 @@ class BudgetSpec:
                     f"keep_ratio must be in (0, 1], got {self.ratio} (the fraction of the prompt kept; "
                     "kvpress's compression_ratio=0.75 is keep_ratio=0.25): pass e.g. keep_ratio=0.25"
                 )
-        if isinstance(self.window, bool) or not isinstance(self.window, int):
-            raise TypeError(
-                f"window must be a positive int, got {type(self.window).__name__}: pass e.g. window=32"
-            )
-        if self.window < 1:
-            raise ValueError(f"window must be a positive int, got {self.window!r}")
+        check_window(self.window)
         if self.window > MAX_BUDGET:
             raise ValueError(f"window ({self.window}) is beyond any prompt: pass at most {MAX_BUDGET}")
         if self.budget is not None and self.window > self.budget:
