@@ -161,12 +161,15 @@ def test_question_aware_batches_mix_lengths_where_the_default_sizes_agree(tiny_l
     batches, run = [], kvcake.answers.generate
     monkeypatch.setattr(kvcake.answers, "generate",
                         lambda model, ids, *a, **k: batches.append(ids.shape) or run(model, ids, *a, **k))  # fmt: skip
-    kw = {"method": "snapkv", "scenario": "question", "max_new_tokens": 6}
+    kw = {"method": "snapkv", "scenario": "question", "max_new_tokens": 6, "batch_size": 8}
     for qs, shapes in (((short, longer), [(1, 125), (1, 130)]), ((longer, longer + " w1"), [(2, 131)])):
         alone = [kvcake.answer(tiny_llama, tok, doc, q, **kw) for q in qs]
         batches.clear()
         assert kvcake.answer(tiny_llama, tok, doc, list(qs), **kw) == alone
         assert batches == [torch.Size(s) for s in shapes]
+    batches.clear()  # by default, one at a time on a CPU (batching the prefills saved nothing there)
+    kvcake.answer(tiny_llama, tok, doc, [longer, longer + " w1"], **{**kw, "batch_size": None})
+    assert batches == [torch.Size((1, 130)), torch.Size((1, 131))]
 
 
 @pytest.mark.parametrize("scenario", ["context", "question"])

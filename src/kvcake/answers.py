@@ -38,7 +38,7 @@ def answer(
     max_new_tokens: int = 64,
     kv_dtype: str | None = None,
     kv_recent: int | None = None,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     **generate_kwargs,
 ) -> str | list[str]:
     """Answer ``question`` about ``context`` (plain text) with a compressed cache; returns the
@@ -76,18 +76,21 @@ def answer(
         one token length (each row holds its own copy of the compressed document while it
         decodes); question-aware, any lengths, left-padded, each row compressed as it would be
         alone (rows whose default sizes would differ alone go apart: ``default_budget``); 1
-        answers one question at a time, and so does a
-        ``streamer=`` (transformers' streamers take one sequence). A row's answer is the one it
-        gets alone, up to the rounding of batched matrix products.
+        answers one question at a time, and so does a ``streamer=`` (transformers' streamers
+        take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long
+        prefills saved nothing (SmolLM2, 2 threads, 2130-token prompts: 4 questions 25.96 s
+        batched against 24.21 s one at a time, 8: 52.37 s against 44.62 s;
+        ``scripts/answer_batches.py --scenario question``). A row's answer is the one it gets
+        alone, up to the rounding of batched matrix products.
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``), but for ``compile=``,
         as ``kvcake.generate`` and ``CompressedContext.generate`` take it.
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be 'context' or 'question', got {scenario!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
         raise TypeError(f"batch_size= is how many questions are answered at once, an int: got {batch_size!r}")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size= must be at least 1 (1: one question at a time), got {batch_size}")
     if method is None:
         method = DEFAULT_METHOD[scenario]
@@ -114,6 +117,8 @@ def answer(
     }
     answers: list[str] = [""] * len(prompts)
     contexts: dict[bytes, CompressedContext] = {}  # one per distinct context ids: the document's, once
+    if batch_size is None:
+        batch_size = 1 if scenario == "question" and device.type == "cpu" else 8
     size = 1 if generate_kwargs.get("streamer") is not None else batch_size
     if scenario == "question":  # any lengths share a batch, left-padded, where their sizes agree
         defaults = budget is None and keep_ratio is None and ratio is None and isinstance(method, str)
