@@ -94,12 +94,12 @@ def test_a_ring_holds_no_more_slots_than_the_capacity_and_grows_past_it_eagerly(
 def test_a_compiled_ring_step_past_its_capacity_stops_with_a_clear_error():
     """A compiled step counts the ring's tokens on the device only: past the capacity it was laid
     out for, a device-side check stops it instead of writing past the ring."""
-    from kvcake.sliding import PAST_RING
+    from kvcake.step.common import PAST_CAPACITY
 
     model = _tiny_gemma3()
     torch._dynamo.reset()
     step = torch.compile(model.forward, backend=GraphCounter(), fullgraph=True)
-    with pytest.raises(RuntimeError, match=re.escape(PAST_RING[60:120])):
+    with pytest.raises(RuntimeError, match=re.escape(PAST_CAPACITY[60:120])):
         _decode(model, step, prompt=4, steps=5, capacity=6)
 
 

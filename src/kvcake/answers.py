@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .api import compress, generate
-from .budget import DEFAULT_METHOD, default_budget
+from .api import compress, default_sizes, generate
+from .budget import DEFAULT_METHOD
 from .context import CompressedContext, check_positions
-from .method import Method
+from .method import Method, resolve_ratio
 from .prompts import PromptIds, build_prompt
 
 SCENARIOS = ("context", "question")
@@ -75,7 +75,7 @@ def answer(
         Questions answered together, at most this many in one batch: after the document, those of
         one token length (each row holds its own copy of the compressed document while it
         decodes); question-aware, any lengths, left-padded, each row compressed as it would be
-        alone (rows whose default sizes would differ alone go apart: ``default_budget``); 1
+        alone (rows whose default sizes would differ alone go apart: ``default_sizes``); 1
         answers one question at a time, and so does a ``streamer=`` (transformers' streamers
         take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long
         prefills saved nothing (SmolLM2, 2 threads, 2130-token prompts: 4 questions 25.96 s
@@ -120,9 +120,13 @@ def answer(
     if batch_size is None:
         batch_size = 1 if scenario == "question" and device.type == "cpu" else 8
     size = 1 if generate_kwargs.get("streamer") is not None else batch_size
-    if scenario == "question":  # any lengths share a batch, left-padded, where their sizes agree
-        defaults = budget is None and keep_ratio is None and ratio is None and isinstance(method, str)
-        keys = [_default_key(p.full.shape[1], window) if defaults else None for p in prompts]
+    if (
+        scenario == "question"
+    ):  # any lengths share a batch, left-padded, where the sizes each gets alone agree
+        given = resolve_ratio(
+            ratio, keep_ratio
+        )  # (kvcake.generate reads the defaults off a batch's padded length)
+        keys = [default_sizes(method, budget, given, "question", p.full.shape[1], window) for p in prompts]
     else:  # the question appended to the document: one length a batch (padding is refused there)
         keys = [p.question.shape[1] for p in prompts]
     for key, group in _batches(prompts, keys, size):
@@ -151,12 +155,6 @@ def _batches(prompts: list[PromptIds], keys: list, size: int) -> list[tuple[byte
     for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
         groups.setdefault((prompt.context.numpy().tobytes(), key), []).append(i)
     return [(key, g[k : k + size]) for (key, _), g in groups.items() for k in range(0, len(g), size)]
-
-
-def _default_key(tokens: int, window: int) -> tuple:
-    """The default sizes a prompt of ``tokens`` gets alone (``kvcake.generate`` reads them off a
-    batch's padded length): prompts batched together must get the same."""
-    return tuple(sorted(default_budget("question", tokens, window).items()))
 
 
 def _left_padded(rows: list[torch.Tensor], pad_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,7 +62,7 @@ def _as_method(method: Method | str, budget: int | None, ratio: float | None, wi
     return make_method(method, budget=budget, ratio=ratio, window=window)
 
 
-def _default_sizes(method, budget, ratio, scenario: str, prompt_tokens: int, window: int):
+def default_sizes(method, budget, ratio, scenario: str, prompt_tokens: int, window: int):
     """(budget, ratio) as given, or the scenario's default keep ratio when neither is."""
     if budget is not None or ratio is not None or isinstance(method, Method):
         return budget, ratio
@@ -168,7 +168,7 @@ def generate(
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model, generate_kwargs.get("attention_mask"))
     ratio = resolve_ratio(ratio, keep_ratio)
-    budget, ratio = _default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
+    budget, ratio = default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
     _check_generate_kwargs(model, generate_kwargs, input_ids.shape[1])
     check_positions(model, input_ids.shape[1], generate_kwargs)
@@ -221,7 +221,7 @@ def compress(
     _check_ids(input_ids, model, attention_mask)
     check_answerable(model)
     ratio = resolve_ratio(ratio, keep_ratio)
-    budget, ratio = _default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
+    budget, ratio = default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
     m = _as_method(method, budget, ratio, window)
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:

@@ -70,7 +70,7 @@ def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
     entries holds only the entries plus the tokens that were left (``KVCakeLayer.to_static``), so
     past them it would evict below its budget; ``decode=none`` storage and sliding rings grow anyway.
     A compiled step cannot lay anything out: where the storage does not serve past the capacity it
-    stops with an error (``step.common.PAST_CAPACITY``, ``sliding.PAST_RING``)."""
+    stops with an error (``step.common.PAST_CAPACITY``, sliding rings too)."""
     cap, first = cache.max_cache_len, cache.layers[layer_idx]
     if cap is None or torch.compiler.is_compiling() or not cache.prefilled or tokens != 1:
         return

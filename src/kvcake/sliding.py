@@ -43,11 +43,7 @@ from .dense import folded_attention
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
 from .recurrent import LinearAttentionLayer, RecurrentLayer, state_bytes
-
-PAST_RING = (
-    "a compiled decode step went past KVCakeCache(max_cache_len=...), the tokens a sliding layer's ring was "
-    "laid out for: pass max_cache_len=prompt + every token to generate (an eager step grows the ring instead)"
-)
+from .step.common import PAST_CAPACITY
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
@@ -235,7 +231,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         """One token written in place at slot ``seen % window``; returns the ring."""
         if self.keys.shape[2] < self.sliding_window:  # a ring the capacity cut short
             if torch.compiler.is_compiling():
-                torch._assert_async(self.seen < self.keys.shape[2], PAST_RING)
+                torch._assert_async(self.seen < self.keys.shape[2], PAST_CAPACITY)
             elif self.length >= self.keys.shape[2]:
                 self._grow()
         slot = torch.remainder(self.seen, self.sliding_window).reshape(1)
