@@ -42,6 +42,7 @@ LAYERS = {
         "fp8",
         "storage.format",
         "tensor_parallel",
+        "head_shards",
     ],
     "base": [
         "models",
@@ -62,6 +63,8 @@ LAYERS = {
         "prompts",
         "haystack",
         "version",
+        "defaults",
+        "lazy",
     ],
 }
 

@@ -18,10 +18,11 @@ import torch
 from kvcake.allocators import AdaKV, preference
 from kvcake.allocators.adakv import ranks_desc
 from kvcake.cascade import layer_statistics
+from kvcake.head_shards import find_split
 from kvcake.scorers import PrefillInputs
 from kvcake.scorers.defensive import MARK, DefensiveScorer
 from kvcake.scorers.tova import TOVAScorer
-from kvcake.tensor_parallel import HeadSplit, find_split, top_over_ranks
+from kvcake.tensor_parallel import HeadSplit, top_over_ranks
 
 
 class Exchange:

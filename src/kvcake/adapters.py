@@ -25,6 +25,7 @@ from .layer_types import (
     attention_shape,
     chunked_layers,
     hybrid_layers,
+    latent_dims,
     layer_windows,
     recurrent_layers,
 )
@@ -193,12 +194,6 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         latent,
         beside,
     )
-
-
-def latent_dims(text_config) -> tuple[int, int] | None:
-    """(kv_lora_rank, qk_rope_head_dim) of a latent-attention (MLA) model's config, else None."""
-    rank = getattr(text_config, "kv_lora_rank", None)
-    return (int(rank), int(text_config.qk_rope_head_dim)) if rank else None
 
 
 def check_latent(model: torch.nn.Module, mtype: str) -> None:

@@ -14,18 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .defaults import DEFAULT_KEEP_RATIO
+
 logger = logging.getLogger(__name__)
 
 # Budgets beyond this many entries per layer are all "unbounded" (see BudgetSpec.per_layer).
 MAX_BUDGET = 1 << 40
-
-#: The kept fraction used when neither a budget nor a keep ratio is given, per scenario
-#: ("question": the question is compressed with the prompt; "context": a document compressed
-#: alone, questions asked after it). Evidence, docs/results.md (default model, 12 prompts of 2k
-#: and 4k tokens): question-aware, every preset scores 67-72 against the full cache's 72 from
-#: ratio 0.1 up, so 0.25 costs little; context-only, scores fall to 0-25 at 0.25 and 8-42 at 0.5
-#: (full cache 72), so a document keeps half: the least that keeps some answers, not a guarantee.
-DEFAULT_KEEP_RATIO = {"question": 0.25, "context": 0.5}
 
 #: The method ``kvcake.answer`` uses when none is given, per scenario: the "Which method" pick of
 #: README / docs/results.md on the default model: `layer-defensivekv` in both (question-aware KL

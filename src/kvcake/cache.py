@@ -39,6 +39,7 @@ from .budget import check_capacity
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
 from .fp8 import check_kv_dtype, check_kv_recent
+from .head_shards import find_split
 from .hybrid_layer import HybridLayer
 from .latent import attention_layer
 from .method import Method, make_method
@@ -48,7 +49,7 @@ from .recurrent import RecurrentStates, keyless_layer
 from .sequences import repeat_sequences, select_sequences
 from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
-from .tensor_parallel import HeadSplit, find_split
+from .tensor_parallel import HeadSplit
 
 # The key under which ``update`` hands the cache to the kvcake attention: modules call ``cache.update(k,
 # v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)`` with that same dict: it

@@ -41,9 +41,9 @@ import functools
 
 import torch
 
-from .adapters import latent_dims
+from .defaults import KV_FORMATS
+from .layer_types import latent_dims
 
-FORMATS = ("fp8",)  # kv_dtype values; None: the model's own dtype
 FP8 = torch.float8_e4m3fn
 HEADROOM = 2.0  # the prompt's largest magnitude maps to at most 448 / HEADROOM (a power-of-two scale)
 # Tokens whose entries are also held in the model's dtype: the attention reads them exactly
@@ -68,7 +68,7 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
     """``kv_dtype`` as kvcake names it: None (the model's dtype) or ``"fp8"``; also taken:
     ``torch.float8_e4m3fn`` and its name. Anything else is refused naming the choices, and so is
     float8 for a ``model`` on a device whose torch backend cannot convert to it (MPS: pytorch#148420)."""
-    if kv_dtype is None or kv_dtype in FORMATS:
+    if kv_dtype is None or kv_dtype in KV_FORMATS:
         name = kv_dtype
     elif kv_dtype is FP8 or kv_dtype in ("float8_e4m3fn", "torch.float8_e4m3fn"):
         name = "fp8"

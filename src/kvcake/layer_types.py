@@ -207,3 +207,9 @@ def _config_layer_types(text) -> tuple[list[str], list[dict]]:
         else:
             kwargs.append({})
     return list(types), kwargs
+
+
+def latent_dims(text_config) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a latent-attention (MLA) model's config, else None."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    return (int(rank), int(text_config.qk_rope_head_dim)) if rank else None

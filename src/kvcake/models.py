@@ -43,6 +43,7 @@ from .conversion import (
     convert_gguf,
     converted_folder,
 )
+from .defaults import DEFAULT_MODEL
 from .devices import check_device
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,6 @@ __all__ = [
     "model_name",
     "resolve_builtin",
 ]
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)

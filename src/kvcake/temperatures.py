@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .allocators.cake import FALLBACK_TAU, CakeAllocator, default_tau, family_key
+from .defaults import SCENARIOS
 from .models import default_cache_root, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("user", "calibrated", "shipped", "family", "fallback")
-SCENARIOS = ("question", "context")
 SHIPPED_DIR = Path(__file__).parent / "calibrations"
 _warned: set[str] = set()
 

@@ -15,8 +15,9 @@ all heads of a layer and must see every rank's heads to equal the one-process me
   and every rank finds the same threshold (:func:`kth_over_ranks`).
 
 Every exchange is an all-gather, summed or merged in rank order on every rank, so every rank
-derives bit-identical budgets. The split is read from the model: transformers shards the
-attention projections as ``DTensor``s on its device mesh, whose ``"tp"`` dimension is the group.
+derives bit-identical budgets. The split is read from the model (``kvcake.head_shards.find_split``):
+transformers shards the attention projections as ``DTensor``s on its device mesh, whose ``"tp"``
+dimension is the group.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from .adapters import latent_dims, projection_module
 
 
 @dataclass(frozen=True)
@@ -66,45 +65,6 @@ class HeadSplit:
         the mean over every rank's heads, bit-identical on every rank. Every rank holds as many
         heads, so the mean of the ranks' means is the mean over all heads; one head's row is sent."""
         return self.gather(t[:, :1]).mean(0).expand_as(t).clone()
-
-
-def find_split(model: torch.nn.Module) -> HeadSplit | None:
-    """The tensor-parallel split of ``model``'s heads, or ``None`` where one process holds them all.
-
-    transformers' tensor parallelism stores sharded weights as ``DTensor``s on its device mesh;
-    the mesh's ``"tp"`` dimension (or its only dimension) is the group of ranks sharing heads. The
-    heads are split where the attention's output projection is sharded; a plan that leaves the
-    attention whole (DeepSeek-V3's and GPT-OSS's in transformers 5.24 split the MLP, the experts or
-    the embeddings only) has every rank hold every head and compress alike: no split.
-    """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    for module in model.modules():
-        if not isinstance(getattr(module, "layer_idx", None), int):
-            continue
-        weight = getattr(projection_module(module), "weight", None)
-        if not isinstance(weight, DTensor):
-            continue
-        mesh = weight.device_mesh
-        names = mesh.mesh_dim_names or ()
-        dim = names.index("tp") if "tp" in names else (0 if mesh.ndim == 1 else None)
-        if dim is None:
-            raise ValueError(
-                f"the model is sharded on a device mesh with dimensions {names}, none named 'tp': "
-                "kvcake supports transformers' tensor parallelism (from_pretrained(..., tp_plan='auto'))"
-            )
-        if mesh.size(dim) == 1:
-            return None
-        text = model.config.get_text_config()
-        if latent_dims(text) is not None:  # every rank would hold the whole latent (kvcake.latent)
-            raise ValueError(
-                f"{text.model_type}: kvcake does not compress latent attention (MLA) whose heads are split "
-                "over ranks (each rank's heads would score the shared latents apart); load it on one process"
-            )
-        return HeadSplit(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
-    return None
 
 
 def local_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -450,8 +450,9 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
     the same samples, prompt length, grid and ratios, on the command line as in the API."""
     import inspect
 
-    from kvcake.calibration.api import DEFAULT_INDICATORS, DEFAULT_RATIOS
+    from kvcake.calibration.api import DEFAULT_INDICATORS
     from kvcake.cli import build_parser
+    from kvcake.defaults import CALIBRATION_RATIOS
 
     cli = build_parser().parse_args(["calibrate"])  # the command line users type, extensions included
     api = inspect.signature(kvcake.calibrate).parameters
@@ -473,4 +474,4 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
         assert meta["parts"] == parts, path.name  # the same kinds of samples
         for scenario in temperatures.SCENARIOS:
             settings = [p["setting"] for p in meta["points"] if p["scenario"] == scenario]
-            assert settings == [f"ratio={r:g}" for r in DEFAULT_RATIOS], (path.name, scenario)
+            assert settings == [f"ratio={r:g}" for r in CALIBRATION_RATIOS], (path.name, scenario)

@@ -7,6 +7,18 @@ calibration > shipped calibration > family default > flat fallback), one set per
 the grid search, :mod:`.api` ties them together and stores the result, :mod:`.cli` is the command.
 """
 
-from .api import calibrate
+from typing import TYPE_CHECKING
+
+from kvcake.lazy import lazy_exports
+
+# Each public name and the module that defines it, imported on first use: ``kvcake --help``
+# builds ``kvcake calibrate``'s parser without loading torch.
+_EXPORTS = {
+    "calibrate": ".api",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from .api import calibrate
 
 __all__ = ["calibrate"]

@@ -12,6 +12,13 @@ from pathlib import Path
 
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau
 from kvcake.budget import BudgetSpec
+from kvcake.defaults import (
+    CALIBRATION_GRID,
+    CALIBRATION_LENGTH,
+    CALIBRATION_RATIOS,
+    CALIBRATION_SAMPLES,
+    CALIBRATION_TEXT,
+)
 from kvcake.haystack import Haystack, resolve_haystack
 from kvcake.models import model_fingerprint, model_name
 from kvcake.scorers.cake import CakeScorer
@@ -22,11 +29,6 @@ from .search import TAU_LIMITS, Evaluator, GridResult, choose, choose_indicator,
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RATIOS = (0.1, 0.25, 0.5)
-DEFAULT_TEXT = "paul_graham"
-DEFAULT_SAMPLES = 16
-DEFAULT_LENGTH = 2048
-DEFAULT_GRID = 5
 TAU1_RANGE = (0.2, 2.0)  # the CAKE paper's search ranges
 TAU2_RANGE = (0.4, 3.0)
 FLAT_TAU = (TAU_LIMITS[1], TAU_LIMITS[1])  # the flattest temperatures a search reaches: near-uniform budgets
@@ -62,11 +64,11 @@ def calibrate(
     *,
     ratios: Sequence[float] | None = None,
     budgets: Sequence[int] = (),
-    text: str | os.PathLike[str] | Haystack = DEFAULT_TEXT,
-    samples: int = DEFAULT_SAMPLES,
-    length: int = DEFAULT_LENGTH,
+    text: str | os.PathLike[str] | Haystack = CALIBRATION_TEXT,
+    samples: int = CALIBRATION_SAMPLES,
+    length: int = CALIBRATION_LENGTH,
     continuation: int = 16,
-    grid: int = DEFAULT_GRID,
+    grid: int = CALIBRATION_GRID,
     window: int = 32,
     seed: int = 0,
     indicators: Sequence[str | tuple[str, int]] | Mapping[str, Sequence[str | tuple[str, int]]] | None = None,
@@ -136,7 +138,7 @@ def calibrate(
         _check_positive_int(name, value, low)
     inds = _indicators(DEFAULT_INDICATORS if indicators is None else indicators)
     if ratios is None:
-        ratios = () if budgets else DEFAULT_RATIOS
+        ratios = () if budgets else CALIBRATION_RATIOS
     specs = [BudgetSpec(ratio=float(r), window=window) for r in ratios]
     specs += [BudgetSpec(budget=int(b), window=window) for b in budgets]
     if not specs:

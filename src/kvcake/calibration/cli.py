@@ -15,8 +15,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..defaults import (
+    CALIBRATION_GRID,
+    CALIBRATION_LENGTH,
+    CALIBRATION_RATIOS,
+    CALIBRATION_SAMPLES,
+    CALIBRATION_TEXT,
+)
 from ..standalone import model_placement, user_description
-from .api import DEFAULT_GRID, DEFAULT_LENGTH, DEFAULT_RATIOS, DEFAULT_SAMPLES, DEFAULT_TEXT
 
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (~30 min on one core)",
@@ -46,18 +52,21 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
     model_placement(p)
-    p.add_argument("--text", default=DEFAULT_TEXT,
+    p.add_argument("--text", default=CALIBRATION_TEXT,
                    help="calibration text: paul_graham, noise, or a text file/folder (default: %(default)s)")  # fmt: skip
     p.add_argument("--ratios", type=_floats, default=None,
-                   help=f"kept ratios to calibrate at (default {','.join(f'{r:g}' for r in DEFAULT_RATIOS)}, "
+                   help=f"kept ratios to calibrate at (default {','.join(f'{r:g}' for r in CALIBRATION_RATIOS)}, "
                         "none where --budgets is given)")  # fmt: skip
     p.add_argument("--budgets", type=_ints, default=(), help="average entries per layer to calibrate at")
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+    p.add_argument("--samples", type=int, default=CALIBRATION_SAMPLES,
                    help="samples per scenario (context-only: passages continued and passages asked about after compression, alternately; question-aware: questions cycling through six forms; kvcake.calibration.samples; default: %(default)s)")  # fmt: skip
     p.add_argument(
-        "--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default: %(default)s)"
+        "--length",
+        type=int,
+        default=CALIBRATION_LENGTH,
+        help="prompt length in tokens (default: %(default)s)",
     )
-    p.add_argument("--grid", type=int, default=DEFAULT_GRID,
+    p.add_argument("--grid", type=int, default=CALIBRATION_GRID,
                    help="grid points per temperature axis (default: %(default)s)")  # fmt: skip
     p.add_argument("--indicators", type=lambda t: tuple(x for x in t.split(",") if x.strip()), default=None,
                    help="CAKE indicators to search in both scenarios, e.g. avg5,max7; avg5 (the paper's) "

@@ -9,11 +9,12 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..fp8 import ring_length
 from .options import _load, _method
+
+if TYPE_CHECKING:  # imported where used: parsing the options and --help load no torch
+    import torch
 
 logger = logging.getLogger("kvcake.cli")
 
@@ -89,6 +90,8 @@ def _gen_kwargs(args: argparse.Namespace, tokenizer) -> dict:
             {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
         )
         if args.seed is not None:
+            import torch
+
             torch.manual_seed(args.seed)
     return gen
 
@@ -160,6 +163,8 @@ def cache_summary(cache, label: str) -> str:
             f"({100 * p.entries / p.full_entries:.1f}%), {_fmt_bytes(p.total)} vs {_fmt_bytes(p.full)} full "
             f"({100 * p.fraction:.1f}%)")  # fmt: skip
     if cache.kv_dtype:
+        from ..fp8 import ring_length
+
         ring = ring_length(cache)
         line += f" (kept entries in {cache.kv_dtype}" + (
             f", the last {ring} tokens' also exact)" if ring else ")"

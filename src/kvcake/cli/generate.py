@@ -6,8 +6,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 from .common import (
     _PROGRESS_MIN_TOKENS,
     _answer,
@@ -69,6 +67,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         _report(f"{cache_summary(ctx.cache, 'context')} | {prefill} | question + {streamer.label(first)} | "
                 f"{out.shape[1]} new tokens, decode {_fmt_rate(streamer)}")  # fmt: skip
         return 0
+    import torch
+
     from ..api import generate
 
     _method(args)  # bad input fails before the model loads

@@ -7,22 +7,16 @@ import argparse
 import logging
 import time
 
-import torch
-
-from ..budget import DEFAULT_KEEP_RATIO, default_budget
-from ..fp8 import FORMATS
+from ..defaults import DEFAULT_KEEP_RATIO, DEFAULT_MODEL, KV_FORMATS, SCENARIOS
 
 logger = logging.getLogger("kvcake.cli")
 
 DEFAULT_BUDGET = 128  # the papers' "128L": what 'kvcake methods' shows defaults at
-SCENARIOS = ("question", "context")  # kvcake.temperatures.SCENARIOS, without importing the models here
 
 
 def _common(parser: argparse.ArgumentParser, load: bool = False) -> None:
     """--model and friends, accepted by every command that runs a model (``load``: the command
     has ``--load``, whose saved model is the default)."""
-    from ..models import DEFAULT_MODEL
-
     g = parser.add_argument_group("model")
     saved = "; with --load, the model the context was saved with" if load else ""
     g.add_argument("--model", default=None,
@@ -55,7 +49,7 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
 
 
 def _storage_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-dtype", choices=FORMATS, default=None,
+    parser.add_argument("--kv-dtype", choices=KV_FORMATS, default=None,
                         help="store the kept entries in float8 from the end of the prompt, one byte per element "
                              "(kvcake.fp8; default: the model's dtype)")  # fmt: skip
     parser.add_argument("--kv-recent", type=int, default=None, metavar="N",
@@ -102,6 +96,7 @@ def _verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
 def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario: str = "context"):
     """The method the options name. Called once before the model is loaded (bad input fails
     fast) and again with the prompt's length, for the scenario's default keep ratio."""
+    from ..budget import default_budget
     from ..method import FULL, make_method
 
     spec = args.method or args.default_method
@@ -119,7 +114,9 @@ def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario
 
 
 def _load(args: argparse.Namespace, saved_model: str | None = None, saved_dtype: str | None = None):
-    from ..models import DEFAULT_MODEL, load_model
+    import torch
+
+    from ..models import load_model
 
     name = args.model or saved_model or DEFAULT_MODEL
     dtype = args.dtype or saved_dtype or "float32"  # (--load: the dtype its keys and values were saved in)

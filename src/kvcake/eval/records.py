@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvcake.defaults import SCENARIOS
 from kvcake.eval.fidelity import Fidelity
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,6 @@ __all__ = ["FULL", "KEY_FIELDS", "SCENARIOS", "cell_key", "load_records", "parse
 
 FULL = "full"
 """The method name of the uncompressed baseline (a transformers ``DynamicCache``)."""
-
-SCENARIOS = ("question", "context")
 
 KEY_FIELDS = (
     "model_fp", "method", "budget", "ratio", "window", "task", "task_options", "length", "scenario", "seed",
