@@ -1,12 +1,12 @@
 """What batching questions saves in ``kvcake.answer``: context-only (the default), one document
-compressed once and N questions of one token length; question-aware (``--scenario question``),
-N questions of different lengths, each compressed with the document as a row of one left-padded
-batch. Answered one at a time (``batch_size=1``) and in one batch (``batch_size=N``), alternating,
+compressed once and N questions of different lengths (``--lengths same``: of one token length),
+left-padded after it; question-aware (``--scenario question``), N questions of different lengths,
+each compressed with the document as a row of one left-padded batch. Answered one at a time (``batch_size=1``) and in one batch (``batch_size=N``), alternating,
 on the default model; every answer forced to ``--tokens`` tokens so both sides decode the same
 work. Prints the median times and their ratio side by side, and whether the answers agree (they
 should, up to the rounding of batched matrix products).
 
-    PYTHONPATH=src python3 scripts/answer_batches.py --questions 1,4,8 --threads 2
+    PYTHONPATH=src python3 scripts/answer_batches.py --questions 4,8 --threads 2
     PYTHONPATH=src python3 scripts/answer_batches.py --scenario question --questions 4 --threads 2
 """
 
@@ -36,7 +36,7 @@ def questions(tok, n: int) -> list[str]:
 
 
 def mixed_questions(n: int) -> list[str]:
-    """``n`` distinct questions of different lengths (question-aware batches pad them)."""
+    """``n`` distinct questions of different lengths (a batch pads them)."""
     return [
         f"What is the value of key {100 + k}?" + " Answer with the value only." * (k % 3) for k in range(n)
     ]
@@ -51,6 +51,9 @@ def main() -> None:
     p.add_argument("--method", default="snapkv")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--scenario", choices=("context", "question"), default="context")
+    p.add_argument(
+        "--lengths", choices=("mixed", "same"), default="mixed", help="the questions' token lengths"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,12 +62,12 @@ def main() -> None:
     kw = dict(method=args.method, keep_ratio=0.5, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
               scenario=args.scenario)  # fmt: skip
     print(f"{kvcake.DEFAULT_MODEL}, {torch.get_num_threads()} threads, {args.scenario} scenario, {args.method} "
-          f"keeping 0.5 of {len(tok(document).input_ids)} tokens, {args.tokens} tokens per answer, medians of "
-          f"{args.rounds}")  # fmt: skip
+          f"keeping 0.5 of {len(tok(document).input_ids)} tokens, questions of {args.lengths} lengths, "
+          f"{args.tokens} tokens per answer, medians of {args.rounds}")  # fmt: skip
     print("| questions | one at a time s | one batch s | ratio | answers agree |")
     print("| --- | --- | --- | --- | --- |")
     for n in args.questions:
-        qs = questions(tok, n) if args.scenario == "context" else mixed_questions(n)
+        qs = questions(tok, n) if args.lengths == "same" else mixed_questions(n)
         times: dict[int, list[float]] = {1: [], n: []}
         answers = {}
         for _ in range(args.rounds):

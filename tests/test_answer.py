@@ -96,11 +96,10 @@ def test_answer_many_questions(tiny_llama, tok, scenario, monkeypatch):
 @pytest.mark.parametrize("scenario", ["context", "question"])
 @pytest.mark.parametrize("kw", [{}, {"num_beams": 2, "num_return_sequences": 2}])
 def test_answer_batches_questions(tiny_llama, tok, monkeypatch, scenario, kw):
-    """Questions are answered together, at most ``batch_size`` at once: after the document
-    compressed once, those of one token length (context; such groups in the order of their first
-    questions), or each compressed with it as a row of one left-padded batch, whatever their
-    lengths (question-aware). Every answer is the one its question gets alone (the first of its
-    returned sequences)."""
+    """Questions are answered together, at most ``batch_size`` at once, in order and whatever their
+    lengths, left-padded: after the document compressed once (context), or each compressed with it
+    as a row of one batch (question-aware). Every answer is the one its question gets alone (the
+    first of its returned sequences)."""
     doc = document(160)
     qs = ["w3 w4 w5", "w9 w1", "w6 w7 w8", "w2 w2", "w5 w4 w3", "w1 w1 w1"]
     kwargs = {
@@ -122,11 +121,7 @@ def test_answer_batches_questions(tiny_llama, tok, monkeypatch, scenario, kw):
         monkeypatch.setattr(kvcake.answers, "generate",
                             lambda model, ids, *a, **k: batches.append(ids.shape[0]) or run(model, ids, *a, **k))  # fmt: skip
     assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=2, **kwargs) == alone
-    assert batches == [
-        2,
-        2,
-        2,
-    ]  # context: questions 0 and 2, 4 and 5 (three words), 1 and 3 (two); else in order
+    assert batches == [2, 2, 2]
     batches.clear()
     assert kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=4, **kwargs) == alone
     assert batches == [4, 2]

@@ -191,8 +191,10 @@ def test_right_padding_and_all_padding_raise(tiny_llama):
 
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv"])
 def test_padding_among_appended_tokens_raises(tiny_llama, spec):
-    """A second generate on a kept cache whose new tokens are padded (rows of different lengths)
-    would store the padding as entries and attend it: refused, where it used to answer."""
+    """A second generate on a kept cache whose new tokens are padded after a real one (the last
+    generated token, then a shorter row's pads) would store the padding as entries and attend it:
+    refused, where it used to answer (padding on the left of the appended tokens is settled:
+    tests/test_padded_follow_ups.py)."""
     cache = KVCakeCache(tiny_llama, spec, budget=16, window=8)
     with kvcake.enable(tiny_llama), torch.no_grad():
         out = tiny_llama.generate(ids(60, batch=2), **with_cache(tiny_llama, cache), max_new_tokens=2)

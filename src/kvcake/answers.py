@@ -1,9 +1,10 @@
 """The text-level API: ``kvcake.answer`` (text in, text out; kvpress's pipeline's questions=).
 
-A document compressed alone serves every question asked after it. Questions of one token length
-are answered together in one batch: ``CompressedContext.generate`` takes several follow-ups of
-one length, and ``generate`` several prompts of one length (padding is not supported for
-follow-ups, since a compressed layer would keep the padding as tokens).
+A document compressed alone serves every question asked after it, and they are answered
+together in batches, left-padded: ``CompressedContext.generate`` takes follow-ups of different
+lengths (each row answered as alone: ``kvcake.sequences.settle_padding``; one length a batch for
+the caches it refuses padding, ``CompressedContext.padding_refused``), and ``generate`` prompts of
+different lengths.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def answer(
         ``"fp8"``: the kept entries in float8, the last ``kv_recent`` tokens' also in the model's
         dtype (:func:`generate`); None: the model's dtype.
     batch_size:
-        Questions answered together, at most this many in one batch: after the document, those of
-        one token length (each row holds its own copy of the compressed document while it
-        decodes); question-aware, any lengths, left-padded, each row compressed as it would be
+        Questions answered together, at most this many in one batch: after the document, any
+        lengths, left-padded (each row holds its own copy of the compressed document while it
+        decodes; one length a batch where the model's cache refuses padding: sliding windows,
+        recurrent states, latent attention, ``kv_dtype``); question-aware, any lengths, left-padded, each row compressed as it would be
         alone (rows whose default sizes would differ alone go apart: ``default_sizes``); 1
         answers one question at a time, and so does a ``streamer=`` (transformers' streamers
         take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long
@@ -127,8 +129,12 @@ def answer(
             ratio, keep_ratio
         )  # (kvcake.generate reads the defaults off a batch's padded length)
         keys = [default_sizes(method, budget, given, "question", p.full.shape[1], window) for p in prompts]
-    else:  # the question appended to the document: one length a batch (padding is refused there)
-        keys = [p.question.shape[1] for p in prompts]
+    else:  # the question appended to the document, compressed once: any lengths, left-padded, where it takes them
+        for prompt in prompts:  # (a chat template puts the same ids before every question)
+            if (key := prompt.context.numpy().tobytes()) not in contexts:
+                contexts[key] = compress(model, prompt.context.to(device), method, **sizes)
+        refused = {key: ctx.padding_refused() is not None for key, ctx in contexts.items()}
+        keys = [p.question.shape[1] if refused[p.context.numpy().tobytes()] else None for p in prompts]
     for key, group in _batches(prompts, keys, size):
         if scenario == "question":  # each prompt compressed whole, a row of one batch
             ids, mask = _left_padded([prompts[i].full for i in group], generate_kwargs["pad_token_id"])
@@ -136,10 +142,8 @@ def answer(
                               **generate_kwargs)  # fmt: skip
             new = getattr(out, "sequences", out)[:, ids.shape[1] :]  # return_dict_in_generate=True
         else:
-            if key not in contexts:  # a chat template puts the same ids before every question
-                contexts[key] = compress(model, prompts[group[0]].context.to(device), method, **sizes)
-            ids = torch.cat([prompts[i].question for i in group]).to(device)
-            new = contexts[key].generate(ids, **generate_kwargs)
+            ids, mask = _left_padded([prompts[i].question for i in group], generate_kwargs["pad_token_id"])
+            new = contexts[key].generate(ids.to(device), attention_mask=mask.to(device), **generate_kwargs)
             new = getattr(new, "sequences", new)
         rows = new.shape[0] // len(group)  # each question's first row (beams, num_return_sequences)
         for j, i in enumerate(group):

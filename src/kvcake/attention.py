@@ -27,8 +27,10 @@ from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING, KVCakeCache
 from .devices import input_device
 from .latent import expand_output, query_over
+from .layer import KVCakeLayer
 from .logit_terms import LogitTerms, model_terms
 from .sdpa import check_policy, sdpa_policy
+from .sequences import real_rows, settle_padding
 from .sliding import SlidingLayer, visible_keys
 
 logger = logging.getLogger(__name__)
@@ -73,16 +75,41 @@ def key_validity(mask: torch.Tensor | None, batch: int, kv_len: int, device: tor
     return valid.expand(batch, kv_len) if valid.shape[0] != batch else valid
 
 
-def _refuse_padded_append(mask: torch.Tensor | None, batch: int, q: int, device: torch.device) -> None:
-    """Tokens appended to a compressed cache several at a time (a second ``generate`` on a kept
-    cache, a follow-up) are stored as entries and attended, so padding among them would count as
-    text: refused (a prompt's padding is read off the mask at prefill, ``key_validity``)."""
-    if mask is not None and not bool(key_validity(mask, batch, q, device).all()):
+def _settle_padded_append(
+    cache, layer: KVCakeLayer, mask: torch.Tensor | None, batch: int, q: int
+) -> torch.Tensor | None:
+    """Tokens appended to a compressed cache several at a time (follow-ups of a compressed context,
+    a second ``generate`` on a kept cache) were stored as entries: where the mask pads some rows on
+    the left (follow-ups of different lengths in one batch), the pads become empty slots and each
+    row its own sequence shifted (``kvcake.sequences.settle_padding``). Other padding, and padding
+    in caches whose other layers would keep it (sliding windows count the pads' columns, recurrent
+    states read the pad tokens), latent or float8 layers, is refused. Returns the appended tokens'
+    validity (B, q) where some are pads, else None."""
+    valid = key_validity(mask, batch, q, layer.keys.device) if mask is not None else None
+    if valid is None or bool(valid.all()):
+        return None
+    if why := padding_refused(cache, valid):
         raise ValueError(
-            "padding among tokens appended to a compressed cache is not supported (the cache would store and "
-            "attend it as text; this cache is now unusable): make a new cache per prompt (kvcake.generate does), "
-            "or append rows of one length without padding"
+            f"padding among tokens appended to a compressed cache is not supported here ({why}; the cache "
+            "would store and attend it as text, and is now unusable): append rows of one length without "
+            "padding, one batch per length (kvcake.answer groups follow-ups so there)"
         )
+    settle_padding(layer, valid)
+    return valid
+
+
+def padding_refused(cache: KVCakeCache, valid: torch.Tensor | None = None) -> str | None:
+    """Why padding among tokens appended to ``cache`` (``valid`` (B, q), False at a pad) cannot be
+    settled, or None where it can: a sliding window counts the pads' columns, a recurrent state
+    reads the pad tokens, float8 and latent layers are not handled; padding must be on the left."""
+    odd = sorted({type(other).__name__ for other in cache.layers if type(other) is not KVCakeLayer})
+    if odd:
+        return f"the cache holds {', '.join(odd)} layers"
+    if cache.kv_dtype is not None:
+        return f"kv_dtype={cache.kv_dtype!r}"
+    if valid is not None and not bool((valid[:, 1:] >= valid[:, :-1]).all() & valid[:, -1].all()):
+        return "padding not on the left"
+    return None
 
 
 def _refuse_use_cache_off(module, args: tuple, kwargs: dict) -> None:
@@ -196,9 +223,9 @@ def _make_attention(inner_name: str):
                 out, sums = (fused[0], None), fused[1]
             cache.after_prefill_attention(layer_idx, module, query, valid, scaling, sums, terms)
             return out
-        if q > 1 and layer_idx == cache.compressed[0] and not torch.compiler.is_compiling():
-            # tokens appended several at a time: once a forward, every compressed layer reads this mask
-            _refuse_padded_append(attention_mask, query.shape[0], q, key.device)
+        padded = None  # tokens appended several at a time: any padding among them settled first
+        if q > 1 and not torch.compiler.is_compiling():
+            padded = _settle_padded_append(cache, layer, attention_mask, query.shape[0], q)
         want = cache.wants_probs(layer_idx, q)
         if layer.plain:  # every position in order, as a full cache holds them: the model's own kernel,
             out = inner(  # so the output rounds exactly as a full cache's (bf16 on CUDA: a float32
@@ -215,6 +242,8 @@ def _make_attention(inner_name: str):
         out, probs = layer.attend(
             query_over(layer, module, query), scaling, want, terms
         )  # (latent: absorbed)
+        if padded is not None and probs is not None:  # the pads' own rows read as their sequence's
+            probs = real_rows(probs, padded)
         cache.after_extend_attention(layer_idx, probs)
         if q > 1:  # a multi-token append (a context's question): back into static storage now
             cache.lay_out_after_append(layer_idx)

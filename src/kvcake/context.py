@@ -23,7 +23,7 @@ from .adapters import (
     rope_delta_holders,
     with_cache,
 )
-from .attention import enable
+from .attention import enable, padding_refused
 from .cache import KVCakeCache
 from .prompts import is_integer, not_ids
 
@@ -188,9 +188,10 @@ class CompressedContext:
         self, ids: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[CompressedContext, torch.Tensor, torch.Tensor]:
         """(the context to extend, the whole ids, the whole mask) for follow-ups ``ids`` (B, q) and
-        their own ``mask`` (B, q) or None (every one a token: padding is refused). A follow-up per
-        sequence of the context, or any number of them at once to a context compressed alone
-        (batch 1): then a copy of it with that many rows (:meth:`_repeated`)."""
+        their own ``mask`` (B, q) or None (every one a token): padding on the left, where the cache
+        takes it (:meth:`padding_refused`). A follow-up per sequence of the context, or any number of
+        them at once to a context compressed alone (batch 1): then a copy of it with that many rows
+        (:meth:`_repeated`)."""
         ids = ids[None] if ids.dim() == 1 else ids
         b, n = self.input_ids.shape[0], ids.shape[0]
         if n != b and b != 1:
@@ -204,16 +205,29 @@ class CompressedContext:
                 f"attention_mask is the follow-ups' own, shaped like them {tuple(ids.shape)}, got "
                 f"{tuple(mask.shape)}: the context's part is the context's"
             )
-        if mask is not None and not bool(mask.bool().all()):
-            raise ValueError(
-                "follow-ups with padding are not supported: a compressed layer would store and attend "
-                "the padding as tokens. Ask follow-ups of different lengths one at a time (or "
-                "kvcake.answer(..., question=[...])); follow-ups of one length go in one batch"
-            )
-        mask = torch.ones_like(ids, dtype=self.attention_mask.dtype)
+        if mask is None or bool(mask.bool().all()):
+            mask = torch.ones_like(ids, dtype=self.attention_mask.dtype)
+        else:
+            mask = mask.to(ids.device).bool()
+            if why := self.padding_refused() or padding_refused(self.cache, mask):
+                raise ValueError(
+                    f"follow-ups with padding are not supported here ({why}): ask follow-ups of different "
+                    "lengths one at a time (kvcake.answer(..., question=[...]) groups them so); follow-ups of "
+                    "one length go in one batch"
+                )
+            mask = mask.to(self.attention_mask.dtype)
         ctx = self if n == b else self._repeated(n)
         full = torch.cat([ctx.input_ids, ids], dim=1)
         return ctx, full, torch.cat([ctx.attention_mask, mask], dim=1)
+
+    def padding_refused(self) -> str | None:
+        """Why follow-ups of different lengths cannot share a batch, left-padded, or None where they
+        can (each row answered as alone: ``kvcake.sequences.settle_padding``): the padding would be
+        read as text by a sliding window (which counts its columns), a recurrent state or an
+        image's rows, and float8 or latent layers are not handled."""
+        if self.rope_deltas is not None or self.token_inputs:
+            return "the context holds multimodal inputs"
+        return padding_refused(self.cache)
 
     def _repeated(self, n: int) -> CompressedContext:
         """A context of ``n`` sequences, each this one's (batch 1), its cache a private copy."""
@@ -237,8 +251,9 @@ class CompressedContext:
         new tokens (B, n): the answer's ids, as ``kvcake.generate``'s ``output[:, prompt_length:]``
         (with ``return_dict_in_generate=True``, ``model.generate``'s output whose ``sequences`` are
         the answer's ids). A context of B sequences takes a follow-up per sequence; one compressed
-        alone takes any number of follow-ups of one length at once, answered in one batch
-        (``attention_mask``, where given, the follow-ups' own: all ones, since padding is refused).
+        alone takes any number of follow-ups at once, answered in one batch, each row what its
+        follow-up alone gets (``attention_mask``, where given, the follow-ups' own: follow-ups of
+        different lengths padded on the left, where the cache takes padding: :meth:`padding_refused`).
         ``compile``: as ``kvcake.generate``'s (None: transformers compiles the decoding forward on
         accelerators; True: on any device; False: never), the context's layers laid out in static
         storage right after the question."""

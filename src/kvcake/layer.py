@@ -99,12 +99,11 @@ class KVCakeLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the prompt (first call) or append new entries; returns what a plain layer's
-        attention reads. ``kwargs['valid']`` (B, q) marks padding among the new tokens."""
+        attention reads (padding among appended entries: ``kvcake.sequences.settle_padding``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, hkv, q, _ = key_states.shape
-        valid = kwargs.get("valid")
-        one_step = q == 1 and valid is None
+        one_step = q == 1
         if self.static is not None and not one_step:
             self.step.to_dynamic(self)  # multi-token appends take the reference path
         elif self.static is None and one_step and self.wants_static:
@@ -118,14 +117,16 @@ class KVCakeLayer(CacheLayerMixin):
             else:
                 self.length = seen + 1
             return self.keys, self.values
-        qpos = torch.arange(self.length, self.length + q, device=key_states.device)[None, :].expand(b, q)
-        pos = torch.where(valid, qpos, torch.full_like(qpos, -1)) if valid is not None else qpos
-        pos = pos[:, None, :].expand(b, hkv, q).contiguous()  # (B, H_kv, q)
+        pos = (
+            torch.arange(self.length, self.length + q, device=key_states.device)
+            .expand(b, hkv, q)
+            .contiguous()
+        )
         self.length += q
         if self.keys is None:
             self.keys, self.values, self.positions = key_states, value_states, pos
             self.counts = np.full((b, hkv), q, dtype=np.int64)
-            self.plain = valid is None or bool(valid.all())
+            self.plain = True
             return self.keys, self.values
         add = np.full((b, hkv), q, dtype=np.int64)
         fp8.remember(self, key_states, value_states, pos)  # float8: the latest tokens exactly too (fp8.py)
@@ -136,9 +137,6 @@ class KVCakeLayer(CacheLayerMixin):
             self.positions = torch.cat([self.positions, pos], dim=-1)
             self.scores = _cat_or_none(self.scores, torch.zeros(b, hkv, q, device=key_states.device))
             self.norms = None
-            if valid is not None and not bool(valid.all()):
-                self.plain = False
-                add = valid.sum(-1, keepdim=True).expand(b, hkv).cpu().numpy().astype(np.int64)
         else:
             append_segments(self, key_states, value_states, pos)
         self.counts = self.counts + add

@@ -20,6 +20,10 @@ follows the rows (:func:`select_sequences`, ``rows`` (B',) int64):
   there and is laid out again at once;
 * a sliding layer's window, in place in its ring (``SlidingLayer.select_rows``).
 
+Follow-ups of different lengths share a batch left-padded (``CompressedContext.generate``): the
+pads land after each sequence's earlier entries, and :func:`settle_padding` moves them before it,
+so that every row holds what it holds alone, shifted as a left-padded prompt is.
+
 Beams of one prompt hold the same budgets (the same prompt, compressed alike) and diverge only in
 what decoding keeps (``decode=fixed``) and generates.
 """
@@ -31,7 +35,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .ragged import RaggedMeta, row_segments
+from .ragged import RaggedMeta, kept_indices, row_segments
 
 # per entry, as the dynamic layout holds them: (B, H_kv, N, ...) dense, (T, ...) ragged
 ENTRY_TENSORS = ("keys", "values", "positions", "scores", "norms")
@@ -135,3 +139,50 @@ def select_ragged(layer, rows: torch.Tensor, host: np.ndarray) -> None:
     source = row_segments(rows, layer.kv_heads, layer.keys.device)  # (B' * H_kv,)
     start = layer.meta.offsets.index_select(0, source)  # each new segment's first row, where it was
     layer.keep_rows(start.index_select(0, meta.seg) + meta.local, meta)  # (T',) rows of the old layout
+
+
+def settle_padding(layer, valid: torch.Tensor) -> None:
+    """The ``q`` entries a dynamic layer just appended hold padding (``valid`` (B, q): False at a
+    pad; follow-ups of different lengths, left-padded in one batch): each pad becomes an empty
+    slot and each sequence's earlier entries move as many positions later as it has pads, so that
+    every row holds what it holds alone, shifted by its padding as a left-padded prompt's row is
+    (the positions only order and window the entries: RoPE was applied with the model's position
+    ids, which skip the padding). Dense rows keep their empty slots on the left (one stable sort of
+    each head's entries); ragged segments drop the pads."""
+    b, q = valid.shape
+    pos = layer.positions
+    valid = valid.to(pos.device)
+    pads = (~valid).sum(-1)  # (B,)
+    counts = layer.counts - pads.cpu().numpy()[:, None]  # (B, H_kv): every head of a row alike
+    if layer.layout == "dense":  # the appended entries are each head's last q
+        row = torch.arange(b, device=pos.device).view(b, 1, 1).expand_as(pos)
+        new = torch.arange(pos.shape[-1], device=pos.device) - (pos.shape[-1] - q)  # index among the appended
+        pad = (new >= 0) & ~valid[row, new.clamp(min=0).expand_as(pos)]
+        pos = torch.where((new < 0) & (pos >= 0), pos + pads[row], pos).masked_fill(pad, -1)
+        order = (pos >= 0).to(torch.int8).argsort(dim=-1, stable=True)  # empty slots first, then in order
+        layer.positions = pos.gather(-1, order)
+        for name in (n for n in ENTRY_TENSORS if n != "positions"):
+            t = getattr(layer, name)
+            if t is not None:
+                setattr(
+                    layer, name, t.gather(2, order.view(*order.shape, *([1] * (t.dim() - 3))).expand_as(t))
+                )
+        if layer.scores is not None:  # an empty slot's score, as eviction leaves it
+            layer.scores = layer.scores.masked_fill(layer.positions < 0, float("-inf"))
+    else:  # the appended entries are each segment's last q
+        m = layer.meta
+        row = m.seg // layer.kv_heads
+        new = m.local - (m.lengths[m.seg] - q)
+        keep = (new < 0) | valid[row, new.clamp(min=0)]
+        layer.positions = torch.where((new < 0) & (pos >= 0), pos + pads[row], pos)
+        layer.keep_rows(kept_indices(keep, int(counts.sum())), RaggedMeta.from_counts(counts, pos.device))
+    layer.counts, layer.plain = counts, False
+
+
+def real_rows(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A padded append's attention probabilities (B, H, q, N) as the decoding rules read them: each
+    pad's row replaced by the mean of its sequence's real rows, so that a mean over the rows (H2O's,
+    CAKE's) is the mean over the real ones and the last row (TOVA's) is unchanged."""
+    real = valid.to(probs.device)[:, None, :, None]  # (B, 1, q, 1)
+    mean = (probs * real).sum(2, keepdim=True) / real.sum(2, keepdim=True)
+    return torch.where(real, probs, mean)

@@ -1,0 +1,99 @@
+"""Follow-ups of different lengths in one batch, left-padded, after a document compressed once
+(``CompressedContext.generate(ids, attention_mask=mask)``, ``kvcake.answer``'s batches): every row
+answers what its follow-up alone gets. The pads land after the document's kept entries; each layer
+turns them into empty slots and shifts its row's earlier entries by its padding
+(``kvcake.sequences.settle_padding``), and the append's probabilities read the pads' rows as their
+sequence's mean (``real_rows``), so decoding-time eviction sees each row as alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcake
+from kvcake.method import PRESETS
+from shared_checks import prompt
+
+LENGTHS = (3, 7, 5)  # rows 0 and 2 padded (4 and 2 pads), row 1 the longest
+STEPS = 10
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(r.shape[1] for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[1] :], mask[i, width - r.shape[1] :] = r[0], 1
+    return ids, mask
+
+
+def follow_ups(seed: int = 11) -> list[torch.Tensor]:
+    return [prompt(n, seed=seed + n) for n in LENGTHS]
+
+
+def assert_rows_as_alone(ctx, questions, **generate_kwargs) -> None:
+    kw = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False, "pad_token_id": 0}
+    kw.update(generate_kwargs)
+    alone = [ctx.generate(q, **kw) for q in questions]
+    ids, mask = left_padded(questions)
+    together = ctx.generate(ids, attention_mask=mask, **kw)
+    rows = together.shape[0] // len(questions)
+    for i, a in enumerate(alone):
+        assert torch.equal(together[i * rows], a[0]), f"follow-up {i} ({questions[i].shape[1]} tokens)"
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("static", [True, False])
+def test_each_padded_row_answers_as_alone(tiny_llama, name, static):
+    """Every preset, static and dynamic layouts: a 90-token document kept at 24 entries a layer (the
+    decode=fixed presets evict at every step), three follow-ups of 3, 7 and 5 tokens."""
+    sizes = {} if name == "full" else {"budget": 24, "window": 4}
+    ctx = kvcake.compress(tiny_llama, prompt(90, seed=1), name, static=static, **sizes)
+    kept = [layer.padded_positions().clone() for layer in ctx.cache.layers]
+    assert ctx.padding_refused() is None
+    assert_rows_as_alone(ctx, follow_ups())
+    assert all(
+        torch.equal(layer.padded_positions(), k) for layer, k in zip(ctx.cache.layers, kept, strict=True)
+    )
+
+
+@pytest.mark.parametrize("tiny_llama", ["sdpa", "eager"], indirect=True)
+@pytest.mark.parametrize("name", ["h2o", "cake", "adakv", "tova"])
+def test_more_padding_than_window_with_a_keep_ratio(tiny_llama, name):
+    """A 2-token follow-up beside a 30-token one (28 pads, more than the window and the budget's
+    share of the follow-up), a keep ratio; both attention kernels' masks."""
+    ctx = kvcake.compress(tiny_llama, prompt(120, seed=3), name, ratio=0.3, window=8)
+    assert_rows_as_alone(ctx, [prompt(2, seed=4), prompt(30, seed=5)])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake", "critical-adakv"])
+def test_beams_of_padded_rows(tiny_llama, name):
+    ctx = kvcake.compress(tiny_llama, prompt(80, seed=6), name, budget=20, window=4)
+    assert_rows_as_alone(ctx, follow_ups(seed=21), num_beams=2, num_return_sequences=2)
+
+
+def test_padding_not_on_the_left_is_refused(tiny_llama):
+    ctx = kvcake.compress(tiny_llama, prompt(60, seed=7), "snapkv", budget=16, window=4)
+    ids, mask = left_padded(follow_ups())
+    with pytest.raises(
+        ValueError, match=r"follow-ups with padding are not supported here \(padding not on the left\)"
+    ):
+        ctx.generate(ids, attention_mask=mask.flip(-1), max_new_tokens=2)
+    empty = mask.clone()
+    empty[0] = 0
+    with pytest.raises(ValueError, match="padding not on the left"):  # a row of padding alone
+        ctx.generate(ids, attention_mask=empty, max_new_tokens=2)
+
+
+def test_caches_that_would_keep_the_padding_refuse_it(tiny_llama, tiny_gemma3):
+    """A sliding window counts the pads' columns (Gemma 3's sliding layers), float8 entries are not
+    shifted: one length a batch there, said before any work; ``kvcake.answer`` groups so."""
+    ids, mask = left_padded(follow_ups())
+    hybrid = kvcake.compress(tiny_gemma3, prompt(60, seed=8), "snapkv", budget=16, window=4)
+    assert "SlidingLayer" in hybrid.padding_refused()
+    with pytest.raises(ValueError, match=r"not supported here \(the cache holds SlidingLayer layers\)"):
+        hybrid.generate(ids, attention_mask=mask, max_new_tokens=2)
+    fp8 = kvcake.compress(tiny_llama, prompt(60, seed=8), "snapkv", budget=16, window=4, kv_dtype="fp8")
+    with pytest.raises(ValueError, match=r"not supported here \(kv_dtype='fp8'\)"):
+        fp8.generate(ids, attention_mask=mask, max_new_tokens=2)
+    assert hybrid.generate(ids[1:2], max_new_tokens=2).shape == (1, 2)  # unpadded follow-ups still run
