@@ -97,3 +97,47 @@ def test_caches_that_would_keep_the_padding_refuse_it(tiny_llama, tiny_gemma3):
     with pytest.raises(ValueError, match=r"not supported here \(kv_dtype='fp8'\)"):
         fp8.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert hybrid.generate(ids[1:2], max_new_tokens=2).shape == (1, 2)  # unpadded follow-ups still run
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_a_padded_batch_of_documents_answers_each_as_alone(tiny_llama, name):
+    """Documents of different lengths compressed in one left-padded batch, then a follow-up per
+    row (padded too): each row gets what its document alone gets, tokens and logits. The prompt's
+    positions count from each row's first token, as ``generate`` counts its follow-ups' (by the
+    columns, a shorter document's keys were rotated 25 positions further from its follow-up than
+    alone: TOVA and CAKE answered otherwise from the third token, every preset's logits moved)."""
+    docs, qs = [prompt(70, seed=12), prompt(95, seed=13)], [prompt(9, seed=14), prompt(3, seed=15)]
+    sizes = {} if name == "full" else {"budget": 20, "window": 4}
+    ids, mask = left_padded(docs)
+    pair = kvcake.compress(tiny_llama, ids, name, attention_mask=mask, **sizes)
+    kw = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False, "pad_token_id": 0}
+    kw.update(return_dict_in_generate=True, output_logits=True)
+    q_ids, q_mask = left_padded(qs)
+    together = pair.generate(q_ids, attention_mask=q_mask, **kw)
+    same = torch.cat([qs[0], prompt(9, seed=16)])  # forward() takes follow-ups of one length
+    logits = pair.forward(same)
+    for i, (doc, q) in enumerate(zip(docs, qs, strict=True)):
+        alone = kvcake.compress(tiny_llama, doc, name, **sizes)
+        own = alone.generate(q, **kw)
+        assert torch.equal(together.sequences[i], own.sequences[0]), f"row {i}"
+        torch.testing.assert_close(together.logits[0][i], own.logits[0][0])  # the follow-up's own
+        torch.testing.assert_close(pair.logits[i], alone.logits[0])
+        torch.testing.assert_close(logits[i], alone.forward(same[i : i + 1])[0])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake", "adakv", "full"])
+def test_a_padded_batch_of_documents_on_a_hybrid_model(tiny_gemma3, name):
+    """The same on Gemma 3 (sliding layers; follow-ups of one length, since its cache refuses their
+    padding): by the columns, the shorter document's row answered otherwise for every method, the
+    full cache's included (first logits 0.16 apart)."""
+    docs, qs = [prompt(70, seed=12), prompt(95, seed=13)], [prompt(6, seed=14), prompt(6, seed=15)]
+    sizes = {} if name == "full" else {"budget": 20, "window": 4}
+    ids, mask = left_padded(docs)
+    pair = kvcake.compress(tiny_gemma3, ids, name, attention_mask=mask, **sizes)
+    kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    kw.update(return_dict_in_generate=True, output_logits=True)
+    together = pair.generate(torch.cat(qs), **kw)
+    for i, (doc, q) in enumerate(zip(docs, qs, strict=True)):
+        own = kvcake.compress(tiny_gemma3, doc, name, **sizes).generate(q, **kw)
+        assert torch.equal(together.sequences[i], own.sequences[0]), f"row {i}"
+        torch.testing.assert_close(together.logits[0][i], own.logits[0][0])

@@ -13,6 +13,7 @@ cache and only the full-attention ("global") layers are compressed; and linear-a
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -355,6 +356,19 @@ def rope_delta_holders(model: torch.nn.Module) -> list[torch.nn.Module]:
     Qwen2-VL and its kin, set by a prefill with images): transformers reads it, not the cache, to
     place the tokens appended to a filled cache."""
     return [m for m in model.modules() if "rope_deltas" in vars(m)]
+
+
+def padded_positions(model: torch.nn.Module, attention_mask: torch.Tensor) -> dict:
+    """``{"position_ids": ...}`` for a forward of a left-padded batch, counted as ``generate`` counts
+    them (each row from its first real token, 1 on the padding), where ``model``'s forward takes them
+    and places no tokens itself (multimodal RoPE: :func:`rope_delta_holders`); else, and without
+    padding (then the columns are those positions), nothing: the model's own."""
+    if bool(attention_mask.bool().all()) or rope_delta_holders(model):
+        return {}
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    positions = attention_mask.long().cumsum(-1) - 1
+    return {"position_ids": positions.masked_fill(attention_mask == 0, 1)}
 
 
 # Model inputs with a row per token (dim 1) that a model reads again for the tokens appended after

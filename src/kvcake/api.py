@@ -33,6 +33,7 @@ from .adapters import (
     cache_keyword,
     generate_with_cache,
     generation_setting,
+    padded_positions,
     rope_delta_holders,
     with_cache,
 )
@@ -238,6 +239,7 @@ def compress(
         out = model(
             input_ids=input_ids,  # by keyword: BLIP-2's and Kosmos-2's forward take pixel_values first
             attention_mask=attention_mask,
+            **({} if "position_ids" in model_inputs else padded_positions(model, attention_mask)),
             **model_inputs,
             **with_cache(model, cache),
             logits_to_keep=1,

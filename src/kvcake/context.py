@@ -20,6 +20,7 @@ from .adapters import (
     extend_token_input,
     generate_with_cache,
     generation_setting,
+    padded_positions,
     rope_delta_holders,
     with_cache,
 )
@@ -329,9 +330,11 @@ class CompressedContext:
     def _appended_positions(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
         """``position_ids`` (3, B, q) of ``ids`` appended to a context with ``rope_deltas`` (the rule the
         model's forward applies to appended tokens without a mask: past length + delta; with the mask
-        transformers 5.24 builds them for the whole sequence and fails), else none (the model's own)."""
+        transformers 5.24 builds them for the whole sequence and fails); after a left-padded batch of
+        contexts, (B, q) counted from each row's first token, as the context's own were
+        (``adapters.padded_positions``); else none (the model's own)."""
         if self.rope_deltas is None:
-            return {}
+            return {k: t[:, -ids.shape[1] :] for k, t in padded_positions(self.model, mask).items()}
         if not bool(mask[:, : self.input_ids.shape[1]].all()):
             raise ValueError(
                 "forward() on a padded batch of contexts with multimodal RoPE positions (rope_deltas) is not "
