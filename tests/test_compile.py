@@ -449,21 +449,26 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward():
 
 @needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["layer-defensivekv", "cake", "h2o"])
-def test_a_compressed_contexts_generate_with_compile_compiles_its_decoding(spec):
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_compressed_contexts_generate_with_compile_compiles_its_decoding(spec, padded):
     """``CompressedContext.generate(compile=...)``, as ``kvcake.generate``'s (it was not taken:
     transformers refused the unknown kwarg, and ``kvcake --compile`` refused a context): three
-    follow-ups of 6 tokens in one batch, the fork laid out in static storage after the question,
-    its decoding forward captured whole, the tokens eager's."""
+    follow-ups of 6 tokens in one batch (``padded``: of 6, 3 and 5, left-padded), the fork laid out
+    in static storage after the question, its decoding forward captured whole, the tokens eager's."""
     backend, graphs = graph_recorder()
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
     questions = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(questions)
+    if padded:
+        mask[1, :3], mask[2, :1] = 0, 0
     ctx = kvcake.compress(model, ids, spec, budget=24, window=4)
-    eager = ctx.generate(questions, max_new_tokens=10, do_sample=False, compile=False)
+    kw = {"attention_mask": mask, "max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    eager = ctx.generate(questions, compile=False, **kw)
     torch._dynamo.reset()
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
-    compiled = ctx.generate(questions, max_new_tokens=10, do_sample=False, compile=config)
+    compiled = ctx.generate(questions, compile=config, **kw)
     assert 1 <= len(graphs) <= 2 and torch.equal(compiled, eager)
 
 
