@@ -16,10 +16,9 @@ import torch
 from .api import compress, default_sizes, generate
 from .budget import DEFAULT_METHOD
 from .context import CompressedContext, check_positions
+from .defaults import SCENARIOS
 from .method import Method, resolve_ratio
 from .prompts import PromptIds, build_prompt
-
-SCENARIOS = ("context", "question")
 
 
 def answer(

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 import kvcake
 from kvcake.adapters import with_cache
 from kvcake.cache import cache_kv_bytes
+from kvcake.defaults import SCENARIOS
 from kvcake.eval.tasks import make_samples
 from kvcake.prompts import build_prompt
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=float, default=40.0, help="needle depth, percent of the text")
     parser.add_argument("--method", default="cake", help="preset or composed spec (see `kvcake methods`)")
     parser.add_argument("--budget", type=int, default=128, help="average KV entries kept per layer and head")
-    parser.add_argument("--scenario", choices=("question", "context"), default=None,
+    parser.add_argument("--scenario", choices=SCENARIOS, default=None,
                         help="set of calibrated CAKE temperatures (default: question, the prompt ends with it)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=3, help="seed of the haystack and needle")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="answer length limit")

@@ -1,8 +1,8 @@
 """Which KV heads this process holds under tensor parallelism, read from the model: transformers
 shards the attention projections as ``DTensor``s on its device mesh, whose ``"tp"`` dimension is
-the group of ranks sharing heads. The collectives over that group are in ``kvcake.tensor_parallel``
-(a module of the parts, which loads no model code); this one reads a model, so it sits with the
-adapters above them."""
+the group of ranks sharing heads. The collectives over that group are in ``kvcake.tensor_parallel``,
+which the allocators and scorers import and which so loads no model code; this module reads the
+model, through the adapters (where its attention's output projection is)."""
 
 from __future__ import annotations
 
