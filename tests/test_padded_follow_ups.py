@@ -141,3 +141,16 @@ def test_a_padded_batch_of_documents_on_a_hybrid_model(tiny_gemma3, name):
         own = kvcake.compress(tiny_gemma3, doc, name, **sizes).generate(q, **kw)
         assert torch.equal(together.sequences[i], own.sequences[0]), f"row {i}"
         torch.testing.assert_close(together.logits[0][i], own.logits[0][0])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake", "adakv", "full"])
+def test_teacher_forcing_padded_follow_ups(tiny_llama, name):
+    """``forward(ids, attention_mask=mask)``: each row's last logits are those its follow-up gets
+    alone."""
+    sizes = {} if name == "full" else {"budget": 24, "window": 4}
+    ctx = kvcake.compress(tiny_llama, prompt(90, seed=1), name, **sizes)
+    questions = follow_ups(seed=31)
+    ids, mask = left_padded(questions)
+    logits = ctx.forward(ids, attention_mask=mask)
+    for i, q in enumerate(questions):
+        torch.testing.assert_close(logits[i, -q.shape[1] :], ctx.forward(q)[0])

@@ -280,8 +280,10 @@ class CompressedContext:
             return out
         return out[:, full.shape[1] :]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, q, vocab) of ``ids`` appended to a fork of the context (teacher forcing)."""
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, q, vocab) of ``ids`` appended to a fork of the context (teacher forcing);
+        ``attention_mask`` as :meth:`generate`'s (follow-ups of different lengths padded on the left:
+        each row's last tokens are its own, the rows of its padding meaningless)."""
         if (mtype := describe_model(self.model).model_type) in IMAGE_IN_EVERY_FORWARD:
             raise ValueError(
                 f"{mtype}'s forward encodes an image at every call, so a context's text follow-up cannot be "
@@ -289,7 +291,7 @@ class CompressedContext:
             )
         _check_follow_ups(ids, "ids")
         self.check_placement()
-        ctx, full, mask = self._follow_ups(ids, None)
+        ctx, full, mask = self._follow_ups(ids, attention_mask)
         ids = full[:, self.input_ids.shape[1] :]
         cache = self.fork() if ctx is self else ctx.cache
         with enable(self.model), torch.no_grad(), ctx._positions():
