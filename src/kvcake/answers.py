@@ -18,7 +18,7 @@ from .budget import DEFAULT_METHOD
 from .context import CompressedContext, check_positions
 from .defaults import SCENARIOS
 from .method import Method, resolve_ratio
-from .prompts import PromptIds, build_prompt
+from .prompts import build_prompt
 
 
 def answer(
@@ -75,9 +75,9 @@ def answer(
         Questions answered together, at most this many in one batch: after the document, any
         lengths, left-padded (each row holds its own copy of the compressed document while it
         decodes; one length a batch where the model's cache refuses padding: sliding windows,
-        recurrent states, latent attention, ``kv_dtype``); question-aware, any lengths, left-padded, each row compressed as it would be
-        alone (rows whose default sizes would differ alone go apart: ``default_sizes``); 1
-        answers one question at a time, and so does a ``streamer=`` (transformers' streamers
+        recurrent states, latent attention, ``kv_dtype``); question-aware, any lengths,
+        left-padded, each row compressed as it would be alone (rows whose default sizes would
+        differ alone go apart: ``default_sizes``); 1 answers one question at a time, and so does a ``streamer=`` (transformers' streamers
         take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long
         prefills saved nothing (SmolLM2, 2 threads, 2130-token prompts: 4 questions 25.96 s
         batched against 24.21 s one at a time, 8: 52.37 s against 44.62 s;
@@ -121,20 +121,23 @@ def answer(
     if batch_size is None:
         batch_size = 1 if scenario == "question" and device.type == "cpu" else 8
     size = 1 if generate_kwargs.get("streamer") is not None else batch_size
-    if (
-        scenario == "question"
-    ):  # any lengths share a batch, left-padded, where the sizes each gets alone agree
-        given = resolve_ratio(
-            ratio, keep_ratio
-        )  # (kvcake.generate reads the defaults off a batch's padded length)
+    documents = [p.context.numpy().tobytes() for p in prompts]  # (a chat template: the same before each)
+    if scenario == "question":
+        # any lengths share a batch, left-padded, where the sizes each gets alone agree
+        # (kvcake.generate reads the defaults off a batch's padded length)
+        given = resolve_ratio(ratio, keep_ratio)
         keys = [default_sizes(method, budget, given, "question", p.full.shape[1], window) for p in prompts]
-    else:  # the question appended to the document, compressed once: any lengths, left-padded, where it takes them
-        for prompt in prompts:  # (a chat template puts the same ids before every question)
-            if (key := prompt.context.numpy().tobytes()) not in contexts:
-                contexts[key] = compress(model, prompt.context.to(device), method, **sizes)
-        refused = {key: ctx.padding_refused() is not None for key, ctx in contexts.items()}
-        keys = [p.question.shape[1] if refused[p.context.numpy().tobytes()] else None for p in prompts]
-    for key, group in _batches(prompts, keys, size):
+    else:
+        # the question appended to the document, compressed once: any lengths, left-padded, where
+        # its cache takes padding; else one length a batch
+        for doc, prompt in zip(documents, prompts, strict=True):
+            if doc not in contexts:
+                contexts[doc] = compress(model, prompt.context.to(device), method, **sizes)
+        refused = {doc: ctx.padding_refused() is not None for doc, ctx in contexts.items()}
+        keys = [
+            p.question.shape[1] if refused[doc] else None for doc, p in zip(documents, prompts, strict=True)
+        ]
+    for key, group in _batches(documents, keys, size):
         if scenario == "question":  # each prompt compressed whole, a row of one batch
             ids, mask = _left_padded([prompts[i].full for i in group], generate_kwargs["pad_token_id"])
             out, _ = generate(model, ids.to(device), method, attention_mask=mask.to(device), **sizes,
@@ -150,13 +153,13 @@ def answer(
     return answers[0] if isinstance(question, str) else answers
 
 
-def _batches(prompts: list[PromptIds], keys: list, size: int) -> list[tuple[bytes, list[int]]]:
-    """(the context's ids as bytes, indices of ``prompts``): batches of at most ``size`` that share
-    the context's ids and their ``keys``, such groups in the order of their first questions, each
-    cut in order."""
+def _batches(documents: list[bytes], keys: list, size: int) -> list[tuple[bytes, list[int]]]:
+    """(a document, indices of its questions): batches of at most ``size`` questions that share
+    the document (each question's context ids as bytes) and their ``keys``, such groups in the
+    order of their first questions, each cut in order."""
     groups: dict[tuple[bytes, object], list[int]] = {}
-    for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
-        groups.setdefault((prompt.context.numpy().tobytes(), key), []).append(i)
+    for i, (doc, key) in enumerate(zip(documents, keys, strict=True)):
+        groups.setdefault((doc, key), []).append(i)
     return [(key, g[k : k + size]) for (key, _), g in groups.items() for k in range(0, len(g), size)]
 
 

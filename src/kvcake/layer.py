@@ -103,10 +103,9 @@ class KVCakeLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, hkv, q, _ = key_states.shape
-        one_step = q == 1
-        if self.static is not None and not one_step:
+        if self.static is not None and q > 1:
             self.step.to_dynamic(self)  # multi-token appends take the reference path
-        elif self.static is None and one_step and self.wants_static:
+        elif self.static is None and q == 1 and self.wants_static:
             self.to_static()  # after its first eviction (after a multi-token append, the attention laid it out)
         if self.static is not None:  # in place, positions on the device: no host int
             seen = None if torch.compiler.is_compiling() else self.length  # read back before ``newest`` moves
