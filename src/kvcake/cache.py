@@ -81,9 +81,12 @@ class KVCakeCache(RecurrentStates, Cache):
         something moves into preallocated buffers (``kvcake.step``) and each decode step writes
         into them in place, a step the compiler traces whole (``is_compileable``). False: the
         dynamic layout, which holds exactly the kept entries and reallocates as it goes; it is
-        the slow, obviously-right reference the tests compare with. Layers that evicted nothing
-        (a budget at least as long as the prompt) stay in the dynamic layout either way, exactly
-        what transformers' ``DynamicLayer`` holds, until their first eviction.
+        the slow, obviously-right reference the tests compare with, and the layout to backpropagate
+        through (its kept entries carry their gradients; scores never do): static storage is written
+        in place, as transformers' ``StaticCache`` is, so autograd cannot go back through more than
+        one of its steps. Layers that evicted nothing (a budget at least as long as the prompt)
+        stay in the dynamic layout either way, exactly what transformers' ``DynamicLayer`` holds,
+        until their first eviction.
     max_cache_len:
         The capacity in logical tokens, the prompt plus the tokens to generate, as transformers'
         ``StaticCache`` takes it (:func:`kvcake.generate` passes the length ``generate`` stops at).
@@ -371,8 +374,9 @@ class KVCakeCache(RecurrentStates, Cache):
         return decoding.wants_probs(self, layer_idx)
 
     def after_extend_attention(self, layer_idx: int, probs: torch.Tensor | None) -> None:
-        """Decoding-time eviction (policy ``fixed``, ``decoding.evict_step``)."""
-        decoding.evict_step(self, layer_idx, probs)
+        """Decoding-time eviction (policy ``fixed``, ``decoding.evict_step``); scores carry no gradient."""
+        scored = probs.detach() if probs is not None and probs.requires_grad else probs
+        decoding.evict_step(self, layer_idx, scored)
 
     def lay_out_after_append(self, layer_idx: int) -> None:
         """After a multi-token append's attention and its eviction back to the decoding budget, a

@@ -82,27 +82,28 @@ def prefill_stage(
         from tqdm.auto import tqdm
 
         cache._bar = tqdm(total=len(cache.compressed), desc=f"prefill {query.shape[2]} tokens", unit="layer")
-    query = query_over(layer, module, query)  # latent attention (MLA): absorbed, over [c; k_rot]
-    keys, values = layer.operands()
-    inputs = PrefillInputs(
-        query=query, keys=keys, values=values, key_valid=key_valid,
-        window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
-    )  # fmt: skip
-    layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
-    if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
-        layer.scores = cache.split.head_mean(layer.scores)
-    on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
-    if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
-        # this rank's heads under tensor parallelism: its shard of W_O (its query heads)
-        weight = output_projection(module, values)
-        cache.o_weights[layer_idx] = local_weight(output_weight(module, weight) if layer.latent else weight)
-    stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
-    last = g == len(cache.compressed) - 1
-    winners = None
-    if m.layers.needs_scores and (m.layers.cascading or last) and WINNERS_AHEAD:  # the global allocator's
-        # ranking now, on the device, its (B, g + 1) counts read with the stage
-        winners = HostRead(m.layers.count_winners(_request(cache, None, last, _seen(cache, g))))
-    now = (stats is None and winners is None and not on_host) or last
+    with torch.no_grad():  # scores and statistics: only the kept entries carry gradients
+        query = query_over(layer, module, query)  # latent attention (MLA): absorbed, over [c; k_rot]
+        keys, values = layer.operands()
+        inputs = PrefillInputs(
+            query=query, keys=keys, values=values, key_valid=key_valid,
+            window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
+        )  # fmt: skip
+        layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+        if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
+            layer.scores = cache.split.head_mean(layer.scores)
+        on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
+        if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
+            weight = output_projection(module, values)  # tensor parallelism: this rank's shard of W_O
+            weight = output_weight(module, weight) if layer.latent else weight
+            cache.o_weights[layer_idx] = local_weight(weight)
+        stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
+        last = g == len(cache.compressed) - 1
+        winners = None
+        if m.layers.needs_scores and (m.layers.cascading or last) and WINNERS_AHEAD:  # the global allocator's
+            # ranking now, on the device, its (B, g + 1) counts read with the stage
+            winners = HostRead(m.layers.count_winners(_request(cache, None, last, _seen(cache, g))))
+        now = (stats is None and winners is None and not on_host) or last
     cache.pending_stage = PendingStage(layer_idx, stats, winners, now)
     if now:
         cache._run_stage()  # else the next layer's update runs it (see PendingStage)

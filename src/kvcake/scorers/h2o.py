@@ -47,13 +47,19 @@ class H2OScorer(Scorer):
         return self.fused
 
     def prompt_attention(self, query, key, value, mask, key_valid, scaling):
-        if not self.fused or not fusable_mask(mask, query.shape[2]):
+        if not self.fused or not fusable_mask(mask, query.shape[2]) or needs_grad(query, key, value):
             return None
         return attention_with_column_sums(query, key, value, mask, key_valid, scaling)
 
     def decode_step(self, probs, positions, previous):
         scores = probs.mean(2) if self.reduce == "mean" else probs.amax(2)  # (B, H_kv, N)
         return scores if previous is None else scores + previous
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an attention over ``tensors``: the fused loop's ``out=`` matmuls
+    cannot, so its output then comes from the stock kernel (and the sums from the reference)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
