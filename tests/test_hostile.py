@@ -757,6 +757,19 @@ def test_cache_made_for_another_model_raises(tiny_llama):
             runs.generate(ids(40), **with_cache(runs, cache), max_new_tokens=3, do_sample=False)
 
 
+@pytest.mark.parametrize("method", ["criticalkv", "critical-adakv", "defensivekv"])
+def test_cache_made_for_a_model_of_other_kv_heads_raises_with_value_norms(tiny_llama, tiny_mha, method):
+    """Made for 2 KV heads and run by a model of 4 (the same width): the selection that projects
+    values through W_O failed with a RuntimeError of a reshape; it names the fix now (the other
+    parts read every shape off the tensors, and run it as a cache made for that model would)."""
+    cache = KVCakeCache(tiny_llama, method, budget=16, window=8)
+    with untouched(tiny_mha), kvcake.enable(tiny_mha), torch.no_grad(), pytest.raises(
+        ValueError, match=r"output projection takes 64 features, not the 8 query heads x 16 dims.*"
+        r"make it with the model that runs it, KVCakeCache\(model, ...\)"
+    ):  # fmt: skip
+        tiny_mha.generate(ids(40), **with_cache(tiny_mha, cache), max_new_tokens=3, do_sample=False)
+
+
 def test_reused_cache_with_another_batch_size_raises(tiny_llama):
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
     with untouched(tiny_llama), kvcake.enable(tiny_llama), torch.no_grad():

@@ -48,6 +48,12 @@ def norm_steps(
     """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction, as
     a generator of the reads it needs (``Critical.value_norm_steps``): only on the entries the
     selector can keep with ``counts`` when it says which, else on all (the reference, no read)."""
+    if o_weight.shape[-1] != num_heads * values.shape[-1]:  # (hidden, H * d_v)
+        raise ValueError(
+            f"the attention's output projection takes {o_weight.shape[-1]} features, not the "
+            f"{num_heads} query heads x {values.shape[-1]} dims this KVCakeCache expects of its model: "
+            "a cache serves the model it was made for, so make it with the model that runs it, KVCakeCache(model, ...)"
+        )
     if PRUNED and hasattr(selector, "value_norm_steps"):
         return (
             yield from selector.value_norm_steps(
