@@ -185,6 +185,7 @@ class KVCakeCache(RecurrentStates, Cache):
         if layer_idx >= len(self.layers):
             raise ValueError(f"layer {layer_idx} of a model updated this KVCakeCache of {len(self.layers)} layers: "
                              "make the cache with the model that runs it, KVCakeCache(model, ...)")  # fmt: skip
+        decoding.leave_inference_mode(self, layer_idx)  # prefilled in torch.inference_mode
         layer = self.layers[layer_idx]
         held = layer.keys, layer.values  # a static step (and the ring) writes into them
         if isinstance(layer, (SlidingLayer, CrossLayer)):  # never compressed (sliding.py, cross.py)

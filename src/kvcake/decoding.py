@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from .fp8 import hold_recent
 from .ragged import to_device
 from .selectors import SelectionInputs, TopK
 
@@ -80,6 +81,24 @@ def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
     for layer in (cache.layers[lid] for lid in cache.compressed if cache.layers[lid].static is not None):
         layer.step.to_dynamic(layer)
     cache.plan_static(lay_out=True)
+
+
+def leave_inference_mode(cache: Cache, layer_idx: int) -> None:
+    """Before the first step outside ``torch.inference_mode`` of a cache prefilled inside it: its
+    inference tensors may not be written in place out there (transformers' ``StaticCache`` stops
+    there), so static storage and rings move to the dynamic layout (``KVCakeCache.compact``), whose
+    next single-token step lays them out again in normal tensors, and float8 storage's rings are
+    copied. The same entries, read the same. (Recurrent states stay as they are: transformers'
+    ``DynamicCache`` cannot update them outside inference mode either.)"""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not cache.prefilled:
+        return
+    held = getattr(cache.layers[layer_idx], "keys", None)
+    if isinstance(held, torch.Tensor) and held.is_inference():
+        cache.compact()
+        for layer in (cache.layers[lid] for lid in cache.compressed):
+            if getattr(layer, "recent_keys", None) is not None:  # float8 storage's rings (fp8.py)
+                rings = layer.recent_keys, layer.recent_values, layer.recent_positions
+                hold_recent(layer, *(ring.clone() for ring in rings))
 
 
 def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:

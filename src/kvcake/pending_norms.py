@@ -41,7 +41,7 @@ class PendingNorms:
     counts: tuple | None
 
 
-@torch.no_grad()  # scores: the kept entries alone carry gradients (tests/test_grad_mode.py)
+@torch.no_grad()  # scores: the kept entries alone carry gradients (tests/test_torch_modes.py)
 def norm_steps(
     selector, values, o_weight, num_heads, scores, counts, split=None, count_bound=None
 ) -> Generator[torch.Tensor, int, torch.Tensor]:

@@ -1,7 +1,8 @@
-"""Autograd and a KVCakeCache: a forward with gradients enabled (the default outside
-``torch.no_grad``, where a user calls the model directly) runs every preset as under ``no_grad``,
-its scores computed without gradients (the fused ``out=`` kernels cannot record them); the dynamic
-layout backpropagates through the entries it keeps, as ``DynamicCache`` through all of them."""
+"""A KVCakeCache under torch's modes. Gradients enabled (the default outside ``torch.no_grad``,
+where a user calls the model directly): every preset runs as under ``no_grad``, its scores computed
+without gradients (the fused ``out=`` kernels cannot record them), and the dynamic layout
+backpropagates through the entries it keeps, as ``DynamicCache`` through all of them. Autocast:
+every preset and layout runs. Inference mode: a cache prefilled inside it decodes outside it."""
 
 from __future__ import annotations
 
@@ -104,3 +105,56 @@ def test_a_covering_budget_backpropagates_as_the_full_cache(tiny_llama, method):
         logits = _decode(tiny_llama, make(), e, ids[:, PROMPT:])
         grads.append(torch.autograd.grad(sum(x.square().sum() for x in logits), e)[0])
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("method", COMPRESSING)
+def test_autocast_runs_every_preset(tiny_llama, method):
+    """Under CPU autocast (bf16) the rotated keys come out float32 and the values bf16; the ragged
+    reference's write of a bf16 einsum into its float32 logits failed. A covering budget decodes as
+    DynamicCache does under the same autocast, and the layouts agree to bf16 rounding."""
+    ids = _ids()
+
+    def run(make):
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            embeds = tiny_llama.get_input_embeddings()(ids[:, :PROMPT])
+            return torch.stack(_decode(tiny_llama, make(), embeds, ids[:, PROMPT:])).float()
+
+    full = run(DynamicCache)
+    covering = run(lambda: kvcake.KVCakeCache(tiny_llama, method, budget=PROMPT + 8))
+    static, dynamic = (
+        run(lambda s=s: kvcake.KVCakeCache(tiny_llama, method, budget=BUDGET, static=s))
+        for s in (True, False)
+    )
+    assert torch.equal(covering, full)
+    assert static.isfinite().all()
+    torch.testing.assert_close(static, dynamic, rtol=0, atol=0.1)  # bf16 matmuls: near-ties may flip an entry
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("method", ["snapkv", "adakv", "cake", "h2o", "criticalkv"])
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_a_cache_prefilled_in_inference_mode_decodes_outside_it(request, model_name, method, kv_dtype):
+    """Static storage made inside ``torch.inference_mode`` could not be written outside it ("Inplace update
+    to inference tensor"), as transformers' StaticCache cannot: it is moved back to the dynamic layout at
+    the first step outside, and decodes as a cache prefilled under ``no_grad``."""
+    if kv_dtype and model_name == "tiny_gemma3":
+        pytest.skip("float8 storage is for models without sliding layers")
+    model = request.getfixturevalue(model_name)
+    ids = _ids().clamp(max=model.config.vocab_size - 1)
+    runs = []
+    for prefill in (torch.no_grad, torch.inference_mode):
+        cache = kvcake.KVCakeCache(model, method, budget=BUDGET, max_cache_len=PROMPT + 8, kv_dtype=kv_dtype)
+        with kvcake.enable(model):
+            with prefill():
+                model(ids[:, :PROMPT], **kvcake.with_cache(model, cache))
+            with torch.no_grad():
+                runs.append(
+                    [model(ids[:, i : i + 1], **kvcake.with_cache(model, cache)).logits for i in range(STEPS)]
+                )
+        assert not any(
+            lay.keys.is_inference()
+            for lay in cache.layers
+            if isinstance(getattr(lay, "keys", None), torch.Tensor)
+        )
+    for a, b in zip(*runs, strict=True):  # (Gemma 3's ring read back in the dynamic layout: float32 rounding)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
