@@ -81,12 +81,12 @@ class KVCakeCache(RecurrentStates, Cache):
         something moves into preallocated buffers (``kvcake.step``) and each decode step writes
         into them in place, a step the compiler traces whole (``is_compileable``). False: the
         dynamic layout, which holds exactly the kept entries and reallocates as it goes; it is
-        the slow, obviously-right reference the tests compare with, and the layout to backpropagate
-        through (its kept entries carry their gradients; scores never do): static storage is written
-        in place, as transformers' ``StaticCache`` is, so autograd cannot go back through more than
-        one of its steps. Layers that evicted nothing (a budget at least as long as the prompt)
-        stay in the dynamic layout either way, exactly what transformers' ``DynamicLayer`` holds,
-        until their first eviction.
+        the slow, obviously-right reference the tests compare with, and the layout autograd goes
+        back through (its kept entries carry their gradients; scores never do): static storage is
+        written in place, as transformers' ``StaticCache`` is, so a static cache moves to it at the
+        first step autograd records (``decoding.fit_torch_mode``). Layers that evicted nothing (a
+        budget at least as long as the prompt) stay in the dynamic layout either way, exactly what
+        transformers' ``DynamicLayer`` holds, until their first eviction.
     max_cache_len:
         The capacity in logical tokens, the prompt plus the tokens to generate, as transformers'
         ``StaticCache`` takes it (:func:`kvcake.generate` passes the length ``generate`` stops at).
@@ -185,7 +185,7 @@ class KVCakeCache(RecurrentStates, Cache):
         if layer_idx >= len(self.layers):
             raise ValueError(f"layer {layer_idx} of a model updated this KVCakeCache of {len(self.layers)} layers: "
                              "make the cache with the model that runs it, KVCakeCache(model, ...)")  # fmt: skip
-        decoding.leave_inference_mode(self, layer_idx)  # prefilled in torch.inference_mode
+        decoding.fit_torch_mode(self, layer_idx, key_states)  # autograd, inference mode: the layout
         layer = self.layers[layer_idx]
         held = layer.keys, layer.values  # a static step (and the ring) writes into them
         if isinstance(layer, (SlidingLayer, CrossLayer)):  # never compressed (sliding.py, cross.py)

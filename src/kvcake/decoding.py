@@ -83,22 +83,33 @@ def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
     cache.plan_static(lay_out=True)
 
 
-def leave_inference_mode(cache: Cache, layer_idx: int) -> None:
-    """Before the first step outside ``torch.inference_mode`` of a cache prefilled inside it: its
-    inference tensors may not be written in place out there (transformers' ``StaticCache`` stops
-    there), so static storage and rings move to the dynamic layout (``KVCakeCache.compact``), whose
-    next single-token step lays them out again in normal tensors, and float8 storage's rings are
-    copied. The same entries, read the same. (Recurrent states stay as they are: transformers'
-    ``DynamicCache`` cannot update them outside inference mode either.)"""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not cache.prefilled:
+def fit_torch_mode(cache: Cache, layer_idx: int, key_states: torch.Tensor) -> None:
+    """Before an eager step of a prefilled cache, what torch's modes ask of its storage.
+
+    A step autograd records (gradients enabled, keys that require them): static storage is written
+    in place, which autograd cannot go back through (transformers' ``StaticCache`` fails there too),
+    so the cache moves to the dynamic layout for good; its kept entries carry their gradients.
+    Prefilled inside ``torch.inference_mode``, decoded outside: inference tensors may not be written
+    in place out there (``StaticCache`` stops there), so static storage and rings move to the dynamic
+    layout (``KVCakeCache.compact``), whose next single-token step lays them out again in normal
+    tensors, and float8 storage's rings are copied. The same entries, read the same either way.
+    (Recurrent states stay as they are: ``DynamicCache`` cannot update them outside inference mode.)"""
+    if torch.compiler.is_compiling() or not cache.prefilled:
         return
-    held = getattr(cache.layers[layer_idx], "keys", None)
-    if isinstance(held, torch.Tensor) and held.is_inference():
+    if cache.static and torch.is_grad_enabled() and key_states.requires_grad:
         cache.compact()
-        for layer in (cache.layers[lid] for lid in cache.compressed):
-            if getattr(layer, "recent_keys", None) is not None:  # float8 storage's rings (fp8.py)
-                rings = layer.recent_keys, layer.recent_values, layer.recent_positions
-                hold_recent(layer, *(ring.clone() for ring in rings))
+        cache.static = False
+        for lid in cache.compressed:
+            cache.layers[lid].static_plan = None  # (plan_static leaves them to a static cache)
+        cache.plan_static(lay_out=False)  # sliding layers: out of their rings' plan
+    held = getattr(cache.layers[layer_idx], "keys", None)
+    if torch.is_inference_mode_enabled() or not (isinstance(held, torch.Tensor) and held.is_inference()):
+        return
+    cache.compact()
+    for layer in (cache.layers[lid] for lid in cache.compressed):
+        if getattr(layer, "recent_keys", None) is not None:  # float8 storage's rings (fp8.py)
+            rings = layer.recent_keys, layer.recent_values, layer.recent_positions
+            hold_recent(layer, *(ring.clone() for ring in rings))
 
 
 def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None:
