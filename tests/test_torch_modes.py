@@ -167,3 +167,22 @@ def test_a_cache_prefilled_in_inference_mode_decodes_outside_it(request, model_n
         )
     for a, b in zip(*runs, strict=True):  # (Gemma 3's ring read back in the dynamic layout: float32 rounding)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_in_training_mode_is_refused(make_tiny_llama):
+    """A model in training mode asks its attention for dropout, which kvcake's own attention (the
+    steps after the prompt) never applied: refused before the cache moves, with the fix."""
+    model = make_tiny_llama()
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    ids = _ids()
+    cache = kvcake.KVCakeCache(model, "snapkv", budget=BUDGET)
+    with kvcake.enable(model), torch.no_grad():
+        model.train()
+        with pytest.raises(ValueError, match=r"dropout 0.1, which kvcake's attention .* call model.eval\(\)"):
+            model(ids[:, :PROMPT], **kvcake.with_cache(model, cache))
+        model.eval()  # the same model in eval mode: no dropout asked
+        cache = kvcake.KVCakeCache(model, "snapkv", budget=BUDGET)
+        model(ids[:, :PROMPT], **kvcake.with_cache(model, cache))
+        assert cache.prefilled

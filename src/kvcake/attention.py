@@ -197,6 +197,11 @@ def _make_attention(inner_name: str):
             )
         # Gemma 2's soft cap, GPT-OSS's sinks; any other term refused before the cache moves (kvcake.logit_terms)
         terms = LogitTerms.of(kwargs)
+        if dropout:  # (a model in training mode with attention_dropout set)
+            raise ValueError(
+                f"the attention asks for dropout {dropout}, which kvcake's attention over the kept entries "
+                "does not apply: call model.eval() (or set the config's attention_dropout to 0)"
+            )
         cache.consume(layer_idx)
         layer = cache.layers[layer_idx]
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
