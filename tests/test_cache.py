@@ -569,3 +569,32 @@ def test_a_context_compressed_alone_answers_a_batch_of_follow_ups(tiny_llama, na
     pair = kvcake.compress(tiny_llama, prompt(160, seed=5, batch=2), name, budget=48, window=8)
     with pytest.raises(ValueError, match="3 follow-ups for a context of 2 sequences: give one per sequence"):
         pair.generate(torch.cat([a, b, a]), max_new_tokens=1)
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "h2o", "criticalkv"])
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_reset_forgets_the_prompt(request, model_name, name, static):
+    """``cache.reset()`` (transformers' Cache API; its docs reset a StaticCache between prompts) then a
+    new prompt decodes as a new cache would: it reset the layers alone, and the budgets, temperatures
+    and prefill state the first prompt left made the second decode otherwise (cake, adakv, h2o).
+    Past ``max_cache_len`` the first prompt's decode grows the storage (which forgets the capacity),
+    and a step with gradients moves a static cache to the dynamic layout: reset forgets those too."""
+    model = request.getfixturevalue(model_name)
+    first, second = prompt(80, seed=3), prompt(70, seed=4)
+    kw = {"budget": 32, "window": 8, "static": static, "max_cache_len": 83}
+    cache = KVCakeCache(model, name, **kw)
+    with kvcake.enable(model):
+        with torch.no_grad():
+            model.generate(first, **with_cache(model, cache), max_new_tokens=6, do_sample=False)
+        model(first[:, :1], **with_cache(model, cache))  # gradients on: the dynamic layout from here
+        assert not cache.static and cache.max_cache_len is None
+        cache.reset()
+        assert cache.static == static and cache.max_cache_len == 83 and not cache.prefilled
+        with torch.no_grad():
+            out = model.generate(second, **with_cache(model, cache), max_new_tokens=6, do_sample=False)
+            new = KVCakeCache(model, name, **kw)
+            ref = model.generate(second, **with_cache(model, new), max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+    assert torch.equal(cache.budgets, new.budgets) and cache.kv_bytes() == new.kv_bytes()
+    assert cache.peak_kv_bytes == new.peak_kv_bytes

@@ -27,6 +27,7 @@ the ``L_g`` full-attention layers (``info.compressed_layers``), in model order: 
 from __future__ import annotations
 
 import contextvars
+import copy
 
 import numpy as np
 import torch
@@ -175,6 +176,7 @@ class KVCakeCache(RecurrentStates, Cache):
         # Tensor parallelism: this process holds a block of each layer's KV heads; CAKE's preferences
         # and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
         self.split: HeadSplit | None = find_split(model)
+        self._new = copy.deepcopy({k: v for k, v in vars(self).items() if k != "split"})  # for reset()
 
     @property
     def _waiting(self) -> bool:  # whether a layer's stage or eviction waits for this update
@@ -248,6 +250,11 @@ class KVCakeCache(RecurrentStates, Cache):
     is_croppable = False  # a property of transformers' Cache; a class attribute, as KVCakeLayer's
     reorder_cache = batch_select_indices = select_sequences  # beam search; a batch cut or repeated,
     batch_repeat_interleave = repeat_sequences  # every per-sequence budget following (sequences.py)
+
+    def reset(self) -> None:
+        """Forget the prompt, every layer and the state it left (budgets, temperatures, the layout),
+        as new: transformers' ``Cache.reset`` (a StaticCache reused between prompts) reset the layers only."""
+        self.__dict__.update(copy.deepcopy(self._new))
 
     @property
     def max_cache_len(self) -> int | None:
@@ -379,16 +386,7 @@ class KVCakeCache(RecurrentStates, Cache):
         scored = probs.detach() if probs is not None and probs.requires_grad else probs
         decoding.evict_step(self, layer_idx, scored)
 
-    def lay_out_after_append(self, layer_idx: int) -> None:
-        """After a multi-token append's attention and its eviction back to the decoding budget, a
-        compressed layer with a static plan moves into its buffers at once, so that the next
-        single-token step (the first of a compiled decode after a compressed context's question)
-        finds it laid out: converting inside a compiled step breaks its graph, and a CUDA-graph
-        capture of it crashed (H100, 2026-11-26). The entries kept are the same either way."""
-        layer = self.layers[layer_idx]
-        if layer.static is None and layer.wants_static:
-            layer.to_static()
-            self._track_bytes(layer_idx)
+    lay_out_after_append = decoding.lay_out_after_append
 
     # -- CAKE's temperatures -------------------------------------------------------------------
     @property

@@ -65,6 +65,18 @@ def plan(cache: Cache, layer_idx: int) -> None:
     layer.oldest = cache.method.scorer.oldest_victim(cache.method.budget.window) if fixed else None
 
 
+def lay_out_after_append(cache: Cache, layer_idx: int) -> None:
+    """After a multi-token append's attention and its eviction back to the decoding budget, a
+    compressed layer with a static plan moves into its buffers at once, so that the next
+    single-token step (the first of a compiled decode after a compressed context's question)
+    finds it laid out: converting inside a compiled step breaks its graph, and a CUDA-graph
+    capture of it crashed (H100, 2026-11-26). The entries kept are the same either way."""
+    layer = cache.layers[layer_idx]
+    if layer.static is None and layer.wants_static:
+        layer.to_static()
+        cache._track_bytes(layer_idx)
+
+
 def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
     """Before an eager single-token step past ``max_cache_len`` (read at the first compressed layer):
     plan and lay out every layer as without one. A ``decode=fixed`` layer whose budget is above its
