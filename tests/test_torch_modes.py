@@ -186,3 +186,23 @@ def test_attention_dropout_in_training_mode_is_refused(make_tiny_llama):
         cache = kvcake.KVCakeCache(model, "snapkv", budget=BUDGET)
         model(ids[:, :PROMPT], **kvcake.with_cache(model, cache))
         assert cache.prefilled
+
+
+def test_a_compiled_step_with_gradients_names_the_fix(tiny_llama):
+    """Compiled, a step cannot move the cache to the dynamic layout: with gradients enabled it failed
+    inside inductor ("modified by an inplace operation ... Good luck!"); it names the fix now (fullgraph
+    reports it as dynamo's observed exception, with this message)."""
+    ids = _ids()
+    cache = kvcake.KVCakeCache(tiny_llama, "snapkv", budget=BUDGET, max_cache_len=PROMPT + 8)
+    step = torch.compile(tiny_llama.forward, fullgraph=True)
+    with kvcake.enable(tiny_llama):
+        with torch.no_grad():
+            tiny_llama(ids[:, :PROMPT], **kvcake.with_cache(tiny_llama, cache))
+        with pytest.raises(
+            Exception, match=r"gradients enabled.*decode under torch.no_grad\(\).*static=False"
+        ):
+            step(
+                ids[:, PROMPT : PROMPT + 1],
+                position_ids=torch.tensor([[PROMPT]]),
+                **kvcake.with_cache(tiny_llama, cache),
+            )

@@ -106,9 +106,16 @@ def fit_torch_mode(cache: Cache, layer_idx: int, key_states: torch.Tensor) -> No
     layout (``KVCakeCache.compact``), whose next single-token step lays them out again in normal
     tensors, and float8 storage's rings are copied. The same entries, read the same either way.
     (Recurrent states stay as they are: ``DynamicCache`` cannot update them outside inference mode.)"""
+    recording = cache.static and torch.is_grad_enabled() and key_states.requires_grad
+    if recording and torch.compiler.is_compiling():  # (a compiled step cannot change the layout)
+        raise ValueError(
+            "a compiled step of a KVCakeCache with gradients enabled: its static storage is written in place, "
+            "which autograd cannot go back through; decode under torch.no_grad() (generate does), or make "
+            "the cache with static=False to backpropagate"
+        )
     if torch.compiler.is_compiling() or not cache.prefilled:
         return
-    if cache.static and torch.is_grad_enabled() and key_states.requires_grad:
+    if recording:
         cache.compact()
         cache.static = False
         for lid in cache.compressed:
