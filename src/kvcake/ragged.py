@@ -95,9 +95,8 @@ def ragged_attention_reference(
     # accumulation), every sum a plain reduction, so the result does not depend on the order
     # atomic adds land in (index_add_ on CUDA): the same inputs give the same bits on every run
     padded = torch.full((n_seg, n, g * q), float("-inf"), dtype=acc, device=keys.device)
-    padded = padded.index_put(
-        (seg, local), logits.masked_fill(~visible, float("-inf")).to(acc)
-    )  # (autocast: bf16)
+    hidden = logits.masked_fill(~visible, float("-inf")).to(acc)  # (under autocast the einsum gives bf16)
+    padded = padded.index_put((seg, local), hidden)
     seg_max = padded.amax(1, keepdim=True)  # (S, 1, G*q)
     sink = terms.grouped(b, hkv, q)  # (B, H_kv, G*q, 1), or None
     if sink is not None:  # the sink's logit in each row's maximum and sum
