@@ -598,3 +598,28 @@ def test_reset_forgets_the_prompt(request, model_name, name, static):
     assert torch.equal(out, ref)
     assert torch.equal(cache.budgets, new.budgets) and cache.kv_bytes() == new.kv_bytes()
     assert cache.peak_kv_bytes == new.peak_kv_bytes
+
+
+@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "h2o", "criticalkv", "streamingllm"])
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_a_deep_copy_serves_each_follow_up_as_a_compressed_context(tiny_llama, name, static):
+    """transformers' docs re-use a prefilled cache for several prompts by ``copy.deepcopy``: a
+    KVCakeCache's copy, given the document plus a question, answers as ``kvcake.compress`` then
+    ``ctx.generate`` does, and the original is left as it was for the next copy."""
+    import copy
+
+    document = prompt(80, seed=5)
+    cache = KVCakeCache(tiny_llama, name, budget=32, window=8, static=static, scenario="context")
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama(document, **with_cache(tiny_llama, cache))
+    held = cache.kv_bytes()
+    ctx = kvcake.compress(tiny_llama, document, name, budget=32, window=8)
+    for seed, n in ((6, 5), (7, 9)):
+        question = prompt(n, seed=seed)
+        ids = torch.cat([document, question], 1)
+        with kvcake.enable(tiny_llama), torch.no_grad():
+            out = tiny_llama.generate(
+                ids, **with_cache(tiny_llama, copy.deepcopy(cache)), max_new_tokens=6, do_sample=False
+            )
+        assert torch.equal(out[:, ids.shape[1] :], ctx.generate(question, max_new_tokens=6, do_sample=False))
+        assert cache.kv_bytes() == held and cache.get_seq_length() == 80
