@@ -271,9 +271,11 @@ class KVCakeCache(RecurrentStates, Cache):
         ``lay_out``: move the layers that evicted something into their buffers now (the end of
         the prompt, so that no decode step converts them); the others move at their first
         single-token step after an eviction. Sliding layers decode in their ring (``sliding.py``).
-        Nothing for ``static=False``."""
+        None for ``static=False``."""
         self._plan_sliding()
-        if not self.static:
+        if not self.static:  # the dynamic layout: no plan (``serve(False)`` drops a static cache's)
+            for lid in self.compressed:
+                self.layers[lid].static_plan = None
             return
         for lid in self.compressed:
             layer = self.layers[lid]

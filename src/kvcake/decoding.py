@@ -117,10 +117,7 @@ def fit_torch_mode(cache: Cache, layer_idx: int, key_states: torch.Tensor) -> No
         return
     if recording:
         cache.compact()
-        cache.static = False
-        for lid in cache.compressed:
-            cache.layers[lid].static_plan = None  # (plan_static leaves them to a static cache)
-        cache.plan_static(lay_out=False)  # sliding layers: out of their rings' plan
+        cache.serve(False)
     held = getattr(cache.layers[layer_idx], "keys", None)
     if torch.is_inference_mode_enabled() or not (isinstance(held, torch.Tensor) and held.is_inference()):
         return
