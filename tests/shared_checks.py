@@ -251,6 +251,8 @@ def assert_a_saved_context_answers_as_before(model, ids, question, tmp_path, bud
     got = cache_states(loaded.cache)
     assert len(got) == len(before) and all(torch.equal(a, b) for a, b in zip(before, got, strict=True))
     assert loaded.cache.kv_bytes() == ctx.cache.kv_bytes()
+    # what generate asks layer 0 (a recurrent layer counts for itself in transformers 5.25)
+    assert int(loaded.cache.get_seq_length()) == int(ctx.cache.get_seq_length()) == ids.shape[1]
     assert torch.equal(loaded.forward(question), ctx.forward(question))
     assert torch.equal(loaded.generate(question, **gen), answer)
     return ctx
@@ -274,6 +276,7 @@ def assert_the_replay_equals_compress(model, ids, question, budget: int) -> None
         torch.equal(x, y) for x, y in zip(cache_states(got.cache), cache_states(ref.cache), strict=True)
     )
     assert cache_states(got.cache)
+    assert int(got.cache.get_seq_length()) == int(ref.cache.get_seq_length()) == ids.shape[1]
     torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
 
 

@@ -200,10 +200,12 @@ def test_a_context_file_of_another_layout_is_refused(tmp_path):
     layer = ctx.cache.layers[0]
     entry = recurrent.recurrent_entry(layer)
     assert (
-        recurrent.restore_recurrent(RecurrentLayer(), {}, "layers.0.", entry, "cpu")
+        recurrent.restore_recurrent(RecurrentLayer(), {}, "layers.0.", entry, "cpu", 48)
         == "state 0's tensors are missing"
     )
-    assert "recurrent layer where" in recurrent.restore_recurrent(ctx.cache.layers[1], {}, "x.", entry, "cpu")
+    assert "recurrent layer where" in recurrent.restore_recurrent(
+        ctx.cache.layers[1], {}, "x.", entry, "cpu", 48
+    )
 
 
 def test_a_replayed_prefill_equals_compress():

@@ -179,7 +179,8 @@ class EmptyLayer(DummyLayer if DummyLayer is not None else object):
 
 def copy_states(source, target: RecurrentLayer | EmptyLayer) -> None:
     """Give ``target`` copies of the states the linear-attention layer ``source`` of a full
-    ``DynamicCache`` holds (e.g. to replay a recorded full-cache forward into a KVCakeCache)."""
+    ``DynamicCache`` holds (e.g. to replay a recorded full-cache forward into a KVCakeCache), and
+    its count of tokens seen."""
     if isinstance(target, EmptyLayer):
         return
     for i in range(target.number_of_states):
@@ -187,6 +188,18 @@ def copy_states(source, target: RecurrentLayer | EmptyLayer) -> None:
                          source.conv_kernel_size[i], source.has_previous_state[i])  # fmt: skip
         if err:
             raise ValueError(f"the full cache's layer does not fit: {err}")
+    if hasattr(source, "cumulative_length_linear"):
+        set_seen(target, int(source.cumulative_length_linear))
+
+
+def set_seen(layer, length: int) -> None:
+    """Set the tokens a linear-attention layer has seen, where it counts them itself: transformers
+    5.25's ``cumulative_length_linear``, which its ``get_seq_length`` reads (``generate`` asks layer 0,
+    a recurrent layer in Qwen3.5); earlier releases count at the attention layers alone. The states
+    written by hand (a saved context read back, a replay) did not pass the model's updates that count."""
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if counter is not None:
+        counter.fill_(length)
 
 
 def _put_state(layer: RecurrentLayer, i: int, conv, rec, kernel: int | None, seen: bool) -> str | None:
@@ -235,19 +248,21 @@ def recurrent_tensors(layer: RecurrentLayer | EmptyLayer, prefix: str) -> dict[s
     return out
 
 
-def restore_recurrent(layer, tensors: dict, prefix: str, entry: dict, device) -> str | None:
-    """Load a saved recurrent layer into ``layer``; returns what does not fit, or None."""
+def restore_recurrent(layer, tensors: dict, prefix: str, entry: dict, device, seen: int) -> str | None:
+    """Load a saved recurrent layer into ``layer``, which has seen the ``seen`` tokens of the context;
+    returns what does not fit, or None."""
     saved_empty = entry.get("layout") == "empty"
     if saved_empty or isinstance(layer, EmptyLayer):
         return None if saved_empty and isinstance(layer, EmptyLayer) else "not a block without attention"
     if not isinstance(layer, RecurrentLayer):
         return f"a recurrent layer where the model has {type(layer).__name__}"
-    return restore_states(layer, tensors, prefix, entry.get("states") or [], device)
+    return restore_states(layer, tensors, prefix, entry.get("states") or [], device, seen)
 
 
-def restore_states(layer, tensors: dict, prefix: str, states: list, device) -> str | None:
+def restore_states(layer, tensors: dict, prefix: str, states: list, device, seen: int) -> str | None:
     """Load the saved states ``states`` (:func:`state_entries`) into a linear-attention layer (a
-    ``RecurrentLayer`` or ``HybridLayer``); returns what does not fit, or None."""
+    ``RecurrentLayer`` or ``HybridLayer``) that has seen ``seen`` tokens; returns what does not fit,
+    or None."""
     if len(states) != layer.number_of_states:
         return f"{len(states)} states where the model's layer holds {layer.number_of_states}"
     for i, saved in enumerate(states):
@@ -258,4 +273,5 @@ def restore_states(layer, tensors: dict, prefix: str, states: list, device) -> s
         err = _put_state(layer, i, conv, rec, saved["kernel"], saved["seen"])
         if err:
             return err
+    set_seen(layer, seen)
     return None

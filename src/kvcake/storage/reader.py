@@ -145,7 +145,7 @@ def _rebuild(
             "context with the model loaded whole (without tp_plan)"
         )
     info = cache.info
-    batch = meta["context"]["batch"]
+    batch, seen = meta["context"]["batch"], meta["context"]["length"]
     devices = layer_devices(model, info.num_layers)
     layers_meta = meta["layers"]
     if len(layers_meta) != info.num_layers:
@@ -164,7 +164,7 @@ def _rebuild(
                 raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
             continue
         if lm["layout"] in ("recurrent", "empty") or isinstance(layer, (RecurrentLayer, EmptyLayer)):
-            err = restore_recurrent(layer, tensors, prefix, lm, device)
+            err = restore_recurrent(layer, tensors, prefix, lm, device, seen)
             if err:
                 raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
             continue
@@ -228,7 +228,7 @@ def _rebuild(
             raise ContextFileError(
                 f"layer {lid}: its recurrent states {'do not fit' if 'states' in lm else 'are missing'}"
             )
-        err = restore_states(layer, tensors, prefix, lm["states"], device) if "states" in lm else None
+        err = restore_states(layer, tensors, prefix, lm["states"], device, seen) if "states" in lm else None
         if err:
             raise ContextFileError(f"layer {lid}: {err} (saved with another model?)")
         layer.is_initialized = True
