@@ -137,13 +137,19 @@ test-torch-floor:
 # torch stays at the CPU pin unless asked: `make test-latest LATEST_TORCH=torch` tests the newest
 # torch on purpose (a CUDA build of several GB from PyPI; where pip is capped, as on the development
 # machines, PIP_CONFIG_FILE=/dev/null lifts the cap for the call).
+# pip takes an older release where the newest one's requirements do not resolve yet: the run names
+# any such release (scripts/unresolved_releases.py), and LATEST_NO_DEPS installs one over the rest
+# without its requirements, e.g. `USE_HUB_KERNELS=NO make test-latest LATEST_NO_DEPS=transformers==5.25.0`
+# (5.25 needs kernels>=0.19.1, not on PyPI on 2026-12-02; USE_HUB_KERNELS=NO loads without it).
 LATEST_VENV := .venv-latest
 LATEST_TORCH := $(TORCH_PIN)
+LATEST_NO_DEPS :=
 test-latest:
 	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q "$(LATEST_TORCH)"
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(LATEST_TORCH)" ".[dev]"
-	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS)
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS) $(LATEST_NO_DEPS)
+	$(LATEST_VENV)/bin/python scripts/unresolved_releases.py transformers accelerate
 	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version as v; print('latest:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'gguf', 'safetensors', 'tokenizers', 'huggingface_hub')))"
 	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
 

@@ -107,6 +107,35 @@ def test_attention_mask_not_shaped_like_the_ids(tiny_llama):
                     fn(tiny_llama, ids(40), "snapkv", budget=16, window=8, attention_mask=mask)
 
 
+def test_ids_outside_the_vocabulary(tiny_llama):
+    """Ids another tokenizer made (a larger vocabulary) or negative ones failed in the embedding as
+    "index out of range in self" (on CUDA: a device-side assert that spoils the process); refused
+    up front for the prompt and the follow-ups, naming the range and the fix."""
+    vocab = tiny_llama.get_input_embeddings().num_embeddings
+    ok = ids(24)
+    with untouched(tiny_llama):
+        for bad, token in [(vocab, vocab), (vocab + 1000, vocab + 1000), (-1, -1)]:
+            prompt = ok.clone()
+            prompt[0, 7] = bad
+            for fn in (kvcake.generate, kvcake.compress):
+                with pytest.raises(
+                    ValueError,
+                    match=rf"input_ids holds token id {token}, outside the model's vocabulary "
+                    rf"\(ids 0 to {vocab - 1}\): tokenize with this model's own tokenizer",
+                ):
+                    fn(tiny_llama, prompt, "snapkv", budget=16, window=8)
+        ctx = kvcake.compress(tiny_llama, ok, "snapkv", budget=16, window=8)
+        follow_up = torch.tensor([[5, vocab]])
+        with pytest.raises(ValueError, match=rf"question_ids holds token id {vocab}, outside"):
+            ctx.generate(follow_up, max_new_tokens=2)
+        with pytest.raises(ValueError, match=rf"ids holds token id {vocab}, outside"):
+            ctx.forward(follow_up)
+        # the last id of the table is a token like any other
+        edge = torch.tensor([[5, vocab - 1]])
+        assert ctx.generate(edge, max_new_tokens=2).shape == (1, 2)
+        assert ctx.forward(edge).shape[:2] == (1, 2)
+
+
 def test_follow_ups_that_are_not_ids(tiny_llama):
     """A compressed context's follow-ups: text or non-integer tensors are refused with the fix
     (text failed with "'str' object has no attribute 'shape'"); (B, q) and (q,) ids are taken."""

@@ -49,7 +49,7 @@ from .context import (
     generation_length,
 )
 from .method import FULL, Method, make_method, resolve_ratio
-from .prompts import check_mask, is_integer, not_ids
+from .prompts import check_mask, check_vocabulary, is_integer, not_ids
 from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module, mask: torch.Tens
     check_mask(mask, input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    check_vocabulary(model, input_ids)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and input_ids.shape[1] > limit:
         raise ValueError(

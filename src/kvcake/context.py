@@ -26,7 +26,7 @@ from .adapters import (
 )
 from .attention import enable, padding_refused
 from .cache import KVCakeCache
-from .prompts import is_integer, not_ids
+from .prompts import check_vocabulary, is_integer, not_ids
 
 
 def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
@@ -259,6 +259,7 @@ class CompressedContext:
         accelerators; True: on any device; False: never), the context's layers laid out in static
         storage right after the question."""
         _check_follow_ups(question_ids)
+        check_vocabulary(self.model, question_ids, "question_ids")
         self.check_placement()
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
         compile_options(self.model, compile, self.cache.static, generate_kwargs)
@@ -290,6 +291,7 @@ class CompressedContext:
                 "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
             )
         _check_follow_ups(ids, "ids")
+        check_vocabulary(self.model, ids, "ids")
         self.check_placement()
         ctx, full, mask = self._follow_ups(ids, attention_mask)
         ids = full[:, self.input_ids.shape[1] :]

@@ -107,3 +107,29 @@ def check_mask(mask, input_ids: torch.Tensor) -> None:
             "tokenizer's own with its ids (kvcake.generate(model, **tokenizer(texts, return_tensors='pt', "
             "padding=True)))"
         )
+
+
+def check_vocabulary(model, ids: torch.Tensor, name: str = "input_ids") -> None:
+    """Refuse ids outside a text model's embedding table, naming the likely cause: on the CPU the
+    lookup fails as "index out of range in self", on CUDA as a device-side assert that also spoils
+    every later call in the process. Models with images or audio (a ``vision_config`` or
+    ``audio_config``) are passed by: some place their media tokens outside the text vocabulary."""
+    try:
+        table = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one without a table
+        return
+    config = getattr(model, "config", None)
+    if (
+        not isinstance(table, torch.nn.Embedding)
+        or getattr(config, "vision_config", None) is not None
+        or getattr(config, "audio_config", None) is not None
+        or ids.numel() == 0
+    ):
+        return
+    low, high = (int(v) for v in torch.aminmax(ids))  # one host read, before any forward
+    if low < 0 or high >= table.num_embeddings:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name} holds token id {bad}, outside the model's vocabulary (ids 0 to "
+            f"{table.num_embeddings - 1}): tokenize with this model's own tokenizer"
+        )
