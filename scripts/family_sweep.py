@@ -57,6 +57,9 @@ FIT = {
                   sliding_window_size=8, rel_extent=16, moe_intermediate_size=32)
        for name in ("inkling2_text", "inkling2_loop_text")},
     "zaya": dict(num_hidden_layers=3, num_experts=2, num_experts_per_tok=1, router_hidden_size=16),
+    "kolibri1_1": dict(num_hidden_layers=3, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],
+                       kv_source_layers=[0, 1, 1], index_layers=[1], sliding_window=8, index_num_heads=2, index_topk=4,
+                       index_pool_size=16, index_compression=4, index_num_local_tokens=4, index_num_sink_tokens=2),
 }  # fmt: skip
 GREEDY = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
 
