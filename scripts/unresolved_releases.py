@@ -31,7 +31,7 @@ def newest_on_index(package: str) -> str | None:
 
 
 def why_not(package: str, release: str) -> str:
-    """pip's own last line on installing ``package==release`` (a dry run: nothing changes)."""
+    """pip's first error line on installing ``package==release`` (a dry run: nothing changes)."""
     run = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "-q", f"{package}=={release}"],
         capture_output=True,
