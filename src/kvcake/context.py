@@ -258,8 +258,7 @@ class CompressedContext:
         ``compile``: as ``kvcake.generate``'s (None: transformers compiles the decoding forward on
         accelerators; True: on any device; False: never), the context's layers laid out in static
         storage right after the question."""
-        _check_follow_ups(question_ids)
-        check_vocabulary(self.model, question_ids, "question_ids")
+        _check_follow_ups(self.model, question_ids)
         self.check_placement()
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
         compile_options(self.model, compile, self.cache.static, generate_kwargs)
@@ -290,8 +289,7 @@ class CompressedContext:
                 f"{mtype}'s forward encodes an image at every call, so a context's text follow-up cannot be "
                 "teacher-forced through it; generate() answers follow-ups (its generate takes the cache alone)"
             )
-        _check_follow_ups(ids, "ids")
-        check_vocabulary(self.model, ids, "ids")
+        _check_follow_ups(self.model, ids, "ids")
         self.check_placement()
         ctx, full, mask = self._follow_ups(ids, attention_mask)
         ids = full[:, self.input_ids.shape[1] :]
@@ -356,8 +354,9 @@ class CompressedContext:
         save_context(self, path)
 
 
-def _check_follow_ups(ids, name: str = "question_ids") -> None:
-    """Refuse follow-ups that are not a (B, q) or (q,) tensor of integer ids, naming the fix."""
+def _check_follow_ups(model: torch.nn.Module, ids, name: str = "question_ids") -> None:
+    """Refuse follow-ups that are not a (B, q) or (q,) tensor of integer ids of ``model``'s
+    vocabulary, naming the fix."""
     if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or not is_integer(ids):
         raise TypeError(not_ids(ids, name))
     if ids.numel() == 0:  # generate would feed the context again behind the cache (a wrong answer)
@@ -365,6 +364,7 @@ def _check_follow_ups(ids, name: str = "question_ids") -> None:
             f"{name} of shape {tuple(ids.shape)} holds no token: a follow-up needs at least one "
             "(the context's own next-token logits are ctx.logits)"
         )
+    check_vocabulary(model, ids, name)
 
 
 def _placement(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
