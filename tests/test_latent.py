@@ -25,6 +25,7 @@ from shared_checks import (
     step_and_oracle_logits,
     tiny_model,
 )
+from test_padded_follow_ups import assert_rows_as_alone, follow_ups, left_padded
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -217,6 +218,21 @@ def test_the_evals_replayed_prefill_equals_compress(spec):
         assert torch.equal(got.cache.layers[lid].positions, ref.cache.layers[lid].positions)
     question = torch.tensor([[7, 8, 9]])
     torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("spec", ["snapkv", "h2o", "cake", "adakv", "critical-adakv", "tova", "full"])
+def test_padded_follow_ups_answer_as_alone(spec, static):
+    """Follow-ups of 3, 7 and 5 tokens in one left-padded batch after a latent document: each row's
+    answer is its follow-up's alone (the pads settled like per-head entries: one head of latents).
+    Kimi Linear's recurrent layers would read the pads as text: refused, said before any work."""
+    sizes = {} if spec == "full" else {"budget": 24, "window": 4}
+    ctx = kvcake.compress(_model(), _prompt(90), spec, static=static, **sizes)
+    assert ctx.padding_refused() is None
+    assert_rows_as_alone(ctx, follow_ups())
+    hybrid = kvcake.compress(_model("KimiLinearConfig"), _prompt(60), spec, **sizes)
+    with pytest.raises(ValueError, match=r"follow-ups with padding are not supported here \(the cache holds"):
+        hybrid.generate(*left_padded(follow_ups()), max_new_tokens=2)
 
 
 def test_what_is_not_supported_is_refused_with_the_reason():

@@ -85,18 +85,34 @@ def test_padding_not_on_the_left_is_refused(tiny_llama):
         ctx.generate(ids, attention_mask=empty, max_new_tokens=2)
 
 
-def test_caches_that_would_keep_the_padding_refuse_it(tiny_llama, tiny_gemma3):
-    """A sliding window counts the pads' columns (Gemma 3's sliding layers), float8 entries are not
-    shifted: one length a batch there, said before any work; ``kvcake.answer`` groups so."""
+def test_caches_that_would_keep_the_padding_refuse_it(tiny_gemma3):
+    """A sliding window counts the pads' columns (Gemma 3's sliding layers): one length a batch
+    there, said before any work; ``kvcake.answer`` groups so."""
     ids, mask = left_padded(follow_ups())
     hybrid = kvcake.compress(tiny_gemma3, prompt(60, seed=8), "snapkv", budget=16, window=4)
     assert "SlidingLayer" in hybrid.padding_refused()
     with pytest.raises(ValueError, match=r"not supported here \(the cache holds SlidingLayer layers\)"):
         hybrid.generate(ids, attention_mask=mask, max_new_tokens=2)
-    fp8 = kvcake.compress(tiny_llama, prompt(60, seed=8), "snapkv", budget=16, window=4, kv_dtype="fp8")
-    with pytest.raises(ValueError, match=r"not supported here \(kv_dtype='fp8'\)"):
-        fp8.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert hybrid.generate(ids[1:2], max_new_tokens=2).shape == (1, 2)  # unpadded follow-ups still run
+
+
+@pytest.mark.parametrize("kv_recent", [None, 8, 0])
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("static", [True, False])
+def test_float8_storage_rows_answer_as_alone(tiny_llama, name, static, kv_recent):
+    """Entries kept in float8: the same, and the rings of recent entries held exactly hold each
+    row's own last tokens (its earlier ones shifted by its padding, its pads nowhere), as alone: the
+    pads' ring writes overwrote earlier tokens, which come back from the rings before the append
+    (``fp8.settle_recent``; without it every preset answered otherwise with a ring of 8 or 32). A
+    ring of 8 is shorter than the follow-ups and their padding; 0: no ring."""
+    sizes = {} if name == "full" else {"budget": 24, "window": 4}
+    ctx = kvcake.compress(
+        tiny_llama, prompt(90, seed=1), name, static=static, kv_dtype="fp8", kv_recent=kv_recent, **sizes
+    )
+    assert ctx.padding_refused() is None
+    assert_rows_as_alone(ctx, follow_ups())
+    out = ctx.generate(*left_padded(follow_ups()), max_new_tokens=1, return_dict_in_generate=True)
+    assert all(layer.recent_before is None for layer in out.past_key_values.layers)  # let go at the append
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

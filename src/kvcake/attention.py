@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .adapters import describe_model
 from .cache import HANDOFF, LEGACY_PENDING, KVCakeCache
 from .devices import input_device
+from .fp8 import take_before
 from .latent import expand_output, query_over
 from .layer import KVCakeLayer
 from .logit_terms import LogitTerms, model_terms
@@ -83,8 +84,9 @@ def _settle_padded_append(
     the left (follow-ups of different lengths in one batch), the pads become empty slots and each
     row its own sequence shifted (``kvcake.sequences.settle_padding``). Other padding, and padding
     in caches whose other layers would keep it (sliding windows count the pads' columns, recurrent
-    states read the pad tokens), latent or float8 layers, is refused. Returns the appended tokens'
+    states read the pad tokens), is refused. Returns the appended tokens'
     validity (B, q) where some are pads, else None."""
+    before = take_before(layer)  # float8 storage: its rings before the append (fp8.remember)
     valid = key_validity(mask, batch, q, layer.keys.device) if mask is not None else None
     if valid is None or bool(valid.all()):
         return None
@@ -94,19 +96,19 @@ def _settle_padded_append(
             "would store and attend it as text, and is now unusable): append rows of one length without "
             "padding, one batch per length (kvcake.answer groups follow-ups so there)"
         )
-    settle_padding(layer, valid)
+    settle_padding(layer, valid, before)
     return valid
 
 
 def padding_refused(cache: KVCakeCache, valid: torch.Tensor | None = None) -> str | None:
     """Why padding among tokens appended to ``cache`` (``valid`` (B, q), False at a pad) cannot be
     settled, or None where it can: a sliding window counts the pads' columns, a recurrent state
-    reads the pad tokens, float8 and latent layers are not handled; padding must be on the left."""
-    odd = sorted({type(other).__name__ for other in cache.layers if type(other) is not KVCakeLayer})
+    reads the pad tokens (layers whose ``takes_padding`` is not true); padding must be on the left."""
+    odd = sorted(
+        {type(other).__name__ for other in cache.layers if not getattr(other, "takes_padding", False)}
+    )
     if odd:
         return f"the cache holds {', '.join(odd)} layers"
-    if cache.kv_dtype is not None:
-        return f"kv_dtype={cache.kv_dtype!r}"
     if valid is not None and not bool((valid[:, 1:] >= valid[:, :-1]).all() & valid[:, -1].all()):
         return "padding not on the left"
     return None

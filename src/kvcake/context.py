@@ -225,7 +225,7 @@ class CompressedContext:
         """Why follow-ups of different lengths cannot share a batch, left-padded, or None where they
         can (each row answered as alone: ``kvcake.sequences.settle_padding``): the padding would be
         read as text by a sliding window (which counts its columns), a recurrent state or an
-        image's rows, and float8 or latent layers are not handled."""
+        image's rows."""
         if self.rope_deltas is not None or self.token_inputs:
             return "the context holds multimodal inputs"
         return padding_refused(self.cache)

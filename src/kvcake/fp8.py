@@ -23,7 +23,8 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
   keeping the last 32 exact cut the KL to the model's dtype to a third). They are looked up by
   token position (a ring of ``kv_recent`` slots per KV head), so no eviction, re-layout or
   reorder has to keep track of where they are stored; an evicted entry's copy is simply never
-  read. With every token in the ring, float8 storage decodes exactly as the model's dtype.
+  read. Follow-ups of different lengths in one left-padded batch: each row's ring ends up as its
+  follow-up alone leaves it (:func:`settle_recent`). With every token in the ring, float8 storage decodes exactly as the model's dtype.
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
   (appends, evictions, beam reorders, saving) then runs on any device: some of them
   (``index_copy_``, ``scatter_``, ``gather``, ``masked_fill``) have no float8 kernel on a CPU.
@@ -224,12 +225,17 @@ def _ring(layer, positions: torch.Tensor, base: torch.Tensor | None) -> torch.Te
     return base + positions.remainder(layer.recent_positions.shape[-1])
 
 
-def remember(layer, keys, values, positions, base=None) -> None:
+def remember(layer, keys, values, positions, base=None, *, appended: bool = False) -> None:
     """Hold the entries of the last tokens the rings have room for among ``keys``, ``values`` (the
     model's dtype, (..., d)) at ``positions`` (...,) exactly. Where the layout's shape changes (the
-    prompt, multi-token appends); a decode step writes its token with :func:`remember_step`."""
+    prompt, multi-token appends); a decode step writes its token with :func:`remember_step`.
+    ``appended``: several tokens appended to a prefilled layer, whose rings as they were are kept until the
+    append's attention (:func:`take_before`): where some rows are padded, the pads' entries overwrote
+    earlier tokens that each row alone still holds (:func:`settle_recent`)."""
     if layer.recent_keys is None:
         return
+    if appended and not torch.compiler.is_compiling():
+        layer.recent_before = tuple(getattr(layer, name).clone() for name in RECENT_TENSORS)
     latest = positions >= max(layer.length - layer.recent_positions.shape[-1], 0)  # no two share a slot
     at = _ring(layer, positions, base)[latest]  # (M,) host sync: not a step
     _put(layer, at, keys[latest], values[latest], positions[latest])
@@ -246,9 +252,46 @@ def _put(layer, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posi
     """Write entries (the model's dtype, (..., d)) and their ``positions`` into the flat ring slots
     ``at`` (...,), unscaled as ``folded`` reads them (the scale is a power of two: exact)."""
     key_scale, value_scale = layer.kv_scales
-    layer.recent_keys.view(-1, keys.shape[-1]).index_put_((at,), keys / key_scale)
-    layer.recent_values.view(-1, values.shape[-1]).index_put_((at,), values / value_scale)
+    _put_held(layer, at, keys / key_scale, values / value_scale, positions)
+
+
+def _put_held(
+    layer, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """:func:`_put` of entries already unscaled, as the rings hold them."""
+    layer.recent_keys.view(-1, keys.shape[-1]).index_put_((at,), keys)
+    layer.recent_values.view(-1, values.shape[-1]).index_put_((at,), values)
     layer.recent_positions.view(-1).index_put_((at,), positions)
+
+
+def take_before(layer) -> tuple[torch.Tensor, ...] | None:
+    """The rings as they were before the append now attended (:func:`remember`), let go by the layer."""
+    before, layer.recent_before = layer.recent_before, None
+    return before
+
+
+def settle_recent(layer, before, valid: torch.Tensor, pads: torch.Tensor) -> None:
+    """The rings of a layer whose padded append ``kvcake.sequences.settle_padding`` just settled, as
+    each row alone holds them: its earlier tokens (from ``before``, the rings before the append,
+    :func:`take_before`) ``pads`` (B,) positions later as its entries moved, its appended tokens at
+    their own positions, its pads (``valid`` (B, q) False) nowhere; of these, the ring's last tokens.
+    Written in place (a compiled step may hold the rings' addresses)."""
+    if layer.recent_keys is None or before is None:
+        return
+    b, q = valid.shape
+    rings = [getattr(layer, name) for name in RECENT_TENSORS]
+    held_at, size = rings[2], rings[2].shape[-1]  # (B, H_kv, RECENT) positions
+    start = layer.length - q  # the append's first position
+    column = (held_at - start).clamp(0, q - 1).view(b, -1)  # (B, H_kv * RECENT): an appended token's
+    real = valid.to(held_at.device).gather(1, column).view_as(held_at)
+    earlier = torch.where(before[2] >= 0, before[2] + pads.to(held_at.device).view(b, 1, 1), -1)
+    appended = torch.where((held_at >= start) & real, held_at, -1)
+    parts = [(*before[:2], earlier), (*(t.clone() for t in rings[:2]), appended)]  # (rewritten below)
+    rings[2].fill_(-1)
+    for keys, values, positions in parts:
+        latest = (positions >= 0) & (positions >= layer.length - size)  # (no two share a slot)
+        at = _ring(layer, positions, None)[latest]  # (a host sync: settling is not a step)
+        _put_held(layer, at, keys[latest], values[latest], positions[latest])
 
 
 def exact_recent(layer, keys, values, positions, base=None):

@@ -26,6 +26,8 @@ class HybridLayer(KVCakeLayer, _States):
     """Keys and values compressed (``KVCakeLayer``) beside a recurrent block's states kept whole
     (transformers' ``LinearAttentionLayer``; module docstring)."""
 
+    takes_padding = False  # the recurrent block would read the pad tokens as text
+
     def __init__(self, number_of_states: int = 1) -> None:
         KVCakeLayer.__init__(self)
         _States.__init__(self, number_of_states=number_of_states)

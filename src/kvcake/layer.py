@@ -45,6 +45,7 @@ class KVCakeLayer(CacheLayerMixin):
     is_sliding = False
     counts_lag, host_steps, oldest, kth = False, 0, None, 0  # step.common.count_step; step.dense.evict
     latent = False  # latent attention (MLA): the attention reads ``operands``, not the entries as held
+    takes_padding = True  # pads among appended tokens become empty slots (sequences.settle_padding)
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +68,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.static_plan: tuple[np.ndarray | None, int | None] | None = None
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # stored in float8 (fp8.py)
         self.recent_keys = self.recent_values = self.recent_positions = self.recent_base = None  # (fp8.py)
+        self.recent_before: tuple[torch.Tensor, ...] | None = None  # (fp8.remember)
 
     @property
     def length(self) -> int:
@@ -128,7 +130,7 @@ class KVCakeLayer(CacheLayerMixin):
             self.plain = True
             return self.keys, self.values
         add = np.full((b, hkv), q, dtype=np.int64)
-        fp8.remember(self, key_states, value_states, pos)  # float8: the latest tokens exactly too (fp8.py)
+        fp8.remember(self, key_states, value_states, pos, appended=q > 1)  # float8: the latest exactly too
         key_states, value_states = writable(self, key_states, value_states)
         if self.layout == "dense":
             self.keys = torch.cat([self.keys, key_states], dim=-2)

@@ -35,6 +35,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from .fp8 import settle_recent
 from .ragged import RaggedMeta, kept_indices, row_segments
 
 # per entry, as the dynamic layout holds them: (B, H_kv, N, ...) dense, (T, ...) ragged
@@ -141,14 +142,15 @@ def select_ragged(layer, rows: torch.Tensor, host: np.ndarray) -> None:
     layer.keep_rows(start.index_select(0, meta.seg) + meta.local, meta)  # (T',) rows of the old layout
 
 
-def settle_padding(layer, valid: torch.Tensor) -> None:
+def settle_padding(layer, valid: torch.Tensor, before=None) -> None:
     """The ``q`` entries a dynamic layer just appended hold padding (``valid`` (B, q): False at a
     pad; follow-ups of different lengths, left-padded in one batch): each pad becomes an empty
     slot and each sequence's earlier entries move as many positions later as it has pads, so that
     every row holds what it holds alone, shifted by its padding as a left-padded prompt's row is
     (the positions only order and window the entries: RoPE was applied with the model's position
     ids, which skip the padding). Dense rows keep their empty slots on the left (one stable sort of
-    each head's entries); ragged segments drop the pads."""
+    each head's entries); ragged segments drop the pads. Float8 storage's rings of recent entries
+    are settled alike from ``before``, the rings before the append (``kvcake.fp8.settle_recent``)."""
     b, q = valid.shape
     pos = layer.positions
     valid = valid.to(pos.device)
@@ -176,6 +178,7 @@ def settle_padding(layer, valid: torch.Tensor) -> None:
         keep = (new < 0) | valid[row, new.clamp(min=0)]
         layer.positions = torch.where((new < 0) & (pos >= 0), pos + pads[row], pos)
         layer.keep_rows(kept_indices(keep, int(counts.sum())), RaggedMeta.from_counts(counts, pos.device))
+    settle_recent(layer, before, valid, pads)
     layer.counts, layer.plain = counts, False
 
 
