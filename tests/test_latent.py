@@ -15,6 +15,8 @@ from transformers.cache_utils import DynamicCache
 
 import kvcake
 from kvcake import KVCakeCache, with_cache
+from kvcake import fp8 as fp8_module
+from kvcake.fp8 import RECENT, decode, encode, recent_bytes
 from kvcake.latent import LatentLayer, absorb, expand_output, output_weight
 from kvcake.replay import Captured, capture_queries, replay_compress
 from shared_checks import (
@@ -25,6 +27,7 @@ from shared_checks import (
     step_and_oracle_logits,
     tiny_model,
 )
+from test_fp8 import STEPS, _decode, _prefilled
 from test_padded_follow_ups import assert_rows_as_alone, follow_ups, left_padded
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -220,25 +223,77 @@ def test_the_evals_replayed_prefill_equals_compress(spec):
     torch.testing.assert_close(got.forward(question), ref.forward(question), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
 @pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("spec", ["snapkv", "h2o", "cake", "adakv", "critical-adakv", "tova", "full"])
-def test_padded_follow_ups_answer_as_alone(spec, static):
-    """Follow-ups of 3, 7 and 5 tokens in one left-padded batch after a latent document: each row's
-    answer is its follow-up's alone (the pads settled like per-head entries: one head of latents).
-    Kimi Linear's recurrent layers would read the pads as text: refused, said before any work."""
+def test_padded_follow_ups_answer_as_alone(spec, static, kv_dtype):
+    """Follow-ups of 3, 7 and 5 tokens in one left-padded batch after a latent document (its latents
+    in the model's dtype or in float8): each row's answer is its follow-up's alone (the pads settled
+    like per-head entries: one head of latents). Kimi Linear's recurrent layers would read the pads
+    as text: refused, said before any work."""
     sizes = {} if spec == "full" else {"budget": 24, "window": 4}
-    ctx = kvcake.compress(_model(), _prompt(90), spec, static=static, **sizes)
+    ctx = kvcake.compress(_model(), _prompt(90), spec, static=static, kv_dtype=kv_dtype, **sizes)
     assert ctx.padding_refused() is None
     assert_rows_as_alone(ctx, follow_ups())
-    hybrid = kvcake.compress(_model("KimiLinearConfig"), _prompt(60), spec, **sizes)
+    hybrid = kvcake.compress(_model("KimiLinearConfig"), _prompt(60), spec, kv_dtype=kv_dtype, **sizes)
     with pytest.raises(ValueError, match=r"follow-ups with padding are not supported here \(the cache holds"):
         hybrid.generate(*left_padded(follow_ups()), max_new_tokens=2)
 
 
+@pytest.mark.parametrize("spec", ["snapkv", "adakv", "cake", "h2o"])
+def test_float8_storage_holds_each_kept_latent_in_one_byte_an_element(spec):
+    """``kv_dtype="fp8"``: the prompt compresses alike, each kept ``[c; k_rot]`` is stored as its float8
+    bits under one power-of-two scale (the values are c, a view of the keys: read with the keys' scale,
+    their own zero-width), the last tokens' latents exactly in the rings, one byte an element."""
+    model = _model()
+    ref, got = _prefilled(model, spec, None), _prefilled(model, spec, "fp8")
+    for lid in ref.compressed:
+        a, b = ref.layers[lid], got.layers[lid]
+        assert (
+            torch.equal(a.positions, b.positions) and b.keys.dtype == torch.uint8 and b.values.shape[-1] == 0
+        )
+        scale = b.kv_scales[0]
+        assert float(torch.log2(scale)).is_integer() and torch.equal(b.keys, encode(a.keys, scale))
+        rel = (decode(b.keys, scale) - a.keys).abs() / a.keys.abs().clamp_min(scale * 2**-6)
+        assert float(rel.max()) <= 1 / 16 + 1e-6
+        pos = a.padded_positions()  # (B, 1, N)
+        latest = pos >= a.length - RECENT
+        slot = (pos % RECENT).unsqueeze(-1).expand(*pos.shape, b.recent_keys.shape[-1])
+        assert torch.equal(b.recent_keys.gather(2, slot)[latest] * scale, a.padded(a.keys, 0)[latest])
+        assert (b.kv_bytes() - recent_bytes(b)) * 4 == a.kv_bytes()  # float32's four bytes, one
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv", "cake", "h2o", "critical-adakv"])
+@pytest.mark.parametrize("static", [True, False])
+def test_float8_latents_decode_as_the_model_dtype_where_every_token_is_exact(spec, static, monkeypatch):
+    """With a ring as long as the prompt and the steps the absorbed attention reads every latent's
+    exact copy, and the key scale folded onto the query and the output rounds nothing: the logits of
+    the model's dtype, bit for bit. With the default ring, within float8's rounding: relative to the
+    largest logit, below 0.005 at every step but CAKE's first (0.077, in its first row)."""
+    model = _model()
+    ref, _ = _decode(model, spec, None, static=static, batch=2)
+    got, cache = _decode(model, spec, "fp8", static=static, batch=2)
+    assert all(cache.layers[lid].keys.dtype == torch.uint8 for lid in cache.compressed)
+    steps = STEPS + 1 if cache.method.decode == "none" else 2
+    assert float((got - ref)[:steps].abs().amax() / ref.abs().amax()) < 0.1
+    monkeypatch.setattr(fp8_module, "RECENT", 128)
+    exact, _ = _decode(model, spec, "fp8", static=static, batch=2)
+    assert torch.equal(exact, ref)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "cake"])
+def test_a_float8_latent_decode_step_compiles_whole(spec):
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :6] = 0
+    graphs, compiled, eager = compiled_and_eager_decoding(
+        _model(), spec, _prompt(40, 2), mask, 12, budget=16, window=4, kv_dtype="fp8"
+    )
+    assert 1 <= graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def test_what_is_not_supported_is_refused_with_the_reason():
     model = _model()
-    with pytest.raises(ValueError, match="kv_dtype='fp8' is not supported for latent attention"):
-        KVCakeCache(model, "snapkv", budget=16, kv_dtype="fp8")
     attention = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
     proj = attention.kv_b_proj
     attention.kv_b_proj = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)

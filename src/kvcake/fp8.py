@@ -32,8 +32,10 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
   transient copy of one layer at a time) and applies the scales to the new token's rows instead
   (``folded``); a layer read by the model's own kernel (nothing evicted) gets its entries
   decoded whole (``readable``).
-* **Which layers.** The compressed ones. Sliding-window layers (Gemma 3) and cross-attention layers
-  (Mllama) keep the model's dtype: never compressed, bounded by their window or by the image.
+* **Which layers.** The compressed ones, latent ones (MLA, ``kvcake.latent``) included: their keys
+  ``[c; k_rot]`` under the key scale, their values ``c`` (a view of the keys) read with it too.
+  Sliding-window layers (Gemma 3) and cross-attention layers (Mllama) keep the model's dtype:
+  never compressed, bounded by their window or by the image.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import functools
 import torch
 
 from .defaults import KV_FORMATS
-from .layer_types import latent_dims
 
 FP8 = torch.float8_e4m3fn
 HEADROOM = 2.0  # the prompt's largest magnitude maps to at most 448 / HEADROOM (a power-of-two scale)
@@ -80,11 +81,6 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
         )
     if name is not None and model is not None:
         check_devices({p.device for p in model.parameters()})
-        if latent_dims(model.config.get_text_config()) is not None:
-            raise ValueError(
-                "kv_dtype='fp8' is not supported for latent attention (MLA, kvcake.latent): its latents are "
-                "kept in the model's dtype; leave kv_dtype=None"
-            )
     return name
 
 
@@ -133,12 +129,17 @@ def scales_of(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, spli
     """(key scale, value scale), 0-d in ``dtype``: each the power of two that maps its tensor's
     largest magnitude into (224, 448] / HEADROOM (1 for zeros). With a ``HeadSplit``, the largest
     over every rank's tensors (one all-gather of the two magnitudes; the same scales on every rank)."""
-    amax = torch.stack([keys.detach().abs().amax(), values.detach().abs().amax()]).float()
+    amax = torch.stack([_amax(keys), _amax(values)]).float()
     if split is not None:
         amax = split.gather(amax).amax(0)
     fitted = torch.exp2(torch.ceil(torch.log2(amax * HEADROOM / torch.finfo(FP8).max)))
     scales = torch.where(amax > 0, fitted, torch.ones_like(amax)).to(dtype)
     return scales[0], scales[1]
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``t`` (0 where it is empty: a latent layer's zero-width values)."""
+    return t.detach().abs().amax() if t.numel() else t.new_zeros(())
 
 
 def encode(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -259,9 +260,15 @@ def _put_held(
     layer, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
 ) -> None:
     """:func:`_put` of entries already unscaled, as the rings hold them."""
-    layer.recent_keys.view(-1, keys.shape[-1]).index_put_((at,), keys)
-    layer.recent_values.view(-1, values.shape[-1]).index_put_((at,), values)
+    layer.recent_keys.view(_slots(layer), -1).index_put_((at,), keys)
+    layer.recent_values.view(_slots(layer), -1).index_put_((at,), values)
     layer.recent_positions.view(-1).index_put_((at,), positions)
+
+
+def _slots(layer) -> int:
+    """Slots of every ring of ``layer`` together (the rows of its flat rings; by count, since a latent
+    layer's values are zero wide)."""
+    return layer.recent_positions.numel()
 
 
 def take_before(layer) -> tuple[torch.Tensor, ...] | None:
@@ -302,8 +309,8 @@ def exact_recent(layer, keys, values, positions, base=None):
         return keys, values
     at = _ring(layer, positions, base)
     held = (layer.recent_positions.view(-1)[at] == positions).unsqueeze(-1)  # (..., 1)
-    exact_keys = layer.recent_keys.view(-1, keys.shape[-1])[at]
-    exact_values = layer.recent_values.view(-1, values.shape[-1])[at]
+    exact_keys = layer.recent_keys.view(_slots(layer), -1)[at]
+    exact_values = layer.recent_values.view(_slots(layer), -1)[at]
     return torch.where(held, exact_keys, keys), torch.where(held, exact_values, values)
 
 
@@ -351,6 +358,9 @@ def folded(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     ``base``, see :func:`_ring`) of the entries: the recent ones are read exactly."""
     if layer.kv_scales is None:
         return query, keys, values, None
+    if layer.latent:  # the values are c, the keys' first columns: read (and scaled) as the keys are
+        keys, _ = _unscaled(layer, keys, keys[..., :0], positions, base)
+        return query * layer.kv_scales[0], keys, keys[..., : values.shape[-1]], layer.kv_scales[0]
     keys, values = _unscaled(layer, keys, values, positions, base)
     return query * layer.kv_scales[0], keys, values, layer.kv_scales[1]
 
