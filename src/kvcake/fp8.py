@@ -23,8 +23,9 @@ the format of vLLM's ``kv_cache_dtype="fp8"``): 1 byte per element, where the mo
   keeping the last 32 exact cut the KL to the model's dtype to a third). They are looked up by
   token position (a ring of ``kv_recent`` slots per KV head), so no eviction, re-layout or
   reorder has to keep track of where they are stored; an evicted entry's copy is simply never
-  read. Follow-ups of different lengths in one left-padded batch: each row's ring ends up as its
-  follow-up alone leaves it (:func:`settle_recent`). With every token in the ring, float8 storage decodes exactly as the model's dtype.
+  read. With every token in the ring, float8 storage decodes exactly as the model's dtype.
+  Follow-ups of different lengths in one left-padded batch: each row's ring ends up as its
+  follow-up alone leaves it (:func:`settle_recent`).
 * **Layout.** The bits are held as ``torch.uint8`` (the same bytes). Every op that moves entries
   (appends, evictions, beam reorders, saving) then runs on any device: some of them
   (``index_copy_``, ``scatter_``, ``gather``, ``masked_fill``) have no float8 kernel on a CPU.
