@@ -18,8 +18,10 @@ import torch
 from kvcake.allocators import AdaKV, preference
 from kvcake.allocators.adakv import ranks_desc
 from kvcake.cascade import layer_statistics
-from kvcake.head_shards import find_split
-from kvcake.scorers import PrefillInputs
+from kvcake.decoding import _across
+from kvcake.head_shards import find_splits
+from kvcake.pending_norms import norm_steps
+from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer
 from kvcake.scorers.defensive import MARK, DefensiveScorer
 from kvcake.scorers.tova import TOVAScorer
 from kvcake.tensor_parallel import HeadSplit, top_over_ranks
@@ -137,8 +139,8 @@ def prefill_inputs(heads: slice, kv_heads: slice, seed: int = 0) -> PrefillInput
     )  # fmt: skip
 
 
-def fake_cache(split):
-    return SimpleNamespace(split=split)
+def fake_cache(split, group_split=None):
+    return SimpleNamespace(split=split, group_split=group_split)
 
 
 def layer_preference(cache, inputs):
@@ -190,7 +192,7 @@ def test_tova_mean_over_ranks_equals_the_mean_over_all_heads():
 
 
 def test_a_model_held_by_one_process_has_no_split(tiny_llama):
-    assert find_split(tiny_llama) is None
+    assert find_splits(tiny_llama) == (None, None)
 
 
 def test_head_split_checks_its_rank():
@@ -198,6 +200,8 @@ def test_head_split_checks_its_rank():
         HeadSplit(None, 0, 1)
     with pytest.raises(ValueError, match="rank < world"):
         HeadSplit(None, 2, 2)
+    with pytest.raises(ValueError, match="'mean' or 'max', got 'sum'"):
+        HeadSplit(None, 0, 2).pool(torch.ones(3), "sum")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -221,3 +225,63 @@ def test_defensive_marks_over_ranks_use_the_whole_layers_window_share(world):
     alone = [scorer.prefill(prefill_inputs(slice(r * qb, (r + 1) * qb), slice(r * kb, (r + 1) * kb), seed=3))
              for r in range(world)]  # fmt: skip
     assert not torch.equal(torch.cat(alone, 1), ref)  # each rank's own share alone marks otherwise
+
+
+LATENT_SCORERS = {
+    "snapkv": SnapKVScorer(),
+    "snapkv-max": SnapKVScorer(reduce="max"),
+    "cake": CakeScorer(),
+    "tova": TOVAScorer(),
+    "h2o": H2OScorer(fused=False),
+    "defensive": DefensiveScorer(),
+    "defensive-mean": DefensiveScorer(aggregate="mean"),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", sorted(LATENT_SCORERS))
+def test_a_latent_heads_query_group_split_over_ranks_scores_as_one_process(world, name):
+    """A latent layer (MLA) under a plan that splits its query heads: every rank holds the one KV
+    head whole and ``8 / world`` of its query heads (``group_split``). Each rank's prefill scores,
+    CAKE statistics, decoding scores and CriticalKV norms, pooled over the ranks, are one process's
+    over the whole group, the same bits on every rank; a rank's own heads alone score otherwise."""
+    scorer, qb = LATENT_SCORERS[name], 8 // world
+    ref = scorer.prefill(prefill_inputs(slice(None), slice(0, 1), seed=5))
+    ref_stats = layer_statistics(fake_cache(None), prefill_inputs(slice(None), slice(0, 1), seed=5))
+    g = torch.Generator().manual_seed(6)
+    probs = torch.rand(2, 1, 8, 30, generator=g).softmax(-1)  # a decode step's (B, H_kv, G, N)
+    positions = torch.arange(30).expand(2, 1, 30)
+    previous = torch.rand(2, 1, 30, generator=g) if scorer.stateful else None
+    ref_step = scorer.decode_step(probs, positions, previous)
+    values, o_weight = torch.randn(2, 1, 30, 4, generator=g), torch.randn(16, 8 * 4, generator=g)
+    ref_norms = _value(norm_steps(None, values, o_weight, 8, None, None))
+    cache = SimpleNamespace(method=SimpleNamespace(scorer=scorer), split=None)
+
+    def rank(sp):
+        heads = slice(sp.rank * qb, (sp.rank + 1) * qb)
+        inputs = dataclasses.replace(prefill_inputs(heads, slice(0, 1), seed=5), group_split=sp)
+        across = _across(SimpleNamespace(**vars(cache), group_split=sp))
+        step = across(scorer.decode_step(probs[:, :, heads], positions, previous).expand(2, 1, 30))
+        mine = o_weight.view(16, 8, 4)[:, heads].reshape(16, qb * 4)
+        norms = _value(norm_steps(None, values, mine, 8, None, None, group_split=sp))
+        return scorer.prefill(inputs), layer_statistics(fake_cache(None, sp), inputs), step, norms
+
+    out = on_ranks(world, rank)
+    for part in out:
+        assert all(torch.equal(a, b) for a, b in zip(part, out[0], strict=True))
+    scores, stats, step, norms = out[0]
+    torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stats, ref_stats, rtol=1e-6, atol=0)
+    torch.testing.assert_close(step, ref_step.expand(2, 1, 30), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
+    alone = scorer.prefill(prefill_inputs(slice(0, qb), slice(0, 1), seed=5))
+    assert not torch.allclose(alone, ref, rtol=1e-3)  # the pooling is what makes them equal
+
+
+def _value(steps) -> torch.Tensor:
+    """What a generator of norms returns (these need no host read)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("the norms asked for a host read")

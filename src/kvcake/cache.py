@@ -40,7 +40,7 @@ from .budget import check_capacity
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
 from .fp8 import check_kv_dtype, check_kv_recent
-from .head_shards import find_split
+from .head_shards import find_splits
 from .hybrid_layer import HybridLayer
 from .latent import attention_layer
 from .method import Method, make_method
@@ -50,7 +50,6 @@ from .recurrent import RecurrentStates, keyless_layer
 from .sequences import repeat_sequences, select_sequences
 from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
 from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
-from .tensor_parallel import HeadSplit
 
 # The key under which ``update`` hands the cache to the kvcake attention: modules call ``cache.update(k,
 # v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)`` with that same dict: it
@@ -173,10 +172,10 @@ class KVCakeCache(RecurrentStates, Cache):
         self.static = bool(static)  # see the class docstring; False: the dynamic reference
         self._max_cache_len = check_capacity(max_cache_len)
         self._plan_sliding()
-        # Tensor parallelism: this process holds a block of each layer's KV heads; CAKE's preferences
-        # and Ada-KV's head budgets are decided over every rank's (tensor_parallel.py).
-        self.split: HeadSplit | None = find_split(model)
-        self._new = copy.deepcopy({k: v for k, v in vars(self).items() if k != "split"})  # for reset()
+        # Tensor parallelism: this process holds a block of each layer's KV heads (or of a latent layer's
+        # query heads); what is decided over every head is decided over every rank's (tensor_parallel.py).
+        self.split, self.group_split = find_splits(model)
+        self._new = copy.deepcopy({k: v for k, v in vars(self).items() if not k.endswith("split")})  # reset()
 
     @property
     def _waiting(self) -> bool:  # whether a layer's stage or eviction waits for this update

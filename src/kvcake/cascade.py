@@ -88,15 +88,15 @@ def prefill_stage(
         inputs = PrefillInputs(
             query=query, keys=keys, values=values, key_valid=key_valid,
             window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
+            group_split=cache.group_split,
         )  # fmt: skip
         layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
         if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
             layer.scores = cache.split.head_mean(layer.scores)
         on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
         if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
-            weight = output_projection(module, values)  # tensor parallelism: this rank's shard of W_O
-            weight = output_weight(module, weight) if layer.latent else weight
-            cache.o_weights[layer_idx] = local_weight(weight)
+            weight = local_weight(output_projection(module, values))  # tensor parallelism: this rank's W_O
+            cache.o_weights[layer_idx] = output_weight(module, weight) if layer.latent else weight
         stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
         last = g == len(cache.compressed) - 1
         winners = None
@@ -204,8 +204,8 @@ def layer_statistics(cache: Cache, inputs: PrefillInputs) -> torch.Tensor:
     entropy = -(sub * torch.log(sub + 1e-10)).sum((1, 2, 3))  # (B,)
     variance = inputs.window_mean_var()[1][..., :p].contiguous().sum((1, 2))  # (B,): as CAKE scored
     stats = torch.stack([entropy.double(), variance.double()])
-    if cache.split is not None:  # over every rank's heads: 2 numbers per sequence from each rank
-        stats = cache.split.sum(stats)
+    if (split := cache.split or cache.group_split) is not None:  # over every rank's heads: 2 numbers
+        stats = split.sum(stats)  # per sequence from each rank
     return stats
 
 
@@ -321,7 +321,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         heads = cache.info.groups * values.shape[1]  # this rank's query heads under tensor parallelism
         steps = pending_norms.norm_steps(
             m.selector, values, cache.o_weights.pop(layer_idx), heads, scores, counts, cache.split,
-            int(counts_host.max()),
+            int(counts_host.max()), cache.group_split,
         )  # fmt: skip
         if (norms := pending_norms.begin(cache, layer_idx, budget, steps, entry)) is None:
             return  # evicted once the size its norms need is read (pending_norms.resume)

@@ -6,6 +6,8 @@ protected. Static layers do it in place, one victim per head by argmin (``layer.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
@@ -160,9 +162,14 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
 
 
 def _across(cache: Cache):
-    """For a layer-wide scorer (TOVA) on a tensor-parallel model: the mean over ranks, applied to
-    each step's (B, H_kv, N) scores (every head holds the same positions in the same slots, since
-    they share scores); ``None`` otherwise. Costs one all-gather of the scores per layer and step."""
-    if cache.split is None or not cache.method.scorer.layer_wide:
+    """What each step's (B, H_kv, N) scores take from the other ranks of a tensor-parallel model:
+    a layer-wide scorer's (TOVA) mean over ranks (every head holds the same positions in the same
+    slots, since they share scores); on a latent model whose query group the ranks share, the
+    scores pooled over the ranks as over the group (``HeadSplit.pool``); ``None`` otherwise. Costs
+    one all-gather of the scores per layer and step."""
+    scorer = cache.method.scorer
+    if cache.group_split is not None and scorer.needs_probs:
+        return partial(cache.group_split.pool, how=scorer.reduce)
+    if cache.split is None or not scorer.layer_wide:
         return None
     return cache.split.head_mean

@@ -13,19 +13,22 @@ from .layer_types import latent_dims
 from .tensor_parallel import HeadSplit
 
 
-def find_split(model: torch.nn.Module) -> HeadSplit | None:
-    """The tensor-parallel split of ``model``'s heads, or ``None`` where one process holds them all.
+def find_splits(model: torch.nn.Module) -> tuple[HeadSplit | None, HeadSplit | None]:
+    """The tensor-parallel split of ``model``'s heads: ``(split, group_split)``, both ``None`` where
+    one process holds them all. ``split``: the ranks hold blocks of the KV heads; ``group_split``:
+    a latent-attention model (``kvcake.latent``) whose plan splits the query heads, every rank
+    holding the one KV head's latents whole and a share of its query group.
 
     transformers' tensor parallelism stores sharded weights as ``DTensor``s on its device mesh;
     the mesh's ``"tp"`` dimension (or its only dimension) is the group of ranks sharing heads. The
     heads are split where the attention's output projection is sharded; a plan that leaves the
-    attention whole (DeepSeek-V3's and GPT-OSS's in transformers 5.24 split the MLP, the experts or
+    attention whole (DeepSeek-V3's in transformers 5.24 and GPT-OSS's split the MLP, the experts or
     the embeddings only) has every rank hold every head and compress alike: no split.
     """
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
-        return None
+        return None, None
     for module in model.modules():
         if not isinstance(getattr(module, "layer_idx", None), int):
             continue
@@ -41,12 +44,8 @@ def find_split(model: torch.nn.Module) -> HeadSplit | None:
                 "kvcake supports transformers' tensor parallelism (from_pretrained(..., tp_plan='auto'))"
             )
         if mesh.size(dim) == 1:
-            return None
-        text = model.config.get_text_config()
-        if latent_dims(text) is not None:  # every rank would hold the whole latent (kvcake.latent)
-            raise ValueError(
-                f"{text.model_type}: kvcake does not compress latent attention (MLA) whose heads are split "
-                "over ranks (each rank's heads would score the shared latents apart); load it on one process"
-            )
-        return HeadSplit(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
-    return None
+            return None, None
+        split = HeadSplit(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
+        latent = latent_dims(model.config.get_text_config()) is not None
+        return (None, split) if latent else (split, None)
+    return None, None

@@ -31,12 +31,13 @@ import torch
 
 from .adapters import ModelInfo
 from .layer import KVCakeLayer
+from .tensor_parallel import local_weight
 
 
 def _up_projections(module: torch.nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W_UK (H, d_nope, r) and W_UV (H, d_v, r), views of ``kv_b_proj.weight`` in ``like``'s dtype."""
     d_nope, d_v = module.qk_nope_head_dim, module.v_head_dim
-    weight = module.kv_b_proj.weight.to(like.dtype)  # (H * (d_nope + d_v), r)
+    weight = local_weight(module.kv_b_proj.weight).to(like.dtype)  # (H * (d_nope + d_v), r): this rank's H
     weight = weight.view(-1, d_nope + d_v, weight.shape[-1])  # (H, d_nope + d_v, r)
     return weight[:, :d_nope], weight[:, d_nope:]
 

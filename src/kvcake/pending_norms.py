@@ -43,17 +43,26 @@ class PendingNorms:
 
 @torch.no_grad()  # scores: the kept entries alone carry gradients (tests/test_torch_modes.py)
 def norm_steps(
-    selector, values, o_weight, num_heads, scores, counts, split=None, count_bound=None
+    selector, values, o_weight, num_heads, scores, counts, split=None, count_bound=None, group_split=None
 ) -> Generator[torch.Tensor, int, torch.Tensor]:
     """CriticalKV's value norms (B, H_kv, S) of a layer's whole prompt, for its first eviction, as
     a generator of the reads it needs (``Critical.value_norm_steps``): only on the entries the
-    selector can keep with ``counts`` when it says which, else on all (the reference, no read)."""
+    selector can keep with ``counts`` when it says which, else on all (the reference, no read).
+
+    ``group_split``: a latent layer whose query heads (``num_heads`` of them in all) the ranks
+    share; ``o_weight`` holds this rank's. Every entry's norm is taken over this rank's heads and
+    the ranks' means are averaged (``HeadSplit.pool``): the pruned path's candidates come from
+    bounds over this rank's heads alone, which would differ between ranks."""
+    if group_split is not None:
+        num_heads //= group_split.world
     if o_weight.shape[-1] != num_heads * values.shape[-1]:  # (hidden, H * d_v)
         raise ValueError(
             f"the attention's output projection takes {o_weight.shape[-1]} features, not the "
             f"{num_heads} query heads x {values.shape[-1]} dims this KVCakeCache expects of its model: "
             "a cache serves the model it was made for, so make it with the model that runs it, KVCakeCache(model, ...)"
         )
+    if group_split is not None:
+        return group_split.pool(projected_value_norms(values, o_weight, num_heads), "mean")
     if PRUNED and hasattr(selector, "value_norm_steps"):
         return (
             yield from selector.value_norm_steps(

@@ -14,8 +14,13 @@ all heads of a layer and must see every rank's heads to equal the one-process me
   scores (``k`` = the layer's contested budget, at most its entries) with their global indices,
   and every rank finds the same threshold (:func:`kth_over_ranks`).
 
+A latent-attention layer (MLA, ``kvcake.latent``) has one KV head whose latents every rank holds
+whole; a plan that splits its query heads (transformers 5.25's for DeepSeek-V3) splits the group
+instead (``group_split``). Every score and statistic pooled over the group's query heads is then
+pooled over the ranks as well (:meth:`HeadSplit.pool`), so every rank scores and evicts alike.
+
 Every exchange is an all-gather, summed or merged in rank order on every rank, so every rank
-derives bit-identical budgets. The split is read from the model (``kvcake.head_shards.find_split``):
+derives bit-identical budgets. The split is read from the model (``kvcake.head_shards.find_splits``):
 transformers shards the attention projections as ``DTensor``s on its device mesh, whose ``"tp"``
 dimension is the group.
 """
@@ -59,6 +64,16 @@ class HeadSplit:
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, added in rank order on every rank (so bit-identical everywhere)."""
         return self.gather(t).sum(0)
+
+    def pool(self, t: torch.Tensor, how: str) -> torch.Tensor:
+        """The ranks' ``t`` pooled, the same on every rank: their mean (``how="mean"``) or maximum
+        (``"max"``). A latent layer's query group split over ranks (``group_split``): each rank's
+        scores pool its share of the group, and as every rank holds as many heads, the ranks' mean of
+        means is the group's mean and their maximum of maxima its maximum."""
+        if how not in ("mean", "max"):
+            raise ValueError(f"pooling over ranks must be 'mean' or 'max', got {how!r}")
+        every = self.gather(t)  # (world, *t.shape)
+        return every.mean(0) if how == "mean" else every.amax(0)
 
     def head_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Layer-wide scores (B, H_local, N), equal over this rank's heads (each its heads' mean):

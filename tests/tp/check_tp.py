@@ -30,9 +30,14 @@ Checked per preset and path:
 A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE), a tiny Falcon-H1 (attention beside
 a Mamba block in every layer, ``kvcake.hybrid_layer``) and a tiny GPT-OSS (attention sinks, loaded
 with the eager attention; sliding and full layers; MoE) last: transformers' plans split DeepSeek-V3's
-MLP and experts and the others' embeddings and leave their attention whole, so every rank holds every
-head and the whole cache and compresses alike with no split (``WHOLE_PRESETS``, both paths): tokens,
-logits, budgets, kept entries and bytes as one process's.
+MLP and experts (5.24; 5.25's splits its query heads too) and the others' embeddings and leave their
+attention whole, so every rank holds every head and the whole cache and compresses alike with no
+split (``WHOLE_PRESETS``, both paths): tokens, logits, budgets, kept positions and bytes as one
+process's. Then DeepSeek-V3 again with its query heads split (``MLA_HEADS_PLAN``, as 5.25's plan
+does): every rank holds the latents whole and a share of the query group (``group_split``), and
+pools what it scores over the group with the other ranks; every preset on both paths, float8 and
+beam search for ``HYBRID_PRESETS``, compressed contexts (answers, and one saved by rank 0 loaded into
+the whole and the split model), all as one process's.
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
@@ -50,6 +55,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DistributedConfig,
     FalconH1Config,
     FalconH1ForCausalLM,
     Gemma3ForCausalLM,
@@ -102,15 +108,27 @@ MODELS = (
     + ((("qwen3_5", HYBRID_PRESETS),) if Qwen3_5TextConfig is not None else ())
     + ((("llama4", HYBRID_PRESETS),) if Llama4TextConfig is not None else ())
 )
-# the models whose attention the plan leaves whole, with the presets run on them (``check_whole``)
-WHOLE = ("deepseek_v3", "falcon_h1", "gpt_oss")
+# the models whose attention the plan leaves whole (but for latents' query heads), with the presets
+# run on them (``check_whole``): the last, DeepSeek-V3 with its query heads split, runs every preset
+WHOLE = ("deepseek_v3", "falcon_h1", "gpt_oss", "deepseek_v3_heads")
+# DeepSeek-V3's query heads split over the ranks, its latents whole on each (transformers 5.25's plan
+# for its attention; 5.24 takes it as an override of its own plan)
+MLA_HEADS_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.kv_b_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+}
 # what a model loads with beyond the plan: GPT-OSS's sinks need the eager attention (SDPA has none)
-LOAD_KWARGS = {"gpt_oss": {"attn_implementation": "eager"}}
+LOAD_KWARGS = {
+    "gpt_oss": {"attn_implementation": "eager"},
+    "deepseek_v3_heads": {"distributed_config": DistributedConfig(tp_plan=MLA_HEADS_PLAN)},
+}
 WHOLE_PRESETS = ("snapkv", "cake", "adakv", "criticalkv", "h2o")
 HEADINGS = {
     "gemma3": "Gemma 3 hybrid (sliding, full, sliding, full):",
     "gemma4": "Gemma 4 hybrid (sliding, full, sliding, full; full layers 2 KV heads of dim 32):",
-    "deepseek_v3": "DeepSeek-V3 (latent attention; transformers 5.24's plan splits its MLP and experts, not its heads):",
+    "deepseek_v3": "DeepSeek-V3 (latent attention; transformers 5.24's plan splits its MLP and experts, 5.25's its query heads too):",
+    "deepseek_v3_heads": "DeepSeek-V3 with its query heads split (MLA_HEADS_PLAN; the latents whole on every rank):",
     "falcon_h1": "Falcon-H1 (attention beside Mamba in every layer; the plan splits its embeddings only):",
     "gpt_oss": "GPT-OSS (attention sinks, sliding and full layers, MoE; the plan splits its embeddings only):",
     "qwen3_5": "Qwen3.5 hybrid (linear attention, full, linear attention, full):",
@@ -157,7 +175,7 @@ def save_tiny(folder: str, kind: str) -> None:
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 2.0)
         model.save_pretrained(folder)
-    elif kind == "deepseek_v3":
+    elif kind.startswith("deepseek_v3"):
         mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                    n_group=1, topk_group=1)  # fmt: skip
@@ -319,42 +337,67 @@ def check(preset: str, full, tp, ids, mask, static: bool, rank: int, world: int,
     return bad
 
 
-def check_whole(preset: str, full, tp, ids, mask, static: bool) -> list[str]:
-    """A model whose attention the plan leaves whole: no split, and everything as one process's."""
+def check_whole(preset: str, full, tp, ids, mask, static: bool, kv_dtype=None) -> list[str]:
+    """A model whose attention the plan leaves whole, or whose latents it leaves whole (``group_split``:
+    query heads split): no head split, and everything as one process's."""
     bad = []
-    ref, ref_cache = run(full, ids, mask, preset, static)
-    out, cache = run(tp, ids, mask, preset, static)
+    ref, ref_cache = run(full, ids, mask, preset, static, kv_dtype)
+    out, cache = run(tp, ids, mask, preset, static, kv_dtype)
     if cache.split is not None:
         bad.append(f"a split was found where the attention is whole: {cache.split}")
-    diff = compare_outputs(out, ref, LOGIT_ATOL, bad)
+    diff = compare_outputs(out, ref, LOGIT_ATOL if kv_dtype is None else FP8_LOGIT_ATOL, bad)
     if (
         not torch.equal(cache.budgets, ref_cache.budgets)
         or not (cache.layer_counts() == ref_cache.layer_counts()).all()
     ):
         bad.append(f"budgets {cache.budgets.tolist()} or kept entries differ from one process's")
+    else:
+        differ = [lid for lid in cache.compressed if not torch.equal(
+            cache.layers[lid].padded_positions().sort(-1).values,
+            ref_cache.layers[lid].padded_positions().sort(-1).values,
+        )]  # fmt: skip
+        if differ:
+            bad.append(f"layers {differ} keep other positions than one process's")
     if cache.kv_bytes() != ref_cache.kv_bytes():
         bad.append(f"rank holds {cache.kv_bytes()} bytes, one process {ref_cache.kv_bytes()}")
     if dist.get_rank() == 0:
-        logger.info("%-15s budgets %s | logits %.1e | KV bytes/rank %d (one process: %d)", preset,
-                    cache.budgets[0].tolist(), diff, cache.kv_bytes(), ref_cache.kv_bytes())  # fmt: skip
+        logger.info("%-15s %sbudgets %s | logits %.1e | KV bytes/rank %d (one process: %d)", preset,
+                    "float8: " if kv_dtype else "", cache.budgets[0].tolist(), diff, cache.kv_bytes(),
+                    ref_cache.kv_bytes())  # fmt: skip
     return bad
 
 
-def latent_split_refusal(tp) -> str | None:
-    """kvcake's refusal of a latent-attention model whose heads the plan splits over the ranks (the
-    plan of transformers 5.25 on: each rank's heads would score the shared latents apart), or None
-    where the plan leaves the heads whole (5.24's) and the model runs as one process's."""
-    try:
-        kvcake.KVCakeCache(tp, "snapkv", budget=BUDGET)
-    except ValueError as err:
-        if "latent attention (MLA) whose heads are split" not in str(err):
-            raise
-        return str(err)
-    return None
+def saved_whole(full, tp, ids, mask, rank: int) -> list[str]:
+    """Every rank of a latent model whose query heads are split holds the latents whole: a context
+    compressed there and saved by rank 0 loads into the whole model and into the split one, and
+    answers as the one-process context."""
+    question = torch.arange(10, 26).expand(ids.shape[0], -1)
+    ask = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = kvcake.compress(full, ids, "cake", attention_mask=mask, budget=BUDGET).generate(question, **ask)
+    ctx = kvcake.compress(tp, ids, "cake", attention_mask=mask, budget=BUDGET)
+    bad = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [os.path.join(tmp, "ctx.kvc") if rank == 0 else None]
+        if rank == 0:
+            ctx.save(path[0])
+        dist.broadcast_object_list(path, src=0)
+        for name, model in (("the whole model", full), ("the split model", tp)):
+            answer = kvcake.load_context(model, path[0]).generate(question, **ask)
+            if not torch.equal(answer, ref):
+                bad.append(f"loaded into {name}, it answers {answer.tolist()}, not {ref.tolist()}")
+        dist.barrier()  # rank 0's file is read by every rank before it goes
+    return bad
+
+
+def group_split_of(tp) -> int | None:
+    """How many ranks share each latent layer's query group (``KVCakeCache.group_split``), or None."""
+    split = kvcake.KVCakeCache(tp, "snapkv", budget=BUDGET).group_split
+    return None if split is None else split.world
 
 
 def load_both(rank: int, kind: str):
-    """The tiny model, whole and split with ``tp_plan="auto"``, on every rank (rank 0 saves it)."""
+    """The tiny model, whole and split with ``tp_plan="auto"`` (or its ``LOAD_KWARGS``' plan), on every
+    rank (rank 0 saves it)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = [os.path.join(tmp, "tiny") if rank == 0 else None]
         if rank == 0:
@@ -362,8 +405,12 @@ def load_both(rank: int, kind: str):
         dist.broadcast_object_list(folder, src=0)
         dist.barrier()
         extra = LOAD_KWARGS.get(kind, {})
-        tp = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto", **extra)
-        full = AutoModelForCausalLM.from_pretrained(folder[0], **extra)
+        plan = (
+            {} if "distributed_config" in extra else {"tp_plan": "auto"}
+        )  # an explicit plan, or the model's
+        tp = AutoModelForCausalLM.from_pretrained(folder[0], **plan, **extra)
+        whole = {k: v for k, v in extra.items() if k != "distributed_config"}
+        full = AutoModelForCausalLM.from_pretrained(folder[0], **whole)
         dist.barrier()  # rank 0's folder is read by every rank before it goes
     return full, tp
 
@@ -405,17 +452,35 @@ def main() -> int:
                 failed["save"] = [f"unexpected refusal: {err}"]
     for kind in WHOLE:
         full, tp = load_both(rank, kind)
+        grouped = group_split_of(tp)
         if rank == 0:
-            logger.info(HEADINGS[kind])
-        if kind == "deepseek_v3" and (refusal := latent_split_refusal(tp)) is not None:
-            if rank == 0:  # transformers 5.25's plan splits its heads: refused, as documented
-                logger.info("the plan splits its heads here, refused: %s", refusal)
-            continue
+            logger.info("%s%s", HEADINGS[kind], f" (query heads over {grouped} ranks)" if grouped else "")
+        if kind == "deepseek_v3_heads" and grouped != world:
+            failed[kind] = [f"the query heads' split over {world} ranks was not found ({grouped})"]
+        presets = PRESETS if kind == "deepseek_v3_heads" else WHOLE_PRESETS
         for static in (False, True):
-            for preset in WHOLE_PRESETS:
+            for preset in presets:
                 bad = check_whole(preset, full, tp, ids, mask, static)
                 if bad:
                     failed[f"{kind} {preset}{' static' if static else ''}"] = bad
+        if kind != "deepseek_v3_heads":
+            continue
+        for preset in WHOLE_PRESETS:  # a compressed context answers as one process's
+            answer, ref_answer = (
+                context_answer(tp, ids, mask, preset),
+                context_answer(full, ids, mask, preset),
+            )
+            if not torch.equal(answer, ref_answer):
+                failed[f"{kind} {preset} context"] = [f"{answer.tolist()} vs {ref_answer.tolist()}"]
+        if bad := saved_whole(full, tp, ids, mask, rank):
+            failed[f"{kind} save"] = bad
+        for preset in HYBRID_PRESETS:  # float8 (the latents' one scale is the same on every rank), beams
+            bad = check_whole(preset, full, tp, ids, mask, True, kv_dtype="fp8")
+            if bad:
+                failed[f"{kind} {preset} fp8"] = bad
+            beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
+            if not torch.equal(*beams):
+                failed[f"{kind} {preset} beams"] = [f"{beams[1].tolist()} vs {beams[0].tolist()}"]
     every = [None] * world
     dist.all_gather_object(every, failed)
     dist.destroy_process_group()
@@ -424,8 +489,9 @@ def main() -> int:
         for line in problems:
             logger.error("FAIL %s", line)
         logger.info(
-            "%s, %d on %s (attention whole) x %d ranks: %s",
-            ", ".join(f"{len(p)} presets on {kind}" for kind, p in MODELS), len(WHOLE_PRESETS), ", ".join(WHOLE), world,
+            "%s, %d on %s (attention whole), %d on DeepSeek-V3 (query heads split) x %d ranks: %s",
+            ", ".join(f"{len(p)} presets on {kind}" for kind, p in MODELS), len(WHOLE_PRESETS),
+            ", ".join(WHOLE[:-1]), len(PRESETS), world,
             "FAILED" if problems else "all equal",
         )  # fmt: skip
     return 1 if problems else 0

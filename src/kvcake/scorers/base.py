@@ -32,7 +32,9 @@ class PrefillInputs:
     model's soft cap on the logits and sinks in every row's softmax (``kvcake.logit_terms``);
     split: under tensor parallelism the heads' split (``kvcake.tensor_parallel.HeadSplit``: query
     and keys are this rank's heads), for what a scorer takes over every head of the layer; None
-    in one process.
+    in one process. group_split: a latent layer's query group split over ranks instead (keys
+    whole, query this rank's heads of the group): scores pooled over the group are pooled over
+    the ranks too (``HeadSplit.pool``); None elsewhere.
     """
 
     query: torch.Tensor
@@ -44,6 +46,7 @@ class PrefillInputs:
     column_sums: torch.Tensor | None = None
     terms: LogitTerms = PLAIN
     split: HeadSplit | None = None
+    group_split: HeadSplit | None = None
     _window_attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _mean_var: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -242,6 +245,8 @@ class Scorer:
     def prefill(self, inp: PrefillInputs) -> torch.Tensor:
         """KV-head scores (B, H_kv, S) with the window at +inf and padding at -inf."""
         scores = group_reduce(self.score_heads(inp).float(), inp.num_groups, self.reduce)
+        if inp.group_split is not None:  # the rest of the query group is on the other ranks
+            scores = inp.group_split.pool(scores, self.reduce)
         return protect(scores, inp.key_valid, inp.window)
 
     def decode(

@@ -92,19 +92,25 @@ class DefensiveScorer(Scorer):
         agg, row_sums = fn(probs, key_ok, hkv, self.kernel, self.aggregate, self.marks_critical)
         if self.aggregate == "mean":
             agg = agg / n_rows  # (B, H_kv, P)
+        if inp.group_split is not None:  # a latent layer's query group, split over ranks
+            agg = inp.group_split.pool(agg, self.aggregate)
+            if row_sums is not None:  # the mean over ranks: every sum / world, the same shares
+                row_sums = inp.group_split.pool(row_sums, "mean")
         n_keys = key_ok.sum(-1).clamp(min=1).float()[:, None, None]
         floor = (agg * key_ok[:, None, :]).sum(-1, keepdim=True) / n_keys  # (B, H_kv, 1)
         scores = torch.maximum(agg, floor)
         if self.marks_critical:
-            scores = scores + MARK * self._critical(row_sums, probs, row_valid, key_ok, n_rows, inp.split)
+            over = inp.split or inp.group_split  # the window's share: over every rank's heads
+            scores = scores + MARK * self._critical(row_sums, probs, row_valid, key_ok, n_rows, over)
         full = torch.cat([scores, torch.zeros(b, hkv, w, device=scores.device)], dim=-1)  # (B, H_kv, S)
         return protect(full, inp.key_valid, inp.window)
 
     def _critical(self, row_sums, probs, row_valid, key_ok, n_rows, split=None) -> torch.Tensor:
         """(B, H_kv, P) bool: CriticalKV's first stage (see the class docstring). row_sums: (B, H_kv,
         P) the unpooled prefix attention summed over each KV head's group and rows. The window's
-        share is the layer's, over every head: under tensor parallelism (``split``) every rank's
-        rows gathered in head order and summed as one process sums them (one all-gather)."""
+        share is the layer's, over every head: under tensor parallelism (``split``, or a latent
+        layer's ``group_split``) every rank's rows gathered in head order and summed as one process
+        sums them (one all-gather)."""
         p = row_sums.shape[-1]
         mean = row_sums / n_rows * key_ok[:, None, :]  # (B, H_kv, P) unpooled
         share = mean / mean.sum(-1, keepdim=True).clamp(min=1e-30)
