@@ -84,8 +84,12 @@ class HeadSplit:
 
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a weight (a plain tensor stays as it is)."""
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if callable(to_local) else weight
+    if not torch.distributed.is_available():  # a torch built without distributed has no shards
+        return weight
+    from torch.distributed.tensor import DTensor  # here: importing it costs most of a second
+
+    # isinstance, not getattr(weight, "to_local"): torch.compile traces the former only
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 SLOTS = 1 << 32

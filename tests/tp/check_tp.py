@@ -37,7 +37,9 @@ process's. Then DeepSeek-V3 again with its query heads split (``MLA_HEADS_PLAN``
 does): every rank holds the latents whole and a share of the query group (``group_split``), and
 pools what it scores over the group with the other ranks; every preset on both paths, float8 and
 beam search for ``HYBRID_PRESETS``, compressed contexts (answers, and one saved by rank 0 loaded into
-the whole and the split model), all as one process's.
+the whole and the split model), all as one process's. On the split Llama and that DeepSeek-V3, a
+compiled decode step (``fullgraph=True``, graphs run as traced) gives the eager tokens for
+``COMPILED_PRESETS``.
 
 Exits non-zero with the failures listed; rank 0 logs one line per preset.
 """
@@ -53,6 +55,7 @@ import torch
 import torch.distributed as dist
 from transformers import (
     AutoModelForCausalLM,
+    CompileConfig,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     DistributedConfig,
@@ -123,6 +126,7 @@ LOAD_KWARGS = {
     "gpt_oss": {"attn_implementation": "eager"},
     "deepseek_v3_heads": {"distributed_config": DistributedConfig(tp_plan=MLA_HEADS_PLAN)},
 }
+COMPILED_PRESETS = ("tova", "snapkv", "adakv")  # TOVA's mean over ranks, a pooled score, Ada-KV's ragged step
 WHOLE_PRESETS = ("snapkv", "cake", "adakv", "criticalkv", "h2o")
 HEADINGS = {
     "gemma3": "Gemma 3 hybrid (sliding, full, sliding, full):",
@@ -213,6 +217,32 @@ def beam_search(model, ids, mask, preset) -> torch.Tensor:
         out = model.generate(ids, attention_mask=mask, **kvcake.with_cache(model, cache), max_new_tokens=NEW_TOKENS,
                              num_beams=3, do_sample=False, pad_token_id=0)  # fmt: skip
     return out[:, ids.shape[1] :]
+
+
+def compiled_differs(model, ids, mask, preset) -> list[str]:
+    """Decoding compiled whole (``fullgraph=True``, graphs run as traced: no inductor on 2 cores) gives
+    the eager tokens on the split model; its step reads each rank's weight shards and exchanges
+    what TOVA's and the pooled scores need inside the graph."""
+    tokens, graphs = [], []
+
+    def backend(gm, example_inputs):  # the eager backend's, counting the graphs it is given
+        graphs.append(gm)
+        return gm.forward
+
+    for compiled in (False, True):
+        cache = kvcake.KVCakeCache(model, kvcake.make_method(preset, budget=BUDGET))
+        config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+        config._compile_all_devices = True  # transformers compiles on accelerators only by default
+        with kvcake.enable(model), torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=mask, **kvcake.with_cache(model, cache), max_new_tokens=NEW_TOKENS,
+                do_sample=False, pad_token_id=0, disable_compile=not compiled, compile_config=config,
+            )  # fmt: skip
+        tokens.append(out[:, ids.shape[1] :])
+    torch._dynamo.reset()
+    if not graphs:
+        return ["generate decoded without compiling a step"]
+    return [] if torch.equal(*tokens) else [f"compiled {tokens[1].tolist()} vs eager {tokens[0].tolist()}"]
 
 
 def heads_bytes(layer, heads: slice, world: int) -> int:
@@ -442,6 +472,10 @@ def main() -> int:
             beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
             if not torch.equal(*beams):
                 failed[f"{kind} {preset} beams"] = [f"{beams[1].tolist()} vs {beams[0].tolist()}"]
+        if kind == "llama":  # a compiled step per preset that exchanges while decoding
+            for preset in COMPILED_PRESETS:
+                if bad := compiled_differs(tp, ids, mask, preset):
+                    failed[f"{kind} {preset} compiled"] = bad
     ctx = kvcake.compress(tp, ids, "snapkv", attention_mask=mask, budget=BUDGET)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -481,6 +515,9 @@ def main() -> int:
             beams = [beam_search(model, ids, mask, preset) for model in (full, tp)]
             if not torch.equal(*beams):
                 failed[f"{kind} {preset} beams"] = [f"{beams[1].tolist()} vs {beams[0].tolist()}"]
+        for preset in COMPILED_PRESETS:  # the latents' up-projections read as shards in the graph
+            if bad := compiled_differs(tp, ids, mask, preset):
+                failed[f"{kind} {preset} compiled"] = bad
     every = [None] * world
     dist.all_gather_object(every, failed)
     dist.destroy_process_group()
