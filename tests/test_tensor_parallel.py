@@ -24,6 +24,8 @@ from kvcake.pending_norms import norm_steps
 from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer
 from kvcake.scorers.defensive import MARK, DefensiveScorer
 from kvcake.scorers.tova import TOVAScorer
+from kvcake.selectors import SelectionInputs, projected_value_norms
+from kvcake.selectors.critical import Critical
 from kvcake.tensor_parallel import HeadSplit, top_over_ranks
 
 
@@ -276,6 +278,33 @@ def test_a_latent_heads_query_group_split_over_ranks_scores_as_one_process(world
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
     alone = scorer.prefill(prefill_inputs(slice(0, qb), slice(0, 1), seed=5))
     assert not torch.allclose(alone, ref, rtol=1e-3)  # the pooling is what makes them equal
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("value_norm", ["raw", "heads"])
+def test_a_latent_heads_query_group_split_prunes_criticalkv_norms_as_one_process(world, value_norm):
+    """CriticalKV's norms where only the entries it can keep need them (``value_norm_steps``), on a
+    latent layer whose query heads the ranks share: each rank's bounds and norms over its heads,
+    pooled, pick the same candidates on every rank, and the selection keeps what one process keeps
+    with every norm over the whole group."""
+    g, qb, s = torch.Generator().manual_seed(7), 8 // world, 600
+    values, o_weight = torch.randn(2, 1, s, 4, generator=g), torch.randn(16, 8 * 4, generator=g) / 2
+    scores = torch.exp(3 * torch.randn(2, 1, s, generator=g))  # heavy-tailed, like attention
+    scores[..., -8:], scores[1, :, :5] = float("inf"), float("-inf")  # the window; left padding
+    counts, sel = torch.tensor([[40], [64]]), Critical(value_norm=value_norm)
+    full = projected_value_norms(values, o_weight, 8)
+    keep = sel.select(SelectionInputs(scores, counts, full))
+
+    def rank(sp):
+        mine = o_weight.view(16, 8, 4)[:, sp.rank * qb : (sp.rank + 1) * qb].reshape(16, qb * 4)
+        return sel.value_norms(values, mine, qb, scores, counts, group_split=sp)
+
+    out = on_ranks(world, rank)
+    assert all(torch.equal(norms, out[0]) for norms in out)
+    assert torch.equal(sel.select(SelectionInputs(scores, counts, out[0])), keep)
+    computed = out[0] > 0
+    assert bool(computed.all()) == (value_norm == "heads")  # "heads": every norm (one KV head)
+    torch.testing.assert_close(out[0][computed], full[computed], rtol=1e-5, atol=1e-6)
 
 
 def _value(steps) -> torch.Tensor:

@@ -238,9 +238,7 @@ def remember(layer, keys, values, positions, base=None, *, appended: bool = Fals
         return
     if appended and not torch.compiler.is_compiling():
         layer.recent_before = tuple(getattr(layer, name).clone() for name in RECENT_TENSORS)
-    latest = positions >= max(layer.length - layer.recent_positions.shape[-1], 0)  # no two share a slot
-    at = _ring(layer, positions, base)[latest]  # (M,) host sync: not a step
-    _put(layer, at, keys[latest], values[latest], positions[latest])
+    _put_latest(layer, keys, values, positions, base, _put)
 
 
 def remember_step(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -266,6 +264,15 @@ def _put_held(
     layer.recent_positions.view(-1).index_put_((at,), positions)
 
 
+def _put_latest(layer, keys, values, positions, base, put) -> None:
+    """``put`` (:func:`_put`, or :func:`_put_held` for entries unscaled already) the entries among
+    ``keys``, ``values`` (..., d) at ``positions`` (...,; -1: none) of the last tokens the rings have
+    room for, so that no two share a slot. A host sync (boolean indexing): never in a decode step."""
+    latest = (positions >= 0) & (positions >= layer.length - layer.recent_positions.shape[-1])
+    at = _ring(layer, positions, base)[latest]  # (M,)
+    put(layer, at, keys[latest], values[latest], positions[latest])
+
+
 def _slots(layer) -> int:
     """Slots of every ring of ``layer`` together (the rows of its flat rings; by count, since a latent
     layer's values are zero wide)."""
@@ -288,7 +295,7 @@ def settle_recent(layer, before, valid: torch.Tensor, pads: torch.Tensor) -> Non
         return
     b, q = valid.shape
     rings = [getattr(layer, name) for name in RECENT_TENSORS]
-    held_at, size = rings[2], rings[2].shape[-1]  # (B, H_kv, RECENT) positions
+    held_at = rings[2]  # (B, H_kv, RECENT) positions
     start = layer.length - q  # the append's first position
     column = (held_at - start).clamp(0, q - 1).view(b, -1)  # (B, H_kv * RECENT): an appended token's
     real = valid.to(held_at.device).gather(1, column).view_as(held_at)
@@ -297,9 +304,7 @@ def settle_recent(layer, before, valid: torch.Tensor, pads: torch.Tensor) -> Non
     parts = [(*before[:2], earlier), (*(t.clone() for t in rings[:2]), appended)]  # (rewritten below)
     rings[2].fill_(-1)
     for keys, values, positions in parts:
-        latest = (positions >= 0) & (positions >= layer.length - size)  # (no two share a slot)
-        at = _ring(layer, positions, None)[latest]  # (a host sync: settling is not a step)
-        _put_held(layer, at, keys[latest], values[latest], positions[latest])
+        _put_latest(layer, keys, values, positions, None, _put_held)
 
 
 def exact_recent(layer, keys, values, positions, base=None):

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 
 from .devices import HostRead, read_through
 from .selectors import projected_value_norms
+from .tensor_parallel import group_mean
 
 # False reads every size at once (the reference; tests compare). The last stage always does.
 DEFERRED = True
@@ -50,9 +51,8 @@ def norm_steps(
     selector can keep with ``counts`` when it says which, else on all (the reference, no read).
 
     ``group_split``: a latent layer whose query heads (``num_heads`` of them in all) the ranks
-    share; ``o_weight`` holds this rank's. Every entry's norm is taken over this rank's heads and
-    the ranks' means are averaged (``HeadSplit.pool``): the pruned path's candidates come from
-    bounds over this rank's heads alone, which would differ between ranks."""
+    share; ``o_weight`` holds this rank's. Every norm (and the pruned path's bounds) is taken over
+    this rank's heads and the ranks' means are averaged (``HeadSplit.pool``)."""
     if group_split is not None:
         num_heads //= group_split.world
     if o_weight.shape[-1] != num_heads * values.shape[-1]:  # (hidden, H * d_v)
@@ -61,15 +61,14 @@ def norm_steps(
             f"{num_heads} query heads x {values.shape[-1]} dims this KVCakeCache expects of its model: "
             "a cache serves the model it was made for, so make it with the model that runs it, KVCakeCache(model, ...)"
         )
-    if group_split is not None:
-        return group_split.pool(projected_value_norms(values, o_weight, num_heads), "mean")
     if PRUNED and hasattr(selector, "value_norm_steps"):
         return (
             yield from selector.value_norm_steps(
-                values, o_weight, num_heads, scores, counts, split, count_bound
+                values, o_weight, num_heads, scores, counts, split, count_bound, group_split
             )
         )
-    return projected_value_norms(values, o_weight, num_heads)
+    norms = projected_value_norms(values, o_weight, num_heads)
+    return group_mean(group_split, norms)
 
 
 def begin(

@@ -82,6 +82,12 @@ class HeadSplit:
         return self.gather(t[:, :1]).mean(0).expand_as(t).clone()
 
 
+def group_mean(group_split: HeadSplit | None, t: torch.Tensor) -> torch.Tensor:
+    """``t`` averaged over the ranks that share a latent layer's query group (:meth:`HeadSplit.pool`),
+    or ``t`` itself where no plan splits the group (``group_split`` None)."""
+    return t if group_split is None else group_split.pool(t, "mean")
+
+
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a weight (a plain tensor stays as it is)."""
     if not torch.distributed.is_available():  # a torch built without distributed has no shards

@@ -7,6 +7,7 @@ import importlib.util
 import math
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -14,6 +15,7 @@ from ..allocators.adakv import ranks_desc
 from ..devices import cpu_route, read_through
 from ..matmul import half_matmuls, matmul_f32
 from ..scorers.defensive import MARK
+from ..tensor_parallel import group_mean
 from .topk import SelectionInputs, Selector, order_by
 
 # Positions per chunk when projecting values through o_proj: bounds the (B, H_kv, chunk, G * hidden)
@@ -250,16 +252,17 @@ class Critical(Selector):
 
     def value_norms(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor, split=None, count_bound: int | None = None,
+        counts: torch.Tensor, split=None, count_bound: int | None = None, group_split=None,
     ) -> torch.Tensor:  # fmt: skip
         """:meth:`value_norm_steps` run to its end, each size read as it asks."""
-        return read_through(
-            self.value_norm_steps(values, o_weight, num_heads, scores, counts, split, count_bound)
+        steps = self.value_norm_steps(
+            values, o_weight, num_heads, scores, counts, split, count_bound, group_split
         )
+        return read_through(steps)
 
     def value_norm_steps(
         self, values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, scores: torch.Tensor,
-        counts: torch.Tensor, split=None, count_bound: int | None = None,
+        counts: torch.Tensor, split=None, count_bound: int | None = None, group_split=None,
     ) -> Generator[torch.Tensor, int, torch.Tensor]:  # fmt: skip
         """:func:`projected_value_norms` (B, H_kv, S) on every entry ``select`` with at most ``counts``
         (B, H_kv) per head can keep, and 0 on the others, which it then never keeps: the same kept
@@ -275,37 +278,39 @@ class Critical(Selector):
         their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
         norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norm_steps`; under tensor
         parallelism (``split``) a position's total spans every rank's heads, whose candidates
-        differ, so every norm is computed there.
+        differ, so every norm is computed there. A latent layer's query group split over ranks
+        (``group_split``): norms and bounds over this rank's query heads, averaged over the ranks.
 
         ``count_bound``: at least the largest of ``counts``, known on the host (the cascade's
         counts are), so the candidates' sizes need no read of the device; None reads it. On a GPU
         each read drains the queue: with the bound, the reads left are the candidate sets' sizes
         (one here, up to three for ``"heads"``), which this generator yields as device tensors to
         be read at once (:meth:`value_norms`) or a layer later (``kvcake.pending_norms``)."""
-        if self.value_norm == "heads" and split is not None:
-            return projected_value_norms(values, o_weight, num_heads)
+        pool = partial(group_mean, group_split)  # the same candidates on every rank
+        if self.value_norm == "heads" and (split is not None or group_split is not None):
+            return pool(projected_value_norms(values, o_weight, num_heads))
         prefix_ok = torch.isfinite(scores)
         b_pref = (counts - (scores == float("inf")).sum(-1)).clamp(min=0)  # (B, H_kv)
         kmax = _prefix_bound(b_pref, count_bound)
         if kmax == 0:
             return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
         if 4 * kmax >= scores.shape[-1]:  # most entries are candidates anyway: compute them all
-            return projected_value_norms(values, o_weight, num_heads)
+            return pool(projected_value_norms(values, o_weight, num_heads))
         if self.value_norm == "heads":
             return (
                 yield from self._shared_value_norm_steps(values, o_weight, num_heads, scores, b_pref, kmax)
             )
-        low, high = projected_value_norm_bounds(values, o_weight, num_heads)
+        low, high = (pool(t) for t in projected_value_norm_bounds(values, o_weight, num_heads))
         weight = torch.where(prefix_ok, scores.clamp(min=0) + self.eps, torch.zeros_like(scores))
         ninf = torch.full_like(weight, float("-inf"))
         by_score = ranks_desc(torch.where(prefix_ok, scores, ninf))
         by_estimate = ranks_desc(torch.where(prefix_ok, weight * low, ninf))
         first = prefix_ok & ((by_score < b_pref[..., None]) | (by_estimate < 2 * b_pref[..., None]))
-        norms = _norms_where(values, o_weight, num_heads, first, m=3 * kmax)  # b + 2b at most a head
+        norms = pool(_norms_where(values, o_weight, num_heads, first, m=3 * kmax))  # b + 2b at most a head
         threshold = _threshold(torch.where(first, weight * norms, ninf), b_pref, kmax)
         second = prefix_ok & ~first & (weight * high * (1 + 1e-4) >= threshold)
         if m := (yield from _widest(second)):
-            norms = norms + _norms_where(values, o_weight, num_heads, second, m)
+            norms = norms + pool(_norms_where(values, o_weight, num_heads, second, m))
         return norms
 
     def _shared_value_norm_steps(
