@@ -222,7 +222,7 @@ def test_cake_shift_reads_the_scores_variance_bit_for_bit(s, pad, routes, monkey
     valid[1, :pad] = False
     inp = PrefillInputs(q, k, k, valid, 8, 0.25)
     CakeScorer().prefill(inp)
-    got = layer_statistics(type("NoSplit", (), {"split": None}), inp)
+    got = layer_statistics(type("NoSplit", (), {"split": None, "group_split": None}), inp)
     probs, row_valid = PrefillInputs(q, k, k, valid, 8, 0.25).window_attention()
     sub = probs[..., : s - 8]
     _, var = window_rows_mean_var(sub, row_valid)
