@@ -127,6 +127,34 @@ def test_a_wide_first_set_computes_every_norm_at_once(seed, monkeypatch):
     assert calls and max(calls) < 750 and float((got > 0).float().mean()) < 0.25
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_one_kv_head_shares_need_no_norms(seed, monkeypatch):
+    """``value_norm="heads"`` on a layer of one KV head (multi-query, as Gemma-3-270M's; a latent
+    layer): each entry's norm over the heads' sum is 1, so none is computed (no projection, no
+    bound), and the shares, kept sets and a cascade's later choices are the reference's, bit for bit;
+    a zero value's share stays 0, as the reference's 0 / 0 guarded."""
+    from kvcake.selectors import critical
+
+    values, o_weight, h, scores, counts = _case(seed, hkv=1, s=600)
+    values[0, 0, 10] = 0.0
+    scores = _attention_like(scores, seed, marks=seed % 2 == 1, floor=seed >= 2)
+    sel = Critical(first="marked", value_norm="heads")
+    full = sel.prepare_norms(projected_value_norms(values, o_weight, h))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a norm was computed")
+
+    monkeypatch.setattr(critical, "projected_value_norms", refused)
+    monkeypatch.setattr(critical, "projected_value_norm_bounds", refused)
+    got = sel.prepare_norms(sel.value_norms(values, o_weight, h, scores, counts))
+    assert torch.equal(got, full) and float(full[0, 0, 10]) == 0.0
+    keep = sel.select(SelectionInputs(scores, counts, full))
+    assert torch.equal(sel.select(SelectionInputs(scores, counts, got)), keep)
+    raw = Critical(first="marked").value_norms  # CriticalKV's own norms still differ by entry
+    with pytest.raises(AssertionError, match="a norm was computed"):
+        raw(values, o_weight, h, scores, counts)
+
+
 def test_most_norms_are_skipped_on_heavy_tails():
     values, o_weight, h, scores, counts = _case(1, s=2000)
     pruned = Critical().value_norms(values, o_weight, h, scores, counts)
@@ -140,13 +168,15 @@ def test_most_norms_are_skipped_on_heavy_tails():
      "layers=cake,heads=adakv,score=cake,select=critical", "layers=pyramid,heads=adakv,score=snapkv,select=critical",
      "defensivekv", "layer-defensivekv"],
 )  # fmt: skip
-def test_cache_keeps_the_same_entries(tiny_llama, monkeypatch, spec):
+@pytest.mark.parametrize("kv_heads", [2, 1])  # GQA, and multi-query (DefensiveKV's shares all 1)
+def test_cache_keeps_the_same_entries(make_tiny_llama, monkeypatch, spec, kv_heads):
+    model = make_tiny_llama(num_key_value_heads=kv_heads)
     ids = prompt(300, seed=3)
     method = make_method(spec, budget=40, window=8)
     monkeypatch.setattr(pending_norms, "PRUNED", False)
-    ref, ref_logits = prefill(tiny_llama, ids, method)
+    ref, ref_logits = prefill(model, ids, method)
     monkeypatch.setattr(pending_norms, "PRUNED", True)
-    got, logits = prefill(tiny_llama, ids, method)
+    got, logits = prefill(model, ids, method)
     assert torch.equal(logits, ref_logits)
     for a, b in zip(got.layers, ref.layers, strict=True):
         assert torch.equal(a.padded_positions(), b.padded_positions())

@@ -293,7 +293,7 @@ def test_a_latent_heads_query_group_split_prunes_criticalkv_norms_as_one_process
     scores[..., -8:], scores[1, :, :5] = float("inf"), float("-inf")  # the window; left padding
     counts, sel = torch.tensor([[40], [64]]), Critical(value_norm=value_norm)
     full = projected_value_norms(values, o_weight, 8)
-    keep = sel.select(SelectionInputs(scores, counts, full))
+    keep = sel.select(SelectionInputs(scores, counts, sel.prepare_norms(full)))  # as the layer keeps them
 
     def rank(sp):
         mine = o_weight.view(16, 8, 4)[:, sp.rank * qb : (sp.rank + 1) * qb].reshape(16, qb * 4)
@@ -301,9 +301,12 @@ def test_a_latent_heads_query_group_split_prunes_criticalkv_norms_as_one_process
 
     out = on_ranks(world, rank)
     assert all(torch.equal(norms, out[0]) for norms in out)
-    assert torch.equal(sel.select(SelectionInputs(scores, counts, out[0])), keep)
+    assert torch.equal(sel.select(SelectionInputs(scores, counts, sel.prepare_norms(out[0]))), keep)
+    if value_norm == "heads":  # one KV head: every share is 1 on every rank, no norm computed
+        assert torch.equal(sel.prepare_norms(out[0]), sel.prepare_norms(full))
+        return
     computed = out[0] > 0
-    assert bool(computed.all()) == (value_norm == "heads")  # "heads": every norm (one KV head)
+    assert not bool(computed.all())
     torch.testing.assert_close(out[0][computed], full[computed], rtol=1e-5, atol=1e-6)
 
 

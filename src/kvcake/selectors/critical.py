@@ -29,9 +29,8 @@ _NORM_CHUNK_CPU = 128
 _SIGN_SOURCES = 32
 # ``value_norm="heads"``: where the positions of every head's top ``2b`` (the first set) cover this
 # share of the prompt, every norm is computed at once instead. The bounds cost about a third of the
-# norms, and with a first set that wide the second has mostly covered half the prompt or more
-# (SmolLM2, 4096 tokens, Layer-DefensiveKV's large early budgets: first sets of 25-31% were
-# followed by second sets of >= 50%, one of 14% by none).
+# norms, and with a first set that wide the second mostly covered half the prompt or more (SmolLM2,
+# 4096 tokens, Layer-DefensiveKV's early budgets: first sets of 25-31%, then >= 50%; 14%, then none).
 _ALL_NORMS_SHARE = 0.25
 # CUDA inputs of a power-of-two head size take ``kvcake.fused_norms``' one Triton kernel where
 # triton is installed (the products never written out); False keeps the matmuls (tests compare).
@@ -238,9 +237,8 @@ class Critical(Selector):
     def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
         """The value weights kept with the layer, from the full prompt's norms (B, H_kv, S), at
         the layer's first eviction (positions still aligned across heads). ``value_norm="heads"``
-        divides by the sum over every KV head of the layer: under tensor parallelism
-        (``split``, a :class:`kvcake.tensor_parallel.HeadSplit`) over every rank's heads,
-        gathered and summed in head order as one process would."""
+        divides by the sum over every KV head of the layer: under tensor parallelism (``split``, a
+        ``HeadSplit``) over every rank's heads, gathered and summed in head order as one process would."""
         if self.value_norm != "heads":
             return norms
         if split is None:
@@ -276,16 +274,18 @@ class Critical(Selector):
         (:func:`projected_value_norm_bounds`) is below ``T`` loses to at least ``b - b1`` others in
         stage 2 (``b1 = floor(alpha * b)`` are in stage 1), so it is never kept; the others get
         their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
-        norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norm_steps`; under tensor
-        parallelism (``split``) a position's total spans every rank's heads, whose candidates
-        differ, so every norm is computed there. A latent layer's query group split over ranks
-        (``group_split``): norms and bounds over this rank's query heads, averaged over the ranks.
+        norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norm_steps`; one KV head (multi-query,
+        latent) makes every share 1, nothing to compute; under tensor parallelism (``split``) a
+        position's total spans every rank's heads, whose candidates differ: every norm computed. A
+        latent layer's query group split (``group_split``): this rank's query heads, averaged over ranks.
 
         ``count_bound``: at least the largest of ``counts``, known on the host (the cascade's
         counts are), so the candidates' sizes need no read of the device; None reads it. On a GPU
         each read drains the queue: with the bound, the reads left are the candidate sets' sizes
         (one here, up to three for ``"heads"``), which this generator yields as device tensors to
         be read at once (:meth:`value_norms`) or a layer later (``kvcake.pending_norms``)."""
+        if self.value_norm == "heads" and split is None and values.shape[1] == 1:
+            return (values != 0).any(-1).float()  # one KV head: n / n, a share of 1 (0 where v is 0)
         pool = partial(group_mean, group_split)  # the same candidates on every rank
         if self.value_norm == "heads" and (split is not None or group_split is not None):
             return pool(projected_value_norms(values, o_weight, num_heads))
