@@ -403,7 +403,9 @@ def test_ratio_too_small_for_the_window(tiny_llama):
 @pytest.mark.parametrize("budget", [10**6, 2**61, 2**63 - 1, 10**30])
 def test_huge_budget_is_a_bit_identical_no_op(tiny_llama, budget):
     """Every budget covering the prompt is a no-op, also far beyond int64 arithmetic (the
-    per-layer budget times the number of layers must not overflow into a tiny budget).
+    per-layer budget times the number of layers must not overflow into a tiny budget), and costs
+    nothing for its size (the global ranking kept a slot per entry of the budget: `budget="all"`,
+    2**40 a layer, asked for terabytes).
 
     Bit for bit with ``static=False``. With the static default the layers stay as they are (they
     evicted nothing) but the cache is compileable, for which transformers builds an explicit
@@ -414,7 +416,7 @@ def test_huge_budget_is_a_bit_identical_no_op(tiny_llama, budget):
         full = tiny_llama.generate(x, max_new_tokens=6, do_sample=False, output_logits=True,
                                    return_dict_in_generate=True)  # fmt: skip
     with untouched(tiny_llama):
-        for spec, static in itertools.product(("cake", "adakv", "h2o", "pyramidkv", "layers=random,score=tova"),
+        for spec, static in itertools.product(("cake", "adakv", "h2o", "pyramidkv", "layers=random,score=tova", "layer-defensivekv"),
                                               (False, True)):  # fmt: skip
             out, cache = kvcake.generate(tiny_llama, x, spec, budget=budget, max_new_tokens=6, do_sample=False,
                                          output_logits=True, return_dict_in_generate=True, static=static)  # fmt: skip

@@ -84,8 +84,8 @@ class GlobalAllocator(LayerAllocator):
         counts = torch.zeros(b, n, dtype=torch.long, device=dev).scatter_add_(1, layer, won.long())
         if req.split is not None:
             counts = req.split.sum(counts)  # every rank's winners per layer
-        if carry is not None:
-            _keep_winners(carry, n, prefix, layer, won, kmax)
+        if carry is not None:  # at most every entry wins (a budget past the prompt: all of them)
+            _keep_winners(carry, n, prefix, layer, won, min(kmax, flat.shape[1]))
         return counts.double() / hkv
 
 
