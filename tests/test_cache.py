@@ -16,7 +16,9 @@ from shared_checks import assert_batch_matches_each_alone, prefill, prompt, sing
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-@pytest.mark.parametrize("name", ["cake", "snapkv", "adakv", "cake-adakv", "h2o", "criticalkv", "layer-defensivekv"])
+@pytest.mark.parametrize(
+    "name", ["cake", "snapkv", "adakv", "cake-adakv", "h2o", "criticalkv", "layer-defensivekv"]
+)
 def test_budget_covering_prompt_is_bit_identical(make_tiny_llama, impl, kv_heads, name):
     model = make_tiny_llama(num_key_value_heads=kv_heads, attn_implementation=impl)
     ids = prompt(90)
