@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TextStreamer
+from transformers import DynamicCache, PreTrainedTokenizerFast, TextStreamer
 
 import kvcake
 from kvcake.budget import DEFAULT_KEEP_RATIO, MAX_BUDGET, default_budget
@@ -190,6 +190,17 @@ def test_compress_refuses_inputs_it_sets_itself(tiny_llama):
     for name in ("use_cache", "logits_to_keep", "inputs_embeds"):
         with pytest.raises(TypeError, match=f"got {name}: it prefills its own cache"):
             kvcake.compress(tiny_llama, ids, "snapkv", budget=16, window=4, **{name: None})
+
+
+def test_a_context_refuses_a_cache_of_the_callers(tiny_llama):
+    """``ctx.generate`` answers from a fork of the context's cache: a ``cache=`` or
+    ``past_key_values=`` of the caller's would be dropped, so it is refused, the cache untouched."""
+    ctx = kvcake.compress(tiny_llama, torch.randint(10, 100, (1, 40)), "snapkv", budget=16, window=4)
+    for name in ("cache", "past_key_values"):
+        mine = DynamicCache()
+        with pytest.raises(ValueError, match=f"its own cache, so {name}= is not taken: drop it"):
+            ctx.generate(torch.randint(10, 100, (1, 5)), max_new_tokens=2, **{name: mine})
+        assert mine.get_seq_length() == 0
 
 
 def test_answer_compressed_is_text_and_no_op_budget_matches(tiny_llama, tok):

@@ -154,6 +154,15 @@ def test_help_lists_every_command_with_examples(capsys, monkeypatch):
         assert code == 0 and "--model" in out
 
 
+@pytest.mark.parametrize("command", [["eval", "--methods", "snapkv"], ["bench", "memory"], ["calibrate"]])
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_threads_must_be_positive(capsys, monkeypatch, command, value):
+    """torch refuses 0 and negative thread counts with a RuntimeError traceback: the option refuses them first."""
+    code, _, err = call(capsys, monkeypatch, [*command, "--threads", value])
+    assert code == 2 and f"argument --threads: expected a positive number of threads, got '{value}'" in err
+    assert "Traceback" not in err
+
+
 def test_methods_lists_every_preset(capsys, monkeypatch):
     from kvcake.method import PRESETS
 

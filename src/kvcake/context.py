@@ -260,6 +260,11 @@ class CompressedContext:
         storage right after the question."""
         _check_follow_ups(self.model, question_ids)
         self.check_placement()
+        if taken := sorted({"cache", "past_key_values"} & set(generate_kwargs)):
+            raise ValueError(
+                f"a compressed context answers from a copy of its own cache, so {taken[0]}= is not taken: "
+                "drop it (to decode from a cache of your own, pass it to model.generate inside `with kvcake.enable(model):`)"
+            )
         check_generation(self.model, generate_kwargs)  # refusals first, before any copy
         compile_options(self.model, compile, self.cache.static, generate_kwargs)
         check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)

@@ -88,6 +88,17 @@ def comma_ints(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def threads(text: str) -> int:
+    """``--threads``: a positive int (an ``argparse`` type; torch refuses 0 and negative counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads, got {text!r}")
+    return value
+
+
 def log_progress(args: argparse.Namespace) -> None:
     """With ``-v`` on a standalone run, send the ``kvcake`` loggers' INFO lines to stderr (under
     ``kvcake`` the top-level command has configured them already)."""

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..standalone import add_subcommand, log_progress, standalone_main
+from ..standalone import add_subcommand, log_progress, standalone_main, threads
 from ..standalone import comma_ints as _ints
 
 HELP = "memory / prefill / decode benchmarks (JSON, PNG, markdown)"
@@ -112,7 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="auto: float32 on CPU, bfloat16 on CUDA")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument(
+        "--threads", type=threads, default=None, help="torch.set_num_threads (default: torch's own)"
+    )
     p.add_argument("--out", default="bench-results", help="folder for <bench>.json and <bench>.png")
     p.add_argument("--doc", default=None, help="also write a markdown page with every table and figure")
     p.add_argument("--add", action="store_true",

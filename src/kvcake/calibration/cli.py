@@ -22,7 +22,7 @@ from ..defaults import (
     CALIBRATION_SAMPLES,
     CALIBRATION_TEXT,
 )
-from ..standalone import model_placement, user_description
+from ..standalone import model_placement, threads, user_description
 
 EXAMPLES = (
     "kvcake calibrate                      # CAKE temperatures for the default model (~30 min on one core)",
@@ -74,7 +74,7 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default=None, help="folder to write the calibration to (default: beside the models)"
     )
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=threads, default=None, help="torch.set_num_threads")
     return p
 
 

@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..standalone import add_subcommand, log_progress, model_placement, standalone_main
+from ..standalone import add_subcommand, log_progress, model_placement, standalone_main, threads
 from ..standalone import comma_ints as _ints
 from .suites import SUITES, resolve
 
@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--out", default=None, help="results JSONL, appended to and resumed (default: eval-results.jsonl)"
     )
     p.add_argument("--doc", default=None, help="also write a markdown results page here")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=threads, default=None, help="torch.set_num_threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tau-sweep", action="store_true",
                    help="also measure CAKE at a grid of fixed temperatures on the same prompts, next to snapkv and "
