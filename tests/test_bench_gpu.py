@@ -80,10 +80,14 @@ def test_one_command_per_length_merges_into_one_page(tmp_path):
 def test_compiled_column(monkeypatch, outcome):
     """A cache that cannot be traced reads 'not compileable'; a compile error is a row entry, not a
     crash. "reuses its output": the step returns one buffer that its next call overwrites, as a
-    CUDA graph does; the bench must not feed that buffer back as the next step's token."""
+    CUDA graph does; the bench must not feed that buffer back as the next step's token. Each
+    cache's step is a code object of its own: dynamo keeps its graphs per code object, so with one
+    shared the caches' graphs added up to its recompile limit (12 of 16 failed at the tiny shape)."""
+    codes = []
 
     def fake_compile(fn, **kwargs):
         assert kwargs["fullgraph"] is True
+        codes.append(fn.__code__)
         if outcome == "works":
             return fn
         if outcome == "reuses its output":
@@ -107,6 +111,7 @@ def test_compiled_column(monkeypatch, outcome):
         GpuSettings(**TINY, methods=("snapkv",)), device=torch.device("cpu"), dtype=torch.float32
     )
     rows = {r["cache"]: r["compiled_ms"] for r in result["rows"]}
+    assert codes and len({id(code) for code in codes}) == len(codes)  # dynamo keys on the object
     assert rows[FULL_DYNAMIC] == "n/a (not compileable)"  # DynamicCache
     for name in (FULL_STATIC, "snapkv"):  # a KVCakeCache decodes in static storage by default
         if name == "snapkv" and not KWARGS_HANDOFF:  # releases whose models keep kwargs from update

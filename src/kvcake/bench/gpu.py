@@ -114,7 +114,8 @@ class _Runner:
         return t
 
     def step_fn(self):
-        return greedy_step(self.model)
+        """A step of its own for each cache: dynamo keeps compiled graphs per code object."""
+        return greedy_step(self.model, own_code=True)
 
     def decode(self, step, cache, start: int, compiled: bool = False) -> tuple[float, int]:
         """(median seconds per step, next position) of warm-up + timed greedy steps from ``start``."""
