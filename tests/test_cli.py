@@ -151,7 +151,7 @@ def test_help_lists_every_command_with_examples(capsys, monkeypatch):
     assert "examples:" in out
     for name in cli.COMMANDS:
         code, out, _ = call(capsys, monkeypatch, [name, "--help"])
-        assert code == 0 and "--model" in out
+        assert code == 0 and ("--model" in out) == (name != "methods")  # methods runs no model
 
 
 @pytest.mark.parametrize("command", [["eval", "--methods", "snapkv"], ["bench", "memory"], ["calibrate"]])
@@ -172,6 +172,8 @@ def test_methods_lists_every_preset(capsys, monkeypatch):
     assert [line.split()[0] for line in lines[: len(PRESETS)]] == list(PRESETS)
     assert "tau1=auto" in lines[list(PRESETS).index("cake")]
     assert "kvcake calibrate" in out and "fallback" in out  # where 'auto' temperatures come from
+    code, _, err = call(capsys, monkeypatch, ["methods", "--model", "gemma3-270m"])
+    assert code == 2 and "unrecognized arguments: --model" in err  # it runs no model (was silently ignored)
 
 
 def test_chat_answers_equal_fresh_contexts(tiny_dir, capsys, monkeypatch):
@@ -469,7 +471,7 @@ def test_readme_command_lines_run(tiny_dir, tmp_path, capsys, monkeypatch):
             stdin = shlex.split(feed)[1].encode().decode("unicode_escape")
         argv = shlex.split(line)
         assert argv[0] == "kvcake", line
-        extra = [] if "--load" in argv else model_args(tiny_dir)
+        extra = [] if "--load" in argv or argv[1] == "methods" else model_args(tiny_dir)
         code, out, err = call(capsys, monkeypatch, [*argv[1:], *extra], stdin=stdin)
         assert code == 0, f"{line}: {err}"
         if "chat" in argv:

@@ -487,7 +487,8 @@ def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
             "method 'full' keeps every entry and takes no parts or options, got 'full,decode=fixed'",
         ),
         ("cake,score.gamma=abc", "bad option for score=cake"),
-        ("cake,score.gamma=nan", "CAKE gamma must be >= 0"),
+        ("cake,score.gamma=nan", "CAKE gamma must be a finite number >= 0"),
+        ("cake,score.gamma=inf", "CAKE gamma must be a finite number >= 0, got inf"),
         ("cake,score.kernel=4", "pooling kernel must be a positive odd int"),
         ("cake,score.reduce=min", "GQA reduction must be 'mean' or 'max'"),
         ("adakv,heads.alpha=nan", "Ada-KV safeguard alpha must be in"),
@@ -506,6 +507,8 @@ def test_unknown_methods_and_options(tiny_llama, spec, match):
     with untouched(tiny_llama):
         with pytest.raises(ValueError, match=match):
             make_method(spec, budget=64)
+        with pytest.raises(ValueError, match=match):  # the spec is named before a budget under the window
+            make_method(spec, budget=3)
         with pytest.raises(ValueError, match=match):
             kvcake.generate(tiny_llama, ids(30), spec, budget=16, window=8, max_new_tokens=2)
 

@@ -84,8 +84,7 @@ class Method:
     def __post_init__(self) -> None:
         if not isinstance(self.budget, BudgetSpec):
             raise TypeError(f"budget must be a BudgetSpec, got {type(self.budget).__name__}")
-        if self.decode not in DECODE_POLICIES:
-            raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {self.decode!r}")
+        _check_decode(self.decode)
         for part, base in ((self.layers, LayerAllocator), (self.heads, HeadAllocator), (self.scorer, Scorer),
                            (self.selector, Selector)):  # fmt: skip
             if not isinstance(part, base):
@@ -225,7 +224,6 @@ def make_method(
         if budget is not None or ratio is not None:
             raise ValueError("method 'full' keeps every entry: drop budget=/keep_ratio=")
         return Method(budget=BudgetSpec(budget=MAX_BUDGET, window=window), name=FULL)
-    spec_budget = BudgetSpec(budget=budget, ratio=ratio, window=window)
     tokens = [t.strip() for t in spec.split(",")]
     if "" in tokens:
         raise ValueError(f"empty part in method {spec!r}: remove the extra comma")
@@ -274,15 +272,22 @@ def make_method(
             options[part].pop(opt, None)
     if tokens and name != "custom":
         name = f"{name}+"  # a preset with overrides
-    return Method(
-        budget=spec_budget,
-        layers=_build("layers", choice["layers"], options["layers"]),
-        heads=_build("heads", choice["heads"], options["heads"]),
-        scorer=_build("score", choice["score"], options["score"]),
-        selector=_build("select", choice["select"], options["select"]),
+    parts = {key: _build(key, choice[key], options[key]) for key in ("layers", "heads", "score", "select")}
+    _check_decode(choice["decode"])
+    return Method(  # the budget checked last: a bad spec is named first, whatever the budget
+        budget=BudgetSpec(budget=budget, ratio=ratio, window=window),
+        layers=parts["layers"],
+        heads=parts["heads"],
+        scorer=parts["score"],
+        selector=parts["select"],
         decode=choice["decode"],
         name=name,
     )
+
+
+def _check_decode(policy: str) -> None:
+    if policy not in DECODE_POLICIES:
+        raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {policy!r}")
 
 
 def resolve_ratio(ratio: float | None, keep_ratio: float | None) -> float | None:

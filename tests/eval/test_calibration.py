@@ -175,6 +175,15 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
     assert other.per_sample(0.3, 2.5)[0] == pytest.approx(other.sample_measures(0, 0.3, 2.5).kl / pooled)
 
 
+def test_calibration_samples_past_the_models_positions_are_refused_before_any_forward(
+    tiny_llama, monkeypatch
+):
+    monkeypatch.setattr("kvcake.calibration.api.sample_reference", lambda *a: pytest.fail("a forward ran"))
+    with pytest.raises(ValueError, match=r"5000-token calibration sample.*4096.*lower length"):
+        kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2,), text=NoiseHaystack(), samples=1,
+                         length=5000, continuation=4, grid=3, window=4)  # fmt: skip
+
+
 def test_calibrate_end_to_end_on_a_tiny_model(tiny_llama, tmp_path):
     # the paper's indicator alone (the search over indicators: the tests below)
     cal = kvcake.calibrate(tiny_llama, WordTokenizer(), ratios=(0.2, 0.4), text=NoiseHaystack(), samples=2,

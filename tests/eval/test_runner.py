@@ -197,6 +197,18 @@ def test_bad_arguments_fail_before_any_work(tiny_llama, tokenizer, tmp_path):
     assert not (tmp_path / "x.jsonl").exists() or not (tmp_path / "x.jsonl").read_text()
 
 
+def test_a_length_past_the_models_positions_fails_before_any_work(tiny_llama, tokenizer, tmp_path):
+    """The tiny Llama reads 4096 positions: a 5000-token sample is refused by task and length
+    (before, it ran and scored a cell on positions the model never learned)."""
+    calls, handle = _count_forwards(tiny_llama)
+    try:
+        with pytest.raises(ValueError, match=r"niah_single at length 5000 .*4096.*shorter --lengths"):
+            run_eval(tiny_llama, tokenizer, out=tmp_path / "x.jsonl", **{**TINY, "lengths": (90, 5000)})
+    finally:
+        handle.remove()
+    assert calls == [] and not (tmp_path / "x.jsonl").exists()
+
+
 def test_command_line_through_kvcake_and_python_m(make_tiny_llama, tokenizer, tmp_path, capsys):
     """``kvcake eval`` (the top-level command) and ``python -m kvcake.eval``'s ``main`` on a saved
     tiny model: JSONL, table on stdout, plots and a results page; the second command resumes."""

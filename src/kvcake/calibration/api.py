@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau
 from kvcake.budget import BudgetSpec
+from kvcake.context import check_positions
 from kvcake.defaults import (
     CALIBRATION_GRID,
     CALIBRATION_LENGTH,
@@ -146,11 +147,16 @@ def calibrate(
     haystack = resolve_haystack(text) if not isinstance(text, Haystack) else text
     start = time.perf_counter()
     refs: dict[str, list] = {}
-    for scenario in SCENARIOS:  # the sample kinds are named after the scenarios
-        refs[scenario] = []
-        for i in range(samples):
-            t = build_texts(tokenizer, haystack, scenario, length, continuation, seed + i)
-            refs[scenario].append(sample_reference(model, t, scenario, continuation))
+    # the sample kinds are named after the scenarios; every sample is checked before any forward
+    texts = {sc: [build_texts(tokenizer, haystack, sc, length, continuation, seed + i) for i in range(samples)]
+             for sc in SCENARIOS}  # fmt: skip
+    for t in (t for kind in texts.values() for t in kind):
+        try:
+            check_positions(model, len(t.prompt) + len(t.then) + len(t.scored), {"max_new_tokens": 0})
+        except ValueError as e:
+            raise ValueError(f"a {length}-token calibration sample: {e}; lower length") from None
+    for scenario in SCENARIOS:
+        refs[scenario] = [sample_reference(model, t, scenario, continuation) for t in texts[scenario]]
     forward_s = time.perf_counter() - start
     logger.info("calibration: %d full forwards in %.1f s", samples * len(SCENARIOS), forward_s)
     points: dict[str, list[TauPoint]] = {s: [] for s in SCENARIOS}

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         _verbose(p)
-        _common(p, load=name in ("generate", "chat"))
+        if name != "methods":  # the one built-in command that runs no model: no --model to ignore
+            _common(p, load=name in ("generate", "chat"))
         cmd.configure(p)
         p.set_defaults(run=cmd.run)
     for name, module in extensions.items():

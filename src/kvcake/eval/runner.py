@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 import kvcake
+from kvcake.context import check_positions
 from kvcake.eval.cells import run_group
 from kvcake.eval.questions import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -235,6 +236,7 @@ def run_eval(
             for group in groups:
                 cells = []
                 for q in group.questions:
+                    _check_fits(model, group, q, max(q.max_new_tokens, fidelity_tokens if fidelity else 0))
                     base = {
                         "model": model_name, "model_fp": fp, "task": task, "task_options": options_label(opts),
                         "length": length, "seed": q.seed, "sample": q.sample,
@@ -290,3 +292,14 @@ def run_eval(
         plots = write_plots(records, path.with_suffix(""), methods=method_specs)
     missing = len(all_keys) - len(records)
     return EvalResult(records, new, skipped, table, plots, path, time.perf_counter() - started, missing)
+
+
+def _check_fits(model, group: ContextGroup, q, new_tokens: int) -> None:
+    """Refuse, before any compute, a sample whose context, question and answer pass the model's
+    positions (``--lengths`` asked for more than the model reads), naming the task and length."""
+    try:
+        check_positions(model, group.context.shape[1] + q.ids.shape[1], {"max_new_tokens": new_tokens})
+    except ValueError as e:
+        raise ValueError(
+            f"{group.task} at length {group.length} (sample {q.sample}): {e}; ask for shorter --lengths"
+        ) from None

@@ -37,8 +37,8 @@ class CakeScorer(Scorer):
 
     def __post_init__(self) -> None:
         _check_pool(self.kernel, self.pooling, self.reduce)
-        if not self.gamma >= 0:
-            raise ValueError(f"CAKE gamma must be >= 0, got {self.gamma}")
+        if not 0 <= self.gamma < float("inf"):  # inf * a variance of 0 is nan
+            raise ValueError(f"CAKE gamma must be a finite number >= 0, got {self.gamma}")
         if self.indicator_from not in ("auto", "paper"):
             raise ValueError(
                 f"CAKE indicator_from must be 'auto' (the calibration's choice) or 'paper', got {self.indicator_from!r}"
