@@ -326,6 +326,18 @@ def test_a_ring_length_without_float8_is_refused_naming_the_fix(tiny_llama):
         kvcake.compress(tiny_llama, _prompt()[0], "snapkv", budget=24, window=4, kv_recent=8)
 
 
+def test_a_ring_longer_than_the_models_positions_is_refused(tiny_llama):
+    """Rings are allocated whole: kv_recent=10**6 asked for gigabytes per layer (the process was
+    killed); past the model's 4096 positions it holds nothing more than 4096 slots do."""
+    limit = tiny_llama.config.max_position_embeddings
+    KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype="fp8", kv_recent=limit)
+    with pytest.raises(
+        ValueError, match=rf"kv_recent=1000000 is more tokens than the model has positions \({limit}\)"
+    ):
+        kvcake.generate(tiny_llama, _prompt()[0], "snapkv", budget=24, window=4, kv_dtype="fp8", kv_recent=10**6,
+                        max_new_tokens=1)  # fmt: skip
+
+
 def test_the_names_of_float8_are_taken(tiny_llama):
     for name in ("fp8", "float8_e4m3fn", torch.float8_e4m3fn):
         assert KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype=name).kv_dtype == "fp8"

@@ -124,7 +124,8 @@ class KVCakeCache(RecurrentStates, Cache):
     ) -> None:
         self.scenario = Scenario.pick(scenario, QUESTION_DEFAULT.name, QUESTION_DEFAULT.why)
         self.kv_dtype = check_kv_dtype(kv_dtype, model)  # how the kept entries are stored after the prompt
-        self.kv_recent = check_kv_recent(kv_recent, self.kv_dtype)
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        self.kv_recent = check_kv_recent(kv_recent, self.kv_dtype, positions)
         self.info: ModelInfo = describe_model(model)
         if budget_kwargs and isinstance(method, Method):
             raise ValueError("pass budget=/keep_ratio= to make_method, not with a Method object")

@@ -85,10 +85,12 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
     return name
 
 
-def check_kv_recent(kv_recent, kv_dtype) -> int | None:
+def check_kv_recent(kv_recent, kv_dtype, positions: int | None = None) -> int | None:
     """``kv_recent`` as the cache keeps it: None (``RECENT`` tokens, with float8 storage) or a count
-    of tokens >= 0 (0: no ring). Refused naming the fix where it is not a count, or without
-    ``kv_dtype`` (in the model's dtype every entry is exact already)."""
+    of tokens >= 0 (0: no ring). Refused naming the fix where it is not a count, without
+    ``kv_dtype`` (in the model's dtype every entry is exact already), or past the model's
+    ``positions`` (its rings hold ``kv_recent`` slots per layer and KV head, allocated whole:
+    ``positions`` slots already hold every token)."""
     if kv_recent is None:
         return None
     if isinstance(kv_recent, bool) or not isinstance(kv_recent, int) or kv_recent < 0:
@@ -99,6 +101,11 @@ def check_kv_recent(kv_recent, kv_dtype) -> int | None:
         raise ValueError(
             "kv_recent is how many recent tokens float8 storage also holds in the model's dtype: pass "
             "kv_dtype='fp8' with it, or leave kv_recent unset (without float8 every entry is exact)"
+        )
+    if positions is not None and kv_recent > positions:
+        raise ValueError(
+            f"kv_recent={kv_recent} is more tokens than the model has positions ({positions}); its rings "
+            f"are allocated whole: kv_recent={positions} already holds every token exactly"
         )
     return kv_recent
 
