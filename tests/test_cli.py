@@ -283,6 +283,20 @@ def test_inspect_writes_figures(tiny_dir, tmp_path, capsys, monkeypatch):
         assert p.startswith(str(out_dir)) and matplotlib.image.imread(p).shape[:2] == (800, 1200)
 
 
+def test_inspect_refuses_a_file_as_its_folder_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--out naming a file was an error from mkdir after the model had loaded and compressed."""
+    from kvcake.cli import inspect as inspect_cli
+
+    taken = tmp_path / "figs.png"
+    taken.write_bytes(b"x")
+    monkeypatch.setattr(inspect_cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    code, _, err = call(
+        capsys, monkeypatch, ["inspect", *model_args(tiny_dir), "--prompt", "w1", "--out", str(taken)]
+    )
+    assert code == 2 and f"--out {taken} is a file: give a folder for the PNG files" in err
+    assert taken.read_bytes() == b"x"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

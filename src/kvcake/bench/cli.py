@@ -75,13 +75,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--doc from the JSON already in --out, measuring nothing)")  # fmt: skip
     p.add_argument("--model", default=None, help="model name or folder (default: kvcake's default model)")
     p.add_argument("--lengths", type=_ints, default=None,
-                   help="prompt/context lengths for every bench, e.g. 1024,2048,4096 (4k works too); longer "
-                        "than the model's positions runs a random model of its shape")  # fmt: skip
+                   help="prompt/context lengths of the memory, prefill, decode and gpu benches, e.g. 1024,2048,4096 "
+                        "(4k works too; not the process-memory runs: --rss-lengths); longer than the "
+                        "model's positions runs a random model of its shape")  # fmt: skip
     p.add_argument(
         "--memory-lengths", type=_ints, default=None, help="lengths of the memory bench (default: --lengths)"
     )
     p.add_argument(
-        "--rss-lengths", type=_ints, default=None, help="lengths of the per-method process-memory runs"
+        "--rss-lengths",
+        type=_ints,
+        default=None,
+        help="lengths of the per-method process-memory runs, a fresh process each (default: 4096, "
+        "--quick 1024; not --lengths)",
     )
     p.add_argument(
         "--prefill-lengths",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .common import _context_ids, _prompt_ids, _read_text, _scenario, _use_chat
 from .options import _layout_args, _load, _method, _method_args
@@ -27,6 +28,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
                 window=method.budget.window)  # fmt: skip
     document = _read_text(args.context_file) if args.context_file else None
+    if Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
+        raise NotADirectoryError(f"--out {args.out} is a file: give a folder for the PNG files")
     model, tokenizer = _load(args)
     chat = _use_chat(tokenizer, args.chat_template)
     if document is not None:
