@@ -108,10 +108,8 @@ class _Runner:
         return stack
 
     def prefill(self, cache) -> float:
-        t, _ = self.clock.time(
-            lambda: self.model(self.ids, logits_to_keep=1, **with_cache(self.model, cache))
-        )
-        return t
+        kwargs = with_cache(self.model, cache)
+        return self.clock.time(lambda: self.model(self.ids, logits_to_keep=1, **kwargs))[0]
 
     def step_fn(self):
         """A step of its own for each cache: dynamo keeps compiled graphs per code object."""
