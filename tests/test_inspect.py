@@ -74,3 +74,25 @@ def test_kept_mask_of_a_context_and_its_refusals(tiny_llama):
 def test_empty_prompt_is_an_error(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="empty"):
         inspect_prompt(tiny_llama, WordTokenizer(), "  ", budget=24, out_dir=tmp_path)
+
+
+def test_hybrid_figures_name_the_models_layers(tiny_gemma3, tmp_path, monkeypatch):
+    """Gemma 3 compresses its global layers only: every figure's layer axis reads their indices in
+    the model (were 0, 1, ... for the compressed layers' order, naming sliding layers)."""
+    from kvcake import inspect
+
+    drawn = []
+    monkeypatch.setattr(inspect, "_save", lambda fig, path: (drawn.append(fig), inspect.Path(path))[1])
+    layers = kvcake.compress(tiny_gemma3, ids(120), "cake", budget=24, window=8).cache.compressed
+    assert list(layers) != list(range(len(layers)))
+    inspect_prompt(tiny_gemma3, None, ids(120)[0], "cake", budget=24, window=8, out_dir=tmp_path)
+    axes = [
+        axis
+        for fig in drawn
+        for ax in fig.axes
+        for axis in (ax.xaxis, ax.yaxis)
+        if axis.get_label_text().startswith("layer")
+    ]
+    assert len(axes) == 5  # budgets, preferences, heads, and both runs' kept positions
+    for axis in axes:
+        assert [t.get_text() for t in axis.get_ticklabels()] == [str(i) for i in layers]

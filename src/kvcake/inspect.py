@@ -60,6 +60,18 @@ def _integer_ticks(axis) -> None:
     axis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _layer_axis(axis, layers: tuple[int, ...], *, rows: bool = False) -> None:
+    """Label ``axis`` with the model's layer indices: ``layers`` are the compressed layers (every
+    layer, or the global layers of a hybrid model such as Gemma 3: 5, 11, 17, not 0, 1, 2). ``rows``:
+    the axis counts image rows 0..L_g-1 (a heatmap), labelled with the layer each row is."""
+    step = max(1, -(-len(layers) // 16))  # at most 16 labels
+    at = list(range(0, len(layers), step))
+    axis.set_ticks(at if rows else [layers[i] for i in at])
+    axis.set_ticklabels([str(layers[i]) for i in at])
+    hybrid = list(layers) != list(range(len(layers)))
+    axis.set_label_text("layer (the model's compressed layers)" if hybrid else "layer")
+
+
 def _as_ids(tokenizer, text: str | torch.Tensor) -> torch.Tensor:
     if isinstance(text, torch.Tensor):
         return text if text.dim() == 2 else text[None]
@@ -90,8 +102,8 @@ def kept_mask(cache: KVCakeCache | CompressedContext, length: int | None = None,
 
 
 def _plot_budgets(cache: KVCakeCache, method: Method, length: int, path: Path) -> Path:
-    budgets = cache.budgets[0].cpu().numpy()  # (L,)
-    layers = np.arange(len(budgets))
+    budgets = cache.budgets[0].cpu().numpy()  # (L_g,)
+    layers = np.array(cache.compressed)
     uniform = budgets.sum() / len(budgets)
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
@@ -100,11 +112,10 @@ def _plot_budgets(cache: KVCakeCache, method: Method, length: int, path: Path) -
     ax.axhline(uniform, color="tab:blue", linestyle="--", label=f"uniform split ({uniform:.1f} per layer)")
     if length <= 1.5 * budgets.max():  # the cap matters only when it is close to the bars
         ax.axhline(length, color="grey", linestyle=":", label=f"prompt length ({length})")
-    ax.set_xlabel("layer")
     ax.set_ylabel("KV entries kept per KV head")
     ax.set_title(f"Per-layer budgets ('cake slices'): total {int(budgets.sum())} for {len(budgets)} layers, "
                  f"{method.budget.describe()}, {length}-token prompt")  # fmt: skip
-    _integer_ticks(ax.xaxis)
+    _layer_axis(ax.xaxis, cache.compressed)
     ax.legend(loc="upper right")
     return _save(fig, path)
 
@@ -112,7 +123,7 @@ def _plot_budgets(cache: KVCakeCache, method: Method, length: int, path: Path) -
 def _plot_preferences(cache: KVCakeCache, path: Path) -> Path:
     entropy = np.array([float(e[0]) for e in cache.entropy])
     variance = np.array([float(v[0]) for v in cache.variance])
-    layers = np.arange(len(entropy))
+    layers = np.array(cache.compressed)
     fig = _figure()
     ax1, ax2 = fig.subplots(2, 1, sharex=True)
     ax1.plot(layers, entropy, marker="o", color="tab:green")
@@ -121,8 +132,7 @@ def _plot_preferences(cache: KVCakeCache, path: Path) -> Path:
     ax1.set_title(f"Layer preferences of {cache.method.name} (window attention, sequence 0)")
     ax2.plot(layers, variance, marker="o", color="tab:purple")
     ax2.set_ylabel("temporal shift V_l")
-    ax2.set_xlabel("layer")
-    _integer_ticks(ax2.xaxis)
+    _layer_axis(ax2.xaxis, cache.compressed)
     return _save(fig, path)
 
 
@@ -136,9 +146,8 @@ def _plot_heads(cache: KVCakeCache, path: Path) -> Path:
         for (layer, head), value in np.ndenumerate(counts):
             ax.text(head, layer, str(int(value)), ha="center", va="center", color="white", fontsize=7)
     _integer_ticks(ax.xaxis)
-    _integer_ticks(ax.yaxis)
+    _layer_axis(ax.yaxis, cache.compressed, rows=True)
     ax.set_xlabel("KV head")
-    ax.set_ylabel("layer")
     ax.set_title(f"Per-head budgets of {cache.method.name} ({cache.method.budget.describe()})")
     return _save(fig, path)
 
@@ -149,8 +158,7 @@ def _plot_positions(runs: list[tuple[KVCakeCache, np.ndarray]], length: int, pat
     for ax, (cache, kept) in zip(axes, runs, strict=True):
         share = kept.mean(1)  # (L, S) fraction of KV heads keeping each position
         im = ax.imshow(share, aspect="auto", cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest")
-        ax.set_ylabel("layer")
-        _integer_ticks(ax.yaxis)
+        _layer_axis(ax.yaxis, cache.compressed, rows=True)
         ax.set_title(f"{cache.method.name}: kept positions ({kept.sum(-1).mean() / length:.0%} on average)")
     axes[-1].set_xlabel("prompt position")
     fig.colorbar(im, ax=list(axes), label="share of KV heads keeping the position")
