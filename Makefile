@@ -181,9 +181,11 @@ define write_lock
 	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v -E '^(pip|kvcake)==' | LC_ALL=C sort -f; } > $(1)
 endef
 
+# Also the structural rules (tests/test_architecture.py: file sizes, layering), seconds to run.
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/python -m pytest -q tests/test_architecture.py
 
 format: setup
 	$(BIN)/ruff check --fix src tests
