@@ -82,8 +82,8 @@ gpu-wheels: setup
 # holds the whole environment.
 FLOOR_VENV := .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
-FLOOR_PINS := transformers==5.0.0 accelerate==1.2.0 gguf==0.16.2
-FLOOR_EXTRA := safetensors tqdm numpy matplotlib pytest hypothesis
+FLOOR_PINS := transformers==5.0.0 accelerate==1.2.0 gguf==0.16.2 matplotlib==3.9.0
+FLOOR_EXTRA := safetensors tqdm numpy pytest hypothesis
 $(FLOOR_STAMP): pyproject.toml $(FLOOR_LOCK)
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install --no-deps -r $(FLOOR_LOCK)
@@ -94,7 +94,7 @@ $(FLOOR_STAMP): pyproject.toml $(FLOOR_LOCK)
 # read none of them under numpy 2, 0.16.0 no Gemma-3; transformers 5.0 converts SmolLM2's special
 # tokens wrongly (set from the file) and Gemma-3's vocabulary unfaithfully (refused).
 test-floor: $(FLOOR_STAMP)
-	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate; from importlib.metadata import version; print('floor:', transformers.__version__, accelerate.__version__, 'gguf', version('gguf'))"
+	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate; from importlib.metadata import version; print('floor:', transformers.__version__, accelerate.__version__, 'gguf', version('gguf'), 'matplotlib', version('matplotlib'))"
 	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration"
 	rm -rf $(FLOOR_VENV)/models && KVCAKE_CACHE_DIR=$(FLOOR_VENV)/models PYTHONPATH=src $(FLOOR_VENV)/bin/python \
 		-m pytest -q -p no:cacheprovider -rs tests/integration/test_builtin_tokenizers.py
