@@ -68,8 +68,10 @@ bench-gpu: $(if $(PY),,setup)
 # transformers of requirements/dev.lock, since the GPU image's 5.17 does not hand the cache its
 # attention kwargs (compiled kvcake decoding is refused there), and a huggingface_hub that both
 # accept. Pure-Python wheels, about 13 MB; the image's tokenizers, safetensors and regex already
-# satisfy 5.24.
-GPU_WHEELS := $(shell grep -E '^transformers==' $(LOCK)) huggingface_hub==1.33.0
+# satisfy 5.24. Held at 5.24.0, the release checked against the image (lock at 5.25.0 since
+# 2026-12-04): 5.25 checks huggingface_hub>=2.4 at import, whose 2.x needs httpx2, and wants
+# `kernels`, none of which the image has; the suites compare 5.24 and 5.25 on the CPU.
+GPU_WHEELS := transformers==5.24.0 huggingface_hub==1.33.0
 gpu-wheels: setup
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)

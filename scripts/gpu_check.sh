@@ -13,8 +13,9 @@
 #   LENGTHS="8k 32k 128k" ROUNDS=3 TEST_LIMIT=400 COMPILED_METHODS=snapkv,cake scripts/gpu_check.sh
 #   TEST_LIMIT=0 LENGTHS=32k ROUNDS=3 BENCH_LIMIT=420 scripts/gpu_check.sh   (no suite: a second call)
 # PY (default python3: the machine's own CUDA torch). Wheels in .whl/ (`make gpu-wheels` here, then
-# carry=[".whl"]: the transformers of requirements/dev.lock, which the GPU image lacks; its 5.17
-# refuses compiled kvcake decoding) are installed into /tmp/site first. Logs and
+# carry=[".whl"]: transformers 5.24.0, which the GPU image lacks (the Makefile's GPU_WHEELS says
+# why not the lock's 5.25); its 5.17 refuses compiled kvcake decoding) are installed into /tmp/site
+# first. Logs and
 # the JSON go to $OUT (the device tool's folder) or gpu-out/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
