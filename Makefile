@@ -142,7 +142,7 @@ test-torch-floor:
 # pip takes an older release where the newest one's requirements do not resolve yet: the run names
 # any such release (scripts/unresolved_releases.py), and LATEST_NO_DEPS installs one over the rest
 # without its requirements, e.g. `USE_HUB_KERNELS=NO make test-latest LATEST_NO_DEPS=transformers==5.25.0`
-# (5.25 needs kernels>=0.19.1, not on PyPI on 2026-12-02; USE_HUB_KERNELS=NO loads without it).
+# (5.25 needed kernels>=0.19.1, not on PyPI until 2026-12-04; USE_HUB_KERNELS=NO loads without it).
 LATEST_VENV := .venv-latest
 LATEST_TORCH := $(TORCH_PIN)
 LATEST_NO_DEPS :=
