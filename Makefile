@@ -64,13 +64,13 @@ bench-gpu: $(if $(PY),,setup)
 	done
 
 # Wheels for a GPU session, carried to the machine (the device tool's carry=[".whl"]), where
-# scripts/gpu_check.sh installs them over the image's packages (--no-deps, into /tmp/site): the
-# transformers of requirements/dev.lock, since the GPU image's 5.17 does not hand the cache its
-# attention kwargs (compiled kvcake decoding is refused there), and a huggingface_hub that both
-# accept. Pure-Python wheels, about 13 MB; the image's tokenizers, safetensors and regex already
-# satisfy 5.24. Held at 5.24.0, the release checked against the image (lock at 5.25.0 since
-# 2026-12-04): 5.25 checks huggingface_hub>=2.4 at import, whose 2.x needs httpx2, and wants
-# `kernels`, none of which the image has; the suites compare 5.24 and 5.25 on the CPU.
+# scripts/gpu_check.sh installs them over the image's packages (--no-deps, into /tmp/site):
+# transformers 5.24.0, since the GPU image's 5.17 does not hand the cache its attention kwargs
+# (compiled kvcake decoding is refused there), and a huggingface_hub that both accept. Pure-Python
+# wheels, about 13 MB; the image's tokenizers, safetensors and regex already satisfy 5.24. Not the
+# lock's 5.25.0 (since 2026-12-04): 5.25 checks huggingface_hub>=2.4 at import, whose 2.x needs
+# httpx2, and wants `kernels`, none of which the image has (unchecked there: no GPU since). 5.24 is
+# the release last checked against the image; no CPU suite runs it any more.
 GPU_WHEELS := transformers==5.24.0 huggingface_hub==1.33.0
 gpu-wheels: setup
 	rm -rf .whl && mkdir -p .whl

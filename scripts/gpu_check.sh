@@ -15,8 +15,7 @@
 # PY (default python3: the machine's own CUDA torch). Wheels in .whl/ (`make gpu-wheels` here, then
 # carry=[".whl"]: transformers 5.24.0, which the GPU image lacks (the Makefile's GPU_WHEELS says
 # why not the lock's 5.25); its 5.17 refuses compiled kvcake decoding) are installed into /tmp/site
-# first. Logs and
-# the JSON go to $OUT (the device tool's folder) or gpu-out/.
+# first. Logs and the JSON go to $OUT (the device tool's folder) or gpu-out/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3}"
