@@ -145,6 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the compiled decode step (torch.compile, fullgraph; default: on for the gpu "
                         "bench, off for the decode bench)")  # fmt: skip
+    g.add_argument("--kvpress", type=_names, default=(),
+                   help="also kvpress's presses for these presets, e.g. snapkv,adakv or 'all' (rows kvpress:<preset>; "
+                        "needs kvpress installed: kvcake.bench.kvpress_rows)")  # fmt: skip
     return p
 
 
@@ -325,11 +328,13 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
     from ..method import PRESETS
     from .common import describe_machine, machine_lines, write_json
     from .gpu import GpuSettings, driver_version, gpu_table, merge, render_page, run_gpu
+    from .kvpress_rows import PRESSES
 
     settings = GpuSettings(
         shape=args.shape, lengths=tuple(args.lengths or GpuSettings.lengths), budget=args.budget or GpuSettings.budget,
         methods=tuple(m for m in (args.methods or PRESETS) if m != "full"), rounds=args.rounds or GpuSettings.rounds,
         steps=args.steps or GpuSettings.steps, window=args.window, compile=args.compile is not False,
+        kvpress=tuple(PRESSES) if args.kvpress == ("all",) else args.kvpress,
     )  # fmt: skip
     machine = describe_machine(device, dtype, "sdpa") | {
         "driver": driver_version(),

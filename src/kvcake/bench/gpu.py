@@ -36,6 +36,7 @@ from ..fp8 import storage_spec
 from ..method import PRESETS, make_method
 from ..sdpa import fastest, sdpa_policy
 from .caches import greedy_step
+from .kvpress_rows import check_presets, describe, is_press_row, make_press, row_name
 from .output import fmt, markdown_table, median
 from .probes import Clock, PeakMemory
 from .shapes import random_model
@@ -46,6 +47,8 @@ FULL_DYNAMIC = "full (DynamicCache)"
 FULL_STATIC = "full (StaticCache)"
 MiB = 2**20
 WARMUP_STEPS = 2
+PAGE_MACHINE = ("device_name", "driver", "cuda", "torch", "transformers", "kvcake", "dtype", "attention",
+                "ragged_attention", "cpu", "torch_threads")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,10 @@ class GpuSettings:
     steps: int = 8
     window: int = 32
     compile: bool = True
+    kvpress: tuple[str, ...] = ()  # presets whose kvpress press also runs (kvcake.bench.kvpress_rows)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kvpress", check_presets(self.kvpress))
         if not self.lengths or min(self.lengths) < 2:
             raise ValueError(f"lengths must be at least 2 tokens, got {self.lengths}")
         if self.budget < 1 or any(self.budget >= n for n in self.lengths):
@@ -90,7 +95,7 @@ class _Runner:
 
     def new_cache(self, name: str):
         s, n = self.settings, self.ids.shape[1]
-        if name == FULL_DYNAMIC:
+        if name == FULL_DYNAMIC or is_press_row(name):
             return DynamicCache(config=self.model.config)
         capacity = n + WARMUP_STEPS * 2 + 2 * s.steps  # the prompt, then the eager and the compiled steps
         if name == FULL_STATIC:
@@ -100,10 +105,14 @@ class _Runner:
                            max_cache_len=capacity, kv_dtype=kv_dtype)  # fmt: skip
 
     def context(self, name: str):
-        stack = contextlib.ExitStack()
-        if name not in (FULL_DYNAMIC, FULL_STATIC):
+        stack, s = contextlib.ExitStack(), self.settings
+        if is_press_row(name):  # kvpress's hooks compress the prompt; the full cache's SDPA backend
+            press = make_press(name, budget=s.budget, length=self.ids.shape[1], window=s.window)
+            stack.enter_context(press(self.model))
+        elif name not in (FULL_DYNAMIC, FULL_STATIC):
             stack.enter_context(enable(self.model))
-        stack.enter_context(sdpa_policy(self.backend if name == FULL_DYNAMIC else "auto", self.device))
+        own = name == FULL_DYNAMIC or is_press_row(name)
+        stack.enter_context(sdpa_policy(self.backend if own else "auto", self.device))
         stack.enter_context(torch.no_grad())
         return stack
 
@@ -186,7 +195,7 @@ def _pick_backend(runner: _Runner) -> tuple[str, dict]:
 
 def run_gpu(settings: GpuSettings, *, device: torch.device, dtype: torch.dtype) -> dict:
     """Measure every cache of ``settings`` at every length; returns ``{"rows": [...], ...}``."""
-    names = (FULL_DYNAMIC, FULL_STATIC, *settings.methods)
+    names = (FULL_DYNAMIC, FULL_STATIC, *settings.methods, *map(row_name, settings.kvpress))
     rows, backends = [], {}
     clock = Clock(device)
     for length in settings.lengths:
@@ -231,7 +240,8 @@ def run_gpu(settings: GpuSettings, *, device: torch.device, dtype: torch.dtype) 
             ))  # fmt: skip
         del runner, model
         gc.collect()
-    return dict(bench="gpu", settings=settings.__dict__ | {"lengths": list(settings.lengths), "methods": list(settings.methods)}, rows=rows,
+    return dict(bench="gpu", settings=settings.__dict__ | {"lengths": list(settings.lengths), "methods": list(settings.methods),
+                "kvpress": list(settings.kvpress)}, rows=rows,
                 sdpa_backends=backends)  # fmt: skip
 
 
@@ -329,7 +339,8 @@ def merge(previous: dict, result: dict) -> dict:
     """``result`` with the rows of ``previous`` at the lengths it did not measure (``--merge``: a
     long run split into one command per length). The settings other than the lengths must match."""
     keys = [k for k in result["settings"] if k != "lengths"]
-    differ = [k for k in keys if previous.get("settings", {}).get(k) != result["settings"][k]]
+    before = {"kvpress": []} | previous.get("settings", {})  # (pages before --kvpress)
+    differ = [k for k in keys if before.get(k) != result["settings"][k]]
     if differ:
         raise ValueError(f"--merge: the earlier run differs in {', '.join(differ)}; rerun it or drop --merge")
     new = set(result["settings"]["lengths"])
@@ -356,22 +367,7 @@ def render_page(result: dict, machine: dict) -> str:
         "",
         *(f"- `{r['command']}` on {r['date']} in {r['total_s'] / 60:.1f} min" for r in result["runs"]),
         "",
-        *(
-            f"- {k}: {machine.get(k)}"
-            for k in (
-                "device_name",
-                "driver",
-                "cuda",
-                "torch",
-                "transformers",
-                "kvcake",
-                "dtype",
-                "attention",
-                "ragged_attention",
-                "cpu",
-                "torch_threads",
-            )
-        ),
+        *(f"- {k}: {machine.get(k)}" for k in PAGE_MACHINE),
         "",
         f"A random-weight model of the `{s['shape']}` shape (nothing downloaded; times and memory only), random "
         f"prompt ids, budget {s['budget']} entries per layer (window {s['window']}), {s['rounds']} alternating "
@@ -382,6 +378,7 @@ def render_page(result: dict, machine: dict) -> str:
         "The DynamicCache runs with the SDPA backend that decoded fastest at each length "
         f"({backends}); the others use "
         "kvcake's `auto` policy (`kvcake.sdpa`).",  # fmt: skip
+        *(["", describe(s["kvpress"])] if s.get("kvpress") else []),
         "",
         gpu_table(result),
         "",
