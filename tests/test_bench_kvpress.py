@@ -17,6 +17,11 @@ import pytest
 import torch
 from transformers import Cache, DynamicCache
 
+try:  # the real kvpress, where installed, imported before any test enables kvcake (kvpress_rows._kvpress)
+    import kvpress  # noqa: F401
+except ImportError:
+    pass
+
 from kvcake.bench import kvpress_rows
 from kvcake.bench.cli import main
 from kvcake.bench.gpu import FULL_DYNAMIC, FULL_STATIC, GpuSettings, merge, targets
@@ -156,3 +161,41 @@ def test_the_real_presses_keep_the_budget():
             ), held
         else:
             assert held == ({299} if "adakv" in preset else {64}), preset
+
+
+def test_the_masks_an_ada_press_leaves_on_the_model_are_forgotten(standin):
+    """kvpress's Ada-KV presses leave ``masked_key_indices`` on the attention modules, which its
+    attention patch would apply to the next row's decode steps: cleared when the row ends."""
+    from kvcake.bench.kvpress_rows import press_context
+    from kvcake.bench.shapes import random_model
+
+    model = random_model("tiny", 64, device=torch.device("cpu"), dtype=torch.float32)
+    attention = model.model.layers[0].self_attn
+    attention.masked_key_indices = ("left", "by", "an earlier press")
+    with press_context(model, row_name("adakv"), budget=40, length=64, window=8):
+        assert attention.masked_key_indices is None
+        attention.masked_key_indices = ("set", "by", "this press")
+    assert attention.masked_key_indices is None
+
+
+def test_kvcake_rows_after_real_ada_presses_run():
+    """Where kvpress is installed: kvcake's Ada-KV rows measured after kvpress's in the same run (the
+    rounds rotate the order) decode; before the masks were forgotten, kvpress's patch failed there."""
+    pytest.importorskip("kvpress")
+    from kvcake.bench.gpu import run_gpu
+
+    settings = GpuSettings(**{**TINY, "rounds": 3}, methods=("adakv", "critical-adakv"),
+                           kvpress=("adakv", "critical-adakv"))  # fmt: skip
+    rows = run_gpu(settings, device=torch.device("cpu"), dtype=torch.float32)["rows"]
+    assert all(r["eager_ms"] > 0 for r in rows)
+
+
+def test_kvpress_imported_after_kvcake_enabled_a_model_is_refused(monkeypatch):
+    """kvpress's import wraps the attention functions registered then; kvcake's, wrapped, would be
+    called with dropout where it takes scaling (measured: TypeError in every kvcake row)."""
+    from kvcake.attention import register
+
+    monkeypatch.delitem(sys.modules, "kvpress", raising=False)  # not imported yet
+    register("sdpa")  # what kvcake.enable(model) registers
+    with pytest.raises(ValueError, match="kvpress must be imported before kvcake enables a model"):
+        GpuSettings(**TINY, methods=("snapkv",), kvpress=("snapkv",))

@@ -36,7 +36,7 @@ from ..fp8 import storage_spec
 from ..method import PRESETS, make_method
 from ..sdpa import fastest, sdpa_policy
 from .caches import greedy_step
-from .kvpress_rows import check_presets, describe, is_press_row, make_press, row_name
+from .kvpress_rows import check_presets, describe, is_press_row, press_context, row_name
 from .output import fmt, markdown_table, median
 from .probes import Clock, PeakMemory
 from .shapes import random_model
@@ -107,8 +107,8 @@ class _Runner:
     def context(self, name: str):
         stack, s = contextlib.ExitStack(), self.settings
         if is_press_row(name):  # kvpress's hooks compress the prompt; the full cache's SDPA backend
-            press = make_press(name, budget=s.budget, length=self.ids.shape[1], window=s.window)
-            stack.enter_context(press(self.model))
+            n = self.ids.shape[1]
+            stack.enter_context(press_context(self.model, name, budget=s.budget, length=n, window=s.window))
         elif name not in (FULL_DYNAMIC, FULL_STATIC):
             stack.enter_context(enable(self.model))
         own = name == FULL_DYNAMIC or is_press_row(name)

@@ -14,12 +14,17 @@ What differs, and the page says: kvpress compresses the prompt only (a preset wi
 ``decode=fixed`` also evicts while decoding, a press's cache grows by one entry a step); its
 Ada-KV presses keep the whole prompt in the cache and mask the entries they drop (kvpress: "does
 not reduce peak memory"); importing kvpress wraps every attention function transformers has
-registered (``kvpress.attention_patch``), the other rows of the run included. kvpress 0.5
+registered (``kvpress.attention_patch``), the other rows of the run included (so kvpress is
+imported when the settings are made, before kvcake registers its attention: wrapped, kvcake's
+would be called with dropout where it takes scaling), and leaves the entries to mask on the
+model's modules after a row (:func:`forget_masks`). kvpress 0.5
 requires transformers < 5.3: install it in an environment of its own (``pip install kvpress``)
 and run the bench there with this repository on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 PREFIX = "kvpress:"
 
@@ -59,6 +64,21 @@ def is_press_row(name: str) -> bool:
 
 
 def _kvpress():
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ..attention import PREFIX as KVCAKE_ATTENTION
+
+    registered = [name for name, _ in ALL_ATTENTION_FUNCTIONS.items()]  # (as kvpress reads them)
+    if "kvpress" not in sys.modules and any(n.startswith(KVCAKE_ATTENTION) for n in registered):
+        # kvpress's import wraps every registered attention function with one that passes dropout
+        # where kvcake's (transformers' eager order) takes scaling: kvcake's rows would fail
+        raise ValueError(
+            "kvpress must be imported before kvcake enables a model (its import wraps the attention functions "
+            "registered then, kvcake's included, with a call kvcake's does not take): import kvpress first, as "
+            "kvcake bench gpu --kvpress does"
+        )
     try:
         import kvpress
     except ImportError as err:
@@ -85,6 +105,28 @@ def make_press(name: str, *, budget: int, length: int, window: int):
     if scorer_name is None:
         return build(press_name, compression_ratio=ratio)
     return build(press_name, press=build(scorer_name, compression_ratio=ratio))
+
+
+@contextlib.contextmanager
+def press_context(model, name: str, *, budget: int, length: int, window: int):
+    """Row ``name``'s press on ``model`` (:func:`make_press`), its masks forgotten before and after."""
+    press = make_press(name, budget=budget, length=length, window=window)
+    forget_masks(model)
+    try:
+        with press(model):
+            yield
+    finally:
+        forget_masks(model)
+
+
+def forget_masks(model) -> None:
+    """kvpress's Ada-KV presses leave the entries to mask on each attention module
+    (``masked_key_indices``), and its patch applies them to any later call with fewer queries than
+    keys: another row's decode steps, with another cache (measured: kvcake's ``adakv`` after
+    ``kvpress:adakv`` failed in kvpress's ``search_hyperplane``)."""
+    for module in model.modules():
+        if getattr(module, "masked_key_indices", None) is not None:
+            module.masked_key_indices = None
 
 
 def describe(presets) -> str:
