@@ -8,7 +8,9 @@ the run: the same random model, prompt, rounds, memory probe and decode loop.
 
 The press is told the same budget: kvpress's ``compression_ratio`` is the fraction of the prompt
 *removed* and it keeps ``int(length * (1 - ratio))`` entries, so the ratio is
-``1 - (budget + 0.5) / length`` (exactly ``budget`` kept, whatever the float rounding); its
+``1 - (budget + 0.25) / length``: exactly ``budget`` kept whatever the float rounding, by the
+presses that truncate (``int``) and by PyramidKV's, which rounds (``round``) where it falls back to
+uniform budgets (with ``+ 0.5`` it kept one more entry at odd budgets: ``round(519.5)`` is 520); its
 SnapKV-family presses observe the run's ``window`` last queries (kvpress's ``window_size``).
 What differs, and the page says: kvpress compresses the prompt only (a preset with
 ``decode=fixed`` also evicts while decoding, a press's cache grows by one entry a step); its
@@ -95,7 +97,7 @@ def make_press(name: str, *, budget: int, length: int, window: int):
     prompt entries per head (per layer on average, for PyramidKV's and Ada-KV's allocations)."""
     kvpress = _kvpress()
     press_name, scorer_name = PRESSES[name[len(PREFIX) :]]
-    ratio = 1 - (budget + 0.5) / length  # kvpress keeps int(length * (1 - ratio)): exactly budget
+    ratio = 1 - (budget + 0.25) / length  # int() and round() of length * (1 - ratio): exactly budget
 
     def build(cls_name: str, **kwargs):
         if cls_name in WINDOWED:
@@ -130,9 +132,7 @@ def forget_masks(model) -> None:
 
 
 def describe(presets) -> str:
-    """The page's paragraph on the ``kvpress:`` rows of a run (empty without them)."""
-    if not presets:
-        return ""
+    """The page's paragraph on the ``kvpress:`` rows of a run (``render_page`` adds it only when it had some)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -144,7 +144,7 @@ def describe(presets) -> str:
     )
     return (
         f"Rows `kvpress:<preset>` are {release}'s press for that preset ({pairs}), told the same budget "
-        "(`compression_ratio` = 1 - (budget + 0.5) / length, so that it keeps exactly the budget; the "
+        "(`compression_ratio` = 1 - (budget + 0.25) / length, so that it keeps exactly the budget; the "
         "SnapKV-family presses' `window_size` = the window), "
         "prefilled inside the press into a DynamicCache (the full cache's SDPA backend) and decoded with that "
         "cache, never compiled. kvpress compresses the prompt only: its caches grow by one entry a decode step "

@@ -11,9 +11,10 @@ import torch
 
 import kvcake
 from kvcake.eval.fidelity import Fidelity, cache_bytes, compare, replay_compress, teacher_force
+from kvcake.eval.press_cells import is_press, press_cells
 from kvcake.eval.questions import ContextGroup, Question
 from kvcake.eval.records import FULL, fidelity_fields, round_sig
-from kvcake.eval.reference import GroupRef, answer_tokens, continue_greedy
+from kvcake.eval.reference import GroupRef, answer_tokens, continue_greedy, eos_ids
 from kvcake.fp8 import storage_spec, store
 from kvcake.method import make_method
 from kvcake.replay import ScoreMemo
@@ -65,6 +66,11 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                 (cell["method"], cell["budget"], cell["ratio"], cell["scenario"]), []
             ).append(cell)
     for (name, budget, ratio, sc), todo in by_setting.items():
+        if is_press(name):  # kvpress's press, answered as its pipeline answers (kvcake.eval.press_cells)
+            yield from press_cells(
+                model, ctx_ids, qrefs, todo, window, fidelity, eos_ids(model), record, ref.cache
+            )
+            continue
         spec, kv_dtype = storage_spec(name)  # ``cake+fp8``: CAKE, its kept entries in float8
         method = make_method(spec, budget=budget, ratio=ratio, window=window)
         if sc == "context":

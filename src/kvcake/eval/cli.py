@@ -32,6 +32,7 @@ HELP = "score methods on long-context tasks (JSONL, table, plots)"
 EXAMPLES = (
     "kvcake eval --methods full,snapkv,cake --ratios 0.1,0.25 --tasks niah_single --lengths 2k --samples 2",
     "kvcake eval --suite results   # regenerates docs/results.md (about an hour on 2 CPU cores)",
+    "kvcake eval --suite kvpress   # docs/kvpress.md, from an environment with kvpress (README: kvcake beside kvpress)",
 )
 
 
@@ -62,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="presets or composed specs, comma-separated ('full' = uncompressed baseline); a part "
                         "with '=' continues the previous spec (cake,select=critical); ';' separates "
-                        "explicitly; a name ending in +fp8 keeps its entries in float8 (cake+fp8: kvcake.fp8) "
-                        "(default: full,snapkv,cake)")  # fmt: skip
+                        "explicitly; a name ending in +fp8 keeps its entries in float8 (cake+fp8: kvcake.fp8); "
+                        "kvpress:<preset> is kvpress's press for it, where kvpress is installed "
+                        "(kvpress:snapkv: kvcake.eval.press_cells) (default: full,snapkv,cake)")  # fmt: skip
     p.add_argument("--budgets", type=_ints, default=None, help="average KV entries per layer, e.g. 128,512")
     p.add_argument(
         "--ratios", type=_floats, default=None, help="kept fractions of the prompt, e.g. 0.1,0.25,0.5"

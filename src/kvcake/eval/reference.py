@@ -47,7 +47,7 @@ def _ones(n: int, device) -> torch.Tensor:
     return torch.ones(1, n, dtype=torch.long, device=device)
 
 
-def _eos_ids(model) -> set[int]:
+def eos_ids(model) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         return set()
@@ -62,7 +62,7 @@ def continue_greedy(
     The first token is the argmax of ``logits``; the rest come from ``model.generate`` on the
     cache (consumed), which processes that token and decodes, stopping at EOS."""
     first = logits.argmax(-1, keepdim=True)  # (1, 1)
-    if max_new_tokens <= 1 or int(first) in _eos_ids(model):
+    if max_new_tokens <= 1 or int(first) in eos_ids(model):
         return first[0]
     ids = torch.cat([prefix, first], dim=1)
     with enable(model), torch.no_grad():
@@ -73,7 +73,7 @@ def continue_greedy(
 
 def answer_tokens(model, tokens: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """The answer part of a greedy continuation: up to the first EOS (kept), at most ``max_new_tokens``."""
-    eos = _eos_ids(model)
+    eos = eos_ids(model)
     for i, t in enumerate(tokens[:max_new_tokens].tolist()):
         if t in eos:
             return tokens[: i + 1]

@@ -27,6 +27,10 @@ of its fidelity continuation (``fidelity_tokens`` greedy tokens, not stopped at 
 question-aware answer takes its first token from the prefill's last logits and the rest from
 ``model.generate`` on the compressed cache: what ``kvcake.generate`` does in one call (the tests
 check that both give the same answers). A context-only answer is ``ctx.generate(question)``.
+
+A method ``kvpress:<preset>`` (``kvpress:snapkv``) is NVIDIA kvpress's press for that preset, told
+the same budget and window, answered as kvpress's pipeline answers (:mod:`kvcake.eval.press_cells`;
+run from an environment with kvpress installed), so its rows stand beside kvcake's in one table.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 import kvcake
 from kvcake.context import check_positions
 from kvcake.eval.cells import run_group
+from kvcake.eval.press_cells import check_press_methods, is_press
 from kvcake.eval.questions import (
     DEFAULT_MAX_NEW_TOKENS,
     LONGBENCH_PREFIX,
@@ -150,7 +155,8 @@ def run_eval(
         Recorded in every line (default: the model's ``name_or_path``) and loaded if ``model`` is None.
     methods:
         Presets or composed specs (see :func:`parse_methods`); ``"full"`` is the uncompressed
-        baseline (one cell per task, length, scenario and sample, whatever the budgets).
+        baseline (one cell per task, length, scenario and sample, whatever the budgets);
+        ``"kvpress:<preset>"`` kvpress's press for a preset (:mod:`kvcake.eval.press_cells`).
     budgets, ratios:
         Average KV entries per layer, and/or kept fractions of each prompt; every method runs at each.
     tasks:
@@ -205,7 +211,8 @@ def run_eval(
     if not method_specs:
         raise ValueError("give at least one method")
     settings = _budget_settings(budgets, ratios)
-    compressed = [m for m in method_specs if m != FULL]
+    compressed = [m for m in method_specs if m != FULL and not is_press(m)]
+    check_press_methods(method_specs)  # ``kvpress:snapkv``: kvpress's press (kvcake.eval.press_cells)
     for name in compressed:  # fail on a bad spec before any work (``cake+fp8``: fp8.storage_spec)
         for b, r in settings:
             make_method(storage_spec(name)[0], budget=b, ratio=r, window=window)

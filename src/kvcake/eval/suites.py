@@ -2,13 +2,15 @@
 text, and how explicit command-line options combine with a suite's (:func:`resolve`).
 
 ``results`` is ``docs/results.md`` (the default model); ``results-gemma3`` is that page's Gemma-3
-section. Each suite's ``notes`` (:mod:`.notes`) are written by hand from a run and printed under its tables.
+section; ``kvpress`` is ``docs/kvpress.md``, kvcake's presets beside kvpress's presses (run from an
+environment with kvpress). Each suite's ``notes`` (:mod:`.notes`) are written by hand from a run and printed under its tables.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from .kvpress_notes import KVPRESS_INTRO, KVPRESS_NOTES
 from .notes import GEMMA3_INTRO, GEMMA3_NOTES, NOTES_RESULTS, WHICH_METHOD
 
 SYNTHETIC_SUITE_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
@@ -70,6 +72,28 @@ SUITES["results-gemma3"] = {
     "notes": GEMMA3_NOTES,
     "ablation": False,  # the CAKE ablation and issue 14's targets are the default model's
     "more_samples": None,
+}
+
+# kvcake's presets beside kvpress's presses for them (kvcake.eval.press_cells), and CAKE
+KVPRESS_POOLING = "snapkv,score.pooling=avg,score.kernel=5"
+KVPRESS_PAIRS = ("streamingllm", "snapkv", "pyramidkv", "tova", "criticalkv", "adakv", "critical-adakv")
+SUITES["kvpress"] = {
+    # and SnapKV with kvpress's pooling (average over 5 positions; kvcake's default: max over 7)
+    "methods": (
+        "full",
+        *(m for preset in KVPRESS_PAIRS for m in (preset, f"kvpress:{preset}")),
+        KVPRESS_POOLING,
+        "cake",
+    ),
+    "ratios": (0.25,),
+    "tasks": SYNTHETIC_SUITE_TASKS,
+    "lengths": (2048,),
+    "samples": 2,
+    "scenario": "both",
+    "out": "docs/figures/eval_kvpress.jsonl",
+    "doc": "docs/kvpress.md",
+    "intro": KVPRESS_INTRO,
+    "notes": KVPRESS_NOTES,
 }
 
 DEFAULTS: dict[str, object] = {
