@@ -107,6 +107,7 @@ def test_rows_beside_the_presets_and_the_page_says_what_they_are(standin, tmp_pa
         assert rows[name]["eager_ms"] > 0 and rows[name]["compiled_ms"] == "n/a (--no-compile)"
     assert result["settings"]["kvpress"] == ["snapkv", "adakv"]
     page = doc.read_text()
+    assert page.startswith("# kvcake on the CPU: ")  # (the device of the run; "a GPU" on CUDA)
     assert "| 64 | kvpress:snapkv |" in page and "`kvpress:adakv` AdaKVPress(SnapKVPress)" in page
     assert "wrapped every attention function" in page
     assert {c["cache"] for c in targets(result)} <= {"snapkv"}  # kvpress's rows are compared, not targeted

@@ -361,7 +361,7 @@ def render_page(result: dict, machine: dict) -> str:
     missed = [c for c in checks if not c["ok"]]
     backends = ", ".join(f"{n}: {b['chosen']}" for n, b in result["sdpa_backends"].items())
     lines = [
-        "# kvcake on a GPU: prefill, decode step and memory of every preset",
+        f"# kvcake on {'the CPU' if machine.get('device') == 'cpu' else 'a GPU'}: prefill, decode step and memory of every preset",
         "",
         "Written by (`make bench-gpu` runs the default command):",
         "",

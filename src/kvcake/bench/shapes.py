@@ -36,6 +36,16 @@ SHAPES: dict[str, dict] = {
         vocab_size=128256,
         tie_word_embeddings=True,
     ),  # fmt: skip
+    # HuggingFaceTB/SmolLM2-135M-Instruct's, kvcake's default model (a CPU-sized run of every row)
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
     # deepseek-ai/DeepSeek-V2-Lite's config.json (15.7B parameters, 2.4B active: latent attention, MoE),
     # without its YaRN RoPE scaling (positions up to the run's length; the same kernels)
     "deepseek-v2-lite": dict(
