@@ -11,7 +11,15 @@ import torch
 from kvcake import fp8
 from kvcake.bench import gpu
 from kvcake.bench.cli import main
-from kvcake.bench.gpu import FULL_DYNAMIC, FULL_STATIC, GpuSettings, run_gpu, targets
+from kvcake.bench.gpu import (
+    CPU_TARGETS,
+    FULL_DYNAMIC,
+    FULL_STATIC,
+    GpuSettings,
+    render_page,
+    run_gpu,
+    targets,
+)
 from kvcake.bench.shapes import random_model, shape_config
 from kvcake.method import PRESETS
 from shared_checks import KWARGS_HANDOFF
@@ -38,6 +46,10 @@ def test_smoke_run_writes_the_page(tmp_path):
     assert f"torch: {torch.__version__}" in page and "transformers: " in page and "driver: " in page
     assert all(f"| 96 | {name} |" in page for name in PRESETS)
     assert "## Targets" in page
+    assert page.startswith("# kvcake on the CPU") and CPU_TARGETS in page  # the GPU targets, read on the CPU
+    result["sdpa_backends"] = {int(n): b for n, b in result["sdpa_backends"].items()}  # JSON's keys are text
+    on_gpu = render_page(result, {"device": "cuda"})
+    assert on_gpu.startswith("# kvcake on a GPU") and CPU_TARGETS not in on_gpu
 
 
 def test_a_latent_attention_shape_runs_every_preset():

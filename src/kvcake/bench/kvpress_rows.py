@@ -131,14 +131,20 @@ def forget_masks(model) -> None:
             module.masked_key_indices = None
 
 
-def describe(presets) -> str:
-    """The page's paragraph on the ``kvpress:`` rows of a run (``render_page`` adds it only when it had some)."""
+def installed_release() -> str:
+    """The kvpress this process imports, as the page names it (recorded with the run's machine)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        release = f"kvpress {version('kvpress')}"
+        return f"kvpress {version('kvpress')}"
     except PackageNotFoundError:
-        release = "kvpress (version unknown)"
+        return "kvpress (version unknown)"
+
+
+def describe(presets, release: str | None) -> str:
+    """The page's paragraph on the ``kvpress:`` rows of a run (``render_page`` adds it only when it had
+    some); ``release``: the run's kvpress (``installed_release``, kept in the run's machine)."""
+    release = release or "kvpress (version not recorded)"
     pairs = ", ".join(
         f"`{row_name(p)}` {PRESSES[p][0]}" + (f"({PRESSES[p][1]})" if PRESSES[p][1] else "") for p in presets
     )
