@@ -1,21 +1,19 @@
 """``kvcake bench gpu --kvpress``: kvpress's presses as rows beside the presets (kvcake.bench.kvpress_rows).
 
 kvpress is not among the development requirements (0.5 requires transformers < 5.3), so the
-plumbing is tested with a stand-in module of the same shape: press classes built with kvpress's
-keyword arguments whose ``press(model)`` is a context manager that compresses the prompt (here:
-keeps the last entries of every layer). The real presses are checked where kvpress is installed.
+plumbing is tested with a stand-in module of the same shape (``kvpress_standin``: press classes
+built with kvpress's keyword arguments whose ``press(model)`` keeps the prompt's last entries). The
+real presses are checked where kvpress is installed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-import types
 
 import pytest
 import torch
-from transformers import Cache, DynamicCache
+from transformers import DynamicCache
 
 try:  # the real kvpress, where installed, imported before any test enables kvcake (kvpress_rows._kvpress)
     import kvpress  # noqa: F401
@@ -26,51 +24,14 @@ from kvcake.bench import kvpress_rows
 from kvcake.bench.cli import main
 from kvcake.bench.gpu import FULL_DYNAMIC, FULL_STATIC, GpuSettings, merge, targets
 from kvcake.bench.kvpress_rows import PRESSES, make_press, row_name
+from kvpress_standin import install
 
 TINY = dict(shape="tiny", lengths=(64,), budget=40, rounds=1, steps=1, compile=False)
 
 
-class _Press:
-    """A stand-in press: the keyword arguments it was built with; inside ``press(model)`` a prompt's
-    forward leaves the cache holding its last ``int(length * (1 - compression_ratio))`` entries."""
-
-    def __init__(self, **kwargs) -> None:
-        self.kwargs = kwargs
-
-    @property
-    def ratio(self) -> float:
-        inner = self.kwargs.get("press")
-        return inner.ratio if inner is not None else self.kwargs["compression_ratio"]
-
-    @contextlib.contextmanager
-    def __call__(self, model):
-        def crop(module, args, kwargs, output):
-            cache = next(
-                v for v in kwargs.values() if isinstance(v, Cache)
-            )  # (its keyword: adapters.with_cache)
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is not None and ids.shape[1] > 1:  # a prompt, not a decode step
-                keep = int(ids.shape[1] * (1 - self.ratio))
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-            return output
-
-        handle = model.register_forward_hook(crop, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-
 @pytest.fixture
 def standin(monkeypatch):
-    module = types.ModuleType("kvpress")
-    for press, scorer in PRESSES.values():
-        for name in (press, scorer):
-            if name:
-                setattr(module, name, type(name, (_Press,), {}))
-    monkeypatch.setitem(sys.modules, "kvpress", module)
-    return module
+    return install(monkeypatch)
 
 
 def test_each_press_is_built_for_the_same_budget_and_window(standin):
@@ -111,8 +72,8 @@ def test_rows_beside_the_presets_and_the_page_says_what_they_are(standin, tmp_pa
     assert "| 64 | kvpress:snapkv |" in page and "`kvpress:adakv` AdaKVPress(SnapKVPress)" in page
     assert "wrapped every attention function" in page
     # the kvpress of the run, kept with its machine (a page rendered later elsewhere still names it)
-    assert result["machine"]["kvpress"] == "kvpress (version unknown)"  # the stand-in has no metadata
-    assert "are kvpress (version unknown)'s press" in page
+    release = kvpress_rows.installed_release()  # "kvpress (version unknown)" without kvpress's metadata
+    assert result["machine"]["kvpress"] == release and f"are {release}'s press" in page
     assert {c["cache"] for c in targets(result)} <= {"snapkv"}  # kvpress's rows are compared, not targeted
 
 

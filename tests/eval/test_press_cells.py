@@ -11,17 +11,14 @@ The real presses are checked where kvpress is installed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 from test_runner import TINY, WINDOW, one_thread, tokenizer  # noqa: F401  (fixtures)
-from transformers import Cache
 
 try:  # the real kvpress, where installed, imported before any test enables kvcake (kvpress_rows._kvpress)
     import kvpress  # noqa: F401
@@ -35,50 +32,12 @@ from kvcake.eval.runner import FULL, run_eval
 from kvcake.eval.suites import KVPRESS_POOLING
 from kvcake.method import make_method
 from kvcake.scorers.streaming import StreamingScorer
-
-
-class _Press:
-    """A stand-in press: inside ``press(model)`` the prompt's forward (the cache held nothing before
-    it) leaves the cache holding its last ``int(length * (1 - compression_ratio))`` entries, or all
-    of them where ``keep_all``."""
-
-    keep_all = False
-
-    def __init__(self, **kwargs) -> None:
-        self.kwargs = kwargs
-
-    @property
-    def ratio(self) -> float:
-        inner = self.kwargs.get("press")
-        return inner.ratio if inner is not None else self.kwargs["compression_ratio"]
-
-    @contextlib.contextmanager
-    def __call__(self, model):
-        def crop(module, args, kwargs, output):
-            cache = next(v for v in kwargs.values() if isinstance(v, Cache))
-            n = kwargs["input_ids"].shape[1]
-            if cache.get_seq_length() == n and not self.keep_all:  # the prompt, into an empty cache
-                keep = int(n * (1 - self.ratio))
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-            return output
-
-        handle = model.register_forward_hook(crop, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
+from kvpress_standin import StandinPress, install
 
 
 @pytest.fixture
 def standin(monkeypatch):
-    module = types.ModuleType("kvpress")
-    for press, scorer in PRESSES.values():
-        for name in (press, scorer):
-            if name:
-                setattr(module, name, type(name, (_Press,), {}))
-    monkeypatch.setitem(sys.modules, "kvpress", module)
-    return module
+    return install(monkeypatch)
 
 
 def _by_cell(records) -> dict:
@@ -88,7 +47,7 @@ def _by_cell(records) -> dict:
 def test_keeping_everything_answers_as_the_full_cache(tiny_llama, tokenizer, tmp_path, monkeypatch, standin):  # noqa: F811
     """Fed at their own positions after the press's cache, the question and the answer match the
     full cache's, and so do the teacher-forced continuation's predictions."""
-    monkeypatch.setattr(_Press, "keep_all", True)
+    monkeypatch.setattr(StandinPress, "keep_all", True)
     res = run_eval(tiny_llama, tokenizer, methods="full,kvpress:snapkv", out=tmp_path / "r.jsonl", **TINY)
     cells = _by_cell(res.records)
     assert len(cells) == 2 * 2 * 2
