@@ -29,7 +29,7 @@ from kvcake.adapters import with_cache
 from kvcake.bench.kvpress_rows import PREFIX, check_presets, press_context
 from kvcake.eval.fidelity import Fidelity, cache_bytes, compare
 from kvcake.eval.questions import Question
-from kvcake.replay import TeacherForced, attention_outputs
+from kvcake.replay import forced
 
 __all__ = ["check_press_methods", "is_press", "press_budget", "press_cells"]
 
@@ -81,19 +81,11 @@ def _greedy(
     return torch.cat(tokens)
 
 
-def _teacher_force(
-    model, cache, start: int, logits: torch.Tensor, appended: torch.Tensor, n: int
-) -> TeacherForced:
-    """``kvcake.replay.teacher_force`` for a press's cache: ``appended`` (1, a) at their positions."""
-    preds, attn, hidden = [logits.float()], [], None
-    if appended.shape[1] > 0:
-        with attention_outputs(model) as outputs:
-            out = _forward(model, appended, cache, start, output_hidden_states=True)
-        preds.append(out.logits[0].float())
-        attn = [outputs[i][0] for i in sorted(outputs)]
-        hidden = out.hidden_states[-1][0]
-    kept = torch.cat([p.reshape(-1, p.shape[-1]) for p in preds])[-n:]
-    return TeacherForced(torch.log_softmax(kept.double(), dim=-1), attn, hidden)
+def _teacher_force(model, cache, start: int, logits: torch.Tensor, appended: torch.Tensor, n: int):
+    """``kvcake.replay.teacher_force`` for a press's cache: ``appended`` (1, a) at their own positions."""
+    return forced(
+        model, lambda ids: _forward(model, ids, cache, start, output_hidden_states=True), logits, appended, n
+    )
 
 
 def _back_to(cache, held: int) -> None:
@@ -140,18 +132,12 @@ def press_cells(model, group_ids: torch.Tensor, qrefs: dict, todo: list[dict[str
                 _back_to(cache, held)  # the question and answer out: the next question sees the document
                 fid, fid_s = None, 0.0
                 if fidelity:
-                    t0 = time.perf_counter()
-                    full_tf = qref.tf["context"]
-                    n = full_tf.logprobs.shape[0]
-                    appended = torch.cat([q_ids, qref.tokens[None, : n - 1]], dim=1)
-                    fid = compare(
-                        full_tf, _teacher_force(model, cache, c, logits, appended, n), qref.tokens[:n]
+                    fid, fid_s = _fidelity(
+                        model, cache, held, c, logits, q_ids, qref.tf["context"], qref.tokens
                     )
-                    _back_to(cache, held)
-                    fid_s = time.perf_counter() - t0
-                yield record(cell, tokens, fid, kv_bytes=kv, full_kv_bytes=full_bytes, kv_fraction=kv / full_bytes,
-                             prefill_s=0.0, compress_s=compress_s, generate_s=generate_s, fidelity_s=fid_s,
-                             kept_per_head=kept, kvpress=_version())  # fmt: skip
+                yield record(
+                    cell, tokens, fid, **_measures(kv, full_bytes, compress_s, generate_s, fid_s, kept)
+                )
         return
     for cell in todo:
         q = cell["_question"]
@@ -169,18 +155,32 @@ def press_cells(model, group_ids: torch.Tensor, qrefs: dict, todo: list[dict[str
             tokens = _greedy(model, cache, s, logits, q.max_new_tokens, eos)
             generate_s = time.perf_counter() - t0
             _back_to(cache, held)
-            fid: Fidelity | None = None
-            fid_s = 0.0
-            if fidelity:
-                t0 = time.perf_counter()
-                full_tf = qref.tf["question"]
-                n = full_tf.logprobs.shape[0]
-                tf = _teacher_force(model, cache, s, logits, qref.tokens[None, : n - 1], n)
-                fid = compare(full_tf, tf, qref.tokens[:n])
-                fid_s = time.perf_counter() - t0
-        yield record(cell, tokens, fid, kv_bytes=kv, full_kv_bytes=full_bytes, kv_fraction=kv / full_bytes,
-                     prefill_s=0.0, compress_s=compress_s, generate_s=generate_s, fidelity_s=fid_s,
-                     kept_per_head=kept, kvpress=_version())  # fmt: skip
+            fid, fid_s = None, 0.0
+            if fidelity:  # nothing before the continuation: the question is inside the compressed prompt
+                head = full_ids[:, :0]
+                fid, fid_s = _fidelity(model, cache, held, s, logits, head, qref.tf["question"], qref.tokens)
+        yield record(cell, tokens, fid, **_measures(kv, full_bytes, compress_s, generate_s, fid_s, kept))
+
+
+def _fidelity(model, cache, held: int, start: int, logits, head, full_tf, tokens) -> tuple[Fidelity, float]:
+    """The press's cache against the full cache's continuation ``full_tf`` (its greedy ``tokens``),
+    teacher-forced after ``head`` (1, h): the question, when it follows the compressed document. The
+    cache is cropped back to its ``held`` entries; the seconds it took come second."""
+    t0 = time.perf_counter()
+    n = full_tf.logprobs.shape[0]
+    appended = torch.cat([head, tokens[None, : n - 1]], dim=1)
+    fid = compare(full_tf, _teacher_force(model, cache, start, logits, appended, n), tokens[:n])
+    _back_to(cache, held)
+    return fid, time.perf_counter() - t0
+
+
+def _measures(
+    kv: int, full_bytes: int, compress_s: float, generate_s: float, fid_s: float, kept: int
+) -> dict:
+    """A press cell's record fields beside its answer and fidelity (no shared prefill: ``prefill_s`` 0)."""
+    return dict(kv_bytes=kv, full_kv_bytes=full_bytes, kv_fraction=kv / full_bytes, prefill_s=0.0,
+                compress_s=compress_s, generate_s=generate_s, fidelity_s=fid_s, kept_per_head=kept,
+                kvpress=_version())  # fmt: skip
 
 
 def _version() -> str | None:

@@ -7,7 +7,7 @@ both, beside the API: it builds on the cache, the method and the attention funct
 
 from .capture import Captured, attention_modules, attention_outputs, capture_queries
 from .compress import ScoreMemo, cache_bytes, replay_compress
-from .teacher import TeacherForced, greedy_tokens, kl_per_token, perturbation, rel_l1, teacher_force
+from .teacher import TeacherForced, forced, greedy_tokens, kl_per_token, perturbation, rel_l1, teacher_force
 
 __all__ = [
     "Captured",
@@ -17,6 +17,7 @@ __all__ = [
     "attention_outputs",
     "cache_bytes",
     "capture_queries",
+    "forced",
     "greedy_tokens",
     "kl_per_token",
     "perturbation",

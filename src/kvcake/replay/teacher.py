@@ -11,7 +11,15 @@ from kvcake.attention import enable
 
 from .capture import attention_outputs
 
-__all__ = ["TeacherForced", "greedy_tokens", "kl_per_token", "perturbation", "rel_l1", "teacher_force"]
+__all__ = [
+    "TeacherForced",
+    "forced",
+    "greedy_tokens",
+    "kl_per_token",
+    "perturbation",
+    "rel_l1",
+    "teacher_force",
+]
 
 
 @dataclass
@@ -64,13 +72,28 @@ def teacher_force(
     ``cache`` is consumed (pass a fork). ``prefix_logits`` (1, vocab) are the logits of the prefix's
     last token. The last ``n_predictions`` of the ``1 + a`` next-token predictions are kept: the
     continuation's."""
+    mask = torch.ones(1, prefix_len + appended.shape[1], dtype=torch.long, device=appended.device)
+
+    def forward(ids: torch.Tensor):
+        with enable(model):
+            return model(ids, attention_mask=mask, **with_cache(model, cache), output_hidden_states=True)
+
+    return forced(model, forward, prefix_logits, appended, n_predictions)
+
+
+def forced(
+    model: torch.nn.Module, forward, prefix_logits: torch.Tensor, appended: torch.Tensor, n_predictions: int
+):
+    """What :func:`teacher_force` keeps, for any way of feeding the cache: ``forward(appended)``
+    runs ``model`` on the appended tokens after the prefix (positions, mask and attention are the
+    caller's) with ``output_hidden_states=True``. The last ``n_predictions`` of the ``1 + a``
+    next-token predictions (``prefix_logits`` first) are kept."""
     preds = [prefix_logits.float()]
     attn: list[torch.Tensor] = []
     hidden = None
     if appended.shape[1] > 0:
-        mask = torch.ones(1, prefix_len + appended.shape[1], dtype=torch.long, device=appended.device)
-        with attention_outputs(model) as outputs, enable(model), torch.no_grad():
-            out = model(appended, attention_mask=mask, **with_cache(model, cache), output_hidden_states=True)
+        with attention_outputs(model) as outputs, torch.no_grad():
+            out = forward(appended)
         preds.append(out.logits[0].float())
         attn = [outputs[i][0] for i in sorted(outputs)]
         hidden = out.hidden_states[-1][0]
