@@ -46,6 +46,7 @@ LAYERS = {
     ],
     "base": [
         "models",
+        "fingerprints",
         "conversion",
         "gguf_tokenizer",
         "gguf_parts",

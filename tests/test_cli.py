@@ -176,6 +176,18 @@ def test_methods_lists_every_preset(capsys, monkeypatch):
     assert code == 2 and "unrecognized arguments: --model" in err  # it runs no model (was silently ignored)
 
 
+def test_methods_loads_no_model_code():
+    """``kvcake methods`` lists presets and the shipped calibrations (read by model fingerprint,
+    ``kvcake.fingerprints``): transformers' configs, never its modelling code, which took about 3 s
+    of a 7 s command when the calibrations were read through ``kvcake.models``."""
+    code = (
+        "import sys; from kvcake.cli import main; main(['methods']); "
+        "print('transformers.modeling_utils' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "cake" in out and out.splitlines()[-1] == "False"
+
+
 def test_chat_answers_equal_fresh_contexts(tiny_dir, capsys, monkeypatch):
     """Each question is answered from its own fork: asking two in a row gives the answers each
     one gets on a freshly compressed context."""

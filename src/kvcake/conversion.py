@@ -102,35 +102,6 @@ def _aligned_tokenizer(gguf_path: Path):
     return tokenizer, meta
 
 
-_VOLATILE_KEYS = frozenset(
-    {
-        "_name_or_path",
-        "_commit_hash",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "quantization_config",
-        "architectures",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-    }
-)
-
-
-def _strip_volatile(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {
-            k: _strip_volatile(v)
-            for k, v in value.items()
-            if k not in _VOLATILE_KEYS and not str(k).startswith("_attn_implementation")
-        }
-    if isinstance(value, list | tuple):
-        return [_strip_volatile(v) for v in value]
-    return value
-
-
 def _source_meta(gguf_path: Path) -> dict[str, Any]:
     stat = gguf_path.stat()
     return {

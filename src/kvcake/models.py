@@ -15,9 +15,7 @@ environment variable, ``$XDG_CACHE_HOME/kvcake/models``, ``~/.cache/kvcake/model
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import time
@@ -32,19 +30,18 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
-    PretrainedConfig,
     PreTrainedModel,
 )
 
 from .conversion import (
     _check_tied_embeddings,
     _ensure_converted,
-    _strip_volatile,
     convert_gguf,
     converted_folder,
 )
 from .defaults import DEFAULT_MODEL
 from .devices import check_device
+from .fingerprints import default_cache_root, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +146,6 @@ _HOW_TO_GET_A_MODEL = (
 def resolve_builtin(name: str) -> BuiltinModel | None:
     """Return the built-in model ``name`` refers to (case-insensitive), or ``None``."""
     return BUILTIN_MODELS.get(name.strip().lower())
-
-
-def default_cache_root() -> Path:
-    """Folder holding converted models when ``load_model`` gets no ``cache_dir``."""
-    env = os.environ.get("KVCAKE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvcake" / "models"
 
 
 def load_model(
@@ -301,32 +288,6 @@ def model_name(model: PreTrainedModel) -> str:
     if "@transformers-" in folder:
         return folder.split("@transformers-")[0]
     return path or "MODEL"
-
-
-def model_fingerprint(model: PreTrainedModel | PretrainedConfig) -> str:
-    """Short hash of a model's architecture, to refuse a saved KV cache from another model.
-
-    A compressed context is only meaningful for the model that produced it. The hash covers
-    the config (layers, heads, RoPE, vocabulary, the GGUF model name when there is one) and
-    leaves out what does not change the keys and values a model computes: where it was loaded
-    from, the transformers version, the dtype, the attention backend, quantisation metadata
-    and runtime flags such as ``use_cache``. Two fine-tunes with identical configs share a
-    fingerprint: it is a guard against mistakes, not an identity check of the weights.
-
-    Parameters
-    ----------
-    model:
-        A transformers model, or its config.
-
-    Returns
-    -------
-    16 hexadecimal characters (the start of a SHA-256 digest).
-    """
-    config = model.config if isinstance(model, PreTrainedModel) else model
-    if not isinstance(config, PretrainedConfig):
-        raise TypeError(f"expected a transformers model or config, got {type(model).__name__}")
-    blob = json.dumps(_strip_volatile(config.to_dict()), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _generation_model(source: str | Path, **kwargs) -> PreTrainedModel:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .allocators.cake import FALLBACK_TAU, CakeAllocator, default_tau, family_key
 from .defaults import SCENARIOS
-from .models import default_cache_root, model_fingerprint
+from .fingerprints import default_cache_root, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
