@@ -88,7 +88,7 @@ SUITES["kvpress"] = {
     "ratios": (0.25,),
     "tasks": SYNTHETIC_SUITE_TASKS,
     "lengths": (2048,),
-    "samples": 2,
+    "samples": 6,
     "scenario": "both",
     "out": "docs/figures/eval_kvpress.jsonl",
     "doc": "docs/kvpress.md",
