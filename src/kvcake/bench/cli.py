@@ -328,7 +328,7 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
     from ..method import PRESETS
     from .common import describe_machine, machine_lines, write_json
     from .gpu import GpuSettings, driver_version, gpu_table, merge, render_page, run_gpu
-    from .kvpress_rows import PRESSES, installed_release
+    from .kvpress_rows import PRESSES, release
 
     settings = GpuSettings(
         shape=args.shape, lengths=tuple(args.lengths or GpuSettings.lengths), budget=args.budget or GpuSettings.budget,
@@ -341,7 +341,7 @@ def _run_gpu(args: argparse.Namespace, device, dtype, out: Path) -> int:
         "cuda": torch.version.cuda,
     }
     if settings.kvpress:
-        machine["kvpress"] = installed_release()
+        machine["kvpress"] = release()
     print(
         "\n".join(["# kvcake bench gpu", "", *(f"- {line}" for line in machine_lines(machine)), ""]),
         flush=True,

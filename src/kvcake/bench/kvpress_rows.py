@@ -131,25 +131,30 @@ def forget_masks(model) -> None:
             module.masked_key_indices = None
 
 
-def installed_release() -> str:
-    """The kvpress this process imports, as the page names it (recorded with the run's machine)."""
+def release() -> str | None:
+    """The release of the kvpress module in use, recorded with the runs that used it (the bench's
+    machine, each eval cell); None where that module was not loaded from a package (the tests'
+    stand-in, even beside an installed kvpress) or the package has no metadata."""
+    import sys
     from importlib.metadata import PackageNotFoundError, version
 
+    if getattr(sys.modules.get("kvpress"), "__file__", None) is None:
+        return None
     try:
-        return f"kvpress {version('kvpress')}"
+        return version("kvpress")
     except PackageNotFoundError:
-        return "kvpress (version unknown)"
+        return None
 
 
-def describe(presets, release: str | None) -> str:
+def describe(presets, version: str | None) -> str:
     """The page's paragraph on the ``kvpress:`` rows of a run (``render_page`` adds it only when it had
-    some); ``release``: the run's kvpress (``installed_release``, kept in the run's machine)."""
-    release = release or "kvpress (version not recorded)"
+    some); ``version``: the run's kvpress (:func:`release`, kept in the run's machine)."""
+    named = f"kvpress {version}" if version else "kvpress (version unknown)"
     pairs = ", ".join(
         f"`{row_name(p)}` {PRESSES[p][0]}" + (f"({PRESSES[p][1]})" if PRESSES[p][1] else "") for p in presets
     )
     return (
-        f"Rows `kvpress:<preset>` are {release}'s press for that preset ({pairs}), told the same budget "
+        f"Rows `kvpress:<preset>` are {named}'s press for that preset ({pairs}), told the same budget "
         "(`compression_ratio` = 1 - (budget + 0.25) / length, so that it keeps exactly the budget; the "
         "SnapKV-family presses' `window_size` = the window), "
         "prefilled inside the press into a DynamicCache (the full cache's SDPA backend) and decoded with that "

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcake.adapters import with_cache
-from kvcake.bench.kvpress_rows import PREFIX, check_presets, press_context
+from kvcake.bench.kvpress_rows import PREFIX, check_presets, press_context, release
 from kvcake.eval.fidelity import Fidelity, cache_bytes, compare
 from kvcake.eval.questions import Question
 from kvcake.replay import forced
@@ -79,13 +79,6 @@ def _greedy(
         out = _forward(model, tokens[-1][:, None], cache, start + len(tokens) - 1, logits_to_keep=1)
         tokens.append(out.logits[:, -1].argmax(-1))
     return torch.cat(tokens)
-
-
-def _teacher_force(model, cache, start: int, logits: torch.Tensor, appended: torch.Tensor, n: int):
-    """``kvcake.replay.teacher_force`` for a press's cache: ``appended`` (1, a) at their own positions."""
-    return forced(
-        model, lambda ids: _forward(model, ids, cache, start, output_hidden_states=True), logits, appended, n
-    )
 
 
 def _back_to(cache, held: int) -> None:
@@ -169,7 +162,11 @@ def _fidelity(model, cache, held: int, start: int, logits, head, full_tf, tokens
     t0 = time.perf_counter()
     n = full_tf.logprobs.shape[0]
     appended = torch.cat([head, tokens[None, : n - 1]], dim=1)
-    fid = compare(full_tf, _teacher_force(model, cache, start, logits, appended, n), tokens[:n])
+    # kvcake.replay.teacher_force's measures, ``appended`` fed at their own positions after the press's cache
+    tf = forced(
+        model, lambda ids: _forward(model, ids, cache, start, output_hidden_states=True), logits, appended, n
+    )
+    fid = compare(full_tf, tf, tokens[:n])
     _back_to(cache, held)
     return fid, time.perf_counter() - t0
 
@@ -180,18 +177,4 @@ def _measures(
     """A press cell's record fields beside its answer and fidelity (no shared prefill: ``prefill_s`` 0)."""
     return dict(kv_bytes=kv, full_kv_bytes=full_bytes, kv_fraction=kv / full_bytes, prefill_s=0.0,
                 compress_s=compress_s, generate_s=generate_s, fidelity_s=fid_s, kept_per_head=kept,
-                kvpress=_version())  # fmt: skip
-
-
-def _version() -> str | None:
-    """The installed kvpress's release, recorded in each of its cells (None: the module in use was
-    not loaded from a package, as the tests' stand-in)."""
-    import sys
-    from importlib.metadata import PackageNotFoundError, version
-
-    if getattr(sys.modules.get("kvpress"), "__file__", None) is None:
-        return None
-    try:
-        return version("kvpress")
-    except PackageNotFoundError:
-        return None
+                kvpress=release())  # fmt: skip
