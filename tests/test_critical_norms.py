@@ -11,7 +11,8 @@ import torch
 from kvcake import make_method, pending_norms
 from kvcake.scorers.defensive import MARK
 from kvcake.selectors import SelectionInputs, TopK, projected_value_norms
-from kvcake.selectors.critical import Critical, projected_value_norm_bounds
+from kvcake.selectors.critical import Critical
+from kvcake.selectors.value_norms import projected_value_norm_bounds
 from shared_checks import prefill, prompt
 
 
@@ -39,11 +40,12 @@ def test_bounds_hold():
     assert float((exact / signed).median()) < 0.5 * float((exact / low).median())
 
 
+@pytest.mark.parametrize("first", ["ratio", "kvpress"])
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("seed", range(6))
-def test_same_kept_set_as_every_norm(seed, alpha):
+def test_same_kept_set_as_every_norm(seed, alpha, first):
     values, o_weight, h, scores, counts = _case(seed)
-    sel = Critical(alpha=alpha)
+    sel = Critical(alpha=alpha, first=first)
     full = projected_value_norms(values, o_weight, h)
     pruned = sel.value_norms(values, o_weight, h, scores, counts)
     keep = sel.select(SelectionInputs(scores, counts, full))
@@ -188,9 +190,9 @@ def test_half_inputs_on_the_float32_product_route(monkeypatch):
     they are, float32 products) run here with its kernel emulated: the norms equal the float32
     route's on the same half-precision inputs up to summation order, in every chunk and with GQA
     groups and a batch of 2. tests/cuda runs the kernel."""
-    from kvcake.selectors import critical
+    from kvcake.selectors import value_norms
 
-    values, o_weight, h, _, _ = _case(3, s=2 * critical._NORM_CHUNK + 50)
+    values, o_weight, h, _, _ = _case(3, s=2 * value_norms._NORM_CHUNK + 50)
     values, o_weight = values.to(torch.bfloat16), o_weight.to(torch.bfloat16)
     ref = projected_value_norms(values, o_weight, h)  # the CPU: float32 copies
     calls = []
@@ -200,10 +202,10 @@ def test_half_inputs_on_the_float32_product_route(monkeypatch):
         calls.append(a.shape[1])
         return torch.mul(torch.bmm(a.float(), b.float()), alpha, out=out)
 
-    monkeypatch.setattr(critical, "half_matmuls", lambda x: True)
-    monkeypatch.setattr(critical, "matmul_f32", emulated)
+    monkeypatch.setattr(value_norms, "half_matmuls", lambda x: True)
+    monkeypatch.setattr(value_norms, "matmul_f32", emulated)
     got = projected_value_norms(values, o_weight, h)
-    assert calls == [critical._NORM_CHUNK, critical._NORM_CHUNK, 50]
+    assert calls == [value_norms._NORM_CHUNK, value_norms._NORM_CHUNK, 50]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

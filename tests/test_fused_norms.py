@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvcake.selectors.critical import fused_norms_apply
+from kvcake.selectors.value_norms import fused_norms_apply
 
 # In a process of its own: TRITON_INTERPRET is read when triton (and its library of jitted
 # functions) is first imported. Shapes (B, H, H_kv, S, d, hidden): GQA groups of 4 with tiles cut
@@ -20,7 +20,7 @@ from kvcake.selectors.critical import fused_norms_apply
 SCRIPT = """
 import torch
 from kvcake.fused_norms import value_norms
-from kvcake.selectors.critical import projected_value_norms
+from kvcake.selectors.value_norms import projected_value_norms
 
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.float16):

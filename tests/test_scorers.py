@@ -164,36 +164,40 @@ def test_projected_value_norms(inputs):
     torch.testing.assert_close(got.double(), norms_ref(inputs[2], w), atol=1e-5, rtol=1e-5)
 
 
-def critical_ref(scores, norms, count, alpha=0.5, eps=1e-4):
-    """Direct two-stage selection for one head."""
+def critical_ref(scores, norms, count, alpha=0.5, eps=1e-4, first="ratio"):
+    """Direct two-stage selection for one head (stage 1: ``alpha`` of the prefix budget, or with
+    ``first="kvpress"`` of the whole budget, the window counted in it)."""
     n = scores.shape[0]
     window = {i for i in range(n) if scores[i] == float("inf")}
     prefix = [i for i in range(n) if torch.isfinite(scores[i])]
     b = count - len(window)
-    b1 = int(alpha * b)
+    b1 = int(alpha * b) if first == "ratio" else max(0, int(alpha * count) - len(window))
     stage1 = sorted(prefix, key=lambda i: (-float(scores[i]), i))[:b1]
     rest = [i for i in prefix if i not in stage1]
     stage2 = sorted(rest, key=lambda i: (-float((scores[i] + eps) * norms[i]), i))[: b - b1]
     return window | set(stage1) | set(stage2), set(stage1)
 
 
-def test_critical_equals_reference_and_keeps_stage_one(inputs):
+@pytest.mark.parametrize("first", ["ratio", "kvpress"])
+def test_critical_equals_reference_and_keeps_stage_one(inputs, first):
     scores = run(SnapKVScorer(), inputs)
     w = torch.randn(20, H * D, generator=torch.Generator().manual_seed(4))
     norms = projected_value_norms(inputs[2], w, H)
     counts = torch.tensor([[20, 25], [18, 30]])
-    keep = Critical().select(SelectionInputs(scores, counts, norms))
+    keep = Critical(first=first).select(SelectionInputs(scores, counts, norms))
     topk_only = 0
     for b in range(B):
         for h in range(HKV):
             got = set(torch.nonzero(keep[b, h]).flatten().tolist())
-            ref, stage1 = critical_ref(scores[b, h], norms[b, h], int(counts[b, h]))
+            ref, stage1 = critical_ref(scores[b, h], norms[b, h], int(counts[b, h]), first=first)
             assert got == ref and stage1 <= got and len(got) == int(counts[b, h])
             top = set(
                 torch.topk(torch.nan_to_num(scores[b, h], posinf=1e9), int(counts[b, h])).indices.tolist()
             )
             topk_only += got != top
     assert topk_only > 0, "the value norms changed some selection"
+    paper = Critical().select(SelectionInputs(scores, counts, norms))
+    assert torch.equal(keep, paper) == (first == "ratio"), "kvpress's smaller first stage changed some"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """CriticalKV's projected value norms on CUDA in one Triton kernel.
 
-``|| v_n W_O^(h) ||_1`` averaged over each GQA group (``selectors.critical.projected_value_norms``,
+``|| v_n W_O^(h) ||_1`` averaged over each GQA group (``selectors.value_norms.projected_value_norms``,
 the reference) multiplies every position's value by its query heads' slices of the output
 projection: at 32k tokens of a Llama-3.1-8B layer that is 32 x 32768 x 4096 products. The
 reference writes them in float32 chunk by chunk and reads them back for the absolute sums; on an
@@ -11,7 +11,7 @@ takes a tile of positions of one KV head, multiplies it by its group's slices ti
 goes: the products never leave the chip, and each position's sum is one program's, in a fixed
 order (deterministic, as the cascade's bit-equality needs). The same norms up to summation order.
 
-Used where ``selectors.critical.fused_norms_apply`` says so (CUDA, triton installed, a
+Used where ``selectors.value_norms.fused_norms_apply`` says so (CUDA, triton installed, a
 power-of-two head size of at least 16, values and weight of one dtype: bf16, fp16 or fp32),
 which alone imports this module: triton is optional (torch's CUDA builds ship it).
 ``FUSED_NORMS = False`` there turns it off (the tests compare the two routes). Triton's interpreter runs the kernel on

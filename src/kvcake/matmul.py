@@ -1,6 +1,6 @@
 """Matmuls of bf16/fp16 inputs with float32 results on CUDA (tensor cores), for the prompt-time
 scoring that needs float32 products: H2O's prompt attention (``kvcake.scorers.h2o``) and
-CriticalKV's projected value norms (``kvcake.selectors.critical``).
+CriticalKV's projected value norms (``kvcake.selectors.value_norms``).
 
 A product of two bf16 (or fp16) numbers is exact in float32, and these matmuls accumulate in
 float32, so their results are the float32 matmul's of the upcast inputs up to summation order, at

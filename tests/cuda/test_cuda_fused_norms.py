@@ -10,8 +10,8 @@ import pytest
 import torch
 from cuda_helpers import DEVICE
 
-from kvcake.selectors import critical
-from kvcake.selectors.critical import fused_norms_apply, projected_value_norms
+from kvcake.selectors import value_norms
+from kvcake.selectors.value_norms import fused_norms_apply, projected_value_norms
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -40,7 +40,7 @@ def test_fused_norms_equal_the_matmul_route(dtype, shape, monkeypatch):
     h = shape[1]
     assert fused_norms_apply(values, o_weight)
     got = projected_value_norms(values, o_weight, h)
-    monkeypatch.setattr(critical, "FUSED_NORMS", False)
+    monkeypatch.setattr(value_norms, "FUSED_NORMS", False)
     ref = projected_value_norms(values, o_weight, h)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-5)

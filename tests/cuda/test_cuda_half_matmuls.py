@@ -9,8 +9,8 @@ import torch
 from cuda_helpers import DEVICE, HALF
 
 from kvcake import matmul
-from kvcake.selectors import critical
-from kvcake.selectors.critical import _NORM_CHUNK, projected_value_norms
+from kvcake.selectors import value_norms
+from kvcake.selectors.value_norms import _NORM_CHUNK, projected_value_norms
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def test_half_inputs_take_the_route_and_float32_does_not():
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_projected_value_norms_equal_the_float32_route(dtype, monkeypatch):
-    monkeypatch.setattr(critical, "FUSED_NORMS", False)  # the matmuls (the fused kernel: its own file)
+    monkeypatch.setattr(value_norms, "FUSED_NORMS", False)  # the matmuls (the fused kernel: its own file)
     gen = torch.Generator().manual_seed(0)
     b, h, hkv, s, d, hidden = 2, 8, 2, _NORM_CHUNK + 300, 64, 512
     values = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE, dtype)

@@ -20,7 +20,7 @@ registered (``kvpress.attention_patch``), the other rows of the run included (so
 imported when the settings are made, before kvcake registers its attention: wrapped, kvcake's
 would be called with dropout where it takes scaling), and leaves the entries to mask on the
 model's modules after a row (:func:`forget_masks`). kvpress 0.5
-requires transformers < 5.3: install it in an environment of its own (``pip install kvpress``)
+requires transformers < 5.3: install it in an environment of its own (``pip install kvpress==0.5.5``)
 and run the bench there with this repository on ``PYTHONPATH``.
 """
 

@@ -3,8 +3,6 @@ Perturbation Perspective", 2025, https://arxiv.org/abs/2502.03805 (Algorithm 1).
 
 from __future__ import annotations
 
-import importlib.util
-import math
 from collections.abc import Generator
 from dataclasses import dataclass
 from functools import partial
@@ -12,18 +10,12 @@ from functools import partial
 import torch
 
 from ..allocators.adakv import ranks_desc
-from ..devices import cpu_route, read_through
-from ..matmul import half_matmuls, matmul_f32
+from ..devices import read_through
 from ..scorers.defensive import MARK
 from ..tensor_parallel import group_mean
 from .topk import SelectionInputs, Selector, order_by
+from .value_norms import projected_value_norm_bounds, projected_value_norms
 
-# Positions per chunk when projecting values through o_proj: bounds the (B, H_kv, chunk, G * hidden)
-# intermediate instead of materialising it for the whole prompt. On the CPU a smaller one stays in
-# cache between the matmul's write and the absolute values' passes (128: 28 ms against 53 for
-# SmolLM2's 4096 positions, one core; 64-128 the fastest of 64-1024).
-_NORM_CHUNK = 1024
-_NORM_CHUNK_CPU = 128
 # Sign vectors per KV head for the L1 lower bound of ``projected_value_norm_bounds`` (DefensiveKV's
 # head-normalised norms): 16 and 64 prune about as well on SmolLM2 at 4k tokens.
 _SIGN_SOURCES = 32
@@ -32,105 +24,8 @@ _SIGN_SOURCES = 32
 # norms, and with a first set that wide the second mostly covered half the prompt or more (SmolLM2,
 # 4096 tokens, Layer-DefensiveKV's early budgets: first sets of 25-31%, then >= 50%; 14%, then none).
 _ALL_NORMS_SHARE = 0.25
-# CUDA inputs of a power-of-two head size take ``kvcake.fused_norms``' one Triton kernel where
-# triton is installed (the products never written out); False keeps the matmuls (tests compare).
-FUSED_NORMS = True
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def projected_value_norms(values: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``|| v_n W_O^(h) ||_1`` averaged over each GQA group: (B, H_kv, S) float32.
-
-    values: (B, H_kv, S, d); o_weight: (hidden, H * d), the output projection's weight, whose
-    columns ``h*d:(h+1)*d`` are query head ``h``'s slice. A KV head's values times its group's
-    slices side by side, one batched matmul per chunk of positions (see ``_NORM_CHUNK``). bf16/fp16
-    values and weight on CUDA are multiplied as they are with float32 products
-    (:mod:`kvcake.matmul`: the same norms up to summation order); elsewhere float32 copies are.
-    Where :func:`fused_norms_apply` (CUDA, triton), one kernel instead (:mod:`kvcake.fused_norms`).
-    """
-    if fused_norms_apply(values, o_weight):
-        from ..fused_norms import value_norms
-
-        return value_norms(values, o_weight, num_heads)
-    b, hkv, s, d = values.shape
-    groups = num_heads // hkv
-    hidden = o_weight.shape[0]
-    w = o_weight.to(values.device)  # the values' device (one layer of a split model)
-    half = half_matmuls(values) and w.dtype == values.dtype
-    if not half:
-        w = w.float()
-    # (B * H_kv, d, G * hidden): column block g of KV head k is query head k * G + g's slice
-    wg = w.reshape(hidden, hkv, groups, d).permute(1, 3, 2, 0).reshape(1, hkv, d, groups * hidden)
-    wg = wg.expand(b, -1, -1, -1).reshape(b * hkv, d, groups * hidden)
-    cpu = cpu_route(values.device) and not half  # (half: CUDA, or its emulation in the tests)
-    chunk = _NORM_CHUNK_CPU if cpu else _NORM_CHUNK
-    out = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
-    buf = torch.empty(b * hkv * min(s, chunk) * groups * hidden, dtype=torch.float32, device=w.device)
-    for start in range(0, s, chunk):
-        v = values[:, :, start : start + chunk]  # (B, H_kv, c, d)
-        c = v.shape[2]
-        into = buf[: b * hkv * c * groups * hidden].view(b * hkv, c, groups * hidden)
-        if half:
-            proj = matmul_f32(v.reshape(b * hkv, c, d), wg, into)
-        else:
-            proj = torch.bmm(v.float().reshape(b * hkv, c, d), wg, out=into)
-        proj = proj.view(b, hkv, c, groups, hidden)
-        if cpu:  # two passes over a cached chunk beat vector_norm's one there
-            l1 = proj.abs_().sum(-1)
-        else:
-            l1 = torch.linalg.vector_norm(proj, ord=1, dim=-1)  # abs and sum in one pass
-        out[:, :, start : start + c] = l1.mean(-1)
-    return out
-
-
-def fused_norms_apply(values: torch.Tensor, o_weight: torch.Tensor) -> bool:
-    """Whether :func:`projected_value_norms` runs ``kvcake.fused_norms``' kernel for these inputs."""
-    d = values.shape[-1]
-    return (
-        FUSED_NORMS and _HAS_TRITON and values.is_cuda and o_weight.dtype == values.dtype
-        and values.dtype in (torch.bfloat16, torch.float16, torch.float32) and d >= 16 and d & (d - 1) == 0
-    )  # fmt: skip
-
-
-def projected_value_norm_bounds(
-    values: torch.Tensor, o_weight: torch.Tensor, num_heads: int, sign_values: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower and upper bounds of :func:`projected_value_norms`, each (B, H_kv, S) float32.
-
-    ``||x||_2 <= ||x||_1 <= sqrt(hidden) ||x||_2`` for ``x = v W_O^(h)`` (hidden entries), and the
-    L2 norm is exact through the ``d x d`` Gram matrix ``W_O^(h) W_O^(h)T``: ``d^2`` multiply-adds per
-    position and head instead of ``d * hidden`` (a ``hidden / d`` saving: 9x on SmolLM2, 32x on
-    Llama-3.1-8B).
-
-    The L2 lower bound is ~``0.8 sqrt(hidden)`` x below the L1 norm of a spread-out ``x``.
-    ``sign_values`` (B, H_kv, K, d), values like the bounded ones (e.g. a head's highest-scoring),
-    tighten it: ``||x||_1 >= |x . s|`` for every sign vector ``s``, here the signs of their
-    projections, and ``x . s = v (W_O^(h) s)`` costs ``d`` multiply-adds per position and ``s``;
-    on SmolLM2 the bound is then within ~2x of the norm. The float error of that dot, at most
-    ``1e-5 ||v|| ||W_O^(h) s||`` (``W_O^(h) s`` summed in float64), is taken off."""
-    b, hkv, s, d = values.shape
-    groups = num_heads // hkv
-    hidden = o_weight.shape[0]
-    w = o_weight.to(values.device).float().reshape(hidden, num_heads, d).permute(1, 2, 0)  # (H, d, hidden)
-    gram = (w @ w.transpose(1, 2)).reshape(hkv, groups, d, d)  # (H_kv, G, d, d)
-    if sign_values is not None:
-        w = w.reshape(hkv, groups, d, hidden)
-        signs = torch.einsum("bkjd,kgdo->bkgjo", sign_values.float(), w).sign()  # (B, H_kv, G, K, hidden)
-        u = torch.einsum("kgdo,bkgjo->bkgdj", w.double(), signs.double())  # (B, H_kv, G, d, K)
-        u_norm = u.norm(dim=3).amax(-1)[:, :, :, None].float()  # (B, H_kv, G, 1): the largest ||W s||
-        u = u.float()
-    low = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
-    high = torch.empty(b, hkv, s, dtype=torch.float32, device=values.device)
-    for start in range(0, s, _NORM_CHUNK):
-        v = values[:, :, start : start + _NORM_CHUNK].float()  # (B, H_kv, c, d)
-        vg = torch.einsum("bkcd,kgde->bkgce", v, gram)  # (B, H_kv, G, c, d)
-        l2 = (vg * v[:, :, None]).sum(-1).clamp(min=0).sqrt()  # (B, H_kv, G, c)
-        high[:, :, start : start + v.shape[2]] = l2.mean(2) * math.sqrt(hidden)
-        if sign_values is not None:
-            dots = torch.einsum("bkcd,bkgdj->bkgcj", v, u).abs().amax(-1)  # (B, H_kv, G, c)
-            l2 = torch.maximum(l2, dots - 1e-5 * v.norm(dim=-1)[:, :, None] * u_norm)
-        low[:, :, start : start + v.shape[2]] = l2.mean(2)
-    return low, high
+# Critical.first: the paper's share of the prefix budget, kvpress's share of the whole, DefensiveKV's marks
+FIRST_STAGES = ("ratio", "kvpress", "marked")
 
 
 def _on_masked(values: torch.Tensor, mask: torch.Tensor, fn, m: int):
@@ -200,11 +95,15 @@ class Critical(Selector):
     Parameters
     ----------
     alpha:
-        First-stage share of the prefix budget (``first="ratio"``).
+        First-stage share of the prefix budget (``first="ratio"``; of the whole budget with
+        ``first="kvpress"``).
     eps:
         Added to the score before weighting by the value norm.
     first:
-        ``"ratio"`` (CriticalKV): stage 1 is the top ``floor(alpha * b)``. ``"marked"``
+        ``"ratio"`` (CriticalKV): stage 1 is the top ``floor(alpha * b)``. ``"kvpress"`` (kvpress's
+        ``CriticalKVPress``): stage 1 is ``floor(alpha * (b + w))`` of the whole budget with the
+        ``w`` window entries counted among them, so ``floor(alpha * (b + w)) - w`` prefix entries
+        (at least 0): 224 instead of 240 of a 512-entry budget with a 32-entry window. ``"marked"``
         (DefensiveKV's code): stage 1 is the entries the scorer marked as holding 90% of the
         attention mass (``score >= MARK``, ``DefensiveScorer.critical_mass``), at most ``b``.
     value_norm:
@@ -225,8 +124,10 @@ class Critical(Selector):
             raise ValueError(f"CriticalKV first-stage ratio alpha must be in [0, 1], got {self.alpha}")
         if not self.eps >= 0:
             raise ValueError(f"CriticalKV eps must be >= 0, got {self.eps}")
-        if self.first not in ("ratio", "marked"):
-            raise ValueError(f"CriticalKV first stage must be 'ratio' or 'marked', got {self.first!r}")
+        if self.first not in FIRST_STAGES:
+            raise ValueError(
+                f"CriticalKV first stage must be one of {', '.join(map(repr, FIRST_STAGES))}, got {self.first!r}"
+            )
         if self.value_norm not in ("raw", "heads"):
             raise ValueError(f"CriticalKV value_norm must be 'raw' or 'heads', got {self.value_norm!r}")
 
@@ -272,8 +173,8 @@ class Critical(Selector):
         of the stage-2 weight ``(score + eps) * norm``; ``T``, the ``b``-th largest exact weight
         among them, is at most the ``b``-th largest of all. An entry whose upper bound
         (:func:`projected_value_norm_bounds`) is below ``T`` loses to at least ``b - b1`` others in
-        stage 2 (``b1 = floor(alpha * b)`` are in stage 1), so it is never kept; the others get
-        their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
+        stage 2 (``b1 <= b`` are in stage 1, with any ``first``), so it is never kept; the others
+        get their exact norm too. A cascade's later stages keep fewer of the entries kept here, whose
         norms are exact. ``value_norm="heads"``: :meth:`_shared_value_norm_steps`; one KV head (multi-query,
         latent) makes every share 1, nothing to compute; under tensor parallelism (``split``) a
         position's total spans every rank's heads, whose candidates differ: every norm computed. A
@@ -370,7 +271,7 @@ class Critical(Selector):
         ``(score + eps) * norm``, each descending with ties to the earlier position. With ``c``
         per head ``select`` keeps the window, the top ``c - window`` marked ones by score if there
         are more, else all marked ones and the best others by weight: the first ``c`` of this
-        order. ``first="ratio"`` (None): stage 1's ``floor(alpha * b)`` changes with ``c``, so
+        order. ``first="ratio"`` or ``"kvpress"`` (None): stage 1's size changes with ``c``, so
         the kept sets at smaller counts are not nested."""
         if self.first != "marked" or inp.value_norms is None:
             return None
@@ -391,6 +292,9 @@ class Critical(Selector):
         prefix = torch.where(prefix_ok, scores, torch.full_like(scores, float("-inf")))
         if self.first == "marked":  # marked entries rank first in their head
             first = torch.minimum((prefix >= MARK).sum(-1), prefix_counts)
+        elif self.first == "kvpress":  # the window's entries count in stage 1's share of the whole
+            first = (torch.floor(inp.counts.double() * self.alpha).long() - window.sum(-1)).clamp(min=0)
+            first = torch.minimum(first, prefix_counts)
         else:
             first = torch.floor(prefix_counts.double() * self.alpha).long()
         stage1 = (ranks_desc(prefix) < first[..., None]) & prefix_ok
