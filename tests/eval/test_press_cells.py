@@ -29,7 +29,7 @@ import kvcake
 from kvcake.bench.kvpress_rows import PRESSES, press_context
 from kvcake.eval import press_cells
 from kvcake.eval.runner import FULL, run_eval
-from kvcake.eval.suites import KVPRESS_CRITICAL, KVPRESS_POOLING
+from kvcake.eval.suites import KVPRESS_ADAKV, KVPRESS_CRITICAL, KVPRESS_CRITICAL_ADAKV, KVPRESS_POOLING
 from kvcake.method import make_method
 from kvcake.scorers.streaming import StreamingScorer
 from kvpress_standin import StandinPress, install
@@ -181,7 +181,8 @@ def test_the_kvpress_suite_pairs_each_preset_with_its_press():
     assert set(KVPRESS_PAIRS) == set(PRESSES)  # every press kvcake can name
     for preset in KVPRESS_PAIRS:
         assert suite["methods"].index(f"kvpress:{preset}") == suite["methods"].index(preset) + 1
-    assert KVPRESS_POOLING in suite["methods"] and KVPRESS_CRITICAL in suite["methods"]
+    for alike in (KVPRESS_POOLING, KVPRESS_CRITICAL, KVPRESS_ADAKV, KVPRESS_CRITICAL_ADAKV):
+        assert alike in suite["methods"]
     assert suite["intro"].startswith("## kvcake beside kvpress") and "kvpress 0.5.5" in suite["notes"]
 
 
@@ -205,6 +206,8 @@ def test_the_pages_notes_hold_on_its_results_file():
             assert kl[KVPRESS_CRITICAL] == pytest.approx(
                 kl["kvpress:criticalkv"], rel=1e-4
             )  # CriticalKV, pooled alike, the window counted in the first stage
+            for preset, alike in (("adakv", KVPRESS_ADAKV), ("critical-adakv", KVPRESS_CRITICAL_ADAKV)):
+                assert kl[alike] == pytest.approx(kl[f"kvpress:{preset}"], abs=5e-4)  # masked vs removed
             assert kl["kvpress:pyramidkv"] == kl["kvpress:snapkv"]  # kvpress's pyramid fell back to uniform
             for preset in ("adakv", "critical-adakv"):
                 assert cells[(sc, f"kvpress:{preset}", task, seed)]["kv_fraction"] == 1.0
