@@ -52,11 +52,19 @@ KVPRESS_NOTES = """\
   CriticalKV its first stage, below) kvcake's give kvpress's KL within 5e-4 nats/token on every
   prompt of both scenarios (within 1% on 34 and 35 of 36; at most 2.1% off, on question-aware KLs
   near 0.001), the means equal to 4 digits (0.1275 and 0.4667; 0.1055 and 0.3642 against 0.3643).
-  What is left between them is not traced here: kvpress attends over the whole prompt with the
-  dropped entries masked, kvcake over the kept entries alone. kvpress's Ada-KV presses keep the
-  whole prompt in the cache and mask what they drop, so they hold 100% of the full cache's bytes
-  (tables *KV bytes kept / full cache*); kvcake's hold 25%, in a ragged cache. The other presses
-  hold 25% like kvcake's presets.
+  What is left, on the prompt checked, is the safeguard's count: kvpress pins each head's top
+  `floor(0.2 x 512)` = 102 entries with the window among them (70 before it), kvcake `floor(0.2 x
+  480)` = 96 before the window, as `docs/METHODS.md` has it. On `niah_single` sample 0 context-only
+  the Ada-KV row keeps other entries than kvpress's in 1 of 30 layers (26 a side), and the same
+  entries in every layer with kvpress's count (`heads.alpha=0.1459` there): `PYTHONPATH=src
+  /tmp/kvp/bin/python scripts/kvpress_kept_sets.py --press adakv --method
+  adakv,score.pooling=avg,score.kernel=5,heads.alpha=0.1459`. CriticalKV over Ada-KV then still
+  keeps other entries in 2 layers (22 a side; `--press critical-adakv` with that row's method and
+  `heads.alpha=0.1459`); kvpress's code keeps the pinned entries at the largest float through both
+  stages, where kvcake's safeguard sets only how many a head keeps (not checked further). kvpress's
+  Ada-KV presses keep the whole prompt in the cache and mask what they drop, so they hold 100% of
+  the full cache's bytes (tables *KV bytes kept / full cache*); kvcake's hold 25%, in a ragged
+  cache. The other presses hold 25% like kvcake's presets.
 - **CriticalKV: kvpress's is ahead by a little, and the same method configured alike**: lower KL on
   14 of 18 prompts question-aware (0.0723 against `criticalkv`'s 0.0767) and 13 of 18 context-only
   (0.3275 against 0.3582, the page's lowest context-only KL, shared with kvcake's CriticalKV

@@ -1,0 +1,97 @@
+"""Which entries a kvpress press and a kvcake method keep of the same document, layer by layer: the
+kept sets compared, where ``docs/kvpress.md`` compares only what the two caches answer.
+
+Context-only, as that page's cells compress it: the ``niah_single`` document of the page's sample 0
+(2k tokens, paul_graham haystack, the restated needle), ``--ratio`` of it kept, the 32-token
+window; the press's kept set is what its attention patch leaves unmasked (the Ada-KV presses, the
+ones compared here). Run it where kvpress is installed (kvpress 0.5 needs
+transformers < 5.3: docs/kvpress.md says how), with this repository on ``PYTHONPATH``:
+
+    PYTHONPATH=src /tmp/kvp/bin/python scripts/kvpress_kept_sets.py --press adakv \\
+        --method adakv,score.pooling=avg,score.kernel=5
+
+Prints, for each layer whose sets differ, the entries kept by one side only, then the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def press_masks(model, ids: torch.Tensor, press: str, kept: int, window: int) -> list[torch.Tensor]:
+    """(1, H_kv, S) bool per layer: the entries ``kvpress:<press>`` keeps of ``ids`` (1, S)."""
+    from kvcake.bench.kvpress_rows import press_context
+    from kvcake.eval.press_cells import _prefill
+
+    s, hkv = ids.shape[1], model.config.num_key_value_heads
+    with torch.no_grad(), press_context(model, f"kvpress:{press}", budget=kept, length=s, window=window):
+        _prefill(model, ids)
+        masks = []
+        for layer in model.model.layers:
+            masked = getattr(layer.self_attn, "masked_key_indices", None)
+            if masked is None:
+                raise ValueError(f"press {press!r} does not mask: this script compares the Ada-KV presses")
+            m = torch.ones(1, hkv, s, dtype=torch.bool)  # the whole prompt held, the dropped entries masked
+            b, h, pos = masked
+            m[b, h, pos] = False
+            masks.append(m)
+    return masks
+
+
+def kvcake_masks(model, ids: torch.Tensor, method: str, kept: int) -> list[torch.Tensor]:
+    """(1, H_kv, S) bool per layer: the entries ``kvcake.compress(model, ids, method)`` keeps."""
+    import kvcake
+
+    s, hkv = ids.shape[1], model.config.num_key_value_heads
+    cache = kvcake.compress(model, ids, method, budget=kept).cache
+    masks = []
+    for layer in cache.layers:
+        m = torch.zeros(1, hkv, s, dtype=torch.bool)
+        pos = layer.positions
+        if layer.meta is not None:  # ragged: (T,) positions, segment b * H_kv + h each
+            ok = pos >= 0
+            m.view(-1, s)[layer.meta.seg[ok], pos[ok]] = True
+        else:  # dense: (B, H_kv, N), -1 for an empty slot
+            for h in range(hkv):
+                m[0, h, pos[0, h][pos[0, h] >= 0]] = True
+        masks.append(m)
+    return masks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--press", default="adakv", help="adakv or critical-adakv (the presses that mask)")
+    parser.add_argument("--method", default="adakv,score.pooling=avg,score.kernel=5")
+    parser.add_argument("--ratio", type=float, default=0.25)
+    args = parser.parse_args()
+    import kvpress  # noqa: F401  (its patch wraps the attention functions before kvcake's exist)
+
+    import kvcake
+    from kvcake.eval.press_cells import press_budget
+    from kvcake.eval.tasks import make_samples
+    from kvcake.prompts import build_prompt
+
+    model, tok = kvcake.load_model()
+    sample = make_samples(
+        "niah_single", tok, 1, 2048, seed=0, haystack="paul_graham", needle_style="restated"
+    )[0]
+    ids = build_prompt(tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False)).context
+    kept = press_budget(None, args.ratio, ids.shape[1], 32)
+    theirs = press_masks(model, ids, args.press, kept, 32)
+    ours = kvcake_masks(model, ids, args.method, kept)
+    differing = 0
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        only_press, only_kvcake = int((a & ~b).sum()), int((b & ~a).sum())
+        if only_press or only_kvcake:
+            differing += 1
+            print(f"layer {i}: {only_press} entries kept by kvpress only, {only_kvcake} by kvcake only")
+    print(
+        f"kvpress:{args.press} against {args.method}: {ids.shape[1]}-token document, {kept} entries a head "
+        f"on average; {differing} of {len(ours)} layers keep different entries"
+    )
+
+
+if __name__ == "__main__":
+    main()
