@@ -40,26 +40,6 @@ def press_masks(model, ids: torch.Tensor, press: str, kept: int, window: int) ->
     return masks
 
 
-def kvcake_masks(model, ids: torch.Tensor, method: str, kept: int) -> list[torch.Tensor]:
-    """(1, H_kv, S) bool per layer: the entries ``kvcake.compress(model, ids, method)`` keeps."""
-    import kvcake
-
-    s, hkv = ids.shape[1], model.config.num_key_value_heads
-    cache = kvcake.compress(model, ids, method, budget=kept).cache
-    masks = []
-    for layer in cache.layers:
-        m = torch.zeros(1, hkv, s, dtype=torch.bool)
-        pos = layer.positions
-        if layer.meta is not None:  # ragged: (T,) positions, segment b * H_kv + h each
-            ok = pos >= 0
-            m.view(-1, s)[layer.meta.seg[ok], pos[ok]] = True
-        else:  # dense: (B, H_kv, N), -1 for an empty slot
-            for h in range(hkv):
-                m[0, h, pos[0, h][pos[0, h] >= 0]] = True
-        masks.append(m)
-    return masks
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--press", default="adakv", help="adakv or critical-adakv (the presses that mask)")
@@ -71,6 +51,7 @@ def main() -> None:
     import kvcake
     from kvcake.eval.press_cells import press_budget
     from kvcake.eval.tasks import make_samples
+    from kvcake.inspect import kept_mask
     from kvcake.prompts import build_prompt
 
     model, tok = kvcake.load_model()
@@ -80,7 +61,9 @@ def main() -> None:
     ids = build_prompt(tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False)).context
     kept = press_budget(None, args.ratio, ids.shape[1], 32)
     theirs = press_masks(model, ids, args.press, kept, 32)
-    ours = kvcake_masks(model, ids, args.method, kept)
+    ours = [
+        torch.from_numpy(m)[None] for m in kept_mask(kvcake.compress(model, ids, args.method, budget=kept))
+    ]
     differing = 0
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         only_press, only_kvcake = int((a & ~b).sum()), int((b & ~a).sum())

@@ -294,7 +294,6 @@ class Critical(Selector):
             first = torch.minimum((prefix >= MARK).sum(-1), prefix_counts)
         elif self.first == "kvpress":  # the window's entries count in stage 1's share of the whole
             first = (torch.floor(inp.counts.double() * self.alpha).long() - window.sum(-1)).clamp(min=0)
-            first = torch.minimum(first, prefix_counts)
         else:
             first = torch.floor(prefix_counts.double() * self.alpha).long()
         stage1 = (ranks_desc(prefix) < first[..., None]) & prefix_ok
