@@ -1,14 +1,15 @@
 """Which entries a kvpress press and a kvcake method keep of the same document, layer by layer: the
 kept sets compared, where ``docs/kvpress.md`` compares only what the two caches answer.
 
-Context-only, as that page's cells compress it: the ``niah_single`` document of the page's sample 0
-(2k tokens, paul_graham haystack, the restated needle), ``--ratio`` of it kept, the 32-token
-window; the press's kept set is what its attention patch leaves unmasked (the Ada-KV presses, the
-ones compared here). Run it where kvpress is installed (kvpress 0.5 needs
+As that page's cells compress it: the document of ``--task`` (default ``niah_single``) sample
+``--seed`` (default 0; 2k tokens, paul_graham haystack, the restated needle for the NIAH tasks),
+with its question for ``--scenario question`` (the question inside the compressed prompt), alone
+for ``context`` (the default); ``--ratio`` of it kept, the 32-token window. The press's kept set
+is what its attention patch leaves unmasked (the Ada-KV presses, the ones compared here). Run it where kvpress is installed (kvpress 0.5 needs
 transformers < 5.3: docs/kvpress.md says how), with this repository on ``PYTHONPATH``:
 
     PYTHONPATH=src /tmp/kvp/bin/python scripts/kvpress_kept_sets.py --press adakv \\
-        --method adakv,score.pooling=avg,score.kernel=5
+        --method adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress
 
 Prints, for each layer whose sets differ, the entries kept by one side only, then the totals.
 """
@@ -43,22 +44,30 @@ def press_masks(model, ids: torch.Tensor, press: str, kept: int, window: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--press", default="adakv", help="adakv or critical-adakv (the presses that mask)")
-    parser.add_argument("--method", default="adakv,score.pooling=avg,score.kernel=5")
+    parser.add_argument("--method", default="adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress")
     parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--task", default="niah_single", help="a synthetic task of docs/kvpress.md")
+    parser.add_argument("--seed", type=int, default=0, help="the sample (its seed)")
+    parser.add_argument("--scenario", choices=("context", "question"), default="context")
     args = parser.parse_args()
     import kvpress  # noqa: F401  (its patch wraps the attention functions before kvcake's exist)
 
     import kvcake
     from kvcake.eval.press_cells import press_budget
+    from kvcake.eval.questions import task_options_for
     from kvcake.eval.tasks import make_samples
     from kvcake.inspect import kept_mask
     from kvcake.prompts import build_prompt
 
     model, tok = kvcake.load_model()
-    sample = make_samples(
-        "niah_single", tok, 1, 2048, seed=0, haystack="paul_graham", needle_style="restated"
-    )[0]
-    ids = build_prompt(tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False)).context
+    options = task_options_for(args.task, "restated", None)
+    sample = make_samples(args.task, tok, 1, 2048, seed=args.seed, haystack="paul_graham", **options)[0]
+    prompt = build_prompt(
+        tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False), sample.answer_prefix
+    )
+    ids = (
+        prompt.context if args.scenario == "context" else torch.cat([prompt.context, prompt.question], dim=1)
+    )
     kept = press_budget(None, args.ratio, ids.shape[1], 32)
     theirs = press_masks(model, ids, args.press, kept, 32)
     ours = [
@@ -71,7 +80,9 @@ def main() -> None:
             differing += 1
             print(f"layer {i}: {only_press} entries kept by kvpress only, {only_kvcake} by kvcake only")
     print(
-        f"kvpress:{args.press} against {args.method}: {ids.shape[1]}-token document, {kept} entries a head "
+        f"kvpress:{args.press} against {args.method}: {args.task} sample {args.seed}, "
+        f"{'context-only' if args.scenario == 'context' else 'question-aware'}"
+        f" ({ids.shape[1]} tokens compressed), {kept} entries a head "
         f"on average; {differing} of {len(ours)} layers keep different entries"
     )
 

@@ -77,11 +77,20 @@ def test_preference_and_tau_defaults():
     assert default_tau("somethingelse", 128) == FALLBACK_TAU
 
 
-def adakv_reference(scores, budget, window, alpha):
+def safeguard_pin(budget, window, alpha, safeguard):
+    """The prefix entries Ada-KV pins in every head: ``floor(alpha * B')`` (the paper), or
+    kvpress's ``max(1, floor(alpha * B))`` with the window among them."""
+    if safeguard == "prefix":
+        return int(alpha * (budget - window))
+    whole = max(1, int(alpha * budget)) if alpha > 0 and budget > 0 else int(alpha * budget)
+    return max(whole - window, 0)
+
+
+def adakv_reference(scores, budget, window, alpha, safeguard="prefix"):
     """Direct, loop-based Ada-KV (Algorithm 1 with the safeguard) for one sequence."""
     h, s = scores.shape
     prefix_budget = budget - window
-    pin = int(alpha * prefix_budget)
+    pin = safeguard_pin(budget, window, alpha, safeguard)
     kept = [set(range(s - window, s)) for _ in range(h)]
     cands = []
     for head in range(h):
@@ -94,30 +103,35 @@ def adakv_reference(scores, budget, window, alpha):
     return kept
 
 
+@pytest.mark.parametrize("safeguard", ["prefix", "kvpress"])
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
-def test_adakv_equals_reference_and_keeps_safeguard(alpha):
+def test_adakv_equals_reference_and_keeps_safeguard(alpha, safeguard):
     g = torch.Generator().manual_seed(1)
     h, s, window, budget = 3, 60, 6, 20
     raw = torch.rand(2, h, s, generator=g) ** 4
     raw[1, 0] *= 10  # one head dominates in the second sequence
     scores = raw.clone()
     scores[..., -window:] = float("inf")
-    keep = AdaKV(alpha=alpha).select(scores, torch.tensor([budget, budget]), torch.tensor([window, window]))
+    ada = AdaKV(alpha=alpha, safeguard=safeguard)
+    keep = ada.select(scores, torch.tensor([budget, budget]), torch.tensor([window, window]))
+    pin = safeguard_pin(budget, window, alpha, safeguard)
+    assert ada.pinned(torch.tensor([budget]), torch.tensor([window])).tolist() == [pin]
     for b in range(2):
-        ref = adakv_reference(raw[b], budget, window, alpha)
+        ref = adakv_reference(raw[b], budget, window, alpha, safeguard)
         got = [set(torch.nonzero(keep[b, head]).flatten().tolist()) for head in range(h)]
         assert got == ref
         assert int(keep[b].sum()) == h * budget, "the layer total is exact"
         for head in range(h):
-            assert len(got[head]) >= window + int(alpha * (budget - window))
+            assert len(got[head]) >= window + pin
     if alpha < 1.0:
         counts = keep.sum(-1)
         assert len(set(counts[1].tolist())) > 1, "a dominant head wins more entries"
 
 
+@pytest.mark.parametrize("safeguard", ["prefix", "kvpress"])
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
 @pytest.mark.parametrize("seed", range(6))
-def test_adakv_counts_on_the_host_equal_select(alpha, seed):
+def test_adakv_counts_on_the_host_equal_select(alpha, seed, safeguard):
     """``AdaKV.places`` once, then ``counts_on_host`` at many budgets (a cascade's stages) equals
     ``select``'s counts: many ties (scores from 3 values), left padding, a head of equal scores,
     budgets below the window and past the prompt, a different budget per sequence."""
@@ -127,7 +141,7 @@ def test_adakv_counts_on_the_host_equal_select(alpha, seed):
     scores[..., -window:] = float("inf")
     scores[1, :, :9] = float("-inf")  # left padding
     scores[2, 0, :-window] = 0.5  # one head all ties
-    ada = AdaKV(alpha=alpha)
+    ada = AdaKV(alpha=alpha, safeguard=safeguard)
     places = ada.host_places(ada.places(scores).numpy())
     win = torch.full((3,), window)
     for budget in [0, 1, 3, window, 7, 20, 41, s - 1, s, 200]:
@@ -156,6 +170,20 @@ def test_top_ranked_equals_ranks_below_k(seed):
 def test_adakv_bad_alpha():
     with pytest.raises(ValueError, match="alpha"):
         AdaKV(alpha=1.5)
+    with pytest.raises(ValueError, match="safeguard must be one of 'prefix', 'kvpress', got 'window'"):
+        AdaKV(safeguard="window")
+
+
+def test_kvpress_safeguard_counts_the_window_among_the_pins():
+    """kvpress pins ``max(1, floor(alpha * B))`` entries, window included: 102 of 512 with a window
+    of 32 leave 70 prefix pins where the paper's ``floor(0.2 * 480)`` gives 96; a pin of at least
+    one entry of a nonzero budget, none of an empty one or with alpha 0."""
+    b, w = torch.tensor([512, 40, 3, 0, 512]), torch.tensor([32, 32, 0, 0, 0])
+    assert AdaKV().pinned(b, w).tolist() == [96, 1, 0, 0, 102]
+    assert AdaKV(safeguard="kvpress").pinned(b, w).tolist() == [70, 0, 1, 0, 102]
+    assert AdaKV(alpha=0.0, safeguard="kvpress").pinned(b, w).tolist() == [0, 0, 0, 0, 0]
+    host = AdaKV(safeguard="kvpress").pinned(b.numpy(), w.numpy())
+    assert isinstance(host, np.ndarray) and host.tolist() == [70, 0, 1, 0, 102]
 
 
 KINDS = ["spread", "zeros", "equal", "all-zero row", "over-full", "orders of magnitude"]

@@ -50,6 +50,9 @@ def test_same_kept_set_as_every_norm(seed, alpha, first):
     pruned = sel.value_norms(values, o_weight, h, scores, counts)
     keep = sel.select(SelectionInputs(scores, counts, full))
     assert torch.equal(sel.select(SelectionInputs(scores, counts, pruned)), keep)
+    pins = torch.tensor([30, 12])  # Ada-KV's safeguard (kvpress's first stage keeps them): within the top b
+    pinned = sel.select(SelectionInputs(scores, counts, full, pins))
+    assert torch.equal(sel.select(SelectionInputs(scores, counts, pruned, pins)), pinned)
     prefix_kept = keep & torch.isfinite(scores)
     assert torch.equal(pruned[prefix_kept], full[prefix_kept])  # what is kept has its exact norm
     # a cascade's later, smaller counts choose among the kept entries: still the same choice
@@ -165,8 +168,24 @@ def test_most_norms_are_skipped_on_heavy_tails():
 
 
 @pytest.mark.parametrize(
+    ("spec", "pins"),
+    [("critical-adakv,heads.safeguard=kvpress,select.first=kvpress", 8), ("critical-adakv,select.first=kvpress", 14),
+     ("critical-adakv", None), ("criticalkv,select.first=kvpress", None)],
+)  # fmt: skip
+def test_the_cache_hands_the_pins_to_the_selection(tiny_llama, monkeypatch, spec, pins):
+    """kvpress's first stage takes Ada-KV's pinned entries from the cache at each eviction's budget
+    (80 entries, a window of 8: kvpress pins 16 - 8, the paper floor(0.2 x 72)); the paper's first
+    stage and uniform heads take none."""
+    seen, select = [], Critical.select
+    monkeypatch.setattr(Critical, "select", lambda self, inp: seen.append(inp.pinned) or select(self, inp))
+    prefill(tiny_llama, prompt(300, seed=3), make_method(spec, budget=80, window=8))
+    assert seen and all((p is None) if pins is None else p.tolist() == [pins] for p in seen)
+
+
+@pytest.mark.parametrize(
     "spec",
-    ["criticalkv", "critical-adakv", "layers=cake,heads=uniform,score=cake,select=critical",
+    ["criticalkv", "critical-adakv", "critical-adakv,heads.safeguard=kvpress,select.first=kvpress",
+     "layers=cake,heads=uniform,score=cake,select=critical",
      "layers=cake,heads=adakv,score=cake,select=critical", "layers=pyramid,heads=adakv,score=snapkv,select=critical",
      "defensivekv", "layer-defensivekv"],
 )  # fmt: skip

@@ -164,14 +164,15 @@ def test_projected_value_norms(inputs):
     torch.testing.assert_close(got.double(), norms_ref(inputs[2], w), atol=1e-5, rtol=1e-5)
 
 
-def critical_ref(scores, norms, count, alpha=0.5, eps=1e-4, first="ratio"):
+def critical_ref(scores, norms, count, alpha=0.5, eps=1e-4, first="ratio", pinned=0):
     """Direct two-stage selection for one head (stage 1: ``alpha`` of the prefix budget, or with
-    ``first="kvpress"`` of the whole budget, the window counted in it)."""
+    ``first="kvpress"`` of the whole budget, the window counted in it, and at least the ``pinned``
+    top prefix entries)."""
     n = scores.shape[0]
     window = {i for i in range(n) if scores[i] == float("inf")}
     prefix = [i for i in range(n) if torch.isfinite(scores[i])]
     b = count - len(window)
-    b1 = int(alpha * b) if first == "ratio" else max(0, int(alpha * count) - len(window))
+    b1 = int(alpha * b) if first == "ratio" else max(0, int(alpha * count) - len(window), min(pinned, b))
     stage1 = sorted(prefix, key=lambda i: (-float(scores[i]), i))[:b1]
     rest = [i for i in prefix if i not in stage1]
     stage2 = sorted(rest, key=lambda i: (-float((scores[i] + eps) * norms[i]), i))[: b - b1]
@@ -198,6 +199,79 @@ def test_critical_equals_reference_and_keeps_stage_one(inputs, first):
     assert topk_only > 0, "the value norms changed some selection"
     paper = Critical().select(SelectionInputs(scores, counts, norms))
     assert torch.equal(keep, paper) == (first == "ratio"), "kvpress's smaller first stage changed some"
+
+
+def test_critical_kvpress_keeps_the_pinned_entries(inputs):
+    """``first="kvpress"`` with the allocator's pins: stage 1 is at least the pinned entries (each
+    head's top by score), so a head whose count leaves fewer to stage 1 keeps them all; the paper's
+    ``ratio`` ignores the pins."""
+    scores = run(SnapKVScorer(), inputs)
+    w = torch.randn(20, H * D, generator=torch.Generator().manual_seed(4))
+    norms = projected_value_norms(inputs[2], w, H)
+    counts = torch.tensor([[20, 25], [18, 30]])
+    pinned = torch.tensor([9, 4])  # more than half of sequence 0's prefix counts
+    keep = Critical(first="kvpress").select(SelectionInputs(scores, counts, norms, pinned))
+    for b in range(B):
+        for h in range(HKV):
+            got = set(torch.nonzero(keep[b, h]).flatten().tolist())
+            ref, stage1 = critical_ref(
+                scores[b, h], norms[b, h], int(counts[b, h]), first="kvpress", pinned=int(pinned[b])
+            )
+            assert got == ref and len(stage1) >= int(pinned[b])
+    alone = Critical(first="kvpress").select(SelectionInputs(scores, counts, norms))
+    assert not torch.equal(keep[0], alone[0]), "the pins changed a head's selection"
+    assert torch.equal(keep[1], alone[1]), "pins below kvpress's first stage change nothing"
+    paper = Critical().select(SelectionInputs(scores, counts, norms))
+    assert torch.equal(Critical().select(SelectionInputs(scores, counts, norms, pinned)), paper)
+
+
+def kvpress_critical_adakv(raw, norms, n_kept, window, alpha_safe=0.2, first_ratio=0.5, eps=1e-4):
+    """kvpress 0.5.5's ``CriticalAdaKVPress.compress`` on one sequence's scores, step for step on
+    float64 (its code, rewritten): the window scored above every prefix entry, each head's top
+    ``max(1, int(alpha * n_kept))`` raised to the largest float, the layer's top ``n_kept * H`` of
+    those scores counted per head, stage 1 ``int(0.5 x`` a head's count``)`` raised too, then each
+    head's top by ``(score + eps) * norm``. Returns the kept positions per head."""
+    h, s = raw.shape
+    fmax = torch.finfo(torch.float64).max
+    scores = raw.double().clone()
+    scores[:, s - window :] = scores[:, : s - window].max() + 1
+    n_safe = max(1, int(n_kept * alpha_safe)) if n_kept > 0 else 0
+    scores.scatter_(-1, scores.topk(n_safe, dim=-1).indices, fmax)
+    won = scores.reshape(-1).topk(n_kept * h).indices // s
+    head_budgets = torch.bincount(won, minlength=h)
+    for head in range(h):
+        first = int(head_budgets[head] * first_ratio)
+        scores[head].scatter_(-1, scores[head].topk(first).indices, fmax)
+    scores = (scores + eps) * norms.double()
+    return [set(scores[head].topk(int(head_budgets[head])).indices.tolist()) for head in range(h)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_critical_adakv_alike_equals_kvpress_press(seed):
+    """``heads=adakv,heads.safeguard=kvpress`` with ``select=critical,select.first=kvpress`` keeps
+    what kvpress's CriticalAdaKVPress keeps from the same scores and value norms (distinct scores,
+    one head ahead of all the others, so a head near its safeguard's count keeps more pins than
+    its first stage holds)."""
+    from kvcake.allocators import AdaKV
+
+    g = torch.Generator().manual_seed(seed)
+    h, s, window, n_kept = 4, 600, 8, [64, 100, 151, 120][seed]
+    raw = torch.rand(h, s, generator=g, dtype=torch.float64) ** 3
+    raw[seed % h] += 1  # above every other head: the others keep little more than their pins
+    raw[(seed + 1) % h] *= 5
+    norms = torch.rand(h, s, generator=g, dtype=torch.float64) ** 4 * 30  # stage 2 goes by the norms
+    scores = raw.clone()
+    scores[:, s - window :] = float("inf")
+    ada = AdaKV(safeguard="kvpress")
+    budget, win = torch.tensor([n_kept]), torch.tensor([window])
+    counts = ada.select(scores[None], budget, win).sum(-1)
+    pinned = ada.pinned(budget, win)
+    assert int(counts.min()) * 0.5 < window + int(pinned[0]), "a head's pins exceed its first stage"
+    keep = Critical(first="kvpress").select(SelectionInputs(scores[None], counts, norms[None], pinned))
+    got = [set(torch.nonzero(keep[0, head]).flatten().tolist()) for head in range(h)]
+    assert got == kvpress_critical_adakv(raw, norms, n_kept, window)
+    alone = Critical(first="kvpress").select(SelectionInputs(scores[None], counts, norms[None]))
+    assert not torch.equal(keep, alone), "without the pins a head keeps other entries"
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .devices import HostRead
 from .fp8 import encode_layer
-from .head_counts import dense_counts, hold_prompt_scores, stage_head_counts
+from .head_counts import dense_counts, hold_prompt_scores, pinned_on, stage_head_counts
 from .latent import output_weight, query_over
 from .logit_terms import PLAIN, LogitTerms
 from .ragged import position_rows, to_device
@@ -339,7 +339,7 @@ def evict_layer(cache: Cache, layer_idx: int, budget: torch.Tensor) -> None:
         else:
             layer.keep_positions(m.selector.select_indices(scores, n, norms), counts_host)
     else:
-        inp = SelectionInputs(scores, counts, norms)
+        inp = SelectionInputs(scores, counts, norms, pinned_on(cache, budget, dev))
         if keep is None:
             keep = m.selector.select(inp)
         # later stages evict a ragged layer again: kept in the selector's order, each of them keeps

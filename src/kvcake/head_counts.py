@@ -119,6 +119,18 @@ def head_counts(cache: Cache, layer_idx: int, scores: torch.Tensor | None, budge
     return cache.method.heads.counts(full, budget, window, cache.split)
 
 
+def pinned_on(cache: Cache, budget: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """(B,) on ``device``: the prefix entries the head allocator pinned in each head at ``budget``
+    (B,) host entries per head, where the selector keeps them (``Selector.keeps_pinned``), else None."""
+    m = cache.method
+    if (
+        not m.selector.keeps_pinned
+        or (pins := m.heads.pinned(budget.numpy(), cache.seq.window.numpy())) is None
+    ):
+        return None
+    return to_device(pins, device)
+
+
 def _host_places(cache: Cache, layer_idx: int):
     """Layer ``layer_idx``'s ``HostPlaces``, from its copy the first time (a wait, not a drain)."""
     got = cache.head_places[layer_idx]

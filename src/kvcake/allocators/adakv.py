@@ -13,6 +13,9 @@ import torch
 
 from ..tensor_parallel import HeadSplit, top_over_ranks
 
+# AdaKV.safeguard: the paper's pins counted on the prefix budget, or kvpress's on the whole budget
+SAFEGUARDS = ("prefix", "kvpress")
+
 
 def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every entry along the last dim in descending score order (0 = best).
@@ -89,6 +92,12 @@ class HeadAllocator:
         never), so that ``select(...).sum(-1)`` equals ``counts(...)``. Ragged allocators only."""
         raise NotImplementedError
 
+    def pinned(self, budget, window):
+        """(B,) int64: how many of each head's highest prefix scores every head keeps whatever the
+        others score (Ada-KV's safeguard), at ``budget`` and ``window`` (B,) entries per head (int
+        tensors, or arrays: the result alike); None where the allocator pins nothing."""
+        return None
+
 
 @dataclass(frozen=True)
 class UniformHeads(HeadAllocator):
@@ -113,12 +122,18 @@ class AdaKV(HeadAllocator):
     remaining scores of any head. The layer total is exact; heads hold different numbers of
     entries, which the ragged cache stores without padding.
 
+    ``safeguard``: ``"prefix"`` (the paper, as above) or ``"kvpress"`` (kvpress's ``AdaKVPress``):
+    ``max(1, floor(alpha * B))`` entries of the whole budget pinned, the ``Sw`` window entries
+    among them, so ``floor(alpha * B) - Sw`` prefix entries (at least 0): 70 instead of 96 of a
+    512-entry budget with a 32-entry window.
+
     Scores: (B, H_kv, S) with the window at ``+inf`` and padding at ``-inf``. Under tensor
     parallelism (``split``) they are this rank's heads; the layer's ``H_kv * B'`` and the ranking
     span every rank's heads, and the result is this rank's slice of the one-process selection.
     """
 
     alpha: float = 0.2
+    safeguard: str = "prefix"
     name = "adakv"
     ragged = True
     host_counts = True
@@ -126,6 +141,24 @@ class AdaKV(HeadAllocator):
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"Ada-KV safeguard alpha must be in [0, 1], got {self.alpha}")
+        if self.safeguard not in SAFEGUARDS:
+            raise ValueError(
+                f"Ada-KV safeguard must be one of {', '.join(map(repr, SAFEGUARDS))}, got {self.safeguard!r}"
+            )
+
+    def pinned(self, budget, window):
+        """The prefix entries pinned in each head (``HeadAllocator.pinned``): ``safeguard``'s count."""
+        host = isinstance(budget, np.ndarray)
+        budget = torch.as_tensor(budget).long()  # host for an array; a tensor stays where it is
+        window = torch.as_tensor(window, device=budget.device).long()
+        if self.safeguard == "prefix":
+            pin = torch.floor((budget - window).clamp(min=0).double() * self.alpha).long()
+        else:  # kvpress: of the whole budget, at least 1 of a nonzero one, the window among them
+            whole = torch.floor(budget.double() * self.alpha).long()
+            if self.alpha > 0:
+                whole = torch.where(budget > 0, whole.clamp(min=1), whole)
+            pin = (whole - window).clamp(min=0)
+        return pin.numpy() if host else pin
 
     def counts(
         self, scores: torch.Tensor, budget: torch.Tensor, window: torch.Tensor, split: HeadSplit | None = None
@@ -164,7 +197,7 @@ class AdaKV(HeadAllocator):
         its entries placed before ``t`` or its pinned ones, whichever are more."""
         b, h = p.prefix.shape
         prefix_budget = np.maximum(budget - window, 0)  # (B,) B'
-        pin = np.floor(prefix_budget.astype(np.float64) * self.alpha).astype(np.int64)  # as select's
+        pin = self.pinned(np.asarray(budget), np.asarray(window))  # as select's
         rows = p.flat.reshape(b, h, p.length) - (np.arange(h) * p.span)[:, None]  # a head's places, ascending
         out = np.empty((b, h), dtype=np.int64)
         for i in range(b):
@@ -187,7 +220,7 @@ class AdaKV(HeadAllocator):
         finite = torch.isfinite(scores)  # prefix entries that may be chosen
         is_window = scores == float("inf")
         prefix_budget = (budget - window).clamp(min=0)  # (B,) B'
-        pin = torch.floor(prefix_budget.double() * self.alpha).long()  # (B,)
+        pin = self.pinned(budget, window)  # (B,)
         prefix = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
         pinned = (ranks_desc(prefix) < pin[:, None, None]) & finite
         rest = torch.where(pinned, torch.full_like(prefix, float("-inf")), prefix)

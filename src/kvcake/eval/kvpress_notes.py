@@ -6,9 +6,9 @@ KVPRESS_INTRO = """\
 
 Every kvcake preset that NVIDIA's kvpress also implements, beside kvpress's press for it (rows
 `kvpress:<preset>`, `kvcake.eval.press_cells`), kvcake's presets configured as kvpress's presses
-are (SnapKV, CriticalKV, Ada-KV and CriticalKV over Ada-KV with kvpress's pooling, the CriticalKV
-ones with its first stage, `select.first=kvpress`), and `cake`, on the same prompts, model and
-budget:
+are (SnapKV, CriticalKV, Ada-KV and CriticalKV over Ada-KV with kvpress's pooling, the Ada-KV
+ones with its safeguard's count, `heads.safeguard=kvpress`, the CriticalKV ones with its first
+stage, `select.first=kvpress`), and `cake`, on the same prompts, model and budget:
 the default model (SmolLM2-135M-Instruct), 25% of each prompt kept (kvpress's
 `compression_ratio=0.75`, told exactly the same number of entries per head), the 32-token
 observation window, `niah_single`, `niah_multikey` and `variable_tracking` at 2k tokens, 6 samples
@@ -47,24 +47,28 @@ KVPRESS_NOTES = """\
 - **Ada-KV** (built on those scores): `adakv` 0.0921 against `kvpress:adakv`'s 0.1275 (lower on 9 of
   18, higher on 9) and 0.4444 against 0.4667 context-only (lower on 11); `critical-adakv` 0.0792
   against 0.1055 and 0.3702 against 0.3643. Configured as kvpress's presses are (the rows
-  `adakv,score.pooling=avg,score.kernel=5` and
-  `critical-adakv,score.pooling=avg,score.kernel=5,select.first=kvpress`: its pooling, and for
-  CriticalKV its first stage, below) kvcake's give kvpress's KL within 5e-4 nats/token on every
-  prompt of both scenarios (within 1% on 34 and 35 of 36; at most 2.1% off, on question-aware KLs
-  near 0.001), the means equal to 4 digits (0.1275 and 0.4667; 0.1055 and 0.3642 against 0.3643).
-  What is left, on the prompt checked, is the safeguard's count: kvpress pins each head's top
-  `floor(0.2 x 512)` = 102 entries with the window among them (70 before it), kvcake `floor(0.2 x
-  480)` = 96 before the window, as `docs/METHODS.md` has it. On `niah_single` sample 0 context-only
-  the Ada-KV row keeps other entries than kvpress's in 1 of 30 layers (26 a side), and the same
-  entries in every layer with kvpress's count (`heads.alpha=0.1459` there): `PYTHONPATH=src
-  /tmp/kvp/bin/python scripts/kvpress_kept_sets.py --press adakv --method
-  adakv,score.pooling=avg,score.kernel=5,heads.alpha=0.1459`. CriticalKV over Ada-KV then still
-  keeps other entries in 2 layers (22 a side; `--press critical-adakv` with that row's method and
-  `heads.alpha=0.1459`); kvpress's code keeps the pinned entries at the largest float through both
-  stages, where kvcake's safeguard sets only how many a head keeps (not checked further). kvpress's
-  Ada-KV presses keep the whole prompt in the cache and mask what they drop, so they hold 100% of
-  the full cache's bytes (tables *KV bytes kept / full cache*); kvcake's hold 25%, in a ragged
-  cache. The other presses hold 25% like kvcake's presets.
+  `adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress` and
+  `critical-adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress,select.first=kvpress`:
+  its pooling, its safeguard's count, and for CriticalKV its first stage, below) kvcake's give
+  kvpress's KL on every prompt of both scenarios: within 1e-4 relative on all 36 prompt-scenarios
+  for CriticalKV over Ada-KV (means 0.1055 and 0.3643) and on 34 of 36 for Ada-KV, the other two
+  within 2.3e-6 nats/token (question-aware, KLs near 0.002, `variable_tracking` sample 2 and
+  `niah_multikey` sample 3: the same entries kept in every layer, so the rounding of kvpress's
+  masked attention against kvcake's shorter cache), the means equal (0.1275 and 0.4667). The
+  safeguard's count is kvpress's `heads.safeguard=kvpress`: it pins each head's top `floor(0.2 x
+  512)` = 102 entries with the window among them (70 before it), where the paper as
+  `docs/METHODS.md` reads it pins `floor(0.2 x 480)` = 96 before the window; and kvpress's
+  CriticalAdaKVPress keeps those pinned entries through both stages, which kvcake's
+  `select.first=kvpress` does too (a first stage of at least the pinned entries). With both, the two
+  libraries keep the same entries in all 30 layers on `niah_single` sample 0 context-only
+  (`PYTHONPATH=src /tmp/kvp/bin/python scripts/kvpress_kept_sets.py --press adakv --method
+  adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress`, and `--press critical-adakv` with
+  that row's method; `--task variable_tracking --seed 2 --scenario question` and `--task
+  niah_multikey --seed 3 --scenario question` for the two prompts above), where the paper's count
+  left 1 layer apart for Ada-KV, and kvpress's count without the pinned entries in the first stage 2
+  layers for CriticalKV over Ada-KV. kvpress's Ada-KV presses keep the whole prompt in the cache and
+  mask what they drop, so they hold 100% of the full cache's bytes (tables *KV bytes kept / full
+  cache*); kvcake's hold 25%, in a ragged cache. The other presses hold 25% like kvcake's presets.
 - **CriticalKV: kvpress's is ahead by a little, and the same method configured alike**: lower KL on
   14 of 18 prompts question-aware (0.0723 against `criticalkv`'s 0.0767) and 13 of 18 context-only
   (0.3275 against 0.3582, the page's lowest context-only KL, shared with kvcake's CriticalKV

@@ -77,13 +77,16 @@ SUITES["results-gemma3"] = {
 # kvcake's presets beside kvpress's presses for them (kvcake.eval.press_cells), and CAKE
 KVPRESS_POOLING = "snapkv,score.pooling=avg,score.kernel=5"
 KVPRESS_CRITICAL = "criticalkv,score.pooling=avg,score.kernel=5,select.first=kvpress"
-KVPRESS_ADAKV = "adakv,score.pooling=avg,score.kernel=5"
-KVPRESS_CRITICAL_ADAKV = "critical-adakv,score.pooling=avg,score.kernel=5,select.first=kvpress"
+KVPRESS_ADAKV = "adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress"
+KVPRESS_CRITICAL_ADAKV = (
+    "critical-adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress,select.first=kvpress"
+)
 KVPRESS_PAIRS = ("streamingllm", "snapkv", "pyramidkv", "tova", "criticalkv", "adakv", "critical-adakv")
 SUITES["kvpress"] = {
     # and kvcake's presets configured as kvpress's presses are: SnapKV's pooling (average over 5
-    # positions; kvcake's default: max over 7), CriticalKV's first stage (the window counted in its
-    # half of the budget)
+    # positions; kvcake's default: max over 7), Ada-KV's safeguard (the window counted among its
+    # pinned entries), CriticalKV's first stage (the window counted in its half of the budget, and
+    # Ada-KV's pinned entries kept in it)
     "methods": (
         "full",
         *(m for preset in KVPRESS_PAIRS for m in (preset, f"kvpress:{preset}")),

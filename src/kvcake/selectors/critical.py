@@ -103,7 +103,9 @@ class Critical(Selector):
         ``"ratio"`` (CriticalKV): stage 1 is the top ``floor(alpha * b)``. ``"kvpress"`` (kvpress's
         ``CriticalKVPress``): stage 1 is ``floor(alpha * (b + w))`` of the whole budget with the
         ``w`` window entries counted among them, so ``floor(alpha * (b + w)) - w`` prefix entries
-        (at least 0): 224 instead of 240 of a 512-entry budget with a 32-entry window. ``"marked"``
+        (at least 0): 224 instead of 240 of a 512-entry budget with a 32-entry window; and at
+        least the entries Ada-KV's safeguard pinned in the head (``SelectionInputs.pinned``), which
+        kvpress's ``CriticalAdaKVPress`` keeps through both stages. ``"marked"``
         (DefensiveKV's code): stage 1 is the entries the scorer marked as holding 90% of the
         attention mass (``score >= MARK``, ``DefensiveScorer.critical_mass``), at most ``b``.
     value_norm:
@@ -134,6 +136,10 @@ class Critical(Selector):
     @property
     def needs_marks(self) -> bool:
         return self.first == "marked"
+
+    @property
+    def keeps_pinned(self) -> bool:
+        return self.first == "kvpress"
 
     def prepare_norms(self, norms: torch.Tensor, split=None) -> torch.Tensor:
         """The value weights kept with the layer, from the full prompt's norms (B, H_kv, S), at
@@ -294,6 +300,8 @@ class Critical(Selector):
             first = torch.minimum((prefix >= MARK).sum(-1), prefix_counts)
         elif self.first == "kvpress":  # the window's entries count in stage 1's share of the whole
             first = (torch.floor(inp.counts.double() * self.alpha).long() - window.sum(-1)).clamp(min=0)
+            if inp.pinned is not None:  # and the allocator's pinned entries, each head's top by score
+                first = torch.maximum(first, torch.minimum(inp.pinned[:, None], prefix_counts))
         else:
             first = torch.floor(prefix_counts.double() * self.alpha).long()
         stage1 = (ranks_desc(prefix) < first[..., None]) & prefix_ok

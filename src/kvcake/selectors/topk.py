@@ -13,11 +13,14 @@ from ..ragged import kept_indices
 @dataclass
 class SelectionInputs:
     """scores: (B, H_kv, N) with window +inf and empty/padding -inf; counts: (B, H_kv) int64
-    entries to keep per head (window included); value_norms: (B, H_kv, N) or None (CriticalKV)."""
+    entries to keep per head (window included); value_norms: (B, H_kv, N) or None (CriticalKV);
+    pinned: (B,) int64 or None, the prefix entries the head allocator pinned in each head (its top
+    by score: Ada-KV's safeguard, ``HeadAllocator.pinned``), given where the selector keeps them."""
 
     scores: torch.Tensor
     counts: torch.Tensor
     value_norms: torch.Tensor | None = None
+    pinned: torch.Tensor | None = None
 
 
 class Selector:
@@ -28,6 +31,7 @@ class Selector:
     # of all entries, so a cascade must count on the prompt's full scores (head_counts.py).
     keeps_top_scores = True
     needs_marks = False  # whether the scorer must mark a first stage (DefensiveScorer)
+    keeps_pinned = False  # whether select takes the head allocator's pinned entries (SelectionInputs.pinned)
     # Whether the kept set is each head's ``counts`` highest scores, ties to the earlier position:
     # then a head allocator's own kept set (Ada-KV's) is the selection, and a cascade counting on
     # the device takes it instead of selecting again (head_counts._kept_together).
