@@ -28,9 +28,16 @@ KVPRESS_NOTES = """\
 
 - **Where a method leaves no choice, the two libraries agree**: `streamingllm` and
   `kvpress:streamingllm` give the same KL on every one of the 18 prompts of each scenario, to 1e-5
-  (means 0.2060 question-aware, 0.4369 context-only), `tova` and `kvpress:tova` agree to 0.0014
-  on every prompt (0.1452 both; 0.4003 against 0.4002). The explicit positions, the cache shorter
-  than the prompt and the teacher forcing of kvpress's rows are therefore measured as kvcake's are.
+  (means 0.2060 question-aware, 0.4369 context-only), `tova` and `kvpress:tova` agree to 0.0014 on
+  every prompt (0.1452 both; 0.4003 against 0.4002). What is left of TOVA's is the window: kvpress's
+  `TOVAPress` protects the last token alone, where every kvcake row here protects the 32-token
+  window; with a window of 1 kvcake's `tova` gives kvpress's KL on all 36 prompt-scenarios to 4e-5
+  relative (means 0.1452 and 0.4002 both; `PYTHONPATH=src /tmp/kvp/bin/python -m kvcake.eval
+  --methods full,tova,kvpress:tova --ratios 0.25 --tasks niah_single,niah_multikey,variable_tracking
+  --lengths 2048 --samples 6 --scenario both --window 1 --out /tmp/tova_w1.jsonl`, 4.9 min,
+  2026-12-04; the two libraries' rows compared within that run). The explicit positions, the cache
+  shorter than the prompt and the teacher forcing of kvpress's rows are therefore measured as
+  kvcake's are.
 - **The mean KLs rest on one prompt**: `variable_tracking` sample 0 has the largest KL of every
   compressed row, 0.7-2.6 question-aware and 1.3-2.9 context-only, where the next largest are
   0.10-0.73 and 0.51-0.74; without `variable_tracking` the rows' question-aware means are
