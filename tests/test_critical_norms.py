@@ -182,6 +182,21 @@ def test_the_cache_hands_the_pins_to_the_selection(tiny_llama, monkeypatch, spec
     assert seen and all((p is None) if pins is None else p.tolist() == [pins] for p in seen)
 
 
+def test_a_cascade_refuses_pins_in_the_first_stage():
+    """Pins follow the layer's budget, so with them a head's second stage can grow while its count
+    shrinks: a cascade's kept sets would not nest (the property test found such a case), so
+    ``select.first=kvpress`` over Ada-KV is refused there and taken one-shot or over uniform heads."""
+    with pytest.raises(
+        ValueError, match="cascade's stages would not keep nested sets.*layers.cascading=false"
+    ):
+        make_method("layers=cake,heads=adakv,score=cake,select=critical,select.first=kvpress", budget=64)
+    with pytest.raises(ValueError, match="nested"):
+        make_method("layer-defensivekv,select.first=kvpress", budget=64)
+    for ok in ("layers=cake,heads=adakv,score=cake,select=critical,select.first=kvpress,layers.cascading=false",
+               "layers=cake,score=cake,select=critical,select.first=kvpress", "critical-adakv,select.first=kvpress"):  # fmt: skip
+        make_method(ok, budget=64)
+
+
 @pytest.mark.parametrize(
     "spec",
     ["criticalkv", "critical-adakv", "critical-adakv,heads.safeguard=kvpress,select.first=kvpress",

@@ -414,7 +414,8 @@ def _evict(stored, norms, budget, window, heads, selector, full=None):
     else:
         n_valid = (stored > -INF).sum(-1)
         counts = torch.minimum(budget[:, None].expand_as(n_valid), n_valid)
-    keep = selector.select(SelectionInputs(stored, counts, norms))
+    pinned = heads.pinned(budget, window) if selector.keeps_pinned else None
+    keep = selector.select(SelectionInputs(stored, counts, norms, pinned))
     return keep, counts
 
 
@@ -428,14 +429,16 @@ def _protect(raw, valid, window):
 @SETTINGS
 @given(
     data=st.data(),
-    heads=st.sampled_from([UniformHeads(), AdaKV(), AdaKV(alpha=0.5)]),
-    selector=st.sampled_from([TopK(), Critical(), Critical(alpha=0.25)]),
+    heads=st.sampled_from([UniformHeads(), AdaKV(), AdaKV(alpha=0.5), AdaKV(safeguard="kvpress")]),
+    selector=st.sampled_from([TopK(), Critical(), Critical(alpha=0.25), Critical(first="kvpress")]),
     ties=st.booleans(),
 )
 def test_cascade_equals_one_shot_and_only_shrinks(data, heads, selector, ties):
     """Algorithm 1 of CAKE: after layer m, re-allocate layers 0..m (intermediate stages round
     up) and evict each to its new budget by its stored scores. The kept sets only shrink
-    (Proposition 1) and the final ones equal one eviction with the final budgets (Theorem 1)."""
+    (Proposition 1) and the final ones equal one eviction with the final budgets (Theorem 1).
+    kvpress's first stage with Ada-KV's pins is refused in a cascade (``Method``): not nested."""
+    assume(not (selector.keeps_pinned and heads.ragged))
     n, b, h = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
     s = data.draw(st.integers(1, 50))
     lengths = torch.tensor(data.draw(st.lists(st.integers(1, s), min_size=b, max_size=b)))

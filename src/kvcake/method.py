@@ -94,6 +94,12 @@ class Method:
                 f"select.first=marked needs a scorer that marks the first stage (score=defensive with "
                 f"critical_mass > 0), got score={self.scorer.describe()}: use select.first=ratio"
             )
+        if self.selector.keeps_pinned and self.heads.ragged and self.layers.cascading:
+            raise ValueError(
+                "select.first=kvpress keeps Ada-KV's pinned entries in CriticalKV's first stage, and their count "
+                "follows the layer's budget, so a cascade's stages would not keep nested sets (its final ones "
+                "would differ from one-shot eviction's): add layers.cascading=false, or use select.first=ratio"
+            )
 
     def describe(self) -> str:
         """The preset name and the full composed spec (every non-default option), with the budget."""
