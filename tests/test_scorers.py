@@ -4,6 +4,7 @@ matrix, on random post-RoPE tensors with left padding."""
 import pytest
 import torch
 
+from kvcake.allocators import AdaKV
 from kvcake.scorers import (
     CakeScorer,
     DefensiveScorer,
@@ -252,8 +253,6 @@ def test_critical_adakv_alike_equals_kvpress_press(seed):
     what kvpress's CriticalAdaKVPress keeps from the same scores and value norms (distinct scores,
     one head ahead of all the others, so a head near its safeguard's count keeps more pins than
     its first stage holds)."""
-    from kvcake.allocators import AdaKV
-
     g = torch.Generator().manual_seed(seed)
     h, s, window, n_kept = 4, 600, 8, [64, 100, 151, 120][seed]
     raw = torch.rand(h, s, generator=g, dtype=torch.float64) ** 3
