@@ -5,8 +5,9 @@ As that page's cells compress it: the document of ``--task`` (default ``niah_sin
 ``--seed`` (default 0; 2k tokens, paul_graham haystack, the restated needle for the NIAH tasks),
 with its question for ``--scenario question`` (the question inside the compressed prompt), alone
 for ``context`` (the default); ``--ratio`` of it kept, the 32-token window. The press's kept set
-is what its attention patch leaves unmasked (the Ada-KV presses, the ones compared here). Run it where kvpress is installed (kvpress 0.5 needs
-transformers < 5.3: docs/kvpress.md says how), with this repository on ``PYTHONPATH``:
+is what its attention patch leaves unmasked (the Ada-KV presses, the ones compared here). Run it
+where kvpress is installed (kvpress 0.5 needs transformers < 5.3: docs/kvpress.md says how), with
+this repository on ``PYTHONPATH``:
 
     PYTHONPATH=src /tmp/kvp/bin/python scripts/kvpress_kept_sets.py --press adakv \\
         --method adakv,score.pooling=avg,score.kernel=5,heads.safeguard=kvpress

@@ -177,7 +177,12 @@ def test_the_cache_hands_the_pins_to_the_selection(tiny_llama, monkeypatch, spec
     (80 entries, a window of 8: kvpress pins 16 - 8, the paper floor(0.2 x 72)); the paper's first
     stage and uniform heads take none."""
     seen, select = [], Critical.select
-    monkeypatch.setattr(Critical, "select", lambda self, inp: seen.append(inp.pinned) or select(self, inp))
+
+    def recording(self, inp):
+        seen.append(inp.pinned)
+        return select(self, inp)
+
+    monkeypatch.setattr(Critical, "select", recording)
     prefill(tiny_llama, prompt(300, seed=3), make_method(spec, budget=80, window=8))
     assert seen and all((p is None) if pins is None else p.tolist() == [pins] for p in seen)
 
