@@ -92,10 +92,19 @@ def test_unshifted_exponentials_fall_back_where_inexact(kind, masked):
 
 
 def test_block_rows_fit_the_block():
-    for length in (1, 100, 4096, 8192, 1 << 20):
+    low, high = h2o.CPU_ROWS
+    for length in (1, 100, 2048, 4096, 8192, 16384, 1 << 20):
         rows = h2o.block_rows(1, 9, length, torch.device("cpu"))
-        assert h2o.MIN_ROWS <= rows <= max(h2o.MIN_ROWS, h2o.CPU_MAX_ROWS) and rows & (rows - 1) == 0
-        assert rows == h2o.MIN_ROWS or 4 * 9 * rows * length <= h2o.BLOCK_BYTES
+        assert low <= rows <= high and rows & (rows - 1) == 0
+        assert rows == low or 4 * 9 * rows * length <= h2o.BLOCK_BYTES  # the largest that fits
+        assert rows == high or 4 * 9 * 2 * rows * length > h2o.BLOCK_BYTES
+    # SmolLM2-135M's 9 heads: 64 rows up to 4096 tokens, 32 beyond (scripts/h2o_block_rows.py)
+    assert [h2o.block_rows(1, 9, n, torch.device("cpu")) for n in (4096, 8192, 16384)] == [64, 32, 32]
+    for length in (1, 4096, 1 << 20):
+        rows = h2o.block_rows(1, 9, length, torch.device("cuda"))
+        assert rows >= h2o.MIN_ROWS and (
+            rows == h2o.MIN_ROWS or 4 * 9 * rows * length <= h2o.DEVICE_BLOCK_BYTES
+        )
     assert h2o.block_rows(1, 9, 4096, torch.device("cuda")) > h2o.block_rows(1, 9, 4096, torch.device("cpu"))
 
 

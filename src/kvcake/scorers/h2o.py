@@ -89,19 +89,21 @@ def accumulated_attention(inp: PrefillInputs, chunk: int) -> torch.Tensor:
     return total
 
 
-# Bytes of one block of logits (B, H, rows, S) in attention_with_column_sums. On the CPU, 32 MiB is
-# 128 rows at 4096 tokens and 64 at 8192 for 9 heads: one layer of that shape on one core took
-# 0.177 s and 0.726 s so, 1.05 x and 1.15 x SDPA's causal attention (`python
-# scripts/h2o_block_rows.py`, 2026-11-26); with the 32 and 16 rows of an 8 MiB block and the
-# maxima subtracted (the loop before then) 0.223 s and 0.929 s, 1.29 x and 1.44 x. On an AMD EPYC
-# core at 4096 tokens (base-2 exponentials, 2026-11-28, best of 5) 16-256 rows took 1.10-1.25 x,
-# 32-128 rows 1.10-1.13 x. At 8192 tokens 128 rows beat the 64 that 32 MiB gave in every
-# measurement: 0.96 against 1.04 x SDPA (AMD EPYC, 2026-11-29), 1.21 / 1.12 / 1.10 against 1.26 /
-# 1.13 / 1.19 x in three runs on an Intel Xeon core (2026-11-30, best of 5), where at 4096 64-256
-# rows were within each run's noise (1.09-1.23 x); so the CPU takes up to ``CPU_MAX_ROWS`` rows
-# within 64 MiB. On a GPU a block large enough to keep the matmuls wide.
-BLOCK_BYTES = 64 << 20  # the CPU (kvcake.devices.cpu_route)
-CPU_MAX_ROWS = 128
+# Bytes of one block of logits (B, H, rows, S) in attention_with_column_sums, and its query rows.
+# On the CPU the block's passes (exponentials, row sums, the values' and the column sums' matmuls)
+# should find it in the last-level cache: SmolLM2-135M's shape (9 heads) on one core of an AMD EPYC
+# with 32 MiB of L3 (`python scripts/h2o_block_rows.py`, medians of interleaved rounds, 2026-12-05)
+# took 0.90 / 0.96 / 1.09 / 1.10 x SDPA's causal attention at 2048 / 4096 / 8192 / 16384 tokens
+# with 64 / 64 / 32 / 32 rows (4.7-18.9 MB blocks) against 1.02 / 1.01 / 1.20 / 1.21 x with the 128
+# / 128 / 128 / 64 rows of the 64 MiB rule before (up to 37.7 MB, over the L3), and 16 rows, the
+# smallest block, 1.04-1.17 x (the matmuls narrow). So the CPU takes 32 to 64 rows, as many as fit
+# 16 MiB. Inside whole prefills of 8192 tokens (`scripts/h2o_prefill_attention.py`) the 30 layers'
+# loop then took 23.7 / 24.0 s against SDPA's 24.2 / 24.4 s (1.17 x with 128 rows, 2026-11-29).
+# Earlier single runs on that host and an Intel Xeon had preferred 128 rows to 64 at 8192
+# (0.96 against 1.04 x, 1.10-1.21 against 1.13-1.26 x; best of 5, not interleaved). On a GPU a
+# block large enough to keep the matmuls wide.
+BLOCK_BYTES = 16 << 20  # the CPU (kvcake.devices.cpu_route)
+CPU_ROWS = (32, 64)
 DEVICE_BLOCK_BYTES = 256 << 20
 MIN_ROWS = 16
 # Where a block's rows may be exponentiated without subtracting each row's maximum (the CPU, whose
@@ -120,13 +122,13 @@ LOG2E = 1.4426950408889634
 
 
 def block_rows(batch: int, heads: int, length: int, device: torch.device) -> int:
-    """Query rows per block of :func:`attention_with_column_sums`: a power of two, at least
-    ``MIN_ROWS``, whose float32 logits fit the device's block size (on the CPU at most
-    ``CPU_MAX_ROWS``)."""
+    """Query rows per block of :func:`attention_with_column_sums`: the largest power of two whose
+    float32 logits fit the device's block size, within ``CPU_ROWS`` on the CPU and at least
+    ``MIN_ROWS`` elsewhere."""
     cpu = cpu_route(device)
     rows = max(1, (BLOCK_BYTES if cpu else DEVICE_BLOCK_BYTES) // (4 * batch * heads * max(length, 1)))
-    rows = min(rows, CPU_MAX_ROWS) if cpu else rows
-    return max(MIN_ROWS, 1 << (rows.bit_length() - 1))
+    rows = 1 << (rows.bit_length() - 1)
+    return min(max(rows, CPU_ROWS[0]), CPU_ROWS[1]) if cpu else max(rows, MIN_ROWS)
 
 
 def fusable_mask(mask: torch.Tensor | None, length: int) -> bool:
