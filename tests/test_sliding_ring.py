@@ -215,7 +215,7 @@ def test_kvcake_generate_compiles_a_hybrid_models_decoding_forward():
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     out, cache = kvcake.generate(model, ids, "snapkv", budget=8, window=4, max_new_tokens=20, compile=config)
     ref, _ = kvcake.generate(model, ids, "snapkv", budget=8, window=4, max_new_tokens=20, do_sample=False)
-    assert cache.is_compileable and 1 <= len(graphs) <= 2
+    assert cache.is_compileable and len(graphs) == 1
     assert all(
         isinstance(cache.layers[i], SlidingLayer) and cache.layers[i].static == "ring" for i in SLIDING
     )

@@ -324,16 +324,16 @@ class KVCakeCache(RecurrentStates, Cache):
         return self.info.hands_kwargs and not self.info.own_masks and bool(self.static)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        """One column where no layer reads the mask: a sliding ring's token; compressed layers all in static
-        storage in a compiled step (a growing size would be a graph a step; a StaticCache fixes its own).
-        Eagerly the ring's column sits at the token's position (the query offset, read just before), since
-        overlays index tensors by position (Gemma 3's image blocks: ``block_sequence_ids`` padded to it)."""
+        """One column where no layer reads the mask (a growing size would recompile a step): a sliding ring's
+        token; a token over compressed layers all in static storage, compiled or in the 4-D mask ``generate``
+        builds for that step, eagerly at its position (overlays index by it: Gemma 3's ``block_sequence_ids``)."""
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length  # (5.0)
-        if isinstance(self.layers[layer_idx], SlidingLayer):
-            if self.layers[layer_idx].static is not None and q == 1:
-                return 1, 0 if torch.compiler.is_compiling() else self.layers[layer_idx].cumulative_length
-        elif torch.compiler.is_compiling() and all(self.layers[i].static for i in self.compressed):
-            return 1, 0
+        layer, static = self.layers[layer_idx], all(self.layers[i].static for i in self.compressed)
+        if isinstance(layer, SlidingLayer):
+            if layer.static is not None and q == 1:
+                return 1, 0 if torch.compiler.is_compiling() else layer.cumulative_length
+        elif static and (torch.compiler.is_compiling() or q == 1 and self.is_compileable):
+            return 1, 0 if torch.compiler.is_compiling() else layer.length
         return super().get_mask_sizes(query_length, layer_idx)
 
     # -- bookkeeping ---------------------------------------------------------------------------

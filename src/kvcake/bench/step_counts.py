@@ -37,8 +37,9 @@ INTRO = (
     "counting backend over the decode steps, `max_cache_len` = prompt + steps (dynamo's default, "
     "`dynamic=None`), the 2-D padding mask passed in and grown by one column a step; the second graph "
     "is the recompile that makes that mask's length symbolic (transformers' StaticCache takes three "
-    "graphs here; without the mask, as `generate` calls a compileable cache, a kvcake step is one "
-    "graph even with `dynamic=False`: `tests/test_compile.py`). Target (issue 22): 0 syncs, <= 30 extra "
+    "graphs here; with the 4-D mask `generate` builds for a compileable cache instead, one column "
+    "wide over static storage (`KVCakeCache.get_mask_sizes`), a kvcake step is one graph even with "
+    "`dynamic=False`: `tests/test_compile.py`). Target (issue 22): 0 syncs, <= 30 extra "
     "ops per layer, <= 2 graphs."
 )
 # ``BOOLEAN_INDEX``: indexing with a boolean mask (``t[mask]``, ``t[mask] = v``), which dispatches
