@@ -37,13 +37,18 @@ def ids(n: int, seed: int = 0, batch: int = 1, vocab: int = 128) -> torch.Tensor
 
 def assert_compiled_generate_is_eager(model, spec: str) -> None:
     """``kvcake.generate`` of 16 greedy tokens (budget 12, window 4) on a 30-token prompt: the cache
-    is compileable and the compiled decoding (CUDA graphs on CUDA) gives the eager tokens."""
+    is compileable and the compiled decoding (CUDA graphs on CUDA) is one graph, no recompile (the
+    4-D mask ``generate`` builds is one column wide), and gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
     prompt = ids(30, seed=5)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # (which leaves dynamo's counters as they were)
     kw = dict(budget=12, window=4, max_new_tokens=16, do_sample=False)
+    before = counters["stats"]["unique_graphs"]
     out, cache = kvcake.generate(model, prompt, spec, compile=True, **kw)
+    graphs = counters["stats"]["unique_graphs"] - before
     ref, _ = kvcake.generate(model, prompt, spec, compile=False, **kw)
-    assert cache.is_compileable
+    assert cache.is_compileable and graphs == 1
     assert torch.equal(out, ref)
 
 

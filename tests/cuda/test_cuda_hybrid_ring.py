@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_helpers import DEVICE, ids
+from torch._dynamo.utils import counters
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import kvcake
@@ -41,9 +42,11 @@ def test_a_hybrid_models_compiled_decode_gives_eager_tokens(dtype):
     prompt = ids(30, seed=5)
     torch._dynamo.reset()
     kw = dict(budget=8, window=4, max_new_tokens=24, do_sample=False)
+    before = counters["stats"]["unique_graphs"]  # (dynamo's reset leaves its counters)
     out, cache = kvcake.generate(model, prompt, "snapkv", compile=True, **kw)
+    graphs = counters["stats"]["unique_graphs"] - before
     ref, _ = kvcake.generate(model, prompt, "snapkv", compile=False, **kw)
-    assert cache.is_compileable
+    assert cache.is_compileable and graphs == 1  # the ring and generate's mask: one column each
     assert all(cache.layers[i].static == "ring" for i in (0, 1, 3, 4))
     assert all(cache.layers[i].cumulative_length == out.shape[1] - 1 for i in (0, 1, 3, 4))
     if dtype == torch.float32:  # bf16: inductor's fusions round differently, and near-tied greedy tokens flip
