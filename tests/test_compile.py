@@ -547,7 +547,7 @@ def test_a_compressed_contexts_question_then_a_compiled_decode(spec, budget):
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     config._compile_all_devices = True  # transformers compiles on accelerators only by default
     compiled = ctx.generate(question, max_new_tokens=12, do_sample=False, compile_config=config)
-    plain = budget >= 60 + 6 + 12  # never evicts: the model's kernel reads its growing mask
+    plain = budget >= ids.shape[1] + question.shape[1] + 12  # never evicts: the model's kernel reads its mask
     assert len(graphs) == (2 if plain else 1)  # plain: one recompile, to a symbolic mask size
     assert torch.equal(compiled, eager)
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcake
@@ -35,18 +36,22 @@ def ids(n: int, seed: int = 0, batch: int = 1, vocab: int = 128) -> torch.Tensor
     return torch.randint(3, vocab, (batch, n), generator=g).to(DEVICE)
 
 
+def graphs_captured(call):
+    """``(call(), graphs dynamo captured during it)``, with whichever backend compiles them (dynamo's
+    ``unique_graphs`` counter, which ``torch._dynamo.reset`` leaves as it was: the difference)."""
+    before = counters["stats"]["unique_graphs"]
+    out = call()
+    return out, counters["stats"]["unique_graphs"] - before
+
+
 def assert_compiled_generate_is_eager(model, spec: str) -> None:
     """``kvcake.generate`` of 16 greedy tokens (budget 12, window 4) on a 30-token prompt: the cache
     is compileable and the compiled decoding (CUDA graphs on CUDA) is one graph, no recompile (the
     4-D mask ``generate`` builds is one column wide), and gives the eager tokens."""
-    from torch._dynamo.utils import counters
-
     prompt = ids(30, seed=5)
-    torch._dynamo.reset()  # (which leaves dynamo's counters as they were)
+    torch._dynamo.reset()
     kw = dict(budget=12, window=4, max_new_tokens=16, do_sample=False)
-    before = counters["stats"]["unique_graphs"]
-    out, cache = kvcake.generate(model, prompt, spec, compile=True, **kw)
-    graphs = counters["stats"]["unique_graphs"] - before
+    (out, cache), graphs = graphs_captured(lambda: kvcake.generate(model, prompt, spec, compile=True, **kw))
     ref, _ = kvcake.generate(model, prompt, spec, compile=False, **kw)
     assert cache.is_compileable and graphs == 1
     assert torch.equal(out, ref)
