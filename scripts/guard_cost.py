@@ -12,7 +12,12 @@ not remove. Each step here is ``torch.compile(greedy_step(model), fullgraph=True
 prefill (``--length`` tokens, budget ``--budget``, ``max_cache_len`` reserved as the decode
 benchmark does); the figure is the median of ``--repeats`` calls of the graph's own guard check
 (``check`` of its guard manager) on the arguments of the next step, the rows' calls interleaved,
-and the number of guards.
+and the number of guards. ``--split`` also compiles each step with the guards on the cache and on
+kvcake's modules left out (``guard_filter_fn``; the cache is the step's argument ``cache``, a
+``StaticCache`` for the floor) and times that check beside the whole one, the two alternated in a
+loop of their own (the CPU's caches warm: a lower bound of a step's check). Their difference is
+what checking the cache costs, kvcake's layers against transformers' own. That compile is for
+measuring only: a step without those guards would not notice its cache change.
 ``--dump DIR`` writes each guard tree (``DIR/<method>.txt``) to see what is guarded.
 """
 
@@ -32,9 +37,16 @@ from kvcake.bench.floor import FLOOR_TOKENS, floor_cache
 from kvcake.models import load_model
 
 
-def compiled_guards(model, ids: torch.Tensor, spec: str, budget: int, dump: Path | None) -> dict:
+def not_the_cache(entries) -> list[bool]:
+    """A ``guard_filter_fn``: every guard but those on the step's cache and on kvcake's modules."""
+    return [not (e.name.startswith("cache") or "__import_kvcake" in e.name) for e in entries]
+
+
+def compiled_guards(
+    model, ids: torch.Tensor, spec: str, budget: int, dump: Path | None, keep=None
+) -> dict:  # fmt: skip
     """The guards of one preset's compiled step (``floor``: the model's own StaticCache), with the
-    next step's arguments they pass on."""
+    next step's arguments they pass on; ``keep``: a ``guard_filter_fn`` (None: every guard)."""
     room = 8
     if spec == "floor":
         cache, start = floor_cache(model, ids, room), FLOOR_TOKENS
@@ -44,7 +56,9 @@ def compiled_guards(model, ids: torch.Tensor, spec: str, budget: int, dump: Path
         shared_prefill(model, ids, [cache])
         start = ids.shape[1]
     step = greedy_step(model, own_code=True)  # a code object, so graphs and guards, of its own
-    compiled = torch.compile(step, fullgraph=True)
+    compiled = torch.compile(
+        step, fullgraph=True, options=None if keep is None else {"guard_filter_fn": keep}
+    )
     tok = ids[:, -1:].clone()  # (1, 1) contiguous, as every later step's token
     with kvcake.enable(model), torch.no_grad():
         for i in range(3):
@@ -58,7 +72,7 @@ def compiled_guards(model, ids: torch.Tensor, spec: str, budget: int, dump: Path
                 f"{spec}: the guards fail on the next step's arguments:\n{manager.check_verbose(frame)}"
             )
     tree = str(manager)
-    if dump is not None:
+    if dump is not None and keep is None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{spec}.txt").write_text(tree)
     return dict(method=spec, manager=manager, frame=frame, guards=tree.count("+- ") - tree.count("GuardManager"),
@@ -73,6 +87,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=200, help="guard checks timed per preset")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--dump", type=Path, default=None, help="folder for each guard tree")
+    p.add_argument("--split", action="store_true", help="also time the check without the cache's guards")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,25 +95,48 @@ def main() -> None:
     ids = torch.randint(
         100, model.config.vocab_size - 1, (1, args.length), generator=torch.Generator().manual_seed(0)
     )
-    rows = [compiled_guards(model, ids, spec, args.budget, args.dump)
-            for spec in ["floor", *[m for m in args.methods.split(",") if m]]]  # fmt: skip
-    times = {r["method"]: [] for r in rows}
+    specs = ["floor", *[m for m in args.methods.split(",") if m]]
+    rows = [compiled_guards(model, ids, spec, args.budget, args.dump) for spec in specs]
+    if args.split:
+        for spec in specs:
+            row = compiled_guards(model, ids, spec, args.budget, None, keep=not_the_cache)
+            rows.append(row | dict(method=f"{spec} w/o"))
+    whole, without = rows[: len(specs)], rows[len(specs) :]
+    times = {r["method"]: [] for r in whole}
     with kvcake.enable(model), torch.no_grad():  # the state the guards were made in
         for _ in range(args.repeats):  # interleaved: the host's drift spreads over every row
-            for r in rows:
-                t = time.perf_counter()
-                passed = r["manager"].check(r["frame"])
-                times[r["method"]].append(time.perf_counter() - t)
-                if not passed:  # a failing check stops early: its time would mean nothing
-                    raise RuntimeError(
-                        f"{r['method']}: the guards no longer pass: {r['manager'].check_verbose(r['frame'])}"
-                    )
-    print(f"| cache | guard check us (median of {args.repeats}, interleaved) | guards | tensor guards |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        print(
-            f"| {r['method']} | {statistics.median(times[r['method']]) * 1e6:.0f} | {r['guards']} | {r['tensors']} |"
+            for r in whole:
+                times[r["method"]].append(check_time(r))
+        # --split: each row's two checks alternated in a loop of their own, the CPU's caches warm (the
+        # interleaved checks above are cold, and their spread hides a difference of this size)
+        warm = {a["method"]: [[], []] for a in whole} if without else {}
+        for a, b in zip(whole, without, strict=False):
+            for _ in range(args.repeats):
+                warm[a["method"]][0].append(check_time(a))
+                warm[a["method"]][1].append(check_time(b))
+    split = " | warm: all, us | warm: without the cache's, us | warm: the cache's, us" if without else ""
+    print(
+        f"| cache | guard check us (median of {args.repeats}, interleaved) | guards | tensor guards{split} |"
+    )
+    print("| --- " * (4 + 3 * bool(without)) + "|")
+    for r in whole:
+        cells = [r["method"], f"{statistics.median(times[r['method']]) * 1e6:.0f}", r["guards"], r["tensors"]]
+        if without:
+            full, rest = (statistics.median(t) * 1e6 for t in warm[r["method"]])
+            cells += [f"{full:.0f}", f"{rest:.0f}", f"{full - rest:.0f}"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def check_time(row: dict) -> float:
+    """Seconds of one check of ``row``'s guards on the next step's arguments."""
+    t = time.perf_counter()
+    passed = row["manager"].check(row["frame"])
+    t = time.perf_counter() - t
+    if not passed:  # a failing check stops early: its time would mean nothing
+        raise RuntimeError(
+            f"{row['method']}: the guards no longer pass: {row['manager'].check_verbose(row['frame'])}"
         )
+    return t
 
 
 if __name__ == "__main__":
