@@ -42,9 +42,7 @@ def not_the_cache(entries) -> list[bool]:
     return [not (e.name.startswith("cache") or "__import_kvcake" in e.name) for e in entries]
 
 
-def compiled_guards(
-    model, ids: torch.Tensor, spec: str, budget: int, dump: Path | None, keep=None
-) -> dict:  # fmt: skip
+def compiled_guards(model, ids: torch.Tensor, spec: str, budget: int, dump: Path | None, keep=None) -> dict:
     """The guards of one preset's compiled step (``floor``: the model's own StaticCache), with the
     next step's arguments they pass on; ``keep``: a ``guard_filter_fn`` (None: every guard)."""
     room = 8
@@ -72,7 +70,7 @@ def compiled_guards(
                 f"{spec}: the guards fail on the next step's arguments:\n{manager.check_verbose(frame)}"
             )
     tree = str(manager)
-    if dump is not None and keep is None:
+    if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{spec}.txt").write_text(tree)
     return dict(method=spec, manager=manager, frame=frame, guards=tree.count("+- ") - tree.count("GuardManager"),
@@ -96,12 +94,13 @@ def main() -> None:
         100, model.config.vocab_size - 1, (1, args.length), generator=torch.Generator().manual_seed(0)
     )
     specs = ["floor", *[m for m in args.methods.split(",") if m]]
-    rows = [compiled_guards(model, ids, spec, args.budget, args.dump) for spec in specs]
-    if args.split:
-        for spec in specs:
-            row = compiled_guards(model, ids, spec, args.budget, None, keep=not_the_cache)
-            rows.append(row | dict(method=f"{spec} w/o"))
-    whole, without = rows[: len(specs)], rows[len(specs) :]
+    whole = [compiled_guards(model, ids, spec, args.budget, args.dump) for spec in specs]
+    split_specs = specs if args.split else []
+    without = [
+        compiled_guards(model, ids, spec, args.budget, None, keep=not_the_cache)
+        | dict(method=f"{spec} (filtered)")
+        for spec in split_specs
+    ]  # the label names a failing check
     times = {r["method"]: [] for r in whole}
     with kvcake.enable(model), torch.no_grad():  # the state the guards were made in
         for _ in range(args.repeats):  # interleaved: the host's drift spreads over every row
@@ -109,8 +108,9 @@ def main() -> None:
                 times[r["method"]].append(check_time(r))
         # --split: each row's two checks alternated in a loop of their own, the CPU's caches warm (the
         # interleaved checks above are cold, and their spread hides a difference of this size)
-        warm = {a["method"]: [[], []] for a in whole} if without else {}
-        for a, b in zip(whole, without, strict=False):
+        warm = {}
+        for a, b in zip(whole, without, strict=False):  # without: empty unless --split
+            warm[a["method"]] = [[], []]
             for _ in range(args.repeats):
                 warm[a["method"]][0].append(check_time(a))
                 warm[a["method"]][1].append(check_time(b))
