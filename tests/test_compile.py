@@ -451,6 +451,46 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward(dynamic):
 
 
 @needs_kwargs_handoff
+def test_compile_true_on_a_cpu_fuses_the_one_row_products():
+    """On a CPU ``compile=True`` hands ``generate`` inductor's pass that computes the step's one-row
+    products (every projection of a decode step) as fused reductions (``devices.compile_kwargs``:
+    MKL's own read the weights at a third of the memory's rate on the AMD host): inductor counts
+    the products it decomposed (its graph cache off, which would skip the pass), and the tokens are
+    eager's. A user's own ``CompileConfig`` is passed as given."""
+    from torch._dynamo.utils import counters
+
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    kw = dict(budget=24, window=4, max_new_tokens=6, do_sample=False)
+    ref, _ = kvcake.generate(model, ids, "snapkv", **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, _ = kvcake.generate(model, ids, "snapkv", compile=True, **kw)
+    assert counters["inductor"]["decompose_mm"] >= 4 * 2  # q, k, v, o of each layer at least
+    assert torch.equal(out, ref)
+    assert model._last_compile_config.options == {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+    own = CompileConfig(fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    kvcake.generate(model, ids, "snapkv", compile=own, **kw)
+    assert model._last_compile_config is own and own.options is None
+
+
+def test_compile_kwargs_add_the_cpu_options_only_where_every_weight_is_on_the_cpu():
+    """The fused one-row products are a CPU pass: a model with a weight elsewhere (here the meta
+    device, as an offloaded one) keeps ``torch.compile``'s defaults (on CUDA, the graphs of
+    ``mode="reduce-overhead"``, which inductor would refuse beside options)."""
+    from kvcake.devices import compile_kwargs
+
+    model = counts_llama(1)
+    assert compile_kwargs(model) == dict(
+        mode=None, options={"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+    )
+    model.lm_head.to("meta")
+    assert compile_kwargs(model) == {}
+
+
+@needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["layer-defensivekv", "cake", "h2o"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_compressed_contexts_generate_with_compile_compiles_its_decoding(spec, padded):

@@ -26,6 +26,7 @@ from .adapters import (
 )
 from .attention import enable, padding_refused
 from .cache import KVCakeCache
+from .devices import compile_kwargs
 from .prompts import check_vocabulary, is_integer, not_ids
 
 
@@ -54,7 +55,8 @@ def compile_options(model: torch.nn.Module, compile, static: bool, generate_kwar
     """Put ``compile`` (``kvcake.generate``'s and ``CompressedContext.generate``'s argument) into
     ``generate_kwargs`` after refusing what it cannot compile: None leaves it to transformers,
     which compiles a compileable cache's decoding forward on accelerators, not on a CPU; False
-    decodes eagerly everywhere; True (``torch.compile(fullgraph=True)``) or a ``CompileConfig``
+    decodes eagerly everywhere; True (``torch.compile(fullgraph=True)``, on a CPU with inductor's
+    one-row products fused: ``devices.compile_kwargs``) or a ``CompileConfig`` (as given)
     compiles it on any device."""
     if compile is False:
         generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
@@ -86,7 +88,11 @@ def compile_options(model: torch.nn.Module, compile, static: bool, generate_kwar
             f"{transformers.__version__} does not, so the kvcake attention reads its cache back eagerly "
             "only): upgrade transformers or use compile=False"
         )
-    config = compile if isinstance(compile, CompileConfig) else CompileConfig(fullgraph=True)
+    config = (
+        compile
+        if isinstance(compile, CompileConfig)
+        else CompileConfig(fullgraph=True, **compile_kwargs(model))
+    )
     config._compile_all_devices = True  # transformers compiles on accelerators only by default
     generate_kwargs["compile_config"] = config
 

@@ -28,6 +28,20 @@ def cpu_route(device: torch.device) -> bool:
     return device.type == "cpu" and CPU_ROUTES
 
 
+def compile_kwargs(model: torch.nn.Module) -> dict:
+    """``torch.compile``'s ``mode`` and ``options`` for a decode step of ``model`` (beside
+    ``fullgraph``): where all its weights are on the CPU, inductor's post-grad pass that computes
+    a one-row matrix product as a multiply and a sum (``decompose_mm_pass``; torch applies it on
+    the CPU where the product's other two sizes are at most 2048), fused into one reduction that
+    reads each weight once; elsewhere nothing (the caller's defaults: CUDA graphs stay). A decode
+    step's projections are one-row products, and MKL's own read SmolLM2's weights at 15-17 GB/s on
+    one thread or two where the fused reduction read 44 and ``x.sum()`` 48 (AMD EPYC, 2 threads,
+    ``scripts/gemv_read.py``, docs/benchmarks.md). Inductor takes options or a mode, not both."""
+    if {p.device.type for p in model.parameters()} != {"cpu"}:
+        return {}
+    return dict(mode=None, options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
+
+
 def may_mask(mask: torch.Tensor) -> bool:
     """Whether a boolean mask has to be applied: always off the CPU route (checking would
     synchronise the device), else only if it holds a False (a host check, free on the CPU)."""

@@ -10,6 +10,7 @@ import torch
 
 from ..attention import enable
 from ..cache import cache_kv_bytes
+from ..devices import compile_kwargs
 from .caches import BenchCache, greedy_step
 from .common import Clock, median
 
@@ -62,7 +63,8 @@ class Decoder:
         if not getattr(self.cache, "is_compileable", False):
             self.compiled = "n/a (not compileable)"
             return
-        step = torch.compile(greedy_step(self.model, own_code=True), fullgraph=True, backend=backend)
+        extra = compile_kwargs(self.model) if backend == "inductor" else {}  # as kvcake.generate's
+        step = torch.compile(greedy_step(self.model, own_code=True), fullgraph=True, backend=backend, **extra)
         try:
             for _ in range(warmup):
                 self.step(step, compiled=True)
