@@ -161,7 +161,9 @@ def generate(
     ``compile``: None (the default) leaves it to transformers, which compiles the decoding
     forward of a compileable cache (static storage) on CUDA and other accelerators, not on a
     CPU; ``True`` compiles it on any device (``torch.compile(fullgraph=True)``, CUDA graphs
-    through ``mode="reduce-overhead"`` on CUDA; on a CPU inductor is often slower than eager),
+    through ``mode="reduce-overhead"`` on CUDA; on a CPU with the one-row products fused,
+    ``devices.compile_kwargs``: about half an eager step at 16k tokens on docs/benchmarks.md's
+    host, after a compilation of minutes),
     a ``CompileConfig`` chooses the options; ``False`` decodes eagerly everywhere.
     ``kv_dtype="fp8"`` stores the kept entries in float8 from the end of the prompt (one byte per
     element, read back in the model's dtype: ``kvcake.fp8``), the last ``kv_recent`` tokens' entries
