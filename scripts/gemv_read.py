@@ -6,9 +6,9 @@ the measurements behind ``kvcake.devices.compile_kwargs`` (issue 22).
 For each thread count: the read bandwidth (``kvcake.bench.bandwidth.measure``: ``x.sum()``), then
 one token's products with every projection weight of the default model (``floor.matmul_probe``'s
 products, the output head included) eagerly (``F.linear``: MKL), compiled with inductor's defaults
-(which call the same kernel) and compiled with ``compile_kwargs``'s options (each product a fused
-multiply and sum; torch decomposes those whose other sizes are at most 2048, so the output head
-stays MKL's), in GB/s of weights read (median of ``--repeats``). Then, unless ``--no-step``, the
+(which call the same kernel) and compiled with ``compile_kwargs``'s options (``kvcake.row_products``:
+each product a fused multiply and sum, the output head included), in GB/s of weights read (median
+of ``--repeats``). Then, unless ``--no-step``, the
 decode bench's compiled ``floor`` step (the model's own ``StaticCache`` with 16 tokens cached)
 compiled both ways, alternated in ``--rounds`` rounds of 10 steps (median ms).
 """

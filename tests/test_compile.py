@@ -452,42 +452,71 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward(dynamic):
 
 @needs_kwargs_handoff
 def test_compile_true_on_a_cpu_fuses_the_one_row_products():
-    """On a CPU ``compile=True`` hands ``generate`` inductor's pass that computes the step's one-row
-    products (every projection of a decode step) as fused reductions (``devices.compile_kwargs``:
-    MKL's own read the weights at a third of the memory's rate on the AMD host): inductor counts
-    the products it decomposed (its graph cache off, which would skip the pass), and the tokens are
-    eager's. A user's own ``CompileConfig`` is passed as given."""
-    from torch._dynamo.utils import counters
+    """On a CPU ``compile=True`` hands ``generate`` kvcake's inductor pass that computes the step's
+    one-row products (every projection of a decode step, the output head included) as fused
+    reductions (``devices.compile_kwargs``, ``kvcake.row_products``: MKL's own read the weights at
+    a third of the memory's rate on the AMD host): the pass rewrites them (inductor's graph cache
+    off, which would skip it), and the tokens are eager's. A user's own ``CompileConfig`` is passed
+    as given."""
+    from kvcake.row_products import ONE_ROW_PRODUCTS, OneRowProducts
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     kw = dict(budget=24, window=4, max_new_tokens=6, do_sample=False)
     ref, _ = kvcake.generate(model, ids, "snapkv", **kw)
     torch._dynamo.reset()
-    counters.clear()
+    before = OneRowProducts.rewritten
     with torch._inductor.config.patch(fx_graph_cache=False):
         out, _ = kvcake.generate(model, ids, "snapkv", compile=True, **kw)
-    assert counters["inductor"]["decompose_mm"] >= 4 * 2  # q, k, v, o of each layer at least
+    assert OneRowProducts.rewritten - before >= 7 * 2 + 1  # q, k, v, o, gate, up, down a layer; the head
     assert torch.equal(out, ref)
-    assert model._last_compile_config.options == {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+    assert model._last_compile_config.options == {"post_grad_custom_pre_pass": ONE_ROW_PRODUCTS}
     own = CompileConfig(fullgraph=True, backend="eager")
     torch._dynamo.reset()
     kvcake.generate(model, ids, "snapkv", compile=own, **kw)
     assert model._last_compile_config is own and own.options is None
 
 
-def test_compile_kwargs_add_the_cpu_options_only_where_every_weight_is_on_the_cpu():
+def test_compile_kwargs_add_the_cpu_pass_only_where_every_weight_is_on_the_cpu():
     """The fused one-row products are a CPU pass: a model with a weight elsewhere (here the meta
     device, as an offloaded one) keeps ``torch.compile``'s defaults (on CUDA, the graphs of
     ``mode="reduce-overhead"``, which inductor would refuse beside options)."""
     from kvcake.devices import compile_kwargs
+    from kvcake.row_products import ONE_ROW_PRODUCTS
 
     model = counts_llama(1)
-    assert compile_kwargs(model) == dict(
-        mode=None, options={"post_grad_fusion_options": {"decompose_mm_pass": {}}}
-    )
+    assert compile_kwargs(model) == dict(mode=None, options={"post_grad_custom_pre_pass": ONE_ROW_PRODUCTS})
     model.lm_head.to("meta")
     assert compile_kwargs(model) == {}
+
+
+def test_the_one_row_pass_rewrites_only_one_row_products_of_transposed_weights():
+    """``kvcake.row_products``: ``x @ w.T`` and ``F.linear`` with a bias for one row, at a width past
+    torch's own pass's 2048, compile to eager's values (fp32, 1e-5: the sum's order differs) and are
+    rewritten; two rows, and a matrix whose K dimension is not contiguous, are left to MKL."""
+    from kvcake.row_products import OneRowProducts
+
+    g = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)
+    plain = torch.randn(64, 300, generator=g)  # (K, N) contiguous: K strided
+
+    def step(x, two):
+        return (
+            torch.nn.functional.linear(x, w),
+            torch.nn.functional.linear(x, w, bias),
+            two @ w.t(),
+            x @ plain,
+        )
+
+    x, two = torch.randn(1, 64, generator=g), torch.randn(2, 64, generator=g)
+    before = OneRowProducts.rewritten
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        options = {"post_grad_custom_pre_pass": OneRowProducts()}
+        compiled = torch.compile(step, fullgraph=True, options=options)(x, two)
+    assert OneRowProducts.rewritten - before == 2
+    for got, want in zip(compiled, step(x, two), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kwargs_handoff

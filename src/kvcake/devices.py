@@ -30,16 +30,16 @@ def cpu_route(device: torch.device) -> bool:
 
 def compile_kwargs(model: torch.nn.Module) -> dict:
     """``torch.compile``'s ``mode`` and ``options`` for a decode step of ``model`` (beside
-    ``fullgraph``): where all its weights are on the CPU, inductor's post-grad pass that computes
-    a one-row matrix product as a multiply and a sum (``decompose_mm_pass``; torch applies it on
-    the CPU where the product's other two sizes are at most 2048), fused into one reduction that
-    reads each weight once; elsewhere nothing (the caller's defaults: CUDA graphs stay). A decode
-    step's projections are one-row products, and MKL's own read SmolLM2's weights at 15-17 GB/s on
-    one thread or two where the fused reduction read 44 and ``x.sum()`` 48 (AMD EPYC, 2 threads,
-    ``scripts/gemv_read.py``, docs/benchmarks.md). Inductor takes options or a mode, not both."""
+    ``fullgraph``): where all its weights are on the CPU, the step's one-row products (every
+    projection) as fused reductions (``kvcake.row_products``: MKL's own read SmolLM2's weights at
+    15-17 GB/s on the AMD host, the fused ones at 44-50), given to inductor as its custom post-grad
+    pass; elsewhere nothing (the caller's defaults: CUDA graphs stay). Inductor takes options or a
+    mode, not both."""
     if {p.device.type for p in model.parameters()} != {"cpu"}:
         return {}
-    return dict(mode=None, options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
+    from .row_products import ONE_ROW_PRODUCTS  # imports inductor: only when compiling
+
+    return dict(mode=None, options={"post_grad_custom_pre_pass": ONE_ROW_PRODUCTS})
 
 
 def may_mask(mask: torch.Tensor) -> bool:
