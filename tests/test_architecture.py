@@ -55,6 +55,7 @@ LAYERS = {
         "layer_types",
         "recurrent",
         "devices",
+        "row_products",
         "sdpa",
         "varlen",
         "matmul",
