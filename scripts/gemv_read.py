@@ -4,8 +4,8 @@ the measurements behind ``kvcake.devices.compile_kwargs`` (issue 22).
     PYTHONPATH=src python3 scripts/gemv_read.py --threads 1,2
 
 For each thread count: the read bandwidth (``kvcake.bench.bandwidth.measure``: ``x.sum()``), then
-one token's products with every projection weight of the default model (``floor.matmul_probe``'s
-products, the output head included) eagerly (``F.linear``: MKL), compiled with inductor's defaults
+one token's products with every projection weight of the default model (``floor.projections``,
+the output head included) eagerly (``F.linear``: MKL), compiled with inductor's defaults
 (which call the same kernel) and compiled with ``compile_kwargs``'s options (``kvcake.row_products``:
 each product a fused multiply and sum, the output head included), in GB/s of weights read (median
 of ``--repeats``). Then, unless ``--no-step``, the
@@ -16,39 +16,21 @@ compiled both ways, alternated in ``--rounds`` rounds of 10 steps (median ms).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from transformers.pytorch_utils import Conv1D
 
 from kvcake.bench.bandwidth import measure
 from kvcake.bench.caches import greedy_step
-from kvcake.bench.common import load_models, prompt_ids
+from kvcake.bench.common import load_models, median, prompt_ids
 from kvcake.bench.decoder import Decoder
-from kvcake.bench.floor import FLOOR_TOKENS, floor_cache
+from kvcake.bench.floor import FLOOR_TOKENS, floor_cache, projections, run_projections
 from kvcake.bench.probes import Clock
 from kvcake.devices import compile_kwargs
 
 
-def products(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(weight as (out, in), a (1, in) row) of every projection, a tied weight once."""
-    seen = {}
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, Conv1D)):
-            w = m.weight.t() if isinstance(m, Conv1D) else m.weight
-            seen[id(m.weight)] = (w, torch.ones(1, w.shape[1], dtype=w.dtype))
-    return list(seen.values())
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()  # warm-up (and the compile)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_s(fn, clock: Clock, repeats: int) -> float:
+    """``fn``'s median seconds over ``repeats`` calls after one (the warm-up, and the compile)."""
+    return median([clock.time(fn)[0] for _ in range(repeats + 1)][1:])
 
 
 def main() -> None:
@@ -60,14 +42,11 @@ def main() -> None:
     args = p.parse_args()
     models = load_models(device=torch.device("cpu"), dtype=torch.float32)
     model = models.model
-    pairs = products(model)
-    nbytes = sum(w.numel() * w.element_size() for w, _ in pairs)
-
-    def run(pairs):
-        return [torch.nn.functional.linear(x, w) for w, x in pairs]
-
-    plain = torch.compile(run, dynamic=False)
-    fused = torch.compile(run, dynamic=False, **compile_kwargs(model))
+    pairs = projections(model)
+    nbytes = sum(w.numel() * w.element_size() for w, _, _ in pairs)
+    clock = Clock(torch.device("cpu"))
+    plain = torch.compile(run_projections, dynamic=False)
+    fused = torch.compile(run_projections, dynamic=False, **compile_kwargs(model))
     print(f"{models.name}: {len(pairs)} projection weights, {nbytes / 1e6:.0f} MB")
     print("| threads | x.sum() GB/s | eager (MKL) GB/s | compiled GB/s | compiled, fused GB/s |")
     print("| --- | --- | --- | --- | --- |")
@@ -75,12 +54,13 @@ def main() -> None:
         for n in [int(t) for t in args.threads.split(",")]:
             torch.set_num_threads(n)
             read = measure("cpu")["read_gbps"]
-            rates = [nbytes / median_s(lambda f=f: f(pairs), args.repeats) / 1e9 for f in (run, plain, fused)]
+            fns = (run_projections, plain, fused)
+            rates = [nbytes / median_s(lambda f=f: f(pairs), clock, args.repeats) / 1e9 for f in fns]
             print(f"| {n} | {read:.1f} | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
     if args.no_step:
         return
     ids, _ = prompt_ids(models.tokenizer, 64, model.config.vocab_size, torch.device("cpu"))
-    room, clock = 8 + 10 * args.rounds, Clock(torch.device("cpu"))
+    room = 8 + 10 * args.rounds
     steps = {}
     with torch.no_grad():
         for label, extra in (("inductor's defaults", {}), ("compile_kwargs", compile_kwargs(model))):
@@ -94,7 +74,7 @@ def main() -> None:
                 dec.timed_compiled(10)
     print(f"\nthe compiled floor step, {torch.get_num_threads()} thread(s), median of {10 * args.rounds}:")
     for label, dec in steps.items():
-        print(f"- {label}: {statistics.median(dec.compiled_times) * 1e3:.1f} ms")
+        print(f"- {label}: {median(dec.compiled_times) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

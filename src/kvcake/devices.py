@@ -32,7 +32,7 @@ def compile_kwargs(model: torch.nn.Module) -> dict:
     """``torch.compile``'s ``mode`` and ``options`` for a decode step of ``model`` (beside
     ``fullgraph``): where all its weights are on the CPU, the step's one-row products (every
     projection) as fused reductions (``kvcake.row_products``: MKL's own read SmolLM2's weights at
-    15-17 GB/s on the AMD host, the fused ones at 41), given to inductor as its custom post-grad
+    15-17 GB/s on the AMD host, the fused ones at 41-45), given to inductor as its custom post-grad
     pass; elsewhere nothing (the caller's defaults: CUDA graphs stay). Inductor takes options or a
     mode, not both."""
     if {p.device.type for p in model.parameters()} != {"cpu"}:

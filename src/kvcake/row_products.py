@@ -3,11 +3,12 @@
 A decode step multiplies one row (one token's hidden state) by every projection weight: ``x @
 w.T`` with ``x`` of shape (1, K). On the CPU inductor hands those to MKL, whose one-row product read
 the default model's weights at 15-17 GB/s on one thread or two on the AMD host where ``x.sum()``
-read 48-79 (``scripts/gemv_read.py``, docs/benchmarks.md). Written as a multiply and a sum over K
-instead, inductor generates one vectorised reduction that reads each weight row once: 41 GB/s
-there for all of them, the output head included, against ``x.sum()``'s 44 in the same run. torch's own ``decompose_mm_pass`` does this only for
-products up to 2048 wide (its limits are read when inductor is imported), which leaves the
-output head (49152 wide for SmolLM2, 262144 for Gemma 3) to MKL; this pass has no width limit.
+read 44-79 (``scripts/gemv_read.py``, docs/benchmarks.md). Written as a multiply and a sum over K
+instead, inductor generates one vectorised reduction that reads each weight row once: 41-45 GB/s
+there for all of them, the output head included, against ``x.sum()``'s 44-52 in the same runs.
+torch's own ``decompose_mm_pass`` does this only for products up to 2048 wide (its limits are read
+when inductor is imported), which leaves the output head (49152 wide for SmolLM2, 262144 for
+Gemma 3) to MKL; this pass has no width limit.
 
 :data:`ONE_ROW_PRODUCTS` goes into ``torch.compile``'s options as inductor's
 ``post_grad_custom_pre_pass`` (``kvcake.devices.compile_kwargs``), scoped to that compile. It

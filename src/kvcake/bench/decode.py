@@ -5,17 +5,18 @@ decoding policy) cache together (``caches.shared_prefill``); a transformers ``St
 receives a copy of the full cache (the full cache's compileable layout). Each is then decoded
 alone, greedy, one token per step, in interleaved rounds after a warm-up, and, with ``compile``,
 compiled one cache at a time (with inductor, on a CPU with ``devices.compile_kwargs``'s fused
-one-row products, as ``kvcake.generate(compile=True)``). Decoding reads every weight and every cached entry once per token,
-so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with the read bandwidth measured
-in the same run (``bandwidth.measure``, before the first round and again after every round and
-after the compiled steps; the fastest probe sets every bound, ``bandwidth.fastest``). Compressing
+one-row products, as ``kvcake.generate(compile=True)``). Decoding reads every weight and every
+cached entry once per token, so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with
+the read bandwidth measured in the same run (``bandwidth.measure``, before the first round and
+again after every round and after the compiled steps; the fastest probe sets every bound,
+``bandwidth.fastest``). Compressing
 the cache can therefore speed a step up by at most ``(W + C_full) / (W + C_method)``: the
 "allowed" speed-up the achieved one is compared with.
 The ``floor`` row is the model's own step with only :data:`FLOOR_TOKENS` tokens cached, decoded in
 the same rounds (and compiled whenever ``compile`` is on): what a step costs on the device with next
-to no cache to read. ``matmul_s`` times the weights' matrix products alone, eagerly (:func:`matmul_probe`):
-how fast this device's matmul kernels read the weights, the part of the floor no cache touches
-(a compiled step on a CPU reads most of them through inductor's fused products instead).
+to no cache to read. ``matmul_s`` times the weights' matrix products alone, eagerly
+(:func:`matmul_probe`): how fast this device's matmul kernels read the weights, the part of the
+floor no cache touches (a compiled step on a CPU reads them through fused products instead).
 """
 
 from __future__ import annotations

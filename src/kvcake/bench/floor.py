@@ -31,13 +31,10 @@ def floor_cache(model, ids: torch.Tensor, steps: int) -> StaticCache:
     return static_copy(short, model.config, FLOOR_TOKENS + steps)
 
 
-def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
-    """(seconds, bytes): one token's products with every projection weight of ``model`` (a (1, in)
-    row times each ``nn.Linear`` weight, and each transformers ``Conv1D`` one, GPT-2's projections;
-    in its dtype; the output head included, a tied weight once), the matrix work of a decode step
-    and nothing else, median of ``repeats`` after one warm-up; and those weights' bytes. Seconds
-    over bytes / read bandwidth is how close this device's matmul kernels come to reading the
-    weights at the measured rate; no cache takes a step below it."""
+def projections(model) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(weight, a (1, in) row of ones, whether it is transformers' ``Conv1D``'s (in, out)) for every
+    ``nn.Linear`` and ``Conv1D`` weight of ``model`` (GPT-2's projections), in its dtype and device;
+    a tied weight once (the output head included)."""
     products = {}  # id(weight) -> (weight, its (1, in) row, whether it is Conv1D's (in, out))
     for m in model.modules():
         if isinstance(m, (torch.nn.Linear, Conv1D)):
@@ -45,14 +42,28 @@ def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
             n_in = m.weight.shape[0 if conv else 1]
             row = torch.ones(1, n_in, dtype=m.weight.dtype, device=m.weight.device)
             products[id(m.weight)] = (m.weight, row, conv)
+    return list(products.values())
+
+
+def run_projections(products: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> list[torch.Tensor]:
+    """One token's products with each of :func:`projections`' weights."""
+    return [torch.mm(row, w) if conv else torch.nn.functional.linear(row, w) for w, row, conv in products]
+
+
+def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
+    """(seconds, bytes): one token's products with every projection weight of ``model``
+    (:func:`projections`, eagerly), the matrix work of a decode step and nothing else, median of
+    ``repeats`` after one warm-up; and those weights' bytes. Seconds over bytes / read bandwidth is
+    how close this device's matmul kernels come to reading the weights at the measured rate; no
+    cache takes a step below it."""
+    products = projections(model)
 
     def run() -> None:
         with torch.no_grad():
-            for w, row, conv in products.values():
-                torch.mm(row, w) if conv else torch.nn.functional.linear(row, w)
+            run_projections(products)
 
     times = [clock.time(run)[0] for _ in range(repeats + 1)]
-    return median(times[1:]), sum(w.numel() * w.element_size() for w, _, _ in products.values())
+    return median(times[1:]), sum(w.numel() * w.element_size() for w, _, _ in products)
 
 
 def best_s(r: dict) -> float:
