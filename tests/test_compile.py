@@ -451,26 +451,39 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward(dynamic):
 
 
 @needs_kwargs_handoff
-def test_compile_true_on_a_cpu_fuses_the_one_row_products():
+def test_compile_true_on_a_cpu_fuses_the_step_products():
     """On a CPU ``compile=True`` hands ``generate`` kvcake's inductor pass that computes the step's
-    one-row products (every projection of a decode step, the output head included) as fused
-    reductions (``devices.compile_kwargs``, ``kvcake.row_products``: MKL's own read the weights at
-    a third of the memory's rate on the AMD host): the pass rewrites them (inductor's graph cache
-    off, which would skip it), and the tokens are eager's. A user's own ``CompileConfig`` is passed
-    as given."""
-    from kvcake.row_products import ONE_ROW_PRODUCTS, OneRowProducts
+    products (every projection of a decode step, the output head included, for one sequence and for
+    a batch) as fused reductions (``devices.compile_kwargs``, ``kvcake.row_products``: MKL's own read
+    the weights at a third of the memory's rate on the AMD host, a fourth for two rows): the pass
+    rewrites them (inductor's graph cache off, which would skip it), and the tokens are eager's, for
+    one prompt and for a compressed context's left-padded batch of three follow-ups. A user's own
+    ``CompileConfig`` is passed as given."""
+    from kvcake.row_products import ROW_PRODUCTS, RowProducts
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     kw = dict(budget=24, window=4, max_new_tokens=6, do_sample=False)
     ref, _ = kvcake.generate(model, ids, "snapkv", **kw)
     torch._dynamo.reset()
-    before = OneRowProducts.rewritten
+    before = RowProducts.rewritten
     with torch._inductor.config.patch(fx_graph_cache=False):
         out, _ = kvcake.generate(model, ids, "snapkv", compile=True, **kw)
-    assert OneRowProducts.rewritten - before >= 7 * 2 + 1  # q, k, v, o, gate, up, down a layer; the head
+    assert RowProducts.rewritten - before >= 7 * 2 + 1  # q, k, v, o, gate, up, down a layer; the head
     assert torch.equal(out, ref)
-    assert model._last_compile_config.options == {"post_grad_custom_pre_pass": ONE_ROW_PRODUCTS}
+    assert model._last_compile_config.options == {"post_grad_custom_pre_pass": ROW_PRODUCTS}
+    questions = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(questions)
+    mask[1, :3], mask[2, :1] = 0, 0
+    ctx = kvcake.compress(model, ids, "snapkv", budget=24, window=4)
+    batch = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    eager = ctx.generate(questions, compile=False, **batch)
+    torch._dynamo.reset()
+    before = RowProducts.rewritten
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = ctx.generate(questions, compile=True, **batch)
+    assert RowProducts.rewritten - before >= 7 * 2 + 1
+    assert torch.equal(compiled, eager)
     own = CompileConfig(fullgraph=True, backend="eager")
     torch._dynamo.reset()
     kvcake.generate(model, ids, "snapkv", compile=own, **kw)
@@ -478,44 +491,47 @@ def test_compile_true_on_a_cpu_fuses_the_one_row_products():
 
 
 def test_compile_kwargs_add_the_cpu_pass_only_where_every_weight_is_on_the_cpu():
-    """The fused one-row products are a CPU pass: a model with a weight elsewhere (here the meta
+    """The fused products are a CPU pass: a model with a weight elsewhere (here the meta
     device, as an offloaded one) keeps ``torch.compile``'s defaults (on CUDA, the graphs of
     ``mode="reduce-overhead"``, which inductor would refuse beside options)."""
     from kvcake.devices import compile_kwargs
-    from kvcake.row_products import ONE_ROW_PRODUCTS
+    from kvcake.row_products import ROW_PRODUCTS
 
     model = counts_llama(1)
-    assert compile_kwargs(model) == dict(mode=None, options={"post_grad_custom_pre_pass": ONE_ROW_PRODUCTS})
+    assert compile_kwargs(model) == dict(mode=None, options={"post_grad_custom_pre_pass": ROW_PRODUCTS})
     model.lm_head.to("meta")
     assert compile_kwargs(model) == {}
 
 
-def test_the_one_row_pass_rewrites_only_one_row_products_of_transposed_weights():
+def test_the_row_pass_rewrites_only_products_of_a_few_rows_by_transposed_weights():
     """``kvcake.row_products``: ``x @ w.T`` and ``F.linear`` with a bias for one row, at a width past
-    torch's own pass's 2048, compile to eager's values (fp32, 1e-5: the sum's order differs) and are
-    rewritten; two rows, and a matrix whose K dimension is not contiguous, are left to MKL."""
-    from kvcake.row_products import OneRowProducts
+    torch's own pass's 2048, and for two and ``MOST_ROWS`` rows (a decoding batch) compile to
+    eager's values (fp32, 1e-5: the sum's order differs) and are rewritten; one row more than that,
+    and a matrix whose K dimension is not contiguous, are left to MKL."""
+    from kvcake.row_products import MOST_ROWS, RowProducts
 
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)
     plain = torch.randn(64, 300, generator=g)  # (K, N) contiguous: K strided
 
-    def step(x, two):
+    def step(x, two, most, past):
         return (
             torch.nn.functional.linear(x, w),
             torch.nn.functional.linear(x, w, bias),
             two @ w.t(),
+            torch.nn.functional.linear(most, w, bias),
+            past @ w.t(),
             x @ plain,
         )
 
-    x, two = torch.randn(1, 64, generator=g), torch.randn(2, 64, generator=g)
-    before = OneRowProducts.rewritten
+    rows = [torch.randn(n, 64, generator=g) for n in (1, 2, MOST_ROWS, MOST_ROWS + 1)]
+    before = RowProducts.rewritten
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        options = {"post_grad_custom_pre_pass": OneRowProducts()}
-        compiled = torch.compile(step, fullgraph=True, options=options)(x, two)
-    assert OneRowProducts.rewritten - before == 2
-    for got, want in zip(compiled, step(x, two), strict=True):
+        options = {"post_grad_custom_pre_pass": RowProducts()}
+        compiled = torch.compile(step, fullgraph=True, options=options)(*rows)
+    assert RowProducts.rewritten - before == 4
+    for got, want in zip(compiled, step(*rows), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -56,7 +56,7 @@ def compile_options(model: torch.nn.Module, compile, static: bool, generate_kwar
     ``generate_kwargs`` after refusing what it cannot compile: None leaves it to transformers,
     which compiles a compileable cache's decoding forward on accelerators, not on a CPU; False
     decodes eagerly everywhere; True (``torch.compile(fullgraph=True)``, on a CPU with inductor's
-    one-row products fused: ``devices.compile_kwargs``) or a ``CompileConfig`` (as given)
+    projections' products fused: ``devices.compile_kwargs``) or a ``CompileConfig`` (as given)
     compiles it on any device."""
     if compile is False:
         generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA

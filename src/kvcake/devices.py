@@ -30,16 +30,16 @@ def cpu_route(device: torch.device) -> bool:
 
 def compile_kwargs(model: torch.nn.Module) -> dict:
     """``torch.compile``'s ``mode`` and ``options`` for a decode step of ``model`` (beside
-    ``fullgraph``): where all its weights are on the CPU, the step's one-row products (every
-    projection) as fused reductions (``kvcake.row_products``: MKL's own read SmolLM2's weights at
-    15-17 GB/s on the AMD host, the fused ones at 41-45), given to inductor as its custom post-grad
-    pass; elsewhere nothing (the caller's defaults: CUDA graphs stay). Inductor takes options or a
-    mode, not both."""
+    ``fullgraph``): where all its weights are on the CPU, the step's products (every projection,
+    one row per sequence of a batch of up to eight) as fused reductions (``kvcake.row_products``:
+    MKL's own read SmolLM2's weights at 15-17 GB/s for one row and 9-11 for two on the AMD host,
+    the fused ones at 40-45 and 33), given to inductor as its custom post-grad pass; elsewhere
+    nothing (the caller's defaults: CUDA graphs stay). Inductor takes options or a mode, not both."""
     if {p.device.type for p in model.parameters()} != {"cpu"}:
         return {}
-    from .row_products import ONE_ROW_PRODUCTS  # imports inductor: only when compiling
+    from .row_products import ROW_PRODUCTS  # imports inductor: only when compiling
 
-    return dict(mode=None, options={"post_grad_custom_pre_pass": ONE_ROW_PRODUCTS})
+    return dict(mode=None, options={"post_grad_custom_pre_pass": ROW_PRODUCTS})
 
 
 def may_mask(mask: torch.Tensor) -> bool:

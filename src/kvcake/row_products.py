@@ -1,20 +1,27 @@
-"""A compiled CPU decode step's one-row products as fused reductions (an inductor graph pass).
+"""A compiled CPU decode step's few-row products as fused reductions (an inductor graph pass).
 
-A decode step multiplies one row (one token's hidden state) by every projection weight: ``x @
-w.T`` with ``x`` of shape (1, K). On the CPU inductor hands those to MKL, whose one-row product read
-the default model's weights at 15-17 GB/s on one thread or two on the AMD host where ``x.sum()``
-read 44-79 (``scripts/gemv_read.py``, docs/benchmarks.md). Written as a multiply and a sum over K
-instead, inductor generates one vectorised reduction that reads each weight row once: 41-45 GB/s
-there for all of them, the output head included, against ``x.sum()``'s 44-52 in the same runs.
-torch's own ``decompose_mm_pass`` does this only for products up to 2048 wide (its limits are read
-when inductor is imported), which leaves the output head (49152 wide for SmolLM2, 262144 for
-Gemma 3) to MKL; this pass has no width limit.
+A decode step multiplies one row per sequence (one token's hidden state) by every projection
+weight: ``x @ w.T`` with ``x`` of shape (M, K), M the batch. On the CPU inductor hands those to
+MKL, whose product read the default model's weights at 15-17 GB/s for one row, 9-11 for two and
+10-13 for four to eight, on one thread or two, on the AMD host where ``x.sum()`` read 39-79
+(``scripts/gemv_read.py --rows 1,2,4,8,16``, docs/benchmarks.md). Written as a multiply and a sum
+over K per row instead, inductor generates one vectorised reduction that reads each weight row
+once for all the rows: for one row 40-45 GB/s there, the output head included, against
+``x.sum()``'s 44-80 in the same runs; on two threads 32-37 for two and four rows, 20-21 for
+eight (MKL's 9-14), on one 21, 20 and 11 (MKL's 10-13); sixteen rows gain nothing, so the pass
+stops at :data:`MOST_ROWS`. The compiled floor step of the decode bench (SmolLM2, 16 tokens
+cached, two threads) took 15.7 ms for a batch of two against 57.7 with MKL's products. torch's own ``decompose_mm_pass`` handles one row, and only products up to 2048
+wide (its limits are read when inductor is imported), which leaves the output head (49152 wide
+for SmolLM2, 262144 for Gemma 3) to MKL; this pass has no width limit.
 
-:data:`ONE_ROW_PRODUCTS` goes into ``torch.compile``'s options as inductor's
+:data:`ROW_PRODUCTS` goes into ``torch.compile``'s options as inductor's
 ``post_grad_custom_pre_pass`` (``kvcake.devices.compile_kwargs``), scoped to that compile. It
-rewrites ``aten.mm(x, b)`` and ``aten.addmm(bias, x, b)`` where ``x`` is one row on the CPU and
-``b`` is a transposed weight (its K dimension contiguous, so each output reads one weight row in
-order); every other product is left to MKL.
+rewrites ``aten.mm(x, b)`` and ``aten.addmm(bias, x, b)`` where ``x`` is at most
+:data:`MOST_ROWS` rows on the CPU and ``b`` is a transposed weight (its K dimension contiguous,
+so each output reads one weight row in order); every other product is left to MKL, a batch whose
+size dynamo made symbolic among them (its automatic dynamic shapes do so where one process
+compiled the step for another batch size first; ``CompileConfig(dynamic=False)`` keeps sizes
+static, at a compile per new shape).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 aten = torch.ops.aten
 
+MOST_ROWS = 8  # the widest batch rewritten (sixteen rows read no faster than MKL's product on the AMD host)
+
 
 def _operands(node: torch.fx.Node) -> tuple | None:
-    """(bias or None, row, matrix) of a one-row product this pass rewrites, else None."""
+    """(bias or None, rows, matrix) of a few-row product this pass rewrites, else None."""
     if node.kwargs:  # addmm's beta/alpha
         return None
     bias, row, mat = node.args if node.target is aten.addmm.default else (None, *node.args)
@@ -35,18 +44,29 @@ def _operands(node: torch.fx.Node) -> tuple | None:
         return None
     if rv.device.type != "cpu" or rv.dim() != 2 or mv.dim() != 2:
         return None
-    if not all(isinstance(n, int) for n in (*rv.shape, *mv.shape, *mv.stride())) or rv.shape[0] != 1:
+    if not all(isinstance(n, int) for n in (*rv.shape, *mv.shape, *mv.stride())) or rv.shape[0] > MOST_ROWS:
         return None
     if mv.shape[0] > 1 and mv.stride(0) != 1:  # K not contiguous: a reduction would read across rows
         return None
     return bias, row, mat
 
 
-class OneRowProducts(CustomGraphPass):
-    """Rewrites each one-row product (see the module) as ``sum(x[:, :, None] * b[None], 1)`` (+
-    bias), in the graph inductor lowers after its post-grad passes begin. ``rewritten`` counts the
-    products rewritten in this process, on the class (a diagnostic for tests: inductor runs a copy
-    of the instance it is given)."""
+def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+    """A new node of ``target`` on ``args``, with the metadata inductor's lowering reads (its value
+    computed on the fake tensors of the nodes among ``args``, under their fake mode)."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]))
+    return node
+
+
+class RowProducts(CustomGraphPass):
+    """Rewrites each few-row product (see the module) as one reduction per row,
+    ``sum(x[i:i+1, :, None] * b[None], 1)``, the rows' results concatenated (+ bias), in the graph
+    inductor lowers after its post-grad passes begin. Inductor fuses the rows' reductions into one
+    loop that reads each weight row once for all of them (one reduction over an (M, K, N) product
+    reads the weights once per row instead: 18-20 GB/s for four rows on the AMD host against 29-33
+    so). ``rewritten`` counts the products rewritten in this process, on the class (a diagnostic
+    for tests: inductor runs a copy of the instance it is given)."""
 
     rewritten = 0
 
@@ -57,28 +77,27 @@ class OneRowProducts(CustomGraphPass):
             found = _operands(node)
             if found is None:
                 continue
-            bias, row, mat = found
-            rv, mv = row.meta["val"], mat.meta["val"]
-            with graph.inserting_before(node):
-                r3 = graph.call_function(aten.unsqueeze.default, (row, 2))  # (1, K, 1)
-                m3 = graph.call_function(aten.unsqueeze.default, (mat, 0))  # (1, K, N)
-                prod = graph.call_function(aten.mul.Tensor, (r3, m3))
-                out = graph.call_function(aten.sum.dim_IntList, (prod, [1]))  # (1, N)
-                done = out if bias is None else graph.call_function(aten.add.Tensor, (out, bias))
-            with rv.fake_mode:  # the new nodes' metadata, as inductor's lowering reads it
-                r3.meta["val"], m3.meta["val"] = rv.unsqueeze(2), mv.unsqueeze(0)
-                prod.meta["val"] = r3.meta["val"] * m3.meta["val"]
-                out.meta["val"] = prod.meta["val"].sum(1)
+            bias, rows, mat = found
+            with graph.inserting_before(node), rows.meta["val"].fake_mode:
+                wide = _call(graph, aten.unsqueeze.default, mat, 0)  # (1, K, N)
+                outs = []
+                for i in range(rows.meta["val"].shape[0]):
+                    row = _call(graph, aten.slice.Tensor, rows, 0, i, i + 1)  # (1, K)
+                    prod = _call(graph, aten.mul.Tensor, _call(graph, aten.unsqueeze.default, row, 2), wide)
+                    outs.append(_call(graph, aten.sum.dim_IntList, prod, [1]))  # (1, N)
+                done = outs[0] if len(outs) == 1 else _call(graph, aten.cat.default, outs)  # (M, N)
                 if bias is not None:
-                    done.meta["val"] = out.meta["val"] + bias.meta["val"]
+                    done = _call(graph, aten.add.Tensor, done, bias)
             node.replace_all_uses_with(done)
             graph.erase_node(node)
-            OneRowProducts.rewritten += 1
+            RowProducts.rewritten += 1
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        """Inductor's caches key on this: the pass's code and its reach (:data:`MOST_ROWS`, which a
+        caller may change)."""
+        return get_hash_for_files((__file__,)) + str(MOST_ROWS).encode()
 
 
 # One instance: compile configs that hold it compare equal (transformers compiles again when a
 # call's CompileConfig differs from its last one).
-ONE_ROW_PRODUCTS = OneRowProducts()
+ROW_PRODUCTS = RowProducts()

@@ -39,7 +39,7 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
         "--compile", action="store_true",
         help="compile the static decode step on any device (torch.compile, fullgraph; kvcake.generate's or a "
         "compressed context's generate(compile=True)); without it transformers compiles on CUDA only. The first "
-        "tokens pay for the compilation (minutes on a small CPU, where the compiled step fuses its one-row products)",
+        "tokens pay for the compilation (minutes on a small CPU, where the compiled step fuses its projections' products)",
     )  # fmt: skip
     _method_args(p)
     _layout_args(p)
