@@ -20,6 +20,7 @@ from kvcake import bench, fp8
 from kvcake.adapters import with_cache
 from kvcake.bench import cli, step_counts
 from kvcake.bench import decode as bench_decode_module
+from kvcake.bench import floor as floor_bench
 from kvcake.bench.common import BenchModels, build_cache, dynamic_cache_bytes
 from shared_checks import KWARGS_HANDOFF
 
@@ -247,6 +248,7 @@ def test_decode_bench(models, tmp_path, capsys):
     fixed = [r for r in result["rows"] if r["policy"] == "fixed"]
     assert all(r["hook_s"] > 0 for r in fixed)
     assert all(r["compiled_s"] is None for r in result["rows"])  # compile off by default
+    assert all(r["compiled_matmul_s"] is None for r in result["rows"])
 
 
 def test_decode_bench_takes_float8_rows(models, tmp_path, monkeypatch):
@@ -340,7 +342,13 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
         f"cached (`floor`) takes {floor['s'] * 1e3:.1f} ms eager ({floor['s'] / floor['bound_s']:.2f} x its bound) "
         f"and {floor['compiled_s'] * 1e3:.1f} ms compiled" in page
     )
-    assert f"its weight matmuls alone take {floor['matmul_s'] * 1e3:.1f} ms" in page
+    # the matmuls alone compiled too, as the steps are (the run's backend)
+    assert isinstance(floor["compiled_matmul_s"], float) and floor["compiled_matmul_s"] > 0
+    assert (
+        f"its weight matmuls alone take {floor['matmul_s'] * 1e3:.1f} ms eager, "
+        f"{floor_bench.matmul_ratio(floor):.2f} x, and {floor['compiled_matmul_s'] * 1e3:.1f} ms compiled"
+        in page
+    )
     # the page's reading of the floor follows the numbers: set them, render, read
     floor["s"], floor["compiled_s"] = (
         2.0 * floor["bound_s"],
@@ -365,15 +373,21 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     assert "out of any cache's reach in that mode" in page
     # a run whose read probe the weights' own matmuls beat (a shared host's bandwidth moved): its
     # bounds are not judged, in the targets and on the page
-    floor["matmul_s"] = (
-        0.5 * floor["bound_s"] * floor["matmul_bytes"] / (floor["weight_bytes"] + floor["kv_bytes"])
-    )
+    weights_bound = floor["bound_s"] * floor["matmul_bytes"] / (floor["weight_bytes"] + floor["kv_bytes"])
+    floor["matmul_s"], floor["compiled_matmul_s"] = 0.5 * weights_bound, 0.7 * weights_bound
     result["targets"] = bench_decode_module.decode_targets(result["rows"])
     assert [t["ok"] for t in result["targets"] if "read bound" in t["target"]] == [None] * len(bound)
     page = report._decode(result, tmp_path, tmp_path / "page.md")
     assert (
         "the bound not judged**" in page and "The weights' matmuls alone took 0.50 x their read bound" in page
     )
+    floor["matmul_s"], floor["compiled_matmul_s"] = (
+        1.2 * weights_bound,
+        0.6 * weights_bound,
+    )  # compiled, faster
+    result["targets"] = bench_decode_module.decode_targets(result["rows"])
+    assert [t["ok"] for t in result["targets"] if "read bound" in t["target"]] == [None] * len(bound)
+    assert "The weights' matmuls alone took 0.60 x" in report._decode(result, tmp_path, tmp_path / "page.md")
     assert "NOT JUDGED" in bench_decode_module.decode_tables(result)
     assert result["counts"]["table"] == "| the counts |"  # (tests/test_step_counts.py checks the table)
     assert "| the counts |" in bench_decode_module.decode_tables(result)

@@ -5,7 +5,7 @@ decoding policy) cache together (``caches.shared_prefill``); a transformers ``St
 receives a copy of the full cache (the full cache's compileable layout). Each is then decoded
 alone, greedy, one token per step, in interleaved rounds after a warm-up, and, with ``compile``,
 compiled one cache at a time (with inductor, on a CPU with ``devices.compile_kwargs``'s fused
-one-row products, as ``kvcake.generate(compile=True)``). Decoding reads every weight and every
+products, as ``kvcake.generate(compile=True)``). Decoding reads every weight and every
 cached entry once per token, so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with
 the read bandwidth measured in the same run (``bandwidth.measure``, before the first round and
 again after every round and after the compiled steps; the fastest probe sets every bound,
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..adapters import with_cache
+from ..devices import compile_kwargs
 from ..fp8 import SUFFIX, storage_spec
 from .bandwidth import fastest, probes_words
 from .bandwidth import measure as measure_bandwidth
@@ -55,11 +56,12 @@ from .floor import (
     FLOOR,
     FLOOR_TOKENS,
     best_s,
+    fastest_matmul_ratio,
     floor_cache,
     floor_row,
     floor_words,
     matmul_probe,
-    matmul_ratio,
+    matmul_words,
     mode,
 )
 from .output import emit
@@ -137,6 +139,9 @@ def run_decode(
         model, label = models.for_length(length)
         w_bytes = weight_bytes(model)
         matmul_s, matmul_bytes = matmul_probe(model, clock)
+        compiled_matmul_s = (
+            matmul_probe(model, clock, compiled=_compile_kw(model, compile))[0] if compile else None
+        )
         ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
                                  model.config.vocab_size, models.device)  # fmt: skip
         configs = _decode_configs(methods, budgets, policies, length)
@@ -179,8 +184,7 @@ def run_decode(
                         dec.compiled = "not measured (--compile-only)"
                     else:
                         chosen[f"{m} {b or ''}".strip()] = dec
-                backend = compile if isinstance(compile, str) else "inductor"
-                time_compiled(chosen, backend, warmup, steps, rounds)
+                time_compiled(chosen, _compile_kw(model, compile)["backend"], warmup, steps, rounds)
                 probes.append(measure_bandwidth(models.device, bandwidth_bytes))
         full_s = median(state[("full", 0, "-")].times)
         full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
@@ -194,7 +198,7 @@ def run_decode(
                 length=length, model=label, prompt=source, method=m, budget=b, policy=p, s=s, times=dec.times,
                 compiled_s=compiled_s, kv_bytes=c_bytes, weight_bytes=w_bytes, speedup=full_s / s, allowed=allowed,
                 fraction=(full_s / s) / allowed, hook_s=hook, hook_share=hook / s, matmul_s=matmul_s,
-                matmul_bytes=matmul_bytes,
+                matmul_bytes=matmul_bytes, compiled_matmul_s=compiled_matmul_s,
             ))  # fmt: skip
         del state, entries, caches, full
         gc.collect()
@@ -213,6 +217,13 @@ def run_decode(
     return emit(result, "decode", decode_tables(result) if echo else "", plot_decode, out, echo)
 
 
+def _compile_kw(model, compile: bool | str) -> dict:
+    """``torch.compile``'s backend (``compile``, ``inductor`` for True) and, with inductor, the
+    options ``kvcake.generate(compile=True)`` gives it (``devices.compile_kwargs``)."""
+    backend = compile if isinstance(compile, str) else "inductor"
+    return dict(backend=backend, **(compile_kwargs(model) if backend == "inductor" else {}))
+
+
 def decode_targets(rows: list[dict]) -> list[dict]:
     if not rows:
         return []
@@ -223,7 +234,7 @@ def decode_targets(rows: list[dict]) -> list[dict]:
     below = "" if floor is None else f"; {floor_words(floor)}"  # the model's own step, against its bound
     # the weights' own matmuls faster than the run's read probe allows: the probe understated the
     # bandwidth (a shared host's), so no step is judged against bounds drawn from it (ok None)
-    unjudged = floor is not None and floor.get("matmul_s") is not None and matmul_ratio(floor) < 1
+    unjudged = floor is not None and floor.get("matmul_s") is not None and fastest_matmul_ratio(floor) < 1
     out = []
     for r in rows:
         if r["length"] != longest or r["method"] in REFERENCE_ROWS:
@@ -288,8 +299,8 @@ def decode_tables(result: dict) -> str:
             f"compiles): no cache makes a step cheaper, so its bound/actual is what this device allows a step at all")  # fmt: skip
     floor = next((r for r in result["rows"] if r["method"] == FLOOR and r.get("matmul_s") is not None), None)
     if floor is not None:
-        head += (f"; the weights' matmuls alone, one token (`matmul_probe`), take {floor['matmul_s'] * 1e3:.1f} ms "
-                 f"at {floor['length']} tokens, {matmul_ratio(floor):.2f} x their read bound")  # fmt: skip
+        head += (f"; the weights' matmuls alone, one token (`matmul_probe`), take {matmul_words(floor)} x their "
+                 f"read bound at {floor['length']} tokens")  # fmt: skip
     head += ":"
     parts = [head, "", markdown_table(_DECODE_HEADERS, [_row_cells(r) for r in result["rows"]])]
     rag = ragged_table(result)

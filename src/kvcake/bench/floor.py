@@ -50,17 +50,19 @@ def run_projections(products: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> 
     return [torch.mm(row, w) if conv else torch.nn.functional.linear(row, w) for w, row, conv in products]
 
 
-def matmul_probe(model, clock: Clock, repeats: int = 7) -> tuple[float, int]:
+def matmul_probe(model, clock: Clock, repeats: int = 7, compiled: dict | None = None) -> tuple[float, int]:
     """(seconds, bytes): one token's products with every projection weight of ``model``
-    (:func:`projections`, eagerly), the matrix work of a decode step and nothing else, median of
-    ``repeats`` after one warm-up; and those weights' bytes. Seconds over bytes / read bandwidth is
-    how close this device's matmul kernels come to reading the weights at the measured rate; no
-    cache takes a step below it."""
+    (:func:`projections`, eagerly, or compiled with ``torch.compile(**compiled)``, the backend and
+    options of the compiled steps: with inductor ``devices.compile_kwargs``), the matrix work of a decode step and
+    nothing else, median of ``repeats`` after one warm-up (the compile); and those weights' bytes.
+    Seconds over bytes / read bandwidth is how close this device's matmul kernels come to reading
+    the weights at the measured rate; no cache takes a step below it."""
     products = projections(model)
+    fn = run_projections if compiled is None else torch.compile(run_projections, dynamic=False, **compiled)
 
     def run() -> None:
         with torch.no_grad():
-            run_projections(products)
+            fn(products)
 
     times = [clock.time(run)[0] for _ in range(repeats + 1)]
     return median(times[1:]), sum(w.numel() * w.element_size() for w, _, _ in products)
@@ -88,16 +90,29 @@ def floor_words(floor: dict) -> str:
     f = best_s(floor)
     text = f"the model's own step with {FLOOR_TOKENS} tokens cached: {f * 1e3:.1f} ms ({mode(floor)}), {f / floor['bound_s']:.2f} x"
     if floor.get("matmul_s") is not None:
-        text += (
-            f"; its weight matmuls alone {floor['matmul_s'] * 1e3:.1f} ms, {matmul_ratio(floor):.2f} x theirs"
-        )
+        text += f"; its weight matmuls alone {matmul_words(floor)} x theirs"
     return text
 
 
-def matmul_ratio(r: dict) -> float:
-    """The weights' matmuls alone (:func:`matmul_probe`) over their bytes' read bound, from a row
-    (its bound is its weights and KV bytes over the bandwidth of the run)."""
-    return r["matmul_s"] / (r["bound_s"] * r["matmul_bytes"] / (r["weight_bytes"] + r["kv_bytes"]))
+def matmul_ratio(r: dict, key: str = "matmul_s") -> float:
+    """The weights' matmuls alone (:func:`matmul_probe`: ``key`` ``matmul_s`` eager,
+    ``compiled_matmul_s`` compiled) over their bytes' read bound, from a row (its bound is its
+    weights and KV bytes over the bandwidth of the run)."""
+    return r[key] / (r["bound_s"] * r["matmul_bytes"] / (r["weight_bytes"] + r["kv_bytes"]))
+
+
+def fastest_matmul_ratio(r: dict) -> float:
+    """:func:`matmul_ratio` of the faster of a row's eager and compiled matmuls (where measured)."""
+    return min(matmul_ratio(r, k) for k in ("matmul_s", "compiled_matmul_s") if r.get(k) is not None)
+
+
+def matmul_words(r: dict) -> str:
+    """A row's matmuls alone in words: eager, and compiled where measured, each in ms and then
+    against their read bound (the caller names it)."""
+    text = f"{r['matmul_s'] * 1e3:.1f} ms eager, {matmul_ratio(r):.2f}"
+    if r.get("compiled_matmul_s") is not None:
+        text += f" x, and {r['compiled_matmul_s'] * 1e3:.1f} ms compiled, {matmul_ratio(r, 'compiled_matmul_s'):.2f}"
+    return text
 
 
 def reading(floor: dict, bound: list[dict], presets: list[dict], target: float) -> str:
@@ -113,7 +128,7 @@ def reading(floor: dict, bound: list[dict], presets: list[dict], target: float) 
         )
     text = f"The model's own step with {FLOOR_TOKENS} tokens cached (`{FLOOR}`) takes {' and '.join(steps)}"
     if floor.get("matmul_s") is not None:
-        text += f"; its weight matmuls alone take {floor['matmul_s'] * 1e3:.1f} ms ({matmul_ratio(floor):.2f} x their read bound)"
+        text += f"; its weight matmuls alone take {matmul_words(floor)} x their read bound"
     if f <= target * floor["bound_s"]:
         return text + ". "
     if isinstance(floor.get("compiled_s"), float):  # compiled, the floor is still over the target
