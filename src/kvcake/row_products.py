@@ -10,9 +10,10 @@ once for all the rows: for one row 40-45 GB/s there, the output head included, a
 ``x.sum()``'s 44-80 in the same runs; on two threads 32-37 for two and four rows, 20-21 for
 eight (MKL's 9-14), on one 21, 20 and 11 (MKL's 10-13); sixteen rows gain nothing, so the pass
 stops at :data:`MOST_ROWS`. The compiled floor step of the decode bench (SmolLM2, 16 tokens
-cached, two threads) took 15.7 ms for a batch of two against 57.7 with MKL's products. torch's own ``decompose_mm_pass`` handles one row, and only products up to 2048
-wide (its limits are read when inductor is imported), which leaves the output head (49152 wide
-for SmolLM2, 262144 for Gemma 3) to MKL; this pass has no width limit.
+cached, two threads) took 15.7 ms for a batch of two against 57.7 with MKL's products. torch's
+own ``decompose_mm_pass`` handles one row, and only products up to 2048 wide (its limits are
+read when inductor is imported), which leaves the output head (49152 wide for SmolLM2, 262144
+for Gemma 3) to MKL; this pass has no width limit.
 
 :data:`ROW_PRODUCTS` goes into ``torch.compile``'s options as inductor's
 ``post_grad_custom_pre_pass`` (``kvcake.devices.compile_kwargs``), scoped to that compile. It

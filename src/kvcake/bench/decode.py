@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from ..adapters import with_cache
-from ..devices import compile_kwargs
 from ..fp8 import SUFFIX, storage_spec
 from .bandwidth import fastest, probes_words
 from .bandwidth import measure as measure_bandwidth
@@ -51,7 +50,7 @@ from .common import (
     verdict,
     weight_bytes,
 )
-from .decoder import Decoder, time_compiled
+from .decoder import Decoder, step_compile, time_compiled
 from .floor import (
     FLOOR,
     FLOOR_TOKENS,
@@ -133,6 +132,7 @@ def run_decode(
         raise ValueError(f"unknown decoding policies {bad}: use fixed, none or preset (the method's own)")
     methods = tuple(m for m in methods if m != "full")
     clock = Clock(models.device)
+    backend = compile if isinstance(compile, str) else "inductor"  # of the compiled steps, when compiling
     probes = [measure_bandwidth(models.device, bandwidth_bytes)]  # and after every round: fastest() below
     rows = []
     for length in lengths:
@@ -140,7 +140,7 @@ def run_decode(
         w_bytes = weight_bytes(model)
         matmul_s, matmul_bytes = matmul_probe(model, clock)
         compiled_matmul_s = (
-            matmul_probe(model, clock, compiled=_compile_kw(model, compile))[0] if compile else None
+            matmul_probe(model, clock, compiled=step_compile(model, backend))[0] if compile else None
         )
         ids, source = prompt_ids(models.tokenizer if model is models.model else None, length,
                                  model.config.vocab_size, models.device)  # fmt: skip
@@ -184,7 +184,7 @@ def run_decode(
                         dec.compiled = "not measured (--compile-only)"
                     else:
                         chosen[f"{m} {b or ''}".strip()] = dec
-                time_compiled(chosen, _compile_kw(model, compile)["backend"], warmup, steps, rounds)
+                time_compiled(chosen, backend, warmup, steps, rounds)
                 probes.append(measure_bandwidth(models.device, bandwidth_bytes))
         full_s = median(state[("full", 0, "-")].times)
         full_bytes = sum(state[("full", 0, "-")].bytes) / len(state[("full", 0, "-")].bytes)
@@ -215,13 +215,6 @@ def run_decode(
         logger.info("decode: per-step counts of every preset (tiny model)")
         result["counts"] = dict(intro=step_counts.INTRO, table=step_counts.table())
     return emit(result, "decode", decode_tables(result) if echo else "", plot_decode, out, echo)
-
-
-def _compile_kw(model, compile: bool | str) -> dict:
-    """``torch.compile``'s backend (``compile``, ``inductor`` for True) and, with inductor, the
-    options ``kvcake.generate(compile=True)`` gives it (``devices.compile_kwargs``)."""
-    backend = compile if isinstance(compile, str) else "inductor"
-    return dict(backend=backend, **(compile_kwargs(model) if backend == "inductor" else {}))
 
 
 def decode_targets(rows: list[dict]) -> list[dict]:

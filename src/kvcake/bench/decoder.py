@@ -22,6 +22,13 @@ def _attention_for(model, cache):
     return enable(model) if isinstance(cache, BenchCache) else contextlib.nullcontext()
 
 
+def step_compile(model, backend: str) -> dict:
+    """``torch.compile``'s ``backend`` and, with inductor, the options ``kvcake.generate(compile=True)``
+    gives it (``devices.compile_kwargs``): how the bench compiles a step, and the weights' products
+    it times beside the steps (``floor.matmul_probe``)."""
+    return dict(backend=backend, **(compile_kwargs(model) if backend == "inductor" else {}))
+
+
 class Decoder:
     """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
     host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
@@ -63,8 +70,9 @@ class Decoder:
         if not getattr(self.cache, "is_compileable", False):
             self.compiled = "n/a (not compileable)"
             return
-        extra = compile_kwargs(self.model) if backend == "inductor" else {}  # as kvcake.generate's
-        step = torch.compile(greedy_step(self.model, own_code=True), fullgraph=True, backend=backend, **extra)
+        step = torch.compile(
+            greedy_step(self.model, own_code=True), fullgraph=True, **step_compile(self.model, backend)
+        )
         try:
             for _ in range(warmup):
                 self.step(step, compiled=True)

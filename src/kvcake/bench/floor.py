@@ -52,8 +52,8 @@ def run_projections(products: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> 
 
 def matmul_probe(model, clock: Clock, repeats: int = 7, compiled: dict | None = None) -> tuple[float, int]:
     """(seconds, bytes): one token's products with every projection weight of ``model``
-    (:func:`projections`, eagerly, or compiled with ``torch.compile(**compiled)``, the backend and
-    options of the compiled steps: with inductor ``devices.compile_kwargs``), the matrix work of a decode step and
+    (:func:`projections`, eagerly, or compiled with ``torch.compile(**compiled)``, the compiled
+    steps' backend and options: ``decoder.step_compile``), the matrix work of a decode step and
     nothing else, median of ``repeats`` after one warm-up (the compile); and those weights' bytes.
     Seconds over bytes / read bandwidth is how close this device's matmul kernels come to reading
     the weights at the measured rate; no cache takes a step below it."""
@@ -110,8 +110,9 @@ def matmul_words(r: dict) -> str:
     """A row's matmuls alone in words: eager, and compiled where measured, each in ms and then
     against their read bound (the caller names it)."""
     text = f"{r['matmul_s'] * 1e3:.1f} ms eager, {matmul_ratio(r):.2f}"
-    if r.get("compiled_matmul_s") is not None:
-        text += f" x, and {r['compiled_matmul_s'] * 1e3:.1f} ms compiled, {matmul_ratio(r, 'compiled_matmul_s'):.2f}"
+    compiled = r.get("compiled_matmul_s")
+    if compiled is not None:
+        text += f" x, and {compiled * 1e3:.1f} ms compiled, {matmul_ratio(r, 'compiled_matmul_s'):.2f}"
     return text
 
 
