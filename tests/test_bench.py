@@ -396,6 +396,41 @@ def test_decode_bench_compiled_column_and_issue_22_targets(models, tmp_path, mon
     assert {t["length"] for t in result["targets"]} == {64}
 
 
+def test_each_caches_compiled_step_keeps_its_own_static_sizes(tiny_llama):
+    """The decode bench compiles every cache's step for that cache's sizes, as a process compiling
+    it alone would: dynamo's automatic dynamic shapes, which it records per source file and line
+    and so shares between the steps' code copies, would hand the second cache symbolic ones."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+    from transformers import StaticCache
+
+    from kvcake.bench import decoder
+    from kvcake.bench.common import Clock
+
+    symbolic = []
+
+    def backend(gm, example_inputs):  # records the graph's inputs of symbolic size, runs it eagerly
+        symbolic.append(sorted(
+            n.name for n in gm.graph.nodes
+            if n.op == "placeholder" and free_symbols(n.meta.get("example_value"))
+        ))  # fmt: skip
+        return gm.forward
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (1, 8), generator=gen)  # host
+    decoders = {}
+    for capacity in (16, 24):  # two caches of other sizes, one step each compiled side by side
+        cache = StaticCache(config=tiny_llama.config, max_cache_len=capacity)
+        with torch.no_grad():
+            tiny_llama(ids, **with_cache(tiny_llama, cache))
+        decoders[capacity] = decoder.Decoder(tiny_llama, cache, ids[:, -1:], 8, Clock(torch.device("cpu")))
+    with torch.no_grad():
+        for dec in decoders.values():  # eager steps first, as the bench's
+            dec.warm(1)
+        decoder.time_compiled(decoders, backend, warmup=1, steps=2, rounds=1)
+    assert symbolic == [[], []]  # one graph each, every size static
+    assert all(isinstance(d.compiled, float) for d in decoders.values())
+
+
 def test_bandwidth(tmp_path):
     result = bench.bench_bandwidth("cpu", size_bytes=2**20, repeats=2, out=tmp_path)
     _check_outputs(tmp_path, "bandwidth")

@@ -25,15 +25,20 @@ def _attention_for(model, cache):
 def step_compile(model, backend: str) -> dict:
     """``torch.compile``'s ``backend`` and, with inductor, the options ``kvcake.generate(compile=True)``
     gives it (``devices.compile_kwargs``): how the bench compiles a step, and the weights' products
-    it times beside the steps (``floor.matmul_probe``)."""
-    return dict(backend=backend, **(compile_kwargs(model) if backend == "inductor" else {}))
+    it times beside the steps (``floor.matmul_probe``). Static shapes (``dynamic=False``): every
+    cache's step is compiled for its own sizes, as a process compiling that one cache would. Under
+    dynamo's default (``dynamic=None``) its automatic dynamic shapes, which it records per source
+    file and line and so shares between the steps' code copies (``greedy_step(own_code=True)``),
+    would compile every cache after the first with symbolic sizes."""
+    options = compile_kwargs(model) if backend == "inductor" else {}
+    return dict(backend=backend, dynamic=False, **options)
 
 
 class Decoder:
     """One cache's decode steps: greedy, from the prompt's end, each step timed; the position is a
     host count passed as ``position_ids``. Eager steps first (in the interleaved rounds), then,
     with ``compiled``, the compiled ones: every cache's step compiled (``compile``:
-    ``torch.compile(fullgraph=True)``, dynamo's defaults as ``generate``'s compile config) and
+    ``torch.compile(fullgraph=True)`` with :func:`step_compile`'s options, static shapes) and
     warmed, then timed in interleaved rounds as the eager steps are (:func:`time_compiled`), so
     a busy moment of the host falls on every cache alike."""
 
@@ -91,8 +96,9 @@ def time_compiled(decoders: dict[str, Decoder], backend: str, warmup: int, steps
     """The compiled column of ``decoders``: each compiled and warmed in turn, then ``steps`` timed
     compiled steps each in ``rounds`` interleaved rounds. Every cache's graphs stay compiled side
     by side, each cache's step a code object of its own (``greedy_step(own_code=True)``), so
-    dynamo keeps them apart as separate compiles would (its graphs, recompile count and automatic
-    dynamic shapes are per code object); median seconds, or why there is none."""
+    dynamo keeps their graphs and recompile counts apart as separate compiles would (its automatic
+    dynamic shapes are not kept apart, hence :func:`step_compile`'s static shapes); median
+    seconds, or why there is none."""
     torch._dynamo.reset()
     for label, dec in decoders.items():
         logger.info("decode: compiling the step of %s", label)

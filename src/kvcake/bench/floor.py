@@ -58,7 +58,7 @@ def matmul_probe(model, clock: Clock, repeats: int = 7, compiled: dict | None = 
     Seconds over bytes / read bandwidth is how close this device's matmul kernels come to reading
     the weights at the measured rate; no cache takes a step below it."""
     products = projections(model)
-    fn = run_projections if compiled is None else torch.compile(run_projections, dynamic=False, **compiled)
+    fn = run_projections if compiled is None else torch.compile(run_projections, **compiled)
 
     def run() -> None:
         with torch.no_grad():

@@ -151,7 +151,9 @@ class _Runner:
                 self.compiled[name] = "n/a (not compileable)"
             else:
                 mode = "reduce-overhead" if self.device.type == "cuda" else None
-                self.compiled[name] = torch.compile(self.step_fn(), fullgraph=True, mode=mode)
+                # static shapes: dynamo's automatic dynamic shapes are shared by the steps' code
+                # copies (decoder.step_compile), so a cache after the first would get symbolic sizes
+                self.compiled[name] = torch.compile(self.step_fn(), fullgraph=True, mode=mode, dynamic=False)
         return self.compiled[name]
 
     def measure(self, name: str) -> dict:
