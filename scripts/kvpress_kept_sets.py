@@ -2,9 +2,10 @@
 kept sets compared, where ``docs/kvpress.md`` compares only what the two caches answer.
 
 As that page's cells compress it: the document of ``--task`` (default ``niah_single``) sample
-``--seed`` (default 0; 2k tokens, paul_graham haystack, the restated needle for the NIAH tasks),
-with its question for ``--scenario question`` (the question inside the compressed prompt), alone
-for ``context`` (the default); ``--ratio`` of it kept, the 32-token window. The press's kept set
+``--seed`` (default 0) at ``--length`` tokens (default 2048) in the ``--haystack`` (default
+paul_graham; the restated needle for the NIAH tasks), with its question for ``--scenario question``
+(the question inside the compressed prompt), alone for ``context`` (the default); ``--ratio`` of it
+kept, a ``--window``-token observation window (default 32, both sides'). The press's kept set
 is what its attention patch leaves unmasked (the Ada-KV presses, the ones compared here). Run it
 where kvpress is installed (kvpress 0.5 needs transformers < 5.3: docs/kvpress.md says how), with
 this repository on ``PYTHONPATH``:
@@ -50,6 +51,13 @@ def main() -> None:
     parser.add_argument("--task", default="niah_single", help="a synthetic task of docs/kvpress.md")
     parser.add_argument("--seed", type=int, default=0, help="the sample (its seed)")
     parser.add_argument("--scenario", choices=("context", "question"), default="context")
+    parser.add_argument(
+        "--length", type=int, default=2048, help="the document's tokens (as the task builds it)"
+    )
+    parser.add_argument(
+        "--haystack", default="paul_graham", help="paul_graham, noise, or a text file or folder"
+    )
+    parser.add_argument("--window", type=int, default=32, help="the observation window, both sides'")
     args = parser.parse_args()
     import kvpress  # noqa: F401  (its patch wraps the attention functions before kvcake's exist)
 
@@ -62,18 +70,19 @@ def main() -> None:
 
     model, tok = kvcake.load_model()
     options = task_options_for(args.task, "restated", None)
-    sample = make_samples(args.task, tok, 1, 2048, seed=args.seed, haystack="paul_graham", **options)[0]
+    sample = make_samples(args.task, tok, 1, args.length, seed=args.seed, haystack=args.haystack, **options)[
+        0
+    ]
     prompt = build_prompt(
         tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False), sample.answer_prefix
     )
     ids = (
         prompt.context if args.scenario == "context" else torch.cat([prompt.context, prompt.question], dim=1)
     )
-    kept = press_budget(None, args.ratio, ids.shape[1], 32)
-    theirs = press_masks(model, ids, args.press, kept, 32)
-    ours = [
-        torch.from_numpy(m)[None] for m in kept_mask(kvcake.compress(model, ids, args.method, budget=kept))
-    ]
+    kept = press_budget(None, args.ratio, ids.shape[1], args.window)
+    theirs = press_masks(model, ids, args.press, kept, args.window)
+    context = kvcake.compress(model, ids, args.method, budget=kept, window=args.window)
+    ours = [torch.from_numpy(m)[None] for m in kept_mask(context)]
     differing = 0
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         only_press, only_kvcake = int((a & ~b).sum()), int((b & ~a).sum())
