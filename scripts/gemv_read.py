@@ -13,15 +13,19 @@ sum, the output head included), in GB/s of weights read (median of ``--repeats``
 ``--no-step``, the
 decode bench's compiled ``floor`` step (the model's own ``StaticCache`` with 16 tokens cached),
 for each of ``--batches`` (sequences decoding together), compiled both ways, alternated in
-``--rounds`` rounds of 10 steps (median ms).
+``--rounds`` rounds of 10 steps (median ms); ``--inlined`` adds the step compiled with the pass's
+rows left for inductor to inline into the reductions (as before ``row_products._stored``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from unittest import mock
 
 import torch
 
+from kvcake import row_products
 from kvcake.bench.bandwidth import measure
 from kvcake.bench.caches import greedy_step
 from kvcake.bench.common import load_models, median, prompt_ids
@@ -29,6 +33,15 @@ from kvcake.bench.decoder import Decoder
 from kvcake.bench.floor import FLOOR_TOKENS, floor_cache, projections, run_projections
 from kvcake.bench.probes import Clock
 from kvcake.devices import compile_kwargs
+
+
+@contextlib.contextmanager
+def inlined_rows():
+    """The pass as it was before its rows were stored (``row_products._stored`` a no-op), inductor's
+    graph cache off meanwhile (the pass's uuid, its cache key, does not see the change)."""
+    with mock.patch.object(row_products, "_stored", lambda graph, rows: rows):
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            yield
 
 
 def median_s(fn, clock: Clock, repeats: int) -> float:
@@ -44,6 +57,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="alternated rounds of the floor's step")
     p.add_argument("--no-step", action="store_true", help="the products only")
     p.add_argument("--batches", default="1", help="batch sizes of the floor's step, comma-separated")
+    p.add_argument(
+        "--inlined", action="store_true",
+        help="the step also compiled with the products' rows left to inductor to inline (row_products._stored)",
+    )  # fmt: skip
     args = p.parse_args()
     models = load_models(device=torch.device("cpu"), dtype=torch.float32)
     model = models.model
@@ -74,7 +91,9 @@ def main() -> None:
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
             rows = ids.expand(batch, -1).contiguous()  # the same prompt in each row of the batch
-            for label, extra in (("inductor's defaults", {}), ("compile_kwargs", compile_kwargs(model))):
+            variants = [("inductor's defaults", {}), ("compile_kwargs", compile_kwargs(model))]
+            variants += [("compile_kwargs, rows inlined", compile_kwargs(model))] if args.inlined else []
+            for label, extra in variants:
                 dec = Decoder(
                     model, floor_cache(model, rows, room), rows[:, -1:].clone(), FLOOR_TOKENS, clock
                 )
@@ -82,8 +101,9 @@ def main() -> None:
                 # dynamic shapes would make the batch symbolic from the second, which the pass leaves alone
                 step = greedy_step(model, own_code=True)
                 dec.fast = torch.compile(step, fullgraph=True, dynamic=False, **extra)
-                for _ in range(4):
-                    dec.step(dec.fast, compiled=True)
+                with inlined_rows() if label.endswith("inlined") else contextlib.nullcontext():
+                    for _ in range(4):  # the compile happens in the first
+                        dec.step(dec.fast, compiled=True)
                 steps[batch, label] = dec
         for _ in range(args.rounds):
             for dec in steps.values():

@@ -535,6 +535,36 @@ def test_the_row_pass_rewrites_only_products_of_a_few_rows_by_transposed_weights
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_row_pass_computes_a_products_rows_once():
+    """The rows of a rewritten product (here an RMSNorm's output, as every projection of a decoder
+    layer gets) are stored once before the per-row reductions read them (inductor's
+    ``force_stride_order``), not left for inductor to inline into the reduction, which would compute
+    the norm again for every output column; compiled, eager's values (fp32, 1e-5)."""
+    from torch._inductor import inductor_prims
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kvcake.row_products import RowProducts
+
+    g = torch.Generator().manual_seed(0)
+    h, r = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
+    norm, w = torch.randn(64, generator=g), torch.randn(300, 64, generator=g)
+
+    def step(h, r, norm, w):
+        x = h + r
+        return torch.nn.functional.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm, w)
+
+    graph = make_fx(step, tracing_mode="fake")(h, r, norm, w).graph
+    RowProducts()(graph)
+    stored = graph.find_nodes(op="call_function", target=inductor_prims.force_stride_order)
+    rows = graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)
+    assert len(stored) == 1 and len(rows) == 4 and all(row.args[0] is stored[0] for row in rows)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        options = {"post_grad_custom_pre_pass": RowProducts()}
+        compiled = torch.compile(step, fullgraph=True, options=options)(h, r, norm, w)
+    torch.testing.assert_close(compiled, step(h, r, norm, w), rtol=1e-5, atol=1e-5)
+
+
 @needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["layer-defensivekv", "cake", "h2o"])
 @pytest.mark.parametrize("padded", [False, True])
