@@ -91,9 +91,10 @@ def main() -> None:
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
             rows = ids.expand(batch, -1).contiguous()  # the same prompt in each row of the batch
-            variants = [("inductor's defaults", {}), ("compile_kwargs", compile_kwargs(model))]
-            variants += [("compile_kwargs, rows inlined", compile_kwargs(model))] if args.inlined else []
-            for label, extra in variants:
+            options = compile_kwargs(model)
+            variants = [("inductor's defaults", {}, False), ("compile_kwargs", options, False)]
+            variants += [("compile_kwargs, rows inlined", options, True)] if args.inlined else []
+            for label, extra, inlined in variants:
                 dec = Decoder(
                     model, floor_cache(model, rows, room), rows[:, -1:].clone(), FLOOR_TOKENS, clock
                 )
@@ -101,7 +102,7 @@ def main() -> None:
                 # dynamic shapes would make the batch symbolic from the second, which the pass leaves alone
                 step = greedy_step(model, own_code=True)
                 dec.fast = torch.compile(step, fullgraph=True, dynamic=False, **extra)
-                with inlined_rows() if label.endswith("inlined") else contextlib.nullcontext():
+                with inlined_rows() if inlined else contextlib.nullcontext():
                     for _ in range(4):  # the compile happens in the first
                         dec.step(dec.fast, compiled=True)
                 steps[batch, label] = dec

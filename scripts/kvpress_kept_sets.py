@@ -70,9 +70,9 @@ def main() -> None:
 
     model, tok = kvcake.load_model()
     options = task_options_for(args.task, "restated", None)
-    sample = make_samples(args.task, tok, 1, args.length, seed=args.seed, haystack=args.haystack, **options)[
-        0
-    ]
+    (sample,) = make_samples(
+        args.task, tok, 1, args.length, seed=args.seed, haystack=args.haystack, **options
+    )
     prompt = build_prompt(
         tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False), sample.answer_prefix
     )
