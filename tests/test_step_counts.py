@@ -59,12 +59,12 @@ def test_the_sync_counter_sees_indexing_with_a_boolean_mask():
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
 def test_float8_storage_adds_its_conversions_and_ring_and_no_sync(tiny_llama, spec):
     """``kv_dtype="fp8"`` (``kvcake.fp8``), per layer and step: the new entry's key and value
-    divided by their scales and converted (4), the two buffers converted back (2), the query and
+    divided by their scales, clamped to float8's range and converted (6), the two buffers converted back (2), the query and
     the output scaled (2, ``fp8.folded``); the recent entries' ring: the new token's slot (2), its
     key and value divided by their scales (2) and written with its position (3), each entry's slot
     (2), the slot's position read and compared (2), the ring's keys and values read (2, 3 on a
     ragged layer's gathered view) and put in place of the converted ones (2); and 15-16 views (no
-    kernel): at most 40 more ops than the same cache in the model's dtype (float32 here), and no sync."""
+    kernel): at most 42 more ops than the same cache in the model's dtype (float32 here), and no sync."""
     plain = step_ops(
         tiny_llama, KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True), 2
     )
@@ -75,4 +75,4 @@ def test_float8_storage_adds_its_conversions_and_ring_and_no_sync(tiny_llama, sp
     )
     assert {k: v for k, v in fp8.items() if k in SYNCING} == {k: v for k, v in plain.items() if k in SYNCING}
     extra = (sum(fp8.values()) - sum(plain.values())) / tiny_llama.config.num_hidden_layers
-    assert 0 < extra <= 40
+    assert 0 < extra <= 42

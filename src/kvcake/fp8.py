@@ -151,8 +151,10 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 
 
 def encode(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float8 bits (``torch.uint8``, same shape) of ``t / scale``."""
-    return (t.float() / scale.float()).to(FP8).view(torch.uint8)
+    """The float8 bits (``torch.uint8``, same shape) of ``t / scale``, clamped to +-448 (torch 2.7.1's
+    cast made an overflow NaN, bits 0x7F, which 2.13's saturates): a later entry past the range saturates."""
+    most = torch.finfo(FP8).max
+    return (t.float() / scale.float()).clamp(-most, most).to(FP8).view(torch.uint8)
 
 
 def decode(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
