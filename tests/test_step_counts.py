@@ -59,12 +59,13 @@ def test_the_sync_counter_sees_indexing_with_a_boolean_mask():
 @pytest.mark.parametrize("spec", ["snapkv", "cake", "adakv", "cake-adakv"])
 def test_float8_storage_adds_its_conversions_and_ring_and_no_sync(tiny_llama, spec):
     """``kv_dtype="fp8"`` (``kvcake.fp8``), per layer and step: the new entry's key and value
-    divided by their scales, clamped to float8's range and converted (6), the two buffers converted back (2), the query and
-    the output scaled (2, ``fp8.folded``); the recent entries' ring: the new token's slot (2), its
-    key and value divided by their scales (2) and written with its position (3), each entry's slot
-    (2), the slot's position read and compared (2), the ring's keys and values read (2, 3 on a
-    ragged layer's gathered view) and put in place of the converted ones (2); and 15-16 views (no
-    kernel): at most 42 more ops than the same cache in the model's dtype (float32 here), and no sync."""
+    divided by their scales, clamped to float8's range and converted (6), the two buffers converted
+    back (2), the query and the output scaled (2, ``fp8.folded``); the recent entries' ring: the new
+    token's slot (2), its key and value divided by their scales (2) and written with its position
+    (3), each entry's slot (2), the slot's position read and compared (2), the ring's keys and
+    values read (2, 3 on a ragged layer's gathered view) and put in place of the converted ones (2);
+    and 15-16 views (no kernel): at most 42 more ops than the same cache in the model's dtype
+    (float32 here), and no sync."""
     plain = step_ops(
         tiny_llama, KVCakeCache(tiny_llama, make_method(spec, budget=24, window=4), static=True), 2
     )

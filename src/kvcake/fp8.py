@@ -48,6 +48,7 @@ import torch
 from .defaults import KV_FORMATS
 
 FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: encode clamps to +-FP8_MAX, scales_of fits the prompt under it
 HEADROOM = 2.0  # the prompt's largest magnitude maps to at most 448 / HEADROOM (a power-of-two scale)
 # Tokens whose entries are also held in the model's dtype: the attention reads them exactly
 # (default model, bfloat16, every entry of 2,048-token passages kept: KL 0.0113 with none, 0.0103,
@@ -140,7 +141,7 @@ def scales_of(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, spli
     amax = torch.stack([_amax(keys), _amax(values)]).float()
     if split is not None:
         amax = split.gather(amax).amax(0)
-    fitted = torch.exp2(torch.ceil(torch.log2(amax * HEADROOM / torch.finfo(FP8).max)))
+    fitted = torch.exp2(torch.ceil(torch.log2(amax * HEADROOM / FP8_MAX)))
     scales = torch.where(amax > 0, fitted, torch.ones_like(amax)).to(dtype)
     return scales[0], scales[1]
 
@@ -153,8 +154,7 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 def encode(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float8 bits (``torch.uint8``, same shape) of ``t / scale``, clamped to +-448 (torch 2.7.1's
     cast made an overflow NaN, bits 0x7F, which 2.13's saturates): a later entry past the range saturates."""
-    most = torch.finfo(FP8).max
-    return (t.float() / scale.float()).clamp(-most, most).to(FP8).view(torch.uint8)
+    return (t.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
 
 
 def decode(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
