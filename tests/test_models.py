@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 import time
 
 import pytest
@@ -325,6 +326,41 @@ def test_each_transformers_version_keeps_its_own_conversion(monkeypatch, tmp_pat
         folder = conversion._ensure_converted(gguf, conversion.converted_folder(tmp_path, "m"))
         assert folder.name == f"m@transformers-{version}"
     assert made == ["m@transformers-5.0.0", "m@transformers-5.24.0"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the lock is fcntl's")
+def test_loads_at_once_convert_a_model_once(monkeypatch, tmp_path):
+    """Two first loads of one model at once: the second waits for the first's conversion and
+    uses it. Both converted before, and the later rename moved the first's folder away while its
+    process read the weights (FileNotFoundError: two calibration folds started together)."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really a gguf file")
+    folder = conversion.converted_folder(tmp_path / "cache", "m")
+    made, started = [], threading.Barrier(2)
+
+    def slow_convert(src, out):
+        def build(tmp):
+            time.sleep(0.3)  # the other load checks the cache meanwhile
+            (tmp / "model.safetensors").write_bytes(b"")
+            (tmp / conversion._CACHE_META).write_text(json.dumps(conversion._source_meta(src)))
+
+        made.append(out)
+        conversion._write_atomically(out, build)
+        return None, None
+
+    def load():
+        started.wait()
+        results.append(conversion._ensure_converted(gguf, folder))
+
+    monkeypatch.setattr(conversion, "convert_gguf", slow_convert)
+    results: list = []
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == [folder] and results == [folder, folder]
+    assert conversion._cache_is_valid(folder, conversion._source_meta(gguf))
 
 
 def test_org_name_ids_are_tried_even_when_they_resemble_a_builtin(monkeypatch):

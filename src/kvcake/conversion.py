@@ -3,13 +3,14 @@ on-disk cache of those folders (validity check, atomic writes). Loading lives in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,16 +131,40 @@ def converted_folder(root: Path, name: str) -> Path:
 
 
 def _ensure_converted(gguf_path: Path, folder: Path) -> Path:
-    """Return ``folder``, converting ``gguf_path`` into it first unless a valid copy is there."""
+    """Return ``folder``, converting ``gguf_path`` into it first unless a valid copy is there.
+    Processes that load the same model for the first time at once convert it once: the others
+    wait for the first one's copy (:func:`_conversion_lock`)."""
     expected = _source_meta(gguf_path)
     if _cache_is_valid(folder, expected):
         logger.debug("Using cached conversion %s", folder)
         return folder
-    if folder.exists():
-        logger.info("Cached conversion %s is stale (GGUF file or transformers changed)", folder)
-    model, tokenizer = convert_gguf(gguf_path, folder)
-    del model, tokenizer  # reloaded from the folder, so every load returns the same objects
+    with _conversion_lock(folder):
+        if _cache_is_valid(folder, expected):  # another process converted it while this one waited
+            logger.info("Using the conversion another process just made in %s", folder)
+            return folder
+        if folder.exists():
+            logger.info("Cached conversion %s is stale (GGUF file or transformers changed)", folder)
+        model, tokenizer = convert_gguf(gguf_path, folder)
+        del model, tokenizer  # reloaded from the folder, so every load returns the same objects
     return folder
+
+
+@contextlib.contextmanager
+def _conversion_lock(folder: Path) -> Iterator[None]:
+    """Held while ``folder`` is checked and converted (an exclusive ``flock`` on a file beside it).
+    Without it, two processes loading a model for the first time both converted it, and the later
+    one's rename moved the first one's folder away while that process was reading its weights
+    (FileNotFoundError). Where ``fcntl`` is missing (Windows) nothing is locked, and first loads at
+    once can still fail so."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def process_umask() -> int:
@@ -159,7 +184,10 @@ def process_umask() -> int:
 def _write_atomically(target: Path, build: Callable[[Path], None]) -> None:
     """Run ``build`` on a fresh temporary folder beside ``target``, then rename it to ``target``.
 
-    If another process finished the same folder first, its copy wins and ours is discarded.
+    A folder already at ``target`` is moved aside and removed first; a copy another process renames
+    into place between that and this rename wins, and ours is discarded. Loads that convert into
+    the cache take :func:`_conversion_lock` around this, so that they never replace each other's
+    folder.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
