@@ -21,9 +21,13 @@ figures):
 the paper's scale); given such folds for every seed, ``compare`` also keeps an indicator as
 ``kvcake calibrate --indicators avg5,max7`` does (the paper's unless another's is better by more
 than one standard error) and prints those rows beside the paper's indicator alone.
+``record --gamma 0`` does the same for another weight of CAKE's variance term (the paper's 200),
+the fold named ``avg5-gamma0``; ``compare`` keeps it as an indicator (``export`` refuses it: a
+calibration holds no gamma).
 
     PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --out /tmp/folds
     PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --indicator max7 --out /tmp/folds
+    PYTHONPATH=src python3 scripts/calibration_folds.py record --seed 1000 --gamma 0 --out /tmp/folds
     PYTHONPATH=src python3 scripts/calibration_folds.py compare /tmp/folds/context-*.json
 
 ``export`` writes the points kept on all the given folds together into a copy of a calibration
@@ -85,13 +89,14 @@ def record(args) -> None:
         for i in range(args.samples)
     ]  # fmt: skip
     indicator = parse_indicator(args.indicator)
-    fold = {"scenario": args.scenario, "seed": args.seed, "indicator": indicator_name(indicator),
+    label = indicator_name(indicator) + ("" if args.gamma is None else f"-gamma{args.gamma:g}")
+    fold = {"scenario": args.scenario, "seed": args.seed, "indicator": label,
             "parts": [s.part for s in refs], "ratios": {}}  # fmt: skip
     for ratio in RATIOS:
         spec = BudgetSpec(ratio=ratio, window=args.window)
         ev = Evaluator(model, refs, spec)
-        if indicator != PAPER_INDICATOR:  # losses on the paper's scale: its uniform budgets' KL
-            ev = Evaluator(model, refs, spec, indicator=indicator, baseline=ev.uniform)
+        if label != _PAPER:  # losses on the paper's scale: its uniform budgets' KL
+            ev = Evaluator(model, refs, spec, indicator=indicator, baseline=ev.uniform, gamma=args.gamma)
         snapkv = make_method("layers=uniform,score=snapkv,decode=fixed", ratio=ratio, window=args.window)
         taus = [(a, b) for a in TAU1 for b in TAU2] + [FLAT_TAU]
         fold["ratios"][str(ratio)] = {
@@ -103,7 +108,7 @@ def record(args) -> None:
         print(f"ratio {ratio}: {time.perf_counter() - t0:.0f} s", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "" if indicator == PAPER_INDICATOR else f"-{fold['indicator']}"
+    name = "" if label == _PAPER else f"-{label}"
     path = out / f"{args.scenario}-{args.seed}{name}.json"
     path.write_text(json.dumps(fold))
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
@@ -186,7 +191,8 @@ def _groups(paths) -> tuple[dict[int, dict[str, dict]], list[str]]:
 def compare(args) -> None:
     groups, others = _groups(args.folds)
     seeds = sorted(groups)
-    sets = [[_PAPER]] + ([[_PAPER, *others]] if others else [])
+    # the paper's indicator alone, beside each other one, and (given several) beside all of them
+    sets = [[_PAPER]] + [[_PAPER, o] for o in others] + ([[_PAPER, *others]] if len(others) > 1 else [])
     names = [str(s) for s in seeds]
     print(f"{len(seeds)} folds ({', '.join(names)}), {groups[seeds[0]][_PAPER]['scenario']}: kept on the train "
           "folds, mean KL on the others (nats/token, and per part), against near-uniform budgets and SnapKV; "
@@ -248,6 +254,9 @@ def export(args) -> None:
     for ratio, point in zip(map(str, RATIOS), points, strict=True):
         merged = {i: _merge([g[i] for g in groups.values()], ratio) for i in [_PAPER, *others]}
         ind, t = pick_indicator(merged, args.objective)
+        if "-gamma" in ind:
+            raise ValueError(f"{scenario} ratio {ratio} keeps {ind}, and a calibration holds a pooling and "
+                             "a kernel but not CAKE's gamma: export folds recorded without --gamma")  # fmt: skip
         tau1, tau2 = map(float, t.split("/"))
         kept.append(TauPoint(point.budget, tau1, tau2, None if ind == _PAPER else ind))
         print(f"{scenario} ratio {ratio} ({point.budget:g} entries per layer): {ind} {t}")
@@ -298,6 +307,13 @@ def main() -> None:
     r.add_argument("--window", type=int, default=32)
     r.add_argument(
         "--indicator", default=_PAPER, help="CAKE's indicator, e.g. max7 (default: the paper's avg5)"
+    )
+    r.add_argument(
+        "--gamma",
+        type=float,
+        default=None,
+        help="CAKE's variance weight (default: the paper's 200); the fold is named after it, "
+        "its losses on the paper's scale",
     )
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--out", default="calibration-folds")

@@ -173,6 +173,9 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
                       baseline=small.uniform)  # fmt: skip
     assert other.uniform is small.uniform and "score.pooling=max,score.kernel=7" in other.score
     assert other.per_sample(0.3, 2.5)[0] == pytest.approx(other.sample_measures(0, 0.3, 2.5).kl / pooled)
+    # another weight of CAKE's variance term (scripts/calibration_folds.py record --gamma), the scorer's
+    mean = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4), baseline=small.uniform, gamma=0)
+    assert mean._method("uniform").scorer.gamma == 0.0 and small._method("uniform").scorer.gamma == 200.0
 
 
 def test_calibration_samples_past_the_models_positions_are_refused_before_any_forward(

@@ -199,3 +199,28 @@ def test_export_refuses_a_base_at_other_budgets(folds, tmp_path, monkeypatch):
     )
     with pytest.raises(ValueError, match="entries per layer"):
         folds.main()
+
+
+def test_several_other_indicators_each_beside_the_papers_and_gamma_not_exported(
+    folds, tmp_path, capsys, monkeypatch
+):
+    """Folds of max7 and of another CAKE gamma (``record --gamma 0``): compare keeps each beside the
+    paper's indicator and all three together; export refuses to write a kept gamma, which a
+    calibration file cannot hold."""
+    paths = []
+    for seed in (1000, 2000):
+        for ind, factor in ((None, 1.0), ("max7", 0.8), ("avg5-gamma0", 0.5)):
+            paths.append(tmp_path / f"context-{seed}{'-' + ind if ind else ''}.json")
+            paths[-1].write_text(json.dumps(_fold(seed, ind, (factor,) * 8)))
+    monkeypatch.setattr("sys.argv", ["calibration_folds.py", "compare", *map(str, paths)])
+    folds.main()
+    rows = [line.split("|") for line in _tables(capsys.readouterr().out)[0] if line.startswith("| 0.")]
+    sets = {r[4].strip() for r in rows}
+    assert sets == {"avg5", "avg5+avg5-gamma0", "avg5+max7", "avg5+avg5-gamma0+max7"}
+    kept = {r[4].strip(): r[5].strip() for r in rows if r[3].strip() == "nats"}
+    assert kept["avg5+max7"] == "max7 2.0/2.0" and kept["avg5+avg5-gamma0+max7"] == "avg5-gamma0 2.0/2.0"
+    monkeypatch.setattr(
+        "sys.argv", ["calibration_folds.py", "export", *map(str, paths), "--out", str(tmp_path)]
+    )
+    with pytest.raises(ValueError, match="holds a pooling and a kernel but not CAKE's gamma"):
+        folds.main()

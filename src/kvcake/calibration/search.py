@@ -162,14 +162,18 @@ class Evaluator:
         score: str = "cake",
         indicator: tuple[str, int] | None = None,
         baseline: dict[str, dict[str, float]] | None = None,
+        gamma: float | None = None,
     ) -> None:
-        """``indicator``: (pooling, kernel) of the scorer (``None``: the scorer's own);
-        ``baseline``: uniform budgets' means to divide by (another evaluator's :attr:`uniform`,
-        so that losses under different indicators compare), else this evaluator's own."""
+        """``indicator``: (pooling, kernel) of the scorer (``None``: the scorer's own); ``gamma``:
+        CAKE's variance weight (``None``: the scorer's own, the paper's 200); ``baseline``: uniform
+        budgets' means to divide by (another evaluator's :attr:`uniform`, so that losses under
+        different indicators compare), else this evaluator's own."""
         self.model, self.samples, self.spec, self.score = model, list(samples), spec, score
         self.indicator = indicator
         if indicator is not None:
             self.score += f",score.pooling={indicator[0]},score.kernel={int(indicator[1])}"
+        if gamma is not None:
+            self.score += f",score.gamma={float(gamma)!r}"
         if baseline is not None:
             self.__dict__["uniform"] = baseline  # the cached_property's slot
         self.memos = [ScoreMemo() for _ in self.samples]
