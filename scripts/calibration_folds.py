@@ -76,6 +76,7 @@ TAU2 = (0.4, 0.662, 1.1, 1.81, 3.0)
 RATIOS = (0.1, 0.25, 0.5)
 _FLAT = f"{FLAT_TAU[0]}/{FLAT_TAU[1]}"
 _PAPER = indicator_name(PAPER_INDICATOR)
+_GAMMA = "-gamma"  # a fold recorded with --gamma G is named <indicator>-gamma<G>
 
 
 def record(args) -> None:
@@ -89,7 +90,7 @@ def record(args) -> None:
         for i in range(args.samples)
     ]  # fmt: skip
     indicator = parse_indicator(args.indicator)
-    label = indicator_name(indicator) + ("" if args.gamma is None else f"-gamma{args.gamma:g}")
+    label = indicator_name(indicator) + ("" if args.gamma is None else f"{_GAMMA}{args.gamma:g}")
     fold = {"scenario": args.scenario, "seed": args.seed, "indicator": label,
             "parts": [s.part for s in refs], "ratios": {}}  # fmt: skip
     for ratio in RATIOS:
@@ -254,7 +255,7 @@ def export(args) -> None:
     for ratio, point in zip(map(str, RATIOS), points, strict=True):
         merged = {i: _merge([g[i] for g in groups.values()], ratio) for i in [_PAPER, *others]}
         ind, t = pick_indicator(merged, args.objective)
-        if "-gamma" in ind:
+        if _GAMMA in ind:
             raise ValueError(f"{scenario} ratio {ratio} keeps {ind}, and a calibration holds a pooling and "
                              "a kernel but not CAKE's gamma: export folds recorded without --gamma")  # fmt: skip
         tau1, tau2 = map(float, t.split("/"))

@@ -304,6 +304,12 @@ def test_mistyped_name_fails_fast_with_suggestions(monkeypatch, name, suggestion
     assert time.perf_counter() - start < 2
 
 
+def _write_valid_conversion(folder, gguf) -> None:
+    """What ``conversion._cache_is_valid`` checks of a conversion of ``gguf``, written into ``folder``."""
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / conversion._CACHE_META).write_text(json.dumps(conversion._source_meta(gguf)))
+
+
 def test_each_transformers_version_keeps_its_own_conversion(monkeypatch, tmp_path):
     """Switching between environments with different transformers (the venv and the floor one)
     converts once per version, not at every switch."""
@@ -312,11 +318,7 @@ def test_each_transformers_version_keeps_its_own_conversion(monkeypatch, tmp_pat
     made = []
 
     def fake_convert(src, out):
-        def build(tmp):
-            (tmp / "model.safetensors").write_bytes(b"")
-            (tmp / conversion._CACHE_META).write_text(json.dumps(conversion._source_meta(src)))
-
-        conversion._write_atomically(out, build)
+        conversion._write_atomically(out, lambda tmp: _write_valid_conversion(tmp, src))
         made.append(out.name)
         return None, None
 
@@ -336,13 +338,12 @@ def test_loads_at_once_convert_a_model_once(monkeypatch, tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a gguf file")
     folder = conversion.converted_folder(tmp_path / "cache", "m")
-    made, started = [], threading.Barrier(2)
+    made, results, started = [], [], threading.Barrier(2)
 
     def slow_convert(src, out):
         def build(tmp):
             time.sleep(0.3)  # the other load checks the cache meanwhile
-            (tmp / "model.safetensors").write_bytes(b"")
-            (tmp / conversion._CACHE_META).write_text(json.dumps(conversion._source_meta(src)))
+            _write_valid_conversion(tmp, src)
 
         made.append(out)
         conversion._write_atomically(out, build)
@@ -353,7 +354,6 @@ def test_loads_at_once_convert_a_model_once(monkeypatch, tmp_path):
         results.append(conversion._ensure_converted(gguf, folder))
 
     monkeypatch.setattr(conversion, "convert_gguf", slow_convert)
-    results: list = []
     threads = [threading.Thread(target=load) for _ in range(2)]
     for t in threads:
         t.start()
