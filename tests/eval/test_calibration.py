@@ -156,7 +156,10 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
         assert m.kl == pytest.approx(0.0, abs=1e-6) and m.attn == pytest.approx(0.0, abs=1e-5)
     small = Evaluator(tiny_llama, refs, BudgetSpec(budget=12, window=4))
     assert set(small.uniform) == {"kl", "attn"} and min(small.uniform["attn"].values()) > 0
+    # uniform budgets need no preference statistics (record's paper evaluator, built for its baseline)
+    assert small.stats == {}
     measured = [small.sample_measures(i, 0.3, 2.5) for i in range(3)]
+    assert sorted(small.stats) == [0, 1, 2]
     # the loss is KL alone (issue 24): the mean KL over uniform budgets' mean KL over the same
     # samples, whatever their parts; the perturbation is reported beside it
     assert set(small.uniform["kl"]) == {"text", "asked-inside", "asked-after"}

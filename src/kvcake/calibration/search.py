@@ -178,9 +178,9 @@ class Evaluator:
             self.__dict__["uniform"] = baseline  # the cached_property's slot
         self.memos = [ScoreMemo() for _ in self.samples]
         self.done: dict[tuple[int, tuple[int, ...]], Measures] = {}
-        self.stats: list[tuple[torch.Tensor, torch.Tensor]] = [
-            self._preference_stats(i) for i in range(len(samples))
-        ]
+        # each sample's (entropy, variance), measured at its first budgets (an evaluator built for its
+        # uniform baseline alone never needs them)
+        self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.evaluations = 0
 
     def _method(self, layers: str) -> Method:
@@ -204,6 +204,8 @@ class Evaluator:
         return Measures(kl_per_token(s.full_logprobs, tf.logprobs), perturbation(tf.attn, s.full_attn)[1])
 
     def budgets(self, i: int, tau1: float, tau2: float) -> torch.Tensor:
+        if i not in self.stats:
+            self.stats[i] = self._preference_stats(i)
         h, v = self.stats[i]
         return layer_budgets(h, v, self.spec, self.samples[i].ids.shape[1], tau1, tau2)
 
