@@ -40,7 +40,8 @@ are converted again into OUT on first use.
     PYTHONPATH=src python3 scripts/calibration_folds.py export /tmp/folds/context-0*.json \
         /tmp/folds/context-16*.json --out /tmp/cal32
 
-About 10 minutes per fold of 16 context-only samples on one core of this 2-core CPU (default model).
+About 10 minutes per fold of 16 context-only samples on one core of this 2-core CPU (default model);
+25-28 minutes on the slower AMD host (8 MiB L3), two folds at once (2026-12-06).
 """
 
 from __future__ import annotations
