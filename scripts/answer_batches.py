@@ -2,12 +2,13 @@
 compressed once and N questions of different lengths (``--lengths same``: of one token length),
 left-padded after it; question-aware (``--scenario question``), N questions of different lengths,
 each compressed with the document as a row of one left-padded batch. Answered one at a time (``batch_size=1``) and in one batch (``batch_size=N``), alternating,
-on the default model; every answer forced to ``--tokens`` tokens so both sides decode the same
+on the default model (``--model``); every answer forced to ``--tokens`` tokens so both sides decode the same
 work. Prints the median times and their ratio side by side, and whether the answers agree (they
 should, up to the rounding of batched matrix products).
 
     PYTHONPATH=src python3 scripts/answer_batches.py --questions 4,8 --threads 2
     PYTHONPATH=src python3 scripts/answer_batches.py --scenario question --questions 4 --threads 2
+    PYTHONPATH=src python3 scripts/answer_batches.py --model gemma3-270m --questions 8 --threads 2
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--chars", type=int, default=6000, help="characters of the README used as the document")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
     p.add_argument("--method", default="snapkv")
+    p.add_argument("--model", default=kvcake.DEFAULT_MODEL, help="e.g. gemma3-270m (sliding-window layers)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--scenario", choices=("context", "question"), default="context")
     p.add_argument(
@@ -57,11 +59,11 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = kvcake.load_model()
+    model, tok = kvcake.load_model(args.model)
     document = README.read_text()[: args.chars]
     kw = dict(method=args.method, keep_ratio=0.5, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
               scenario=args.scenario)  # fmt: skip
-    print(f"{kvcake.DEFAULT_MODEL}, {torch.get_num_threads()} threads, {args.scenario} scenario, {args.method} "
+    print(f"{args.model}, {torch.get_num_threads()} threads, {args.scenario} scenario, {args.method} "
           f"keeping 0.5 of {len(tok(document).input_ids)} tokens, questions of {args.lengths} lengths, "
           f"{args.tokens} tokens per answer, medians of {args.rounds}")  # fmt: skip
     print("| questions | one at a time s | one batch s | ratio | answers agree |")

@@ -143,6 +143,20 @@ def test_answer_batches_questions(tiny_llama, tok, monkeypatch, scenario, kw):
         kvcake.answer(tiny_llama, tok, context=doc, question=qs, batch_size=0)
 
 
+def test_a_hybrid_models_questions_of_different_lengths_share_a_batch(tiny_gemma3, tok, monkeypatch):
+    """Gemma 3's sliding windows settle the padding (``kvcake.sliding_appends``): six questions of
+    two and three words after the document in one batch (one length a batch until 2026-12-06: [4,
+    2]), every answer its question's alone."""
+    doc, qs = document(160), ["w3 w4 w5", "w9 w1", "w6 w7 w8", "w2 w2", "w5 w4 w3", "w1 w1 w1"]
+    kwargs = {"method": "snapkv", "keep_ratio": 0.3, "window": 8, "max_new_tokens": 6}
+    alone = [kvcake.answer(tiny_gemma3, tok, context=doc, question=q, **kwargs) for q in qs]
+    batches, run = [], kvcake.CompressedContext.generate
+    monkeypatch.setattr(kvcake.CompressedContext, "generate",
+                        lambda self, ids, **k: batches.append(ids.shape[0]) or run(self, ids, **k))  # fmt: skip
+    assert kvcake.answer(tiny_gemma3, tok, context=doc, question=qs, batch_size=6, **kwargs) == alone
+    assert batches == [6]
+
+
 def test_question_aware_batches_mix_lengths_where_the_default_sizes_agree(tiny_llama, tok, monkeypatch):
     """Question-aware, no size given: prompts of different lengths share a left-padded batch where
     the default sizes they get alone agree (a keep ratio for both), and not where a shorter one

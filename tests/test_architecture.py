@@ -39,6 +39,7 @@ LAYERS = {
         "dense",
         "ragged",
         "sequences",
+        "sliding_appends",
         "fp8",
         "storage.format",
         "tensor_parallel",

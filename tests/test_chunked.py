@@ -147,3 +147,19 @@ def test_a_decode_step_compiles_whole_across_chunk_boundaries_and_equals_eager()
     )
     assert 1 <= graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_padded_follow_ups_are_refused_before_any_work():
+    """A chunk counts the pads' columns (its place in the chunk is the model's mask's): follow-ups
+    of different lengths in one left-padded batch are refused, said before any work; one length a
+    batch runs (``kvcake.answer`` groups so). Gemma 3's sliding windows take them
+    (``tests/test_padded_follow_ups.py``)."""
+    ctx = kvcake.compress(_llama4(), _ids(40), "snapkv", budget=16, window=4)
+    assert ctx.padding_refused() == "the cache holds chunked SlidingLayer layers"
+    ids, mask = torch.cat([_ids(5, seed=1), _ids(5, seed=2)]), torch.ones(2, 5, dtype=torch.long)  # host
+    mask[0, :2] = 0
+    with pytest.raises(
+        ValueError, match=r"not supported here \(the cache holds chunked SlidingLayer layers\)"
+    ):
+        ctx.generate(ids, attention_mask=mask, max_new_tokens=2)
+    assert ctx.generate(ids, max_new_tokens=2).shape == (2, 2)

@@ -472,9 +472,7 @@ def test_compile_true_on_a_cpu_fuses_the_step_products():
     assert RowProducts.rewritten - before >= 7 * 2 + 1  # q, k, v, o, gate, up, down a layer; the head
     assert torch.equal(out, ref)
     assert model._last_compile_config.options == {"post_grad_custom_pre_pass": ROW_PRODUCTS}
-    questions = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(questions)
-    mask[1, :3], mask[2, :1] = 0, 0
+    questions, mask = _padded_questions()
     ctx = kvcake.compress(model, ids, "snapkv", budget=24, window=4)
     batch = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     eager = ctx.generate(questions, compile=False, **batch)
@@ -565,6 +563,14 @@ def test_the_row_pass_computes_a_products_rows_once():
     torch.testing.assert_close(compiled, step(h, r, norm, w), rtol=1e-5, atol=1e-5)
 
 
+def _padded_questions() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three follow-ups of 6, 3 and 5 tokens (3, 6) and their left padding's mask."""
+    questions = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(questions)
+    mask[1, :3], mask[2, :1] = 0, 0
+    return questions, mask
+
+
 @needs_kwargs_handoff
 @pytest.mark.parametrize("spec", ["layer-defensivekv", "cake", "h2o"])
 @pytest.mark.parametrize("padded", [False, True])
@@ -577,16 +583,32 @@ def test_a_compressed_contexts_generate_with_compile_compiles_its_decoding(spec,
 
     model = counts_llama(2)
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
-    questions = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(questions)
-    if padded:
-        mask[1, :3], mask[2, :1] = 0, 0
+    questions, mask = _padded_questions()
+    if not padded:
+        mask = torch.ones_like(questions)
     ctx = kvcake.compress(model, ids, spec, budget=24, window=4)
     kw = {"attention_mask": mask, "max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
     eager = ctx.generate(questions, compile=False, **kw)
     torch._dynamo.reset()
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     compiled = ctx.generate(questions, compile=config, **kw)
+    assert len(graphs) == 1 and torch.equal(compiled, eager)
+
+
+@needs_kwargs_handoff
+def test_padded_follow_ups_on_sliding_layers_compile_their_decoding(tiny_gemma3):
+    """The same on Gemma 3: the settled sliding layers decode in their rings, one graph for every
+    step, the tokens eager's."""
+    backend, graphs = graph_recorder()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(1))
+    questions, mask = _padded_questions()
+    ctx = kvcake.compress(tiny_gemma3, ids, "cake", budget=16, window=4)
+    kw = {"attention_mask": mask, "max_new_tokens": 20, "do_sample": False, "pad_token_id": 0}
+    eager = ctx.generate(questions, compile=False, **kw)
+    torch._dynamo.reset()
+    compiled = ctx.generate(
+        questions, compile=CompileConfig(fullgraph=True, backend=backend, mode=None), **kw
+    )
     assert len(graphs) == 1 and torch.equal(compiled, eager)
 
 

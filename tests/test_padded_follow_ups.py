@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import kvcake
+from kvcake.adapters import with_cache
 from kvcake.method import PRESETS
+from kvcake.sliding import SlidingLayer
+from kvcake.sliding_appends import appended_validity, own_mask
 from shared_checks import prompt
 
 LENGTHS = (3, 7, 5)  # rows 0 and 2 padded (4 and 2 pads), row 1 the longest
@@ -85,15 +88,71 @@ def test_padding_not_on_the_left_is_refused(tiny_llama):
         ctx.generate(ids, attention_mask=empty, max_new_tokens=2)
 
 
-def test_caches_that_would_keep_the_padding_refuse_it(tiny_gemma3):
-    """A sliding window counts the pads' columns (Gemma 3's sliding layers): one length a batch
-    there, said before any work; ``kvcake.answer`` groups so."""
-    ids, mask = left_padded(follow_ups())
-    hybrid = kvcake.compress(tiny_gemma3, prompt(60, seed=8), "snapkv", budget=16, window=4)
-    assert "SlidingLayer" in hybrid.padding_refused()
-    with pytest.raises(ValueError, match=r"not supported here \(the cache holds SlidingLayer layers\)"):
-        hybrid.generate(ids, attention_mask=mask, max_new_tokens=2)
-    assert hybrid.generate(ids[1:2], max_new_tokens=2).shape == (1, 2)  # unpadded follow-ups still run
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("static", [True, False])
+def test_sliding_layers_answer_each_padded_row_as_alone(tiny_gemma3, name, static):
+    """Gemma 3 (4 of 6 layers slide, window 12): a 60-token document, follow-ups of 3, 7 and 5
+    tokens, then of 2 and 30 (28 pads, more than the window; the longer follow-up past it). By the
+    columns (the model's mask) a row padded by ``p`` saw ``p`` fewer of the document's tokens in its
+    window and kept ``p`` fewer: every padded row of every preset answered otherwise. Its own mask
+    counts each row's tokens (``kvcake.sliding_appends``); the ring (static) and the dynamic layer
+    alike."""
+    sizes = {} if name == "full" else {"budget": 16, "window": 4}
+    ctx = kvcake.compress(tiny_gemma3, prompt(60, seed=8), name, static=static, **sizes)
+    assert ctx.padding_refused() is None
+    assert_rows_as_alone(ctx, follow_ups())
+    assert_rows_as_alone(ctx, [prompt(2, seed=4), prompt(30, seed=5)])
+    assert not any(getattr(layer, "settled", False) for layer in ctx.cache.layers)  # the context's untouched
+
+
+@pytest.mark.parametrize("tiny_gemma3", ["eager"], indirect=True)
+@pytest.mark.parametrize("name", ["snapkv", "cake", "adakv", "full"])
+@pytest.mark.parametrize("static", [True, False])
+def test_sliding_layers_settle_padding_under_the_eager_kernels_mask(tiny_gemma3, name, static):
+    """The eager kernel's additive mask: the layer's own mask in that format."""
+    sizes = {} if name == "full" else {"budget": 16, "window": 4}
+    ctx = kvcake.compress(tiny_gemma3, prompt(60, seed=8), name, static=static, **sizes)
+    assert_rows_as_alone(ctx, follow_ups())
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake", "critical-adakv"])
+@pytest.mark.parametrize("static", [True, False])
+def test_beams_of_padded_rows_on_sliding_layers(tiny_gemma3, name, static):
+    """Beams reorder a settled layer's rows: its tokens' flags (dynamic) or the ring's go along."""
+    ctx = kvcake.compress(tiny_gemma3, prompt(50, seed=6), name, static=static, budget=16, window=4)
+    assert_rows_as_alone(ctx, follow_ups(seed=21), num_beams=2, num_return_sequences=2)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_a_second_padded_round_on_a_settled_layer(tiny_gemma3, static):
+    """Two rounds of padded follow-ups appended to one cache: the second reads the settled layers'
+    own flags (from the ring's, static), not the model's mask, which still counts the first
+    round's pads; each row's logits are its rounds' alone."""
+    ctx = kvcake.compress(tiny_gemma3, prompt(40, seed=2), "snapkv", static=static, budget=16, window=4)
+    rounds = [follow_ups(seed=41), [prompt(n, seed=50 + n) for n in (6, 2, 4)]]
+
+    def logits(rows: list[list[torch.Tensor]], settled: bool = False) -> list[torch.Tensor]:
+        cache, out = ctx.fork(), []
+        cache.batch_repeat_interleave(len(rows[0]))
+        mask = ctx.attention_mask.repeat(len(rows[0]), 1)
+        with kvcake.enable(tiny_gemma3), torch.no_grad():
+            for questions in rows:
+                ids, own = left_padded(questions)
+                mask = torch.cat([mask, own], dim=1)
+                positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+                step = tiny_gemma3(
+                    ids, attention_mask=mask, position_ids=positions, **with_cache(tiny_gemma3, cache)
+                )
+                out.append(step.logits)
+        assert all(layer.settled == settled for layer in cache.layers if isinstance(layer, SlidingLayer))
+        return out
+
+    together = logits(rounds, settled=True)
+    for i in range(3):
+        alone = logits([[questions[i]] for questions in rounds])
+        for r, questions in enumerate(rounds):
+            n = questions[i].shape[1]
+            torch.testing.assert_close(together[r][i, -n:], alone[r][0], msg=f"row {i}, round {r}")
 
 
 @pytest.mark.parametrize("kv_recent", [None, 8, 0])
@@ -170,3 +229,48 @@ def test_teacher_forcing_padded_follow_ups(tiny_llama, name):
     logits = ctx.forward(ids, attention_mask=mask)
     for i, q in enumerate(questions):
         torch.testing.assert_close(logits[i, -q.shape[1] :], ctx.forward(q)[0])
+
+
+@pytest.mark.parametrize("window", [3, 12])
+def test_a_sliding_layers_own_mask_is_each_rows_window_over_its_own_tokens(window):
+    """``own_mask`` against the reference: each row's tokens alone, token ``i`` sees token ``j``
+    where ``j <= i`` and ``i - j < window``; pads are seen by no token, a pad's row is not empty; the
+    additive format is the bool one."""
+    held_pads, pads = [0, 3, 11, 5], [0, 8, 2, 5]  # 11 held columns, 9 appended
+    valid = torch.tensor(  # host
+        [
+            [k >= h for k in range(11)] + [k >= p for k in range(9)]
+            for h, p in zip(held_pads, pads, strict=True)
+        ]
+    )
+    seen = own_mask(valid, 9, window, None)[:, 0]  # (4, 9, 20)
+    for b in range(4):
+        tokens = valid[b].nonzero().flatten().tolist()  # host: the reference's own loop
+        for i in range(9):
+            col = 11 + i
+            if valid[b, col]:
+                me = tokens.index(col)
+                want = [c in tokens and me - window < tokens.index(c) <= me for c in range(20)]
+                assert seen[b, i].tolist() == want, (b, i)
+            else:  # a pad's row: itself, no other pad
+                assert seen[b, i, col] and int((seen[b, i] & ~valid[b]).sum()) == 1, (b, i)
+    like = torch.zeros(1, dtype=torch.float16)  # host
+    additive = own_mask(valid, 9, window, like)
+    assert additive.dtype == torch.float16
+    assert torch.equal(additive == 0, seen[:, None])
+
+
+def test_a_mask_kvcake_cannot_read_is_refused_with_the_fix(tiny_gemma3):
+    """A flash kernel's 2-D mask: the sliding layer cannot tell pads from tokens by position, so the
+    call is refused naming the kernels that work, and a context says so before any work."""
+    with pytest.raises(ValueError, match="need the model's 4-D attention mask.*'sdpa' or 'eager'"):
+        appended_validity(torch.ones(2, 20, dtype=torch.bool), 2, 5, 20, "cpu")
+    ctx = kvcake.compress(tiny_gemma3, prompt(40, seed=2), "snapkv", budget=16, window=4)
+    config = ctx.model.config
+    held = config._attn_implementation
+    try:
+        config._attn_implementation = "flash_attention_2"
+        assert "attn_implementation='flash_attention_2'" in ctx.padding_refused()
+    finally:
+        config._attn_implementation = held
+    assert ctx.padding_refused() is None

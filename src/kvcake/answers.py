@@ -74,8 +74,8 @@ def answer(
     batch_size:
         Questions answered together, at most this many in one batch: after the document, any
         lengths, left-padded (each row holds its own copy of the compressed document while it
-        decodes; one length a batch where the model's cache refuses padding: sliding windows,
-        recurrent states); question-aware, any lengths, left-padded, each row compressed as it
+        decodes; one length a batch where the model's cache refuses padding: chunked attention,
+        recurrent states, sliding windows under a flash kernel); question-aware, any lengths, left-padded, each row compressed as it
         would be alone (rows whose default sizes would differ alone go apart: ``default_sizes``);
         1 answers one question at a time, and so does a ``streamer=`` (transformers' streamers
         take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long

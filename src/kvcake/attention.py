@@ -32,7 +32,8 @@ from .layer import KVCakeLayer
 from .logit_terms import LogitTerms, model_terms
 from .sdpa import check_policy, sdpa_policy
 from .sequences import real_rows, settle_padding
-from .sliding import SlidingLayer, visible_keys
+from .sliding import SlidingLayer
+from .sliding_appends import appended_validity, held_validity, own_mask, settle, visible_keys
 
 logger = logging.getLogger(__name__)
 PREFIX = "kvcake_"
@@ -82,31 +83,60 @@ def _settle_padded_append(
     """Tokens appended to a compressed cache several at a time (follow-ups of a compressed context,
     a second ``generate`` on a kept cache) were stored as entries: where the mask pads some rows on
     the left (follow-ups of different lengths in one batch), the pads become empty slots and each
-    row its own sequence shifted (``kvcake.sequences.settle_padding``). Other padding, and padding
-    in caches whose other layers would keep it (sliding windows count the pads' columns, recurrent
-    states read the pad tokens), is refused. Returns the appended tokens'
-    validity (B, q) where some are pads, else None."""
+    row its own sequence shifted (``kvcake.sequences.settle_padding``; a sliding layer's window then
+    counts each row's own tokens, ``kvcake.sliding_appends``). Other padding, and padding in caches
+    whose other layers would keep it (chunked attention counts the pads' columns, recurrent states
+    read the pad tokens), is refused. Returns the appended tokens' validity (B, q) where some are
+    pads, else None."""
     before = take_before(layer)  # float8 storage: its rings before the append (fp8.remember)
     valid = key_validity(mask, batch, q, layer.keys.device) if mask is not None else None
     if valid is None or bool(valid.all()):
         return None
+    _refuse_padding(cache, valid)
+    settle_padding(layer, valid, before)
+    return valid
+
+
+def _refuse_padding(cache: KVCakeCache, valid: torch.Tensor) -> None:
     if why := padding_refused(cache, valid):
         raise ValueError(
             f"padding among tokens appended to a compressed cache is not supported here ({why}; the cache "
             "would store and attend it as text, and is now unusable): append rows of one length without "
             "padding, one batch per length (kvcake.answer groups follow-ups so there)"
         )
-    settle_padding(layer, valid, before)
-    return valid
+
+
+def _sliding_attention(cache, layer: SlidingLayer, inner, module, query, key, value, mask, **kwargs):
+    """A sliding layer's call outside its ring (the prompt, an append, a dynamic step): the model's
+    kernel and mask, or once padding is among the appended tokens the layer's own mask, each row's
+    window counted in its own tokens (``kvcake.sliding_appends``); then into the ring if planned."""
+    batch, q, n = query.shape[0], query.shape[2], key.shape[-2]
+    appended = n > q and (layer.settled or (q > 1 and not torch.compiler.is_compiling()))
+    valid = appended_validity(mask, batch, q, n, key.device).to(key.device) if appended else None
+    if valid is not None and not layer.settled and bool(valid.all()):
+        valid = None  # no padding: the model's mask describes the layer
+    if valid is None:
+        out = inner(module, query, key, value, mask, **kwargs)
+        layer.to_ring(visible_keys(mask, batch, n))  # after the prompt (or an append)
+        return out
+    if not layer.settled:
+        _refuse_padding(cache, valid)  # (padding not on the left; chunked or recurrent layers)
+    held = layer.held_valid if layer.settled else held_validity(mask, batch, q, n, key.device)
+    valid = torch.cat([held.to(key.device), valid], dim=1)  # (B, n)
+    out = inner(module, query, key, value, own_mask(valid, q, layer.sliding_window, mask), **kwargs)
+    settle(layer, key, value, valid)
+    layer.to_ring(layer.held_valid)
+    return out
 
 
 def padding_refused(cache: KVCakeCache, valid: torch.Tensor | None = None) -> str | None:
     """Why padding among tokens appended to ``cache`` (``valid`` (B, q), False at a pad) cannot be
-    settled, or None where it can: a sliding window counts the pads' columns, a recurrent state
+    settled, or None where it can: chunked attention counts the pads' columns, a recurrent state
     reads the pad tokens (layers whose ``takes_padding`` is not true); padding must be on the left."""
     odd = sorted(
-        {type(other).__name__ for other in cache.layers if not getattr(other, "takes_padding", False)}
-    )
+        {("chunked " if getattr(other, "chunked", False) else "") + type(other).__name__
+         for other in cache.layers if not getattr(other, "takes_padding", False)}
+    )  # fmt: skip
     if odd:
         return f"the cache holds {', '.join(odd)} layers"
     if valid is not None and not bool((valid[:, 1:] >= valid[:, :-1]).all() & valid[:, -1].all()):
@@ -209,9 +239,20 @@ def _make_attention(inner_name: str):
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
             if layer.static is not None:  # one token over the ring, without the model's mask
                 return layer.attend(query, scaling, terms).to(query.dtype), None
-            out = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-            layer.to_ring(visible_keys(attention_mask, query.shape[0], key.shape[-2]))  # after the prompt
-            cache._track_bytes(layer_idx)  # (or an append): no decode step converts it
+            out = _sliding_attention(
+                cache,
+                layer,
+                inner,
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=scaling,
+                dropout=dropout,
+                **kwargs,
+            )
+            cache._track_bytes(layer_idx)  # after the prompt (or an append): no decode step converts it
             return out
         q = query.shape[2]
         if not cache.prefilled and layer.keys.shape[-2] == q and layer.length == q:

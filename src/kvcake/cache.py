@@ -194,7 +194,7 @@ class KVCakeCache(RecurrentStates, Cache):
             if self._waiting:  # the previous layer's stage or eviction
                 self._run_stage()
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
-            if layer.plan:  # the kvcake attention attends the ring, or moves the layer into it
+            if layer.plan or (isinstance(layer, SlidingLayer) and layer.attended(key_states.shape[-2])):
                 self._hand_off(layer_idx, keys, kwargs)
             self._track_bytes(layer_idx, held)
             return keys, values

@@ -24,10 +24,11 @@ from .adapters import (
     rope_delta_holders,
     with_cache,
 )
-from .attention import enable, padding_refused
+from .attention import PREFIX, enable, padding_refused
 from .cache import KVCakeCache
 from .devices import compile_kwargs
 from .prompts import check_vocabulary, is_integer, not_ids
+from .sliding import SlidingLayer
 
 
 def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
@@ -230,10 +231,16 @@ class CompressedContext:
     def padding_refused(self) -> str | None:
         """Why follow-ups of different lengths cannot share a batch, left-padded, or None where they
         can (each row answered as alone: ``kvcake.sequences.settle_padding``): the padding would be
-        read as text by a sliding window (which counts its columns), a recurrent state or an
-        image's rows."""
+        read as text by chunked attention (which counts its columns), a recurrent state or an
+        image's rows; a sliding window settles it from the model's 4-D mask, which the flash
+        kernels do not make (``kvcake.sliding_appends``)."""
         if self.rope_deltas is not None or self.token_inputs:
             return "the context holds multimodal inputs"
+        impl = str(getattr(self.model.config, "_attn_implementation", None)).removeprefix(PREFIX)
+        if impl not in ("sdpa", "eager", "flex_attention") and any(
+            isinstance(layer, SlidingLayer) for layer in self.cache.layers
+        ):  # (flex runs SDPA inside kvcake.enable)
+            return f"sliding-window layers under attn_implementation={impl!r}, whose mask kvcake cannot read"
         return padding_refused(self.cache)
 
     def _repeated(self, n: int) -> CompressedContext:

@@ -5,8 +5,10 @@ with a few full-attention ("global") layers. A :class:`~kvcake.cache.KVCakeCache
 :class:`SlidingLayer` for each sliding layer: transformers' own ``DynamicSlidingWindowLayer``
 plus the byte and entry counts kvcake reports. The cache never scores or evicts these layers.
 The prompt, and any multi-token append, go through transformers' own layer and the model's
-kernel and mask, exactly as a ``DynamicCache``'s. Every compression method, budget and
-allocation applies to the global layers only.
+kernel and mask, exactly as a ``DynamicCache``'s, but for padding among appended tokens (follow-ups
+of different lengths in one batch), which the layer settles with a mask of its own
+(``kvcake.sliding_appends``). Every compression method, budget and allocation applies to the
+global layers only.
 
 Decoding with static storage (the cache's default, ``static=True``), a sliding layer moves at
 its first single-token step into a *ring* of ``window`` slots (``static == "ring"``; no more than
@@ -65,6 +67,20 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.static: str | None = None  # "ring" while decoding in place
         self.valid: torch.Tensor | None = None  # (B, window) bool: ring slots holding a token
         self.seen: torch.Tensor | None = None  # 0-d long: tokens seen, counted on the device
+        # padding settled among appended tokens (kvcake.sliding_appends): the model's mask no longer
+        # describes the layer; held_valid (B, held) says which held columns are tokens (None in the ring)
+        self.settled, self.held_valid = False, None
+
+    @property
+    def takes_padding(self) -> bool:
+        """Padding among appended tokens is settled (``kvcake.sliding_appends``), not in chunks."""
+        return not self.chunked
+
+    def attended(self, q: int) -> bool:
+        """Whether the kvcake attention takes this call of ``q`` tokens, just stored (else the model's
+        kernel): the ring (or into it), an append of several tokens (any padding settled), a settled
+        layer's every call."""
+        return self.plan or self.settled or (q > 1 and self.length > q)
 
     @property
     def cumulative_length(self) -> int:
@@ -102,7 +118,8 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized or self.keys is None:
             return 0
         held = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return held + (self.valid.numel() if self.valid is not None else 0)
+        flags = self.valid if self.valid is not None else self.held_valid
+        return held + (flags.numel() if flags is not None else 0)
 
     def dynamic_entries(self) -> int:
         """Entries transformers' ``DynamicSlidingWindowLayer`` holds for the same tokens."""
@@ -140,6 +157,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
     def reset(self) -> None:
         super().reset()
         self.static, self.valid, self.seen = None, None, None
+        self.settled, self.held_valid = False, None
         self.cumulative_length = 0
 
     # beam search, a batch repeated or cut (``kvcake.sequences``), as for the compressed layers
@@ -158,6 +176,8 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.to_dynamic()
         self.keys = self.keys.index_select(0, rows.to(self.keys.device))
         self.values = self.values.index_select(0, rows.to(self.values.device))
+        if self.held_valid is not None:
+            self.held_valid = self.held_valid.index_select(0, rows.to(self.held_valid.device))
 
     # -- the ring ------------------------------------------------------------------------------
     def _slots(self, n: int) -> torch.Tensor:
@@ -186,7 +206,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.phase = torch.full((b,), (self.length - 1) % self.sliding_window, device=keys.device)
         if visible is not None:
             self.phase.copy_(visible.sum(-1) - 1)
-        self.static = "ring"
+        self.static, self.held_valid = "ring", None
         self._mark_static()
 
     def _empty_ring(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,9 +242,11 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
     def to_dynamic(self) -> None:
         """Back to transformers' layout (:meth:`window`; padding among the tokens stays, as
-        transformers keeps it: the model's mask hides it)."""
+        transformers keeps it: the model's mask hides it, or a settled layer's ``held_valid``)."""
         if self.static is not None:
             self.keys, self.values = self.window()
+            if self.settled:
+                self.held_valid = self.valid[:, self._slots(self.keys.shape[2])]
             self.static, self.valid, self.seen = None, None, None
 
     def _ring_append(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -322,22 +344,6 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
             full += n * entry
             full_entries += n
     return KVBytes(sliding, compressed, full, entries, full_entries, cross, recurrent)
-
-
-def visible_keys(mask, batch: int, n_keys: int) -> torch.Tensor | None:
-    """(B, n_keys) bool: which keys the last query row of the model's attention mask attends (the
-    4-D mask of SDPA, bool, or of the eager kernel, additive; a 2-D padding mask); None: all."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
-        raise ValueError(
-            f"kvcake's sliding-window ring reads the model's attention mask as a tensor, got "
-            f"{type(mask).__name__}: use attn_implementation='sdpa' or 'eager', or KVCakeCache(static=False)"
-        )
-    row = mask[:, 0, -1, -n_keys:] if mask.dim() == 4 else mask[:, -n_keys:]
-    if row.dtype != torch.bool:
-        row = row > torch.finfo(row.dtype).min / 2 if row.is_floating_point() else row != 0
-    return row.expand(batch, -1)
 
 
 def copy_sliding_state(source, target: SlidingLayer) -> None:
