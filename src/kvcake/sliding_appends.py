@@ -87,7 +87,7 @@ def own_mask(valid: torch.Tensor, q: int, window: int, like: torch.Tensor | None
     seen = seen[:, None]
     if like is None or like.dtype == torch.bool:
         return seen
-    return torch.zeros(seen.shape, dtype=like.dtype, device=like.device).masked_fill_(
+    return torch.zeros(seen.shape, dtype=like.dtype, device=seen.device).masked_fill_(
         ~seen, torch.finfo(like.dtype).min
     )
 
