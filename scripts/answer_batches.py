@@ -1,9 +1,9 @@
 """What batching questions saves in ``kvcake.answer``: context-only (the default), one document
 compressed once and N questions of different lengths (``--lengths same``: of one token length),
 left-padded after it; question-aware (``--scenario question``), N questions of different lengths,
-each compressed with the document as a row of one left-padded batch. Answered one at a time (``batch_size=1``) and in one batch (``batch_size=N``), alternating,
-on the default model (``--model``); every answer forced to ``--tokens`` tokens so both sides decode the same
-work. Prints the median times and their ratio side by side, and whether the answers agree (they
+each compressed with the document as a row of one left-padded batch. Answered one at a time
+(``batch_size=1``) and in one batch (``batch_size=N``), alternating, on the default model (or
+``--model``); every answer forced to ``--tokens`` tokens so both sides decode the same work. Prints the median times and their ratio side by side, and whether the answers agree (they
 should, up to the rounding of batched matrix products).
 
     PYTHONPATH=src python3 scripts/answer_batches.py --questions 4,8 --threads 2
