@@ -1,5 +1,5 @@
 """How fast a decode step's products read the weights on this CPU, beside the memory's rate: the
-measurements behind ``kvcake.devices.compile_kwargs`` and ``kvcake.row_products`` (issue 22).
+measurements behind ``kvcake.row_products`` and its ``compile_kwargs`` (issue 22).
 
     PYTHONPATH=src python3 scripts/gemv_read.py --threads 1,2 --rows 1,2,4,8
 
@@ -32,7 +32,7 @@ from kvcake.bench.common import load_models, median, prompt_ids
 from kvcake.bench.decoder import Decoder
 from kvcake.bench.floor import FLOOR_TOKENS, floor_cache, projections, run_projections
 from kvcake.bench.probes import Clock
-from kvcake.devices import compile_kwargs
+from kvcake.row_products import compile_kwargs
 
 
 @contextlib.contextmanager

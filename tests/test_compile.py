@@ -15,6 +15,8 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from transformers import (
     CompileConfig,
     GPTNeoXConfig,
@@ -454,7 +456,7 @@ def test_kvcake_generate_with_compile_compiles_the_decoding_forward(dynamic):
 def test_compile_true_on_a_cpu_fuses_the_step_products():
     """On a CPU ``compile=True`` hands ``generate`` kvcake's inductor pass that computes the step's
     products (every projection of a decode step, the output head included, for one sequence and for
-    a batch) as fused reductions (``devices.compile_kwargs``, ``kvcake.row_products``: MKL's own read
+    a batch) as fused reductions (``kvcake.row_products`` and its ``compile_kwargs``: MKL's own read
     the weights at a third of the memory's rate on the AMD host, a fourth for two rows): the pass
     rewrites them (inductor's graph cache off, which would skip it), and the tokens are eager's, for
     one prompt and for a compressed context's left-padded batch of three follow-ups. A user's own
@@ -488,12 +490,59 @@ def test_compile_true_on_a_cpu_fuses_the_step_products():
     assert model._last_compile_config is own and own.options is None
 
 
+@needs_kwargs_handoff
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_compiled_cpu_step_has_a_graph_per_batch_size(dynamic):
+    """A compiled CPU step makes its batch (of up to ``devices.MOST_ROWS`` sequences) a constant of
+    its graph (``devices.fix_batch``). Without it, follow-ups of two questions then three made the
+    batch symbolic (dynamo's automatic dynamic shapes), and that graph, whose products the CPU pass
+    cannot fuse (their row count unknown), served every later batch of two or more, the first
+    size's included. Now the second size gets a graph of static shapes and a batch of two goes back
+    to its own graph; the tokens are eager's. Under ``dynamic=True`` the second size's graph is
+    symbolic, as asked (the first is specialised by the cache's check of its batch), and serves the
+    batch of two after it. (Symbolic here: the row count of some product.)"""
+    symbolic, calls = [], []
+
+    def backend(gm, example_inputs):
+        rows = [
+            n.args[0].meta["example_value"].shape[0]
+            for n in gm.graph.find_nodes(op="call_function", target=F.linear)
+        ]
+        symbolic.append(not all(is_concrete_int(n) for n in rows))  # the products' row counts
+        calls.append(0)
+        graph = len(calls) - 1
+
+        def run(*args):
+            calls[graph] += 1
+            return gm.forward(*args)
+
+        return run
+
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    ctx = kvcake.compress(model, ids, "snapkv", budget=24, window=4)
+    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=backend, mode=None)
+    torch._dynamo.reset()
+    for batch in (2, 3, 2):
+        questions = torch.randint(3, 128, (batch, 6), generator=torch.Generator().manual_seed(batch))
+        kw = dict(
+            attention_mask=torch.ones_like(questions), max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
+        before = list(calls)
+        out = ctx.generate(questions, compile=config, **kw)
+        assert torch.equal(out, ctx.generate(questions, compile=False, **kw))
+    ran = [n - (before[i] if i < len(before) else 0) for i, n in enumerate(calls)]  # the last call's steps
+    if dynamic:
+        assert symbolic == [False, True] and ran == [0, 3]  # (the first new token is the eager prefill's)
+    else:
+        assert symbolic == [False, False] and ran == [3, 0]
+
+
 def test_compile_kwargs_add_the_cpu_pass_only_where_every_weight_is_on_the_cpu():
     """The fused products are a CPU pass: a model with a weight elsewhere (here the meta
     device, as an offloaded one) keeps ``torch.compile``'s defaults (on CUDA, the graphs of
     ``mode="reduce-overhead"``, which inductor would refuse beside options)."""
-    from kvcake.devices import compile_kwargs
-    from kvcake.row_products import ROW_PRODUCTS
+    from kvcake.row_products import ROW_PRODUCTS, compile_kwargs
 
     model = counts_llama(1)
     assert compile_kwargs(model) == dict(mode=None, options={"post_grad_custom_pre_pass": ROW_PRODUCTS})
@@ -506,7 +555,8 @@ def test_the_row_pass_rewrites_only_products_of_a_few_rows_by_transposed_weights
     torch's own pass's 2048, and for two and ``MOST_ROWS`` rows (a decoding batch) compile to
     eager's values (fp32, 1e-5: the sum's order differs) and are rewritten; one row more than that,
     and a matrix whose K dimension is not contiguous, are left to MKL."""
-    from kvcake.row_products import MOST_ROWS, RowProducts
+    from kvcake.devices import MOST_ROWS
+    from kvcake.row_products import RowProducts
 
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)

@@ -162,7 +162,7 @@ def generate(
     forward of a compileable cache (static storage) on CUDA and other accelerators, not on a
     CPU; ``True`` compiles it on any device (``torch.compile(fullgraph=True)``, CUDA graphs
     through ``mode="reduce-overhead"`` on CUDA; on a CPU with the projections' products fused,
-    ``devices.compile_kwargs``: 0.34-0.41 x an eager step at 16k tokens on docs/benchmarks.md's
+    ``row_products.compile_kwargs``: 0.34-0.41 x an eager step at 16k tokens on docs/benchmarks.md's
     host, after a compilation of minutes),
     a ``CompileConfig`` chooses the options; ``False`` decodes eagerly everywhere.
     ``kv_dtype="fp8"`` stores the kept entries in float8 from the end of the prompt (one byte per

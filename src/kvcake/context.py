@@ -26,7 +26,6 @@ from .adapters import (
 )
 from .attention import PREFIX, enable, padding_refused
 from .cache import KVCakeCache
-from .devices import compile_kwargs
 from .prompts import check_vocabulary, is_integer, not_ids
 from .sliding import SlidingLayer
 
@@ -57,7 +56,7 @@ def compile_options(model: torch.nn.Module, compile, static: bool, generate_kwar
     ``generate_kwargs`` after refusing what it cannot compile: None leaves it to transformers,
     which compiles a compileable cache's decoding forward on accelerators, not on a CPU; False
     decodes eagerly everywhere; True (``torch.compile(fullgraph=True)``, on a CPU with inductor's
-    projections' products fused: ``devices.compile_kwargs``) or a ``CompileConfig`` (as given)
+    projections' products fused: ``row_products.compile_kwargs``) or a ``CompileConfig`` (as given)
     compiles it on any device."""
     if compile is False:
         generate_kwargs["disable_compile"] = True  # transformers would compile a static cache on CUDA
@@ -89,11 +88,12 @@ def compile_options(model: torch.nn.Module, compile, static: bool, generate_kwar
             f"{transformers.__version__} does not, so the kvcake attention reads its cache back eagerly "
             "only): upgrade transformers or use compile=False"
         )
-    config = (
-        compile
-        if isinstance(compile, CompileConfig)
-        else CompileConfig(fullgraph=True, **compile_kwargs(model))
-    )
+    if isinstance(compile, CompileConfig):
+        config = compile
+    else:
+        from .row_products import compile_kwargs  # imports inductor: only when compiling
+
+        config = CompileConfig(fullgraph=True, **compile_kwargs(model))
     config._compile_all_devices = True  # transformers compiles on accelerators only by default
     generate_kwargs["compile_config"] = config
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from .devices import fix_batch
 from .fp8 import hold_recent
 from .ragged import to_device
 from .selectors import SelectionInputs, TopK
@@ -98,7 +99,8 @@ def outgrow_capacity(cache: Cache, layer_idx: int, tokens: int) -> None:
 
 
 def fit_torch_mode(cache: Cache, layer_idx: int, key_states: torch.Tensor) -> None:
-    """Before an eager step of a prefilled cache, what torch's modes ask of its storage.
+    """Before a step of a prefilled cache, what torch's modes ask of its storage (and of a
+    compiled CPU step's batch: ``devices.fix_batch``).
 
     A step autograd records (gradients enabled, keys that require them): static storage is written
     in place, which autograd cannot go back through (transformers' ``StaticCache`` fails there too),
@@ -115,6 +117,7 @@ def fit_torch_mode(cache: Cache, layer_idx: int, key_states: torch.Tensor) -> No
             "which autograd cannot go back through; decode under torch.no_grad() (generate does), or make "
             "the cache with static=False to backpropagate"
         )
+    fix_batch(key_states)  # a compiled CPU step: a graph per batch size, its products fused
     if torch.compiler.is_compiling() or not cache.prefilled:
         return
     if recording:

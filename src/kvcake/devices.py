@@ -22,24 +22,34 @@ import torch
 # counted on the CPU stand for a GPU's (scripts/prefill_counts.py, the sync-count tests).
 CPU_ROUTES = True
 
+# The widest decoding batch whose products a compiled CPU step fuses (``kvcake.row_products``,
+# which reads it here; sixteen rows read no faster than MKL's product on the AMD host).
+MOST_ROWS = 8
+
 
 def cpu_route(device: torch.device) -> bool:
     """Whether a tensor on ``device`` takes a CPU-only fast path (see ``CPU_ROUTES``)."""
     return device.type == "cpu" and CPU_ROUTES
 
 
-def compile_kwargs(model: torch.nn.Module) -> dict:
-    """``torch.compile``'s ``mode`` and ``options`` for a decode step of ``model`` (beside
-    ``fullgraph``): where all its weights are on the CPU, the step's products (every projection,
-    one row per sequence of a batch of up to eight) as fused reductions (``kvcake.row_products``:
-    MKL's own read SmolLM2's weights at 15-17 GB/s for one row and 9-11 for two on the AMD host,
-    the fused ones at 40-45 and 33), given to inductor as its custom post-grad pass; elsewhere
-    nothing (the caller's defaults: CUDA graphs stay). Inductor takes options or a mode, not both."""
-    if {p.device.type for p in model.parameters()} != {"cpu"}:
-        return {}
-    from .row_products import ROW_PRODUCTS  # imports inductor: only when compiling
-
-    return dict(mode=None, options={"post_grad_custom_pre_pass": ROW_PRODUCTS})
+def fix_batch(states: torch.Tensor) -> None:
+    """Inside a compiled step on the CPU, a batch of ``states`` (B, ...) of at most
+    :data:`MOST_ROWS` sequences made a constant of the graph (dynamo's ``mark_static`` inside a
+    trace: a guard on the size, a graph per batch size). Dynamo's automatic dynamic shapes make the
+    batch symbolic once a process has compiled the step for another size (an eight-question
+    ``kvcake.answer`` with ``batch_size=3`` ends on a batch of two), and its graph then serves
+    every later batch of two or more, the sizes compiled before it included (dynamo keeps sizes 0
+    and 1 apart): products of a symbolic row count are left to MKL (``kvcake.row_products``), a
+    batch of two's compiled floor step 57.7 ms against 15.7 fused. Under
+    ``torch.compile(dynamic=True)`` (dynamo does not assume static sizes) the batch stays as the
+    caller asked; wider batches too (their products are MKL's either way)."""
+    if (
+        torch.compiler.is_compiling()
+        and states.device.type == "cpu"
+        and torch._dynamo.config.assume_static_by_default
+        and states.shape[0] <= MOST_ROWS
+    ):
+        torch._dynamo.mark_static(states, 0)
 
 
 def may_mask(mask: torch.Tensor) -> bool:

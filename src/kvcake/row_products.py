@@ -9,20 +9,19 @@ over K per row instead, inductor generates one vectorised reduction that reads e
 once for all the rows: for one row 40-45 GB/s there, the output head included, against
 ``x.sum()``'s 44-80 in the same runs; on two threads 32-37 for two and four rows, 20-21 for
 eight (MKL's 9-14), on one 21, 20 and 11 (MKL's 10-13); sixteen rows gain nothing, so the pass
-stops at :data:`MOST_ROWS`. The compiled floor step of the decode bench (SmolLM2, 16 tokens
+stops at ``devices.MOST_ROWS``. The compiled floor step of the decode bench (SmolLM2, 16 tokens
 cached, two threads) took 15.7 ms for a batch of two against 57.7 with MKL's products. torch's
 own ``decompose_mm_pass`` handles one row, and only products up to 2048 wide (its limits are
 read when inductor is imported), which leaves the output head (49152 wide for SmolLM2, 262144
 for Gemma 3) to MKL; this pass has no width limit.
 
 :data:`ROW_PRODUCTS` goes into ``torch.compile``'s options as inductor's
-``post_grad_custom_pre_pass`` (``kvcake.devices.compile_kwargs``), scoped to that compile. It
+``post_grad_custom_pre_pass`` (:func:`compile_kwargs`), scoped to that compile. It
 rewrites ``aten.mm(x, b)`` and ``aten.addmm(bias, x, b)`` where ``x`` is at most
-:data:`MOST_ROWS` rows on the CPU and ``b`` is a transposed weight (its K dimension contiguous,
-so each output reads one weight row in order); every other product is left to MKL, a batch whose
-size dynamo made symbolic among them (its automatic dynamic shapes do so where one process
-compiled the step for another batch size first; ``CompileConfig(dynamic=False)`` keeps sizes
-static, at a compile per new shape).
+``devices.MOST_ROWS`` rows on the CPU and ``b`` is a transposed weight (its K dimension
+contiguous, so each output reads one weight row in order); every other product is left to MKL,
+a batch whose size is symbolic among them (the step's batch is made static before that:
+``devices.fix_batch``, except under ``torch.compile(dynamic=True)``).
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ import torch
 from torch._inductor import inductor_prims
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-aten = torch.ops.aten
+from . import devices
 
-MOST_ROWS = 8  # the widest batch rewritten (sixteen rows read no faster than MKL's product on the AMD host)
+aten = torch.ops.aten
 
 
 def _operands(node: torch.fx.Node) -> tuple | None:
@@ -46,7 +45,9 @@ def _operands(node: torch.fx.Node) -> tuple | None:
         return None
     if rv.device.type != "cpu" or rv.dim() != 2 or mv.dim() != 2:
         return None
-    if not all(isinstance(n, int) for n in (*rv.shape, *mv.shape, *mv.stride())) or rv.shape[0] > MOST_ROWS:
+    if not all(isinstance(n, int) for n in (*rv.shape, *mv.shape, *mv.stride())):
+        return None
+    if rv.shape[0] > devices.MOST_ROWS:
         return None
     if mv.shape[0] > 1 and mv.stride(0) != 1:  # K not contiguous: a reduction would read across rows
         return None
@@ -110,11 +111,23 @@ class RowProducts(CustomGraphPass):
             RowProducts.rewritten += 1
 
     def uuid(self) -> bytes:
-        """Inductor's caches key on this: the pass's code and its reach (:data:`MOST_ROWS`, which a
+        """Inductor's caches key on this: the pass's code and its reach (``devices.MOST_ROWS``, which a
         caller may change)."""
-        return get_hash_for_files((__file__,)) + str(MOST_ROWS).encode()
+        return get_hash_for_files((__file__,)) + str(devices.MOST_ROWS).encode()
 
 
 # One instance: compile configs that hold it compare equal (transformers compiles again when a
 # call's CompileConfig differs from its last one).
 ROW_PRODUCTS = RowProducts()
+
+
+def compile_kwargs(model: torch.nn.Module) -> dict:
+    """``torch.compile``'s ``mode`` and ``options`` for a decode step of ``model`` (beside
+    ``fullgraph``): where all its weights are on the CPU, the step's products (every projection,
+    one row per sequence of a batch of up to eight) as fused reductions (this module's pass:
+    MKL's own read SmolLM2's weights at 15-17 GB/s for one row and 9-11 for two on the AMD host,
+    the fused ones at 40-45 and 33), given to inductor as its custom post-grad pass; elsewhere
+    nothing (the caller's defaults: CUDA graphs stay). Inductor takes options or a mode, not both."""
+    if {p.device.type for p in model.parameters()} != {"cpu"}:
+        return {}
+    return dict(mode=None, options={"post_grad_custom_pre_pass": ROW_PRODUCTS})

@@ -4,7 +4,7 @@ For every context length one forward pass prefills the full cache and every (met
 decoding policy) cache together (``caches.shared_prefill``); a transformers ``StaticCache``
 receives a copy of the full cache (the full cache's compileable layout). Each is then decoded
 alone, greedy, one token per step, in interleaved rounds after a warm-up, and, with ``compile``,
-compiled one cache at a time (with inductor, on a CPU with ``devices.compile_kwargs``'s fused
+compiled one cache at a time (with inductor, on a CPU with ``row_products.compile_kwargs``'s fused
 products, as ``kvcake.generate(compile=True)``). Decoding reads every weight and every
 cached entry once per token, so ``time/token >= (weight bytes + cache bytes) / bandwidth``, with
 the read bandwidth measured in the same run (``bandwidth.measure``, before the first round and

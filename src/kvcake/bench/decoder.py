@@ -10,7 +10,6 @@ import torch
 
 from ..attention import enable
 from ..cache import cache_kv_bytes
-from ..devices import compile_kwargs
 from .caches import BenchCache, greedy_step
 from .common import Clock, median
 
@@ -24,12 +23,14 @@ def _attention_for(model, cache):
 
 def step_compile(model, backend: str) -> dict:
     """``torch.compile``'s ``backend`` and, with inductor, the options ``kvcake.generate(compile=True)``
-    gives it (``devices.compile_kwargs``): how the bench compiles a step, and the weights' products
+    gives it (``row_products.compile_kwargs``): how the bench compiles a step, and the weights' products
     it times beside the steps (``floor.matmul_probe``). Static shapes (``dynamic=False``): every
     cache's step is compiled for its own sizes, as a process compiling that one cache would. Under
     dynamo's default (``dynamic=None``) its automatic dynamic shapes, which it records per source
     file and line and so shares between the steps' code copies (``greedy_step(own_code=True)``),
     would compile every cache after the first with symbolic sizes."""
+    from ..row_products import compile_kwargs  # imports inductor: only when compiling
+
     options = compile_kwargs(model) if backend == "inductor" else {}
     return dict(backend=backend, dynamic=False, **options)
 
