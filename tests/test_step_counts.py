@@ -77,3 +77,21 @@ def test_float8_storage_adds_its_conversions_and_ring_and_no_sync(tiny_llama, sp
     assert {k: v for k, v in fp8.items() if k in SYNCING} == {k: v for k, v in plain.items() if k in SYNCING}
     extra = (sum(fp8.values()) - sum(plain.values())) / tiny_llama.config.num_hidden_layers
     assert 0 < extra <= 42
+
+
+@pytest.mark.parametrize("spec", ["h2o", "tova", "cake"])
+def test_a_cpu_float32_step_that_reads_probabilities_takes_its_output_from_them(
+    tiny_llama, make_tiny_llama, spec
+):
+    """``step.dense.attend``: on the CPU in float32, a policy that reads the new token's
+    probabilities gets its output from them (a product with the values), not from a second read
+    of the keys and values by the fused kernel; a policy that reads none (SnapKV) keeps the
+    fused kernel, and so does a bfloat16 layer (the output rounded as a full cache's is)."""
+
+    def fused(model, preset):
+        cache = KVCakeCache(model, make_method(preset, budget=24, window=4), static=True)
+        return sum(n for op, n in step_ops(model, cache).items() if "scaled_dot_product" in op)
+
+    assert fused(tiny_llama, spec) == 0
+    assert fused(tiny_llama, "snapkv") == tiny_llama.config.num_hidden_layers
+    assert fused(make_tiny_llama().to(torch.bfloat16), spec) == tiny_llama.config.num_hidden_layers

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..devices import cpu_route
 from ..fp8 import folded, scaled
 from ..logit_terms import PLAIN, LogitTerms
 from .common import (
@@ -118,11 +119,16 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms
     so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
     CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
     (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32.
-    With a soft cap or sinks (``terms``, ``kvcake.logit_terms``) both come from the explicit softmax."""
+    With a soft cap or sinks (``terms``, ``kvcake.logit_terms``) both come from the explicit softmax,
+    and so does the output of a float32 layer asked for probabilities on the CPU route
+    (``devices.cpu_route``): there the fused kernel's second read of the keys and values cost more
+    than one product of the probabilities with the values (``scripts/step_profile.py --methods
+    snapkv,cake,h2o --budget 1024 --length 4096 --threads 2``, SmolLM2, 2026-12-06: ``snapkv``'s
+    fused kernel 9.3 ms a compiled step, ``h2o``'s two products 6.6 ms)."""
     query, keys, values, value_scale = folded(layer, query, *layer.operands(), layer.positions)  # (fp8.py)
     b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
     mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
-    if not terms.fused:
+    if not terms.fused or (return_probs and keys.dtype == torch.float32 and cpu_route(keys.device)):
         out, probs = attention_with_probs(
             query, keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d), mask, scaling, terms
         )
