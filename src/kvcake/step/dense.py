@@ -114,14 +114,14 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms
     entry is stored, so ``bias`` is the whole mask). query: (B, H, 1, d).
 
     Returns the output (B, 1, H, d) and, if asked, the probabilities (B, H_kv, G, C) in float32.
-    The reference is ``layer.dense_attention``. The output always comes from the fused kernel
-    over the storage as held (mask (B, H_kv, 1, C)), the call the layer makes without a scorer,
-    so a policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on
-    CUDA a float32 attention beside it flipped a near-tied greedy token against the StaticCache
-    (h2o, 2026-11-26, H100). The probabilities, where asked, are computed beside it in float32.
-    With a soft cap or sinks (``terms``, ``kvcake.logit_terms``) both come from the explicit softmax,
-    and so does the output of a float32 layer asked for probabilities on the CPU route
-    (``devices.cpu_route``): there the fused kernel's second read of the keys and values cost more
+    The reference is ``layer.dense_attention``. The output comes from the fused kernel over the
+    storage as held (mask (B, H_kv, 1, C)), the call the layer makes without a scorer, so that a
+    policy that reads probabilities changes nothing of the output's rounding: in bfloat16 on CUDA
+    a float32 attention beside it flipped a near-tied greedy token against the StaticCache (h2o,
+    2026-11-26, H100). The probabilities, where asked, are computed beside it in float32. Two
+    exceptions, where both come from the explicit softmax: a soft cap or sinks (``terms``,
+    ``kvcake.logit_terms``), and a float32 layer asked for probabilities on the CPU route
+    (``devices.cpu_route``), where the fused kernel's second read of the keys and values cost more
     than one product of the probabilities with the values (``scripts/step_profile.py --methods
     snapkv,cake,h2o --budget 1024 --length 4096 --threads 2``, SmolLM2, 2026-12-06: ``snapkv``'s
     fused kernel 9.3 ms a compiled step, ``h2o``'s two products 6.6 ms)."""
