@@ -129,9 +129,9 @@ def attend(layer, query: torch.Tensor, scaling: float, return_probs: bool, terms
     b, hkv, c, d = keys.shape  # 3-D for bmm: (B*H_kv, C, d), mask (B*H_kv, 1, C)
     mask = None if layer.bias is None else layer.bias.reshape(b * hkv, 1, c)
     if not terms.fused or (return_probs and keys.dtype == torch.float32 and cpu_route(keys.device)):
-        out, probs = attention_with_probs(
-            query, keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d), mask, scaling, terms
-        )
+        # (B*H_kv, C, d) and (B*H_kv, C, d_v): a latent layer's values are narrower than its keys
+        flat_keys, flat_values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, values.shape[-1])
+        out, probs = attention_with_probs(query, flat_keys, flat_values, mask, scaling, terms)
         return scaled(out, value_scale), probs if return_probs else None
     out, _ = fused_attention(query, keys, values, layer.bias, scaling)
     out = scaled(out, value_scale)
