@@ -36,11 +36,16 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: setup
 	$(BIN)/python -m kvcake.demo
 
+# The suites run in TEST_WORKERS processes (pytest-xdist; `auto`: one per CPU core), each with its
+# share of the cores as torch threads (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
+XDIST = -n $(TEST_WORKERS)
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not integration"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not integration"
 
 # The device suite (tests/cuda, marker `cuda`): on a machine with a GPU; every test skips
 # without one. `make test-cuda PY=python3` uses an interpreter that already has torch,
@@ -85,7 +90,7 @@ gpu-wheels: setup
 FLOOR_VENV := .venv-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.kvcake-floor-stamp
 FLOOR_PINS := transformers==5.0.0 accelerate==1.2.0 gguf==0.16.2 matplotlib==3.9.0
-FLOOR_EXTRA := safetensors tqdm numpy pytest hypothesis
+FLOOR_EXTRA := safetensors tqdm numpy pytest pytest-xdist hypothesis
 $(FLOOR_STAMP): pyproject.toml $(FLOOR_LOCK)
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install --no-deps -r $(FLOOR_LOCK)
@@ -97,7 +102,7 @@ $(FLOOR_STAMP): pyproject.toml $(FLOOR_LOCK)
 # tokens wrongly (set from the file) and Gemma-3's vocabulary unfaithfully (refused).
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import transformers, accelerate; from importlib.metadata import version; print('floor:', transformers.__version__, accelerate.__version__, 'gguf', version('gguf'), 'matplotlib', version('matplotlib'))"
-	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q -m "not integration"
+	PYTHONPATH=src $(FLOOR_VENV)/bin/python -m pytest -q $(XDIST) -m "not integration"
 	rm -rf $(FLOOR_VENV)/models && KVCAKE_CACHE_DIR=$(FLOOR_VENV)/models PYTHONPATH=src $(FLOOR_VENV)/bin/python \
 		-m pytest -q -p no:cacheprovider -rs tests/integration/test_builtin_tokenizers.py
 
@@ -116,7 +121,7 @@ $(MID_STAMP): pyproject.toml $(MID_LOCK)
 
 test-mid: $(MID_STAMP)
 	$(MID_VENV)/bin/python -c "import transformers; print('mid:', transformers.__version__)"
-	PYTHONPATH=src $(MID_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not integration"
+	PYTHONPATH=src $(MID_VENV)/bin/python -m pytest -q $(XDIST) -p no:cacheprovider -m "not integration"
 
 # torch's declared floor, on purpose (not in CI): requirements/floor.lock with torch replaced by
 # TORCH_FLOOR from PyPI, a CUDA build of several GB (it runs on the CPU). On a machine whose pip
@@ -130,7 +135,7 @@ test-torch-floor:
 	$(TORCH_FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_FLOOR)"
 	$(TORCH_FLOOR_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	$(TORCH_FLOOR_VENV)/bin/python -c "import torch, transformers; print('torch floor:', torch.__version__, 'transformers', transformers.__version__)"
-	PYTHONPATH=src $(TORCH_FLOOR_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
+	PYTHONPATH=src $(TORCH_FLOOR_VENV)/bin/python -m pytest -q $(XDIST) -m "not integration" -p no:cacheprovider
 
 # The newest releases the declared ranges allow (transformers, accelerate, gguf, safetensors and
 # the rest), upgraded at every run in their own environment: the fast suite against what a user
@@ -153,7 +158,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(DATA_PINS) $(LATEST_NO_DEPS)
 	$(LATEST_VENV)/bin/python scripts/unresolved_releases.py transformers accelerate
 	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version as v; print('latest:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'gguf', 'safetensors', 'tokenizers', 'huggingface_hub')))"
-	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q -m "not integration" -p no:cacheprovider
+	PYTHONPATH=src $(LATEST_VENV)/bin/python -m pytest -q $(XDIST) -m "not integration" -p no:cacheprovider
 
 # Rewrites requirements/dev.lock, floor.lock and mid.lock from fresh environments resolved against
 # the declared ranges (the newest releases), the floor pins and the middle pin. Run `make test-latest`

@@ -7,12 +7,28 @@ Models are session-scoped and shared between tests: do not modify them in place 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tiny_hybrid import _tiny_gemma3
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_configure(config) -> None:
+    """In a pytest-xdist worker (``make test``: one per core), torch gets the worker's share of the
+    cores as threads: every worker using all of them left each waiting for the others' threads,
+    and a suite in two workers took twice as long as in one process."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, _cores() // workers))
+
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
