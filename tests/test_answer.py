@@ -252,6 +252,19 @@ def test_answer_refuses_bad_input_before_work(tiny_llama, tok):
         TypeError, match=r"the tokenizer is a model \(LlamaForCausalLM\): give the model first"
     ):
         kvcake.answer(tok, tiny_llama, context="w1", question="w2")
+    # the same mix-ups one level down (were "TokenizersBackend has no attribute config" and
+    # "'LlamaModel' object has no attribute 'generate'", from inside the call)
+    ids = torch.randint(7, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    for entry in (kvcake.generate, kvcake.compress):
+        name = entry.__name__
+        with pytest.raises(
+            TypeError, match=rf"kvcake.{name} takes the model first, got {type(tok).__name__}: "
+        ):
+            entry(tok, ids, "snapkv", keep_ratio=0.5)
+        with pytest.raises(
+            TypeError, match=r"LlamaModel has no generate \(a base model without its language"
+        ):
+            entry(tiny_llama.model, ids, "snapkv", keep_ratio=0.5)
 
 
 def test_keep_ratio_is_ratio(tiny_llama):

@@ -115,11 +115,6 @@ def ragged_attention_reference(
     return out, (probs[seg, local].reshape(-1, g, q) if return_probs else None)  # (T, G, q)
 
 
-def flash_available(device: torch.device) -> bool:
-    """Whether a CUDA variable-length kernel can serve this device (``kvcake.varlen``, detected once)."""
-    return choose_route(device, torch.float16) != "reference"
-
-
 def ragged_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     meta: RaggedMeta, query_positions: torch.Tensor, scaling: float, return_probs: bool = False,

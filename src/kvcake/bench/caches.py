@@ -93,7 +93,6 @@ class BenchCache(KVCakeCache):
         self.prefill_hook_s = 0.0
         self.prefill_evict_s = 0.0
         self.decode_hook_s = 0.0
-        self.decode_hook_calls = 0
         self._timing_now: set[str] = set()  # the timers running (_timed)
         self.timing = True  # False: decode steps untimed (the compiled ones)
         self.followers: list[BenchCache] = []
@@ -138,7 +137,6 @@ class BenchCache(KVCakeCache):
             return
         with self._timed("decode_hook_s"):
             super().after_extend_attention(layer_idx, probs)
-        self.decode_hook_calls += 1
 
     @contextlib.contextmanager
     def _timed(self, timer: str) -> Iterator[None]:
