@@ -252,6 +252,11 @@ def test_answer_refuses_bad_input_before_work(tiny_llama, tok):
         TypeError, match=r"the tokenizer is a model \(LlamaForCausalLM\): give the model first"
     ):
         kvcake.answer(tok, tiny_llama, context="w1", question="w2")
+    with pytest.raises(
+        TypeError,
+        match=r"chat must be None \(the tokenizer's template when it has one\), True or False, got 'no'",
+    ):
+        kvcake.answer(tiny_llama, tok, context="w1", question="w2", chat="no")  # bool("no") is True
     # the same mix-ups one level down (were "TokenizersBackend has no attribute config" and
     # "'LlamaModel' object has no attribute 'generate'", from inside the call)
     ids = torch.randint(7, 128, (1, 40), generator=torch.Generator().manual_seed(0))

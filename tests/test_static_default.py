@@ -136,6 +136,22 @@ def test_bad_capacity_is_refused(tiny_llama, bad):
         KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, max_cache_len=bad)
 
 
+@pytest.mark.parametrize("bad", ["False", "yes", 0, None])
+def test_a_flag_that_is_not_a_bool_is_refused(tiny_llama, bad):
+    """bool('False') is True: a string or a number for static= (record=, progress=) would have
+    turned static storage on silently (static='False' was taken as True)."""
+    for flag in ("static", "record", "progress"):
+        with pytest.raises(TypeError, match=rf"{flag} must be True or False, got {bad!r}"):
+            KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, **{flag: bad})
+    ctx = kvcake.compress(tiny_llama, prompt(40), "snapkv", budget=24, window=4)
+    with pytest.raises(TypeError, match="static must be True or False"):
+        ctx.cache.serve(bad)
+    with pytest.raises(TypeError, match="static must be True or False"):  # before the prefill
+        kvcake.compress(tiny_llama, prompt(40), "snapkv", budget=24, window=4, static=bad)
+    with pytest.raises(TypeError, match="static must be True or False"):
+        kvcake.generate(tiny_llama, prompt(40), "snapkv", budget=24, window=4, static=bad, max_new_tokens=2)
+
+
 def test_a_prompt_longer_than_the_capacity_is_refused_before_any_compute(tiny_llama):
     model = tiny_llama
     cache = KVCakeCache(model, "snapkv", budget=24, window=4, max_cache_len=50)

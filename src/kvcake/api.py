@@ -38,7 +38,7 @@ from .adapters import (
     with_cache,
 )
 from .attention import enable
-from .budget import STARVED_FRACTION, STARVED_MIN_TOKENS, default_budget
+from .budget import STARVED_FRACTION, STARVED_MIN_TOKENS, check_flag, default_budget
 from .cache import KVCakeCache
 from .context import (
     CompressedContext,
@@ -255,6 +255,7 @@ def compress(
         holder.rope_deltas = None
     # prefilled in the dynamic layout (no capacity is reserved for questions not yet asked);
     # the static plans are set for the forks that answer them
+    check_flag("static", static)  # before the prefill: the cache is made with static=False
     cache = KVCakeCache(model, m, progress=progress, scenario=scenario, static=False, kv_dtype=kv_dtype,
                         kv_recent=kv_recent)  # fmt: skip
     with enable(model), torch.no_grad():

@@ -151,3 +151,11 @@ def check_capacity(max_cache_len: int | None) -> int | None:
             f"(or None when unknown), got {max_cache_len!r}"
         )
     return max_cache_len
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A True/False argument, refused otherwise: ``bool("False")`` is True, so a string or a number
+    passed for a flag would silently turn it on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value

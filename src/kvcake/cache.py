@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache
 from . import cascade, decoding
 from .adapters import ModelInfo, describe_model
 from .allocators.cake import CakeAllocator
-from .budget import check_capacity
+from .budget import check_capacity, check_flag
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
 from .fp8 import check_kv_dtype, check_kv_recent
@@ -162,15 +162,15 @@ class KVCakeCache(RecurrentStates, Cache):
         self._layer_bytes: list[int] | None = None
         # record=True keeps, for every prefill eviction, (stage, layer, kept positions (B, H_kv, N) on the
         # CPU, -1 = empty, in the layer's order: best first while ranked): the cascade's tests.
-        self.record = record
+        self.record = check_flag("record", record)
         self.history: list[tuple[int, int, torch.Tensor]] = []
         self._stage, self._bar = -1, None
-        self.progress = progress  # True: a bar over the layers during prefill (long prompts on a CPU)
+        self.progress = check_flag("progress", progress)  # True: a bar over the layers in prefill
         self.tau: TauChoice | None = None  # CAKE's temperatures, once the budget is known (temperatures.py)
         cake = isinstance(self.method.layers, CakeAllocator)  # its temperatures: per model
         self._fingerprint = model_fingerprint(model) if cake else None
         self._model_name = model_name(model) if cake else None  # for warnings
-        self.static = bool(static)  # see the class docstring; False: the dynamic reference
+        self.static = check_flag("static", static)  # see the class docstring; False: the dynamic reference
         self._max_cache_len = check_capacity(max_cache_len)
         self._plan_sliding()
         # Tensor parallelism: this process holds a block of each layer's KV heads (or of a latent layer's
@@ -293,7 +293,7 @@ class KVCakeCache(RecurrentStates, Cache):
         ``static`` sets the plans its layers move into static storage by right after their next
         multi-token append (a fork's question; ``lay_out_after_append``) or else at their first
         single-token step (nothing is laid out now, so it still holds exactly its kept entries)."""
-        self.static = bool(static)
+        self.static = check_flag("static", static)
         self.plan_static(lay_out=False)
 
     def reserve(self, max_cache_len: int | None) -> None:

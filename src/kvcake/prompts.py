@@ -54,6 +54,10 @@ def build_prompt(
                         "kvcake.load_model(...) gives both (or AutoTokenizer.from_pretrained)")  # fmt: skip
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
+    elif not isinstance(chat, bool):  # bool("no") is True
+        raise TypeError(
+            f"chat must be None (the tokenizer's template when it has one), True or False, got {chat!r}"
+        )
     if chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": context + _MARK + question}],
