@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 from . import pending_norms
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
+from .decoding import with_window_sums
 from .devices import HostRead
 from .fp8 import encode_layer
 from .head_counts import dense_counts, hold_prompt_scores, pinned_on, stage_head_counts
@@ -90,7 +91,7 @@ def prefill_stage(
             window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
             group_split=cache.group_split,
         )  # fmt: skip
-        layer.scores = m.scorer.prefill(inputs)  # (B, H_kv, S)
+        layer.scores, layer.window_sums = m.scorer.prefill_sums(inputs)  # (B, H_kv, S), H2O's (B, H_kv, w)
         if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
             layer.scores = cache.split.head_mean(layer.scores)
         on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
@@ -390,9 +391,8 @@ def finish_prefill(cache: Cache) -> None:
         layer = cache.layers[lid]
         if layer.ranked:
             in_position_order(layer)
-        layer.norms = None
-        if not keep_scores:
-            layer.scores = None
+        layer.norms, sums, layer.window_sums = None, layer.window_sums, None
+        layer.scores = with_window_sums(layer, sums) if keep_scores else None
         if cache.kv_dtype is not None:  # the kept entries in 8 bits from now on (fp8.py)
             encode_layer(layer, cache.split, cache.kv_recent)
             cache._track_bytes(lid)

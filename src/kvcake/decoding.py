@@ -164,6 +164,21 @@ def evict_step(cache: Cache, layer_idx: int, probs: torch.Tensor | None) -> None
     cache._track_bytes(layer_idx)
 
 
+def with_window_sums(layer, sums: torch.Tensor | None) -> torch.Tensor | None:
+    """A stateful scorer's kept prompt scores with the window's +inf replaced by its own sums
+    (``sums`` (B, H_kv, w): the prompt's last ``w`` columns as scored), at the end of prefill: H2O
+    accumulates every query's attention, and a window entry's count starts with the prompt's
+    rows after it, as every other entry's does (from 0 it would lose them as it leaves the
+    window; ``tests/test_h2o.py``)."""
+    if sums is None or layer.scores is None:
+        return layer.scores
+    scores, positions = layer.padded(layer.scores, float("-inf")), layer.padded_positions()  # (B, H_kv, N)
+    first = layer.length - sums.shape[-1]  # the column of the window's first entry
+    in_window = torch.isposinf(scores) & (positions >= first)
+    found = sums.gather(-1, (positions - first).clamp(0, sums.shape[-1] - 1))
+    return layer.unpad(torch.where(in_window, found, scores))
+
+
 def _across(cache: Cache):
     """What each step's (B, H_kv, N) scores take from the other ranks of a tensor-parallel model:
     a layer-wide scorer's (TOVA) mean over ranks (every head holds the same positions in the same

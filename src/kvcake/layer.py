@@ -56,6 +56,7 @@ class KVCakeLayer(CacheLayerMixin):
         self.ranked = False  # entries in the selector's order (each head's best first), not position order
         self.positions: torch.Tensor | None = None  # dense (B, H_kv, N) int64 / ragged (T,)
         self.scores: torch.Tensor | None = None  # eviction indicator, same layout as positions
+        self.window_sums: torch.Tensor | None = None  # prefill only: H2O's window as scored (B, H_kv, w)
         self.norms: torch.Tensor | None = None  # CriticalKV value norms, same layout
         self.counts: np.ndarray | None = None  # (B, H_kv) kept entries, on the host
         self.meta: RaggedMeta | None = None

@@ -36,15 +36,16 @@ class ScoreMemo:
     scorer's configuration; a hit returns a copy."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[tuple, tuple] = {}  # (query, keys, scores, window sums or None)
 
-    def scores(self, scorer: Scorer, inp: PrefillInputs) -> torch.Tensor:
+    def scores(self, scorer: Scorer, inp: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``scorer.prefill_sums(inp)``, copied."""
         key = (id(inp.query), id(inp.keys), inp.window, float(inp.scaling), type(scorer), repr(scorer))
         hit = self._entries.get(key)
         if hit is None or hit[0] is not inp.query or hit[1] is not inp.keys:
-            hit = (inp.query, inp.keys, scorer.prefill(inp))
+            hit = (inp.query, inp.keys, *scorer.prefill_sums(inp))
             self._entries[key] = hit
-        return hit[2].clone()
+        return hit[2].clone(), None if hit[3] is None else hit[3].clone()
 
 
 class _MemoScorer(Scorer):
@@ -56,6 +57,9 @@ class _MemoScorer(Scorer):
         self.marks_critical = inner.marks_critical
 
     def prefill(self, inp: PrefillInputs) -> torch.Tensor:
+        return self.memo.scores(self.inner, inp)[0]
+
+    def prefill_sums(self, inp: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.memo.scores(self.inner, inp)
 
     def decode(

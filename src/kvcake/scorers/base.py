@@ -244,10 +244,22 @@ class Scorer:
 
     def prefill(self, inp: PrefillInputs) -> torch.Tensor:
         """KV-head scores (B, H_kv, S) with the window at +inf and padding at -inf."""
+        return protect(self._kv_scores(inp), inp.key_valid, inp.window)
+
+    def prefill_sums(self, inp: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``prefill``'s scores and, for a ``stateful`` scorer, the prompt's last ``window`` columns
+        as scored (B, H_kv, w), which the window's +inf hides: H2O's sums go on accumulating
+        while decoding, the window's from what the prompt gave them (None for other scorers)."""
+        if not self.stateful:
+            return self.prefill(inp), None
+        scores = self._kv_scores(inp)
+        return protect(scores, inp.key_valid, inp.window), scores[..., -inp.window :].clone()
+
+    def _kv_scores(self, inp: PrefillInputs) -> torch.Tensor:
         scores = group_reduce(self.score_heads(inp).float(), inp.num_groups, self.reduce)
         if inp.group_split is not None:  # the rest of the query group is on the other ranks
             scores = inp.group_split.pool(scores, self.reduce)
-        return protect(scores, inp.key_valid, inp.window)
+        return scores  # (B, H_kv, S)
 
     def decode(
         self, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None

@@ -51,6 +51,9 @@ class H2OScorer(Scorer):
             return None
         return attention_with_column_sums(query, key, value, mask, key_valid, scaling)
 
+    def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return probs.sum(2)  # every query row adds its attention (a multi-token append: each of them)
+
     def decode_step(self, probs, positions, previous):
         scores = probs.mean(2) if self.reduce == "mean" else probs.amax(2)  # (B, H_kv, N)
         return scores if previous is None else scores + previous
