@@ -29,7 +29,16 @@ LAYERS = {
     "package": ["kvcake"],
     "api": ["answers", "api", "calibration", "replay", "storage", "storage.reader"],
     "context": ["context"],
-    "cache": ["cache", "cascade", "head_counts", "pending_norms", "decoding", "attention", "storage.writer"],
+    "cache": [
+        "cache",
+        "cascade",
+        "cake_tau",
+        "head_counts",
+        "pending_norms",
+        "decoding",
+        "attention",
+        "storage.writer",
+    ],
     "method": ["method", "temperatures", "layer", "step", "sliding", "cross", "latent", "hybrid_layer"],
     "parts": [
         "allocators",

@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcake
 from kvcake import temperatures
+from kvcake.adapters import with_cache
 from kvcake.allocators import preference
-from kvcake.allocators.cake import FALLBACK_TAU, default_tau
+from kvcake.allocators.cake import FALLBACK_TAU, default_tau, tau_family
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, find_calibration, resolve_tau, save_calibration
 
@@ -358,3 +360,32 @@ def test_indicators_round_trip_and_are_checked():
             TauPoint(50.0, 2.0, 0.5, bad)
     with pytest.raises(ValueError, match="indicator_from"):
         kvcake.make_method("cake,score.indicator_from=calibrated", budget=40, window=4)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "theta", "family", "tau"),
+    [
+        (32000, 10000.0, "llama2", (0.9, 2.3)),
+        (128256, 500000.0, "llama", (1.6, 0.6)),
+        (128, 10000.0, "llama", (1.6, 0.6)),
+    ],
+)
+def test_llama_2_takes_its_own_family_default(vocab, theta, family, tau):
+    """Llama 2 and Llama 3 both say model_type "llama": the config's vocabulary and RoPE base tell
+    them apart, so an uncalibrated Llama 2 gets the paper's Llama-2 temperatures, not Llama 3.1's."""
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": theta},
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    assert tau_family(model) == family
+    assert (
+        temperatures.method_tau_label(model, kvcake.make_method("cake", budget=24, window=4))
+        == f"family:{family}"
+    )
+    cache = kvcake.KVCakeCache(model, "cake", budget=24, window=4)
+    with kvcake.enable(model), torch.no_grad():
+        model(_ids(), **with_cache(model, cache))
+    assert (cache.tau.tau1, cache.tau.tau2, cache.tau.source) == (*tau, "family")

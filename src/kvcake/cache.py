@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 
 from . import cascade, decoding
 from .adapters import ModelInfo, describe_model
-from .allocators.cake import CakeAllocator
+from .allocators.cake import CakeAllocator, tau_family
 from .budget import check_capacity, check_flag
 from .cascade import SequenceBudgets
 from .cross import CrossLayer
@@ -169,7 +169,7 @@ class KVCakeCache(RecurrentStates, Cache):
         self.tau: TauChoice | None = None  # CAKE's temperatures, once the budget is known (temperatures.py)
         cake = isinstance(self.method.layers, CakeAllocator)  # its temperatures: per model
         self._fingerprint = model_fingerprint(model) if cake else None
-        self._model_name = model_name(model) if cake else None  # for warnings
+        self._model_name, self._family = (model_name(model), tau_family(model)) if cake else (None, None)
         self.static = check_flag("static", static)  # see the class docstring; False: the dynamic reference
         self._max_cache_len = check_capacity(max_cache_len)
         self._plan_sliding()

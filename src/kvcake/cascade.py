@@ -20,7 +20,6 @@ the cache calls them and keeps ``_evict_layer`` as its method, so a subclass can
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from transformers.cache_utils import Cache
 from . import pending_norms
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
+from .cake_tau import calibrated_indicator, temperatures
 from .decoding import with_window_sums
 from .devices import HostRead
 from .fp8 import encode_layer
@@ -40,7 +40,6 @@ from .logit_terms import PLAIN, LogitTerms
 from .ragged import position_rows, to_device
 from .scorers import PrefillInputs
 from .selectors import SelectionInputs
-from .temperatures import parse_indicator, resolve_tau
 from .tensor_parallel import local_weight
 
 logger = logging.getLogger(__name__)
@@ -55,6 +54,8 @@ class SequenceBudgets:
     per_layer: torch.Tensor  # average budget per layer
     total: torch.Tensor  # B_total = per_layer * L_g (compressed layers)
     window: torch.Tensor  # protected window, min(Sw, length)
+    tau1: torch.Tensor | None = None  # CAKE's temperatures, each row's own, float64 (cake_tau.py)
+    tau2: torch.Tensor | None = None
 
 
 def prefill_stage(
@@ -145,7 +146,7 @@ def run_stage(cache: Cache) -> None:
         entropy, variance = pending.stats.wait().unbind()
         cache.entropy.append(entropy)
         cache.variance.append(variance)
-        cache.preferences.append(preference(entropy, variance, *temperatures(cache)))
+        cache.preferences.append(preference(entropy, variance, *temperatures(cache, entropy.device)))
     last = g == len(cache.compressed) - 1
     if m.layers.needs_preferences or m.layers.needs_scores:
         if m.layers.cascading or last:
@@ -227,7 +228,7 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     per_layer = budget.per_layer(lengths)
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
-    _calibrated_indicator(cache)
+    calibrated_indicator(cache)
     if bool((per_layer >= lengths).all()) and not budget.keeps_all and cache.method.name != "full":
         logger.warning(
             "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
@@ -237,30 +238,6 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
             if cache.method.decode == "fixed"
             else "",
         )
-
-
-def _calibrated_indicator(cache: Cache) -> None:
-    """Before the first layer is scored: a CAKE cache whose scorer takes a calibrated indicator
-    (``CakeScorer.takes_calibrated_indicator``) uses the one its temperatures' calibration chose,
-    so both come from the same calibration point (``cache.tau.indicator``)."""
-    m = cache.method
-    if not (m.layers.needs_preferences and getattr(m.scorer, "takes_calibrated_indicator", False)):
-        return
-    temperatures(cache)
-    if cache.tau.indicator is not None:
-        pooling, kernel = parse_indicator(cache.tau.indicator)
-        cache.method = dataclasses.replace(
-            m, scorer=dataclasses.replace(m.scorer, pooling=pooling, kernel=kernel)
-        )
-
-
-def temperatures(cache: Cache) -> tuple[float, float]:
-    """CAKE's (tau1, tau2) in force, resolved once the average budget is known."""
-    if cache.tau is None:
-        lay, avg = cache.method.layers, float(cache.seq.per_layer.double().mean())
-        cache.tau = resolve_tau(cache._fingerprint, cache.model_type, avg, lay.tau1, lay.tau2, lay.tau_from,
-                                model_name=cache._model_name, scenario=cache.scenario)  # fmt: skip
-    return cache.tau.tau1, cache.tau.tau2
 
 
 def _request(cache: Cache, preferences, final: bool, layer_scores=None, winners=None) -> AllocationRequest:

@@ -35,7 +35,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .allocators.cake import FALLBACK_TAU, CakeAllocator, default_tau, family_key
+from .allocators.cake import FALLBACK_TAU, CakeAllocator, default_tau, family_key, tau_family
 from .defaults import SCENARIOS
 from .fingerprints import default_cache_root, model_fingerprint
 
@@ -233,9 +233,13 @@ class TauChoice:
     scenario: Scenario | None = field(default=None, compare=False)
     set_used: str = field(default="", compare=False)  # "question", "context", "shared" or "" (none)
     indicator: str | None = field(default=None, compare=False)  # the calibration's, if not the paper's
+    rows: tuple = field(default=(), compare=False)  # a batch's (tau1, tau2) per prompt where they differ
 
     def describe(self) -> str:
         text = f"tau1={self.tau1:.3g} tau2={self.tau2:.3g}"
+        if self.rows:  # ``text``: the batch's mean budget's (its indicator the cache's)
+            each = ", ".join(f"{a:.3g}/{b:.3g}" for a, b in self.rows)
+            text = f"per prompt {each} (tau1/tau2; {text} at the mean)"
         if self.indicator is not None:
             text += f", indicator {self.indicator}"
         text += f" ({self.source}"
@@ -374,9 +378,8 @@ def method_tau_label(model, method, scenario: str | None = None) -> str | None:
     layers = method.layers
     if not isinstance(layers, CakeAllocator):
         return None
-    model_type = getattr(model.config, "model_type", "")
     return tau_source_label(
-        model_fingerprint(model), model_type, layers.tau1, layers.tau2, layers.tau_from, scenario
+        model_fingerprint(model), tau_family(model), layers.tau1, layers.tau2, layers.tau_from, scenario
     )
 
 

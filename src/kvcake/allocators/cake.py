@@ -28,6 +28,23 @@ and no layer is starved; measured on SmolLM2 in docs/results.md."""
 TAU_FROM = ("auto", "family", "fallback")
 
 
+# Llama 2 and Llama 3 checkpoints both say model_type "llama"; Llama 2's config has a 32000-token
+# vocabulary and RoPE base 10000 (Llama 3: 128256 and 500000), as transformers' LlamaConfig defaults.
+LLAMA2_SHAPE = {"vocab_size": 32000, "rope_theta": 10000.0}
+
+
+def tau_family(model) -> str:
+    """The model type ``TAU_DEFAULTS`` is looked up by: the text config's ``model_type``, but
+    ``"llama2"`` for a Llama whose config has Llama 2's vocabulary and RoPE base (without it the
+    paper's Llama-2 temperatures could never be chosen: Llama 2 says ``"llama"``)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_type = getattr(config, "model_type", "") or ""
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None)) if isinstance(rope, dict) else None
+    shape = {"vocab_size": getattr(config, "vocab_size", None), "rope_theta": theta}
+    return "llama2" if model_type == "llama" and shape == LLAMA2_SHAPE else model_type
+
+
 def family_key(model_type: str) -> str | None:
     """The ``TAU_DEFAULTS`` entry of a model type, or ``None`` when the family has none."""
     key = "qwen2" if model_type in ("qwen2", "qwen3") else model_type

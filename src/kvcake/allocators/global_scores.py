@@ -28,6 +28,13 @@ class GlobalAllocator(LayerAllocator):
     layer's full cache; with ``cascading=True`` (default) the cache re-ranks after each layer
     and evicts at once (CAKE's cascade), which gives the same budgets at the end because a
     layer's winners only shrink as layers and competitors arrive and the pool shrinks.
+    The authors also rank other scores (``efficient_layer_defensivekv_press.py``): each
+    entry's defensive score times its value norm's share among the layer's heads, with the
+    first stage's entries and the window at their layer's highest such score, and the window
+    in the ranking (a layer whose highest score is low can lose window entries). Here the
+    ranking is of the scorer's scores (DefensiveKV's plus ``MARK`` on the first stage's, above
+    every unmarked entry of every layer), each layer's window kept outside it; value norms
+    weigh the entries within each head afterwards (CriticalKV's selector).
 
     Reads ``req.layer_scores``: the full prompt's (B, H_kv, S) scores of each layer seen so
     far, window +inf, padding -inf, on the model's device(s).

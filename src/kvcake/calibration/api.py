@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvcake.allocators.cake import FALLBACK_TAU, default_tau
+from kvcake.allocators.cake import FALLBACK_TAU, default_tau, tau_family
 from kvcake.budget import BudgetSpec
 from kvcake.context import check_positions
 from kvcake.defaults import (
@@ -168,7 +168,7 @@ def calibrate(
     logger.info("calibration: %d full forwards in %.1f s", samples * len(SCENARIOS), forward_s)
     points: dict[str, list[TauPoint]] = {s: [] for s in SCENARIOS}
     meta_points = []
-    model_type = getattr(model.config, "model_type", "")
+    model_type = tau_family(model)  # the family whose default temperatures the record compares with
     for scenario in SCENARIOS:
         for spec in specs:
             point, meta = _calibrate_point(model, refs[scenario], spec, inds[scenario], grid, model_type)

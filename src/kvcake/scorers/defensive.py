@@ -22,8 +22,9 @@ from .base import PrefillInputs, Scorer, avg_pool_padded, pool1d, protect
 MARK = 2.0
 """Offset added to the entries of CriticalKV's first stage (``critical_mass``). Defensive
 scores are attention probabilities, so at most 1: a marked entry (>= ``MARK``) ranks above
-every unmarked one in each head, across heads (Ada-KV) and across layers (global allocation),
-as the authors' code does by setting them to the layer's maximum."""
+every unmarked one in each head, across heads (Ada-KV) and across layers (global allocation).
+The authors' code sets them to the layer's maximum value-weighted score instead: above every
+unmarked entry of their layer, but not across layers (``kvcake.allocators.global_scores``)."""
 
 # Bytes of window attention rows per block on the CPU (:func:`_aggregate_cpu`): their passes and
 # buffers stay in a core's cache (512 KB and 1 MB the fastest of 256 KB-2 MB on SmolLM2's heads).
@@ -51,10 +52,16 @@ class DefensiveScorer(Scorer):
     ``+MARK``. ``critical_mass=0`` marks nothing. Differences from the authors' code: the
     share is per sequence (theirs one scalar for the batch, read off the last ``w`` prefix
     columns), and the set includes the entry that crosses the threshold (theirs stops before
-    it); the cap at the head's budget is applied by the selector. In our parts Ada-KV splits a
-    layer's budget among heads by these scores (marks included) and the selector then weighs
+    it). Theirs is capped per head at the average prefix budget (``S * (1 - ratio) - w``
+    entries), the highest by unpooled mean attention, before the heads share the layer's
+    budget; here every entry up to the mass is marked, Ada-KV splits the layer among heads on
+    these scores (marks included) and the selector caps the marks at each head's own count,
+    keeping the highest by this scorer's (pooled, worst-case) score. The selector then weighs
     the rest by value norms within each head, where the authors rank the value-weighted scores
-    across heads at once; and the selector's ``eps`` (1e-4) is added before weighting.
+    across heads at once; the selector's ``eps`` (1e-4) is added before weighting; and the
+    presets keep Ada-KV's safeguard (``heads.alpha``, 0.2), which the authors' presses do not
+    pin (``heads.alpha=0`` drops it). These change which entries are kept where the marks
+    outnumber a head's budget (sharp attention keeps them few).
 
     Output (B, H_kv, S) float32, window at +inf, padding at -inf.
     """

@@ -23,7 +23,8 @@ Tensors (``l`` is a layer index, ``B`` the batch, ``L`` the layers, ``H_kv`` the
 * ``cache.budgets`` (B, L), ``cache.decode_budget`` (B, L, H_kv), ``cache.stage_budgets.i``
   (B, i + 1) for the cascade's stages, ``cache.entropy`` / ``cache.variance`` /
   ``cache.preferences`` (L, B) for CAKE allocation, ``cache.seq.*`` (B,) the per-sequence
-  budget facts.
+  budget facts (``tau1``/``tau2``, each prompt's CAKE temperatures, in CAKE's files only: a file
+  without them reads back as before).
 
 The JSON holds the format version, the library version, the model (fingerprint, type, shapes,
 dtype), the method (``Method.describe()``, a composed ``spec`` string that ``make_method``

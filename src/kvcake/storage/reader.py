@@ -240,7 +240,7 @@ def _rebuild(
         key = f"cache.{name}"
         setattr(cache, name, list(tensors[key]) if key in tensors else [])  # host, as when compressed
     if "cache.seq.lengths" in tensors:
-        cache.seq = SequenceBudgets(**{f.name: tensors[f"cache.seq.{f.name}"]
+        cache.seq = SequenceBudgets(**{f.name: tensors.get(f"cache.seq.{f.name}")
                                        for f in dataclasses.fields(SequenceBudgets)})  # fmt: skip
     cache._tau = tuple(c["tau"]) if c["tau"] is not None else None
     cache.peak_kv_bytes = int(c["peak_kv_bytes"])

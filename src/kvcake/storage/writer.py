@@ -108,7 +108,8 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             tensors[f"cache.{name}"] = _host(torch.stack([v.to("cpu") for v in values]))  # (L, B)
     if cache.seq is not None:
         for f in dataclasses.fields(SequenceBudgets):
-            tensors[f"cache.seq.{f.name}"] = _host(getattr(cache.seq, f.name))
+            if (value := getattr(cache.seq, f.name)) is not None:  # CAKE's temperatures: CAKE's caches only
+                tensors[f"cache.seq.{f.name}"] = _host(value)
     layers_meta = []
     kv_dtype = None
     for lid, layer in enumerate(cache.layers):
