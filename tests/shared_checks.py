@@ -85,13 +85,18 @@ def single_step_logits(model, cache, follow: torch.Tensor) -> torch.Tensor:
     return torch.stack(steps)
 
 
+def left_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D ``a`` and a shorter ``b`` as a left-padded batch (pad id 0): ids and attention mask (2, len(a))."""
+    pad = torch.zeros(a.shape[0] - b.shape[0], dtype=torch.long, device=a.device)
+    ids = torch.stack([a, torch.cat([pad, b])])
+    return ids, torch.stack([torch.ones_like(a), torch.cat([pad, torch.ones_like(b)])])
+
+
 def assert_batch_matches_each_alone(model, name: str, a: torch.Tensor, b: torch.Tensor, n_pad: int, **kw):
     """``a`` and ``b`` (1-D, ``len(a) == n_pad + len(b)``) generated as one left-padded batch
     give each the tokens, per-head counts and kept positions it gets alone; padding is never
     kept. ``kw`` goes to ``kvcake.generate`` (greedy, so the tokens must match exactly)."""
-    pad = torch.zeros(n_pad, dtype=torch.long, device=a.device)
-    batch = torch.stack([a, torch.cat([pad, b])])
-    mask = torch.stack([torch.ones_like(a), torch.cat([pad, torch.ones_like(b)])])
+    batch, mask = left_padded(a, b)
     new = kw["max_new_tokens"]
     out, cache = kvcake.generate(model, batch, name, attention_mask=mask, **kw)
     for i, (seq, shift) in enumerate(((a, 0), (b, n_pad))):

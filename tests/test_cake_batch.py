@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 import kvcake
 from kvcake import cake_tau, temperatures
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, save_calibration
-from shared_checks import assert_batch_matches_each_alone, prompt
+from shared_checks import assert_batch_matches_each_alone, left_padded, prompt
 
 RUN = {"ratio": 0.3, "window": 8, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
 
@@ -44,9 +43,7 @@ def test_a_prompt_takes_the_temperatures_of_its_own_budget(tiny_llama, calibrate
 
 def _batch(model):
     a, b = prompt(200, seed=8)[0], prompt(110, seed=9)[0]  # 60 and 33 entries per layer at 0.3
-    ids = torch.stack([a, torch.cat([torch.zeros(90, dtype=torch.long), b])])
-    mask = torch.ones_like(ids)
-    mask[1, :90] = 0
+    ids, mask = left_padded(a, b)
     return kvcake.generate(model, ids, "cake", attention_mask=mask, **RUN)[1]
 
 

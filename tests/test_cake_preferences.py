@@ -13,11 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcake
-from kvcake import KVCakeCache, make_method
-from kvcake.adapters import with_cache
+from kvcake import make_method
 from kvcake.allocators import preference
-from shared_checks import prompt
+from shared_checks import left_padded, prefill, prompt
 
 WINDOW = 8
 
@@ -38,12 +36,8 @@ def statistics(eager, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_dispersion_shift_and_preference_are_the_papers(tiny_llama, make_tiny_llama):
     eager = make_tiny_llama(attn_implementation="eager")
     long, short = prompt(48, seed=11)[0], prompt(36, seed=12)[0]
-    pad = torch.zeros(12, dtype=torch.long)
-    ids = torch.stack([long, torch.cat([pad, short])])
-    mask = torch.stack([torch.ones(48, dtype=torch.long), torch.cat([pad, torch.ones(36, dtype=torch.long)])])
-    cache = KVCakeCache(tiny_llama, make_method("cake", budget=20, window=WINDOW), static=False)
-    with kvcake.enable(tiny_llama), torch.no_grad():
-        tiny_llama(ids, attention_mask=mask, **with_cache(tiny_llama, cache))
+    ids, mask = left_padded(long, short)
+    cache, _ = prefill(tiny_llama, ids, make_method("cake", budget=20, window=WINDOW), mask, static=False)
     got_h, got_v = torch.stack(cache.entropy, dim=1), torch.stack(cache.variance, dim=1)  # (B, L)
     for row, seq in enumerate((long, short)):
         h, v = statistics(eager, seq[None])

@@ -18,7 +18,7 @@ import torch
 import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import with_cache
-from shared_checks import prompt
+from shared_checks import left_padded, prefill, prompt
 
 WINDOW = 8
 
@@ -63,12 +63,8 @@ def test_the_prompt_sums_are_kept_for_every_entry_the_window_included(tiny_llama
 def test_a_left_padded_row_keeps_its_own_prompt_sums(tiny_llama, make_tiny_llama):
     eager = make_tiny_llama(attn_implementation="eager")
     long, short = prompt(40, seed=4)[0], prompt(30, seed=5)[0]
-    pad = torch.zeros(10, dtype=torch.long)
-    ids = torch.stack([long, torch.cat([pad, short])])
-    mask = torch.stack([torch.ones(40, dtype=torch.long), torch.cat([pad, torch.ones(30, dtype=torch.long)])])
-    cache = KVCakeCache(tiny_llama, make_method("h2o", budget=16, window=WINDOW), static=False)
-    with kvcake.enable(tiny_llama), torch.no_grad():
-        tiny_llama(ids, attention_mask=mask, **with_cache(tiny_llama, cache))
+    ids, mask = left_padded(long, short)
+    cache, _ = prefill(tiny_llama, ids, make_method("h2o", budget=16, window=WINDOW), mask, static=False)
     assert_scores_are_sums(cache, column_sums(eager, long[None]), row=0)
     assert_scores_are_sums(cache, column_sums(eager, short[None]), row=1, shift=10)
 
