@@ -60,8 +60,7 @@ class DefensiveScorer(Scorer):
     the rest by value norms within each head, where the authors rank the value-weighted scores
     across heads at once; the selector's ``eps`` (1e-4) is added before weighting; and the
     presets keep Ada-KV's safeguard (``heads.alpha``, 0.2), which the authors' presses do not
-    pin (``heads.alpha=0`` drops it). These change which entries are kept where the marks
-    outnumber a head's budget (sharp attention keeps them few).
+    pin (``heads.alpha=0`` drops it).
 
     Output (B, H_kv, S) float32, window at +inf, padding at -inf.
     """
