@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()  # fingerprints told that their batch shares an indicator
 
 
-def calibrated_indicator(cache: Cache) -> None:
-    """Before the first layer is scored: resolve the rows' temperatures (:func:`row_temperatures`)
-    and, for a CAKE cache whose scorer takes a calibrated indicator
+def choose_temperatures(cache: Cache) -> None:
+    """Before the first layer is scored, for CAKE's layer allocation: resolve the rows'
+    temperatures (:func:`row_temperatures`) and, where the scorer takes a calibrated indicator
     (``CakeScorer.takes_calibrated_indicator``), use the one its temperatures' calibration chose,
     so both come from the same calibration point (``cache.tau.indicator``)."""
     m = cache.method
@@ -76,7 +76,6 @@ def row_temperatures(cache: Cache) -> None:
 
 
 def temperatures(cache: Cache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's (tau1, tau2), (B,) float64 on ``device`` (``preference``'s operands)."""
-    if cache.seq.tau1 is None:
-        row_temperatures(cache)
+    """Every row's (tau1, tau2), (B,) float64 on ``device`` (``preference``'s operands), as
+    :func:`choose_temperatures` resolved them at the start of prefill."""
     return cache.seq.tau1.to(device), cache.seq.tau2.to(device)

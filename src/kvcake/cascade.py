@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 from . import pending_norms
 from .adapters import output_projection
 from .allocators import AllocationRequest, preference
-from .cake_tau import calibrated_indicator, temperatures
+from .cake_tau import choose_temperatures, temperatures
 from .decoding import with_window_sums
 from .devices import HostRead
 from .fp8 import encode_layer
@@ -228,7 +228,7 @@ def start(cache: Cache, key_valid: torch.Tensor) -> None:
     per_layer = budget.per_layer(lengths)
     window = torch.clamp(lengths, max=budget.window)
     cache.seq = SequenceBudgets(lengths, per_layer, per_layer * len(cache.compressed), window)
-    calibrated_indicator(cache)
+    choose_temperatures(cache)
     if bool((per_layer >= lengths).all()) and not budget.keeps_all and cache.method.name != "full":
         logger.warning(
             "the budget (%s) covers the whole prompt (%d tokens): nothing is evicted during prefill%s",
