@@ -157,11 +157,10 @@ def test_a_hybrid_models_questions_of_different_lengths_share_a_batch(tiny_gemma
     assert batches == [6]
 
 
-def test_question_aware_batches_mix_lengths_where_the_default_sizes_agree(tiny_llama, tok, monkeypatch):
-    """Question-aware, no size given: prompts of different lengths share a left-padded batch where
-    the default sizes they get alone agree (a keep ratio for both), and not where a shorter one
-    alone would be kept whole (``kvcake.budget.default_budget``: a 0.25 ratio under the window);
-    every answer is the one its question gets alone."""
+def test_question_aware_batches_mix_lengths(tiny_llama, tok, monkeypatch):
+    """Question-aware, no size given: prompts of different lengths share a left-padded batch, also
+    where a shorter one is kept whole (``kvcake.budget.default_budget``: a 0.25 ratio under the
+    window) and the longer one compressed; every answer is the one its question gets alone."""
     short, longer = "w3 w4", "w3 w4 w5 w6 w7 w8 w9"
     base = kvcake.build_prompt(tok, document(110) + "\n\n", short).full.shape[1]
     doc = document(110 + 125 - base)  # the short question's prompt: 125 tokens, kept whole alone
@@ -171,7 +170,7 @@ def test_question_aware_batches_mix_lengths_where_the_default_sizes_agree(tiny_l
     monkeypatch.setattr(kvcake.answers, "generate",
                         lambda model, ids, *a, **k: batches.append(ids.shape) or run(model, ids, *a, **k))  # fmt: skip
     kw = {"method": "snapkv", "scenario": "question", "max_new_tokens": 6, "batch_size": 8}
-    for qs, shapes in (((short, longer), [(1, 125), (1, 130)]), ((longer, longer + " w1"), [(2, 131)])):
+    for qs, shapes in (((short, longer), [(2, 130)]), ((longer, longer + " w1"), [(2, 131)])):
         alone = [kvcake.answer(tiny_llama, tok, doc, q, **kw) for q in qs]
         batches.clear()
         assert kvcake.answer(tiny_llama, tok, doc, list(qs), **kw) == alone
@@ -293,7 +292,7 @@ def test_scenario_defaults(tiny_llama):
     _, cache = kvcake.generate(tiny_llama, ids, "snapkv", max_new_tokens=2, do_sample=False)
     assert cache.method.budget.ratio == DEFAULT_KEEP_RATIO["question"] == 0.25
     assert default_budget("question", 100) == {"budget": MAX_BUDGET}  # 25 < the 32-token window: all kept
-    assert default_budget("context", 100) == {"ratio": 0.5}
+    assert default_budget("context", 100) == {"ratio": 0.5, "keep_short": True}
     with pytest.raises(ValueError, match="scenario must be one of"):
         default_budget("document", 100)
 

@@ -376,20 +376,24 @@ def test_bad_budgets_raise_everywhere(tiny_llama, kwargs, error, match):
     with untouched(tiny_llama):
         with pytest.raises(error, match=match):
             make_method("cake", **kwargs)
-        if kwargs:  # kvcake.generate without a size keeps its scenario's default keep ratio
+        if kwargs and kwargs.get("window", 1) is not None:  # kvcake.generate: no size keeps its
+            # scenario's default keep ratio, and window=None is its default window (32)
             with pytest.raises(error, match=match):
                 kvcake.generate(tiny_llama, ids(50), "cake", **kwargs, max_new_tokens=2)
         with pytest.raises(error, match=match):
             KVCakeCache(tiny_llama, "adakv", **kwargs)
 
 
-@pytest.mark.parametrize("window", [None, "4", 0])
+@pytest.mark.parametrize("window", [2.5, "4", 0])
 def test_a_bad_window_without_a_size_is_refused_by_name(tiny_llama, window):
     """No size given: the default keep ratio is weighed against the window first, which failed
-    on a comparison ("'<' not supported between instances of 'int' and 'str'")."""
+    on a comparison ("'<' not supported between instances of 'int' and 'str'"). None is
+    ``kvcake.generate``'s default: 32."""
     error = ValueError if window == 0 else TypeError
     with untouched(tiny_llama), pytest.raises(error, match="window must be a positive int, got"):
         kvcake.generate(tiny_llama, ids(50), "cake", window=window, max_new_tokens=2)
+    _, cache = kvcake.generate(tiny_llama, ids(50), "cake", window=None, max_new_tokens=2)
+    assert cache.method.budget.window == 32
 
 
 def test_ratio_too_small_for_the_window(tiny_llama):
@@ -473,7 +477,7 @@ def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
         ("cake,heads.alpha=0.1", "bad option for heads=uniform: unknown option 'alpha'; it takes no options"),
         ("cake,score.gama=100", "unknown option 'gama'; valid: gamma, kernel, pooling, reduce"),
         ("cake,layers.tau1=abc", "bad option for layers=cake: tau1 must be a number, got 'abc'"),
-        ("cake,score.kernel=2.5", "pooling kernel must be a positive odd int, got 2.5"),
+        ("cake,score.kernel=2.5", "bad option for score=cake: kernel must be an integer, got 2.5"),
         ("cake,layers.tau2=true", "bad option for layers=cake: tau2 must be a number, got 'true'"),
         ("cake-oneshot,layers.cascading=true", "unknown option 'cascading'"),
         ("layers=pyramid,layers=uniform", "'layers' is given twice in method"),
@@ -493,13 +497,13 @@ def test_huge_budget_with_padding_is_a_no_op_up_to_rounding(tiny_llama):
         ("cake,score.reduce=min", "GQA reduction must be 'mean' or 'max'"),
         ("adakv,heads.alpha=nan", "Ada-KV safeguard alpha must be in"),
         ("criticalkv,select.alpha=1.5", "CriticalKV first-stage ratio alpha must be in"),
-        ("criticalkv,select.eps=-1", "CriticalKV eps must be >= 0"),
-        ("cake,layers.tau1=0", "CAKE temperatures must be positive"),
+        ("criticalkv,select.eps=-1", "CriticalKV eps must be a finite number >= 0"),
+        ("cake,layers.tau1=0", "CAKE tau1 must be a finite number > 0, got 0: pass e.g. layers.tau1=1.0"),
         ("cake,layers.cascading=flase", "CAKE cascading must be true or false, got 'flase'"),
         ("layers=random,layers.seed=abc", "random allocation seed must be an int, got 'abc'"),
-        ("pyramidkv,layers.beta=0", "pyramid beta must be a positive int"),
-        ("streamingllm,score.n_sink=-1", "n_sink must be a non-negative int"),
-        ("h2o,score.chunk=0", "H2O chunk must be a positive int"),
+        ("pyramidkv,layers.beta=0", "pyramid beta must be an int >= 1, got 0: pass e.g. layers.beta=20"),
+        ("streamingllm,score.n_sink=-1", "StreamingLLM n_sink must be an int >= 0"),
+        ("h2o,score.chunk=0", "H2O chunk must be an int >= 1"),
         ("cake,decode=sometimes", r"decode policy must be one of \('none', 'fixed'\)"),
     ],
 )

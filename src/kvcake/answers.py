@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .api import compress, default_sizes, generate
+from .api import compress, generate
 from .budget import DEFAULT_METHOD
 from .context import CompressedContext, check_positions
 from .defaults import SCENARIOS
-from .method import Method, resolve_ratio
+from .method import Method
 from .prompts import build_prompt
 
 
@@ -32,7 +32,7 @@ def answer(
     budget: int | None = None,
     keep_ratio: float | None = None,
     ratio: float | None = None,
-    window: int = 32,
+    window: int | None = None,
     chat: bool | None = None,
     answer_prefix: str = "",
     max_new_tokens: int = 64,
@@ -60,6 +60,8 @@ def answer(
         Entries kept per layer, or the fraction of the prompt kept (``ratio`` is its older
         name; kvpress's ``compression_ratio=0.2`` is ``keep_ratio=0.8``). Neither keeps
         ``kvcake.budget.DEFAULT_KEEP_RATIO[scenario]`` (0.5 of a document, 0.25 question-aware).
+    window:
+        The protected recent window, 32 where None; a :class:`Method` carries its own.
     method:
         A preset, a composed string, a :class:`Method`, or ``"full"`` (no compression); by
         default the scenario's recommendation, ``kvcake.budget.DEFAULT_METHOD`` (``layer-defensivekv``
@@ -76,8 +78,7 @@ def answer(
         lengths, left-padded (each row holds its own copy of the compressed document while it
         decodes; one length a batch where the model's cache refuses padding: chunked attention,
         recurrent states, sliding windows under a flash kernel); question-aware, any lengths,
-        left-padded, each row compressed as it would be alone (rows whose default sizes would
-        differ alone go apart: ``default_sizes``); 1 answers one question at a time, and so does
+        left-padded, each row compressed as it would be alone; 1 answers one question at a time, and so does
         a ``streamer=`` (transformers' streamers take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long
         prefills saved nothing (SmolLM2, 2 threads, 2130-token prompts: 4 questions 25.96 s
         batched against 24.21 s one at a time, 8: 52.37 s against 44.62 s;
@@ -122,11 +123,8 @@ def answer(
         batch_size = 1 if scenario == "question" and device.type == "cpu" else 8
     size = 1 if generate_kwargs.get("streamer") is not None else batch_size
     documents = [p.context.numpy().tobytes() for p in prompts]  # (a chat template: the same before each)
-    if scenario == "question":
-        # any lengths share a batch, left-padded, where the sizes each gets alone agree
-        # (kvcake.generate reads the defaults off a batch's padded length)
-        given = resolve_ratio(ratio, keep_ratio)
-        keys = [default_sizes(method, budget, given, "question", p.full.shape[1], window) for p in prompts]
+    if scenario == "question":  # any lengths share a batch, left-padded, each prompt sized as alone
+        keys = [None] * len(prompts)
     else:
         # the question appended to the document, compressed once: any lengths, left-padded, where
         # its cache takes padding; else one length a batch

@@ -23,10 +23,14 @@ or, for a document served to many questions (context-only compression):
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import logging
 
 import torch
 from transformers import CompileConfig
+from transformers.utils import TransformersKwargs
 
 from .adapters import (
     TOKEN_INPUTS,
@@ -38,7 +42,7 @@ from .adapters import (
     with_cache,
 )
 from .attention import enable
-from .budget import STARVED_FRACTION, STARVED_MIN_TOKENS, check_flag, default_budget
+from .budget import DEFAULT_WINDOW, STARVED_FRACTION, STARVED_MIN_TOKENS, check_flag, default_budget
 from .cache import KVCakeCache
 from .context import (
     CompressedContext,
@@ -55,22 +59,35 @@ from .temperatures import Scenario
 logger = logging.getLogger(__name__)
 
 
-def _as_method(method: Method | str, budget: int | None, ratio: float | None, window: int) -> Method:
+def sized_method(
+    method: Method | str,
+    budget: int | None,
+    ratio: float | None,
+    window: int | None,
+    scenario: str,
+    prompt_tokens: int,
+) -> Method:
+    """The method with its sizes: as given, or where neither ``budget`` nor ``ratio`` is, the
+    scenario's default keep ratio for prompts of at most ``prompt_tokens`` (the batch's padded
+    length), each prompt too short for it kept whole as it would be alone
+    (:func:`kvcake.budget.default_budget`). A :class:`Method` object carries its own sizes and
+    window: one given here as well is refused, as ``KVCakeCache`` refuses it."""
     if isinstance(method, Method):
         if budget is not None or ratio is not None:
             raise ValueError("give budget=/keep_ratio= either to make_method or here, not both")
+        if window is not None and window != method.budget.window:
+            raise ValueError(
+                f"window={window} here, and the Method object's is {method.budget.window}: give window= "
+                "to make_method, not here"
+            )
         return method
-    return make_method(method, budget=budget, ratio=ratio, window=window)
-
-
-def default_sizes(method, budget, ratio, scenario: str, prompt_tokens: int, window: int):
-    """(budget, ratio) as given, or the scenario's default keep ratio when neither is."""
-    if budget is not None or ratio is not None or isinstance(method, Method):
-        return budget, ratio
-    if isinstance(method, str) and method.strip().lower() == FULL:
-        return budget, ratio
-    defaults = default_budget(scenario, prompt_tokens, window)
-    return defaults.get("budget"), defaults.get("ratio")
+    window = DEFAULT_WINDOW if window is None else window
+    sizes = {"budget": budget, "ratio": ratio}
+    if budget is None and ratio is None and not (isinstance(method, str) and method.strip().lower() == FULL):
+        sizes = default_budget(scenario, prompt_tokens, window)
+    keep_short = sizes.pop("keep_short", False)
+    m = make_method(method, window=window, **sizes)
+    return m.replace(budget=dataclasses.replace(m.budget, keep_short=keep_short)) if keep_short else m
 
 
 def _warn_if_starved(method: Method, prompt_tokens: int) -> None:
@@ -151,7 +168,7 @@ def generate(
     *,
     budget: int | None = None,
     ratio: float | None = None,
-    window: int = 32,
+    window: int | None = None,
     progress: bool = False,
     keep_ratio: float | None = None,
     scenario: str | None = None,
@@ -167,8 +184,10 @@ def generate(
     answer (``output_ids[:, input_ids.shape[1]:]`` is the answer alone). The prompt (question
     included: question-aware compression) is compressed during prefill. ``keep_ratio`` (older
     name ``ratio``) is the fraction of the prompt kept, ``budget`` the entries kept per layer;
-    give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]``. ``method="full"``
-    keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
+    give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]`` (a prompt of a
+    padded batch too short for it kept whole, as alone). ``window`` (None: 32) is the protected
+    recent window; a :class:`Method` object carries its sizes and window (give them to
+    ``make_method``). ``method="full"`` keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
     ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
     prompt ends with its question), ``"context"`` for a prompt that does not.
     ``static`` (True by default) decodes in storage preallocated for the length ``generate`` stops
@@ -189,9 +208,7 @@ def generate(
     _check_model(model, "generate")
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model, generate_kwargs.get("attention_mask"))
-    ratio = resolve_ratio(ratio, keep_ratio)
-    budget, ratio = default_sizes(method, budget, ratio, "question", input_ids.shape[1], window)
-    m = _as_method(method, budget, ratio, window)
+    m = sized_method(method, budget, resolve_ratio(ratio, keep_ratio), window, "question", input_ids.shape[1])
     _check_generate_kwargs(model, generate_kwargs, input_ids.shape[1])
     check_positions(model, input_ids.shape[1], generate_kwargs)
     _warn_if_starved(m, input_ids.shape[1])
@@ -212,7 +229,7 @@ def compress(
     attention_mask: torch.Tensor | None = None,
     budget: int | None = None,
     ratio: float | None = None,
-    window: int = 32,
+    window: int | None = None,
     progress: bool = False,
     keep_ratio: float | None = None,
     scenario: str | None = None,
@@ -225,7 +242,7 @@ def compress(
 
     The returned context answers any number of follow-ups with ``.generate`` (which returns the
     answer's ids only) / ``.forward``; each works on its own copy, so the context is never
-    changed by answering. Budget keywords as in :func:`generate`; neither keeps
+    changed by answering. Budget and window keywords as in :func:`generate`; no size keeps
     ``DEFAULT_KEEP_RATIO["context"]``. ``scenario`` picks the set of calibrated CAKE
     temperatures: ``"context"`` by default, ``"question"`` when ``input_ids`` already end with
     the question (as ``kvcake inspect --prompt`` compresses).
@@ -243,13 +260,11 @@ def compress(
     scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model, attention_mask)
     check_answerable(model)
-    ratio = resolve_ratio(ratio, keep_ratio)
-    budget, ratio = default_sizes(method, budget, ratio, "context", input_ids.shape[1], window)
-    m = _as_method(method, budget, ratio, window)
+    m = sized_method(method, budget, resolve_ratio(ratio, keep_ratio), window, "context", input_ids.shape[1])
     _warn_if_starved(m, input_ids.shape[1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    _check_model_inputs(model_inputs, input_ids.shape)
+    _check_model_inputs(model, model_inputs, input_ids.shape)
     holders = rope_delta_holders(model)
     for holder in holders:  # computed from this context's images, not left from an earlier prompt
         holder.rope_deltas = None
@@ -273,7 +288,24 @@ def compress(
     return CompressedContext(model, cache, input_ids, attention_mask, out.logits[:, -1], deltas, kept)
 
 
-def _check_model_inputs(model_inputs: dict, ids_shape: torch.Size) -> None:
+def _check_model_inputs(model: torch.nn.Module, model_inputs: dict, ids_shape: torch.Size) -> None:
+    """``compress``'s ``model_inputs``: each one the model's forward names (the check
+    ``model.generate`` makes of its keywords), those with a row per token shaped so, and none
+    that ``compress`` sets itself. A forward taking ``**kwargs`` would drop a misspelt keyword
+    (``keep_rato=``) or a generation option (``max_new_tokens=``) without a word."""
+    named = set(getattr(TransformersKwargs, "__optional_keys__", ()))  # output_attentions, ...
+    for fn in (model.forward, getattr(model, "prepare_inputs_for_generation", None)):
+        params = inspect.signature(fn).parameters.values() if fn is not None else ()
+        named |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    unknown = sorted(k for k in model_inputs if k not in named)
+    if unknown:
+        own = [p for p in inspect.signature(compress).parameters if p not in ("model", "model_inputs")]
+        close = [m for k in unknown for m in difflib.get_close_matches(k, [*own, *sorted(named)], n=1)]
+        raise TypeError(
+            f"kvcake.compress got {', '.join(map(repr, unknown))}, which neither it nor {type(model).__name__}'s "
+            f"forward takes{f' (did you mean {close[0]!r}?)' if close else ''}: its own keywords are "
+            f"{', '.join(own)}; generation options go to the context's generate()"
+        )
     for name in TOKEN_INPUTS:  # a row per token of the context, which its follow-ups extend
         t = model_inputs.get(name)
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != tuple(ids_shape)):

@@ -28,18 +28,23 @@ MAX_BUDGET = 1 << 40
 #: cache's prefill (docs/benchmarks.md).
 DEFAULT_METHOD = {"question": "layer-defensivekv", "context": "layer-defensivekv"}
 
+#: The protected recent window (``Sw``) where none is given: SnapKV's and CAKE's 32.
+DEFAULT_WINDOW = 32
+
 #: A run keeping less than this fraction of a prompt of at least STARVED_MIN_TOKENS gets a warning.
 STARVED_FRACTION = 0.03
 STARVED_MIN_TOKENS = 1024
 
 
-def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[str, int | float]:
-    """``budget=``/``ratio=`` keyword for a prompt of ``prompt_tokens`` when the user gave none:
-    ``DEFAULT_KEEP_RATIO[scenario]``, or every entry (``MAX_BUDGET``: the prompt's and those after
-    it) when that ratio would leave less than the window. A prompt that short needs no
-    compression; a budget of its own length would have a ``decode=fixed`` preset evict one of its
-    oldest entries at every step (the attention sink first under CAKE's average pooling, whose
-    zero padding leaves the oldest entry three of its five terms), which garbled short answers."""
+def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[str, int | float | bool]:
+    """:class:`BudgetSpec` keywords for prompts of at most ``prompt_tokens`` (a batch's padded
+    length) when the user gave no size: ``DEFAULT_KEEP_RATIO[scenario]`` with ``keep_short``, so
+    that a prompt of the batch too short for it keeps every entry as it would alone; or every
+    entry (``budget=MAX_BUDGET``: the prompt's and those after it) when even ``prompt_tokens``
+    are. A prompt that short needs no compression; a budget of its own length would have a
+    ``decode=fixed`` preset evict one of its oldest entries at every step (the attention sink
+    first under CAKE's average pooling, whose zero padding leaves the oldest entry three of its
+    five terms), which garbled short answers."""
     if scenario not in DEFAULT_KEEP_RATIO:
         raise ValueError(f"scenario must be one of {', '.join(DEFAULT_KEEP_RATIO)}, got {scenario!r}")
     check_window(window)
@@ -48,7 +53,7 @@ def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[
         logger.info("a %d-token prompt is too short for the default keep ratio %s (it would keep fewer than the "
                     "%d-token window): every entry is kept", prompt_tokens, ratio, window)  # fmt: skip
         return {"budget": MAX_BUDGET}
-    return {"ratio": ratio}
+    return {"ratio": ratio, "keep_short": True}
 
 
 def check_window(window) -> None:
@@ -74,11 +79,17 @@ class BudgetSpec:
     window:
         The observation window ``Sw`` (default 32, SnapKV and CAKE): the last ``window``
         prompt tokens are always kept and their queries drive the scores.
+    keep_short:
+        With ``ratio``: a prompt whose ratio of entries would be fewer than the window keeps
+        every entry (``MAX_BUDGET``, as :func:`default_budget` gives a prompt that short alone)
+        instead of being refused; the default sizes of ``kvcake.generate`` and
+        ``kvcake.compress`` set it, so each prompt of a padded batch is sized as it is alone.
     """
 
     budget: int | None = None
     ratio: float | None = None
     window: int = 32
+    keep_short: bool = False
 
     def __post_init__(self) -> None:
         if (self.budget is None) == (self.ratio is None):
@@ -103,6 +114,9 @@ class BudgetSpec:
                     "kvpress's compression_ratio=0.75 is keep_ratio=0.25): pass e.g. keep_ratio=0.25"
                 )
         check_window(self.window)
+        check_flag("keep_short", self.keep_short)
+        if self.keep_short and self.ratio is None:
+            raise ValueError("keep_short applies to a keep ratio: give keep_ratio= with it, or drop it")
         if self.window > MAX_BUDGET:
             raise ValueError(f"window ({self.window}) is beyond any prompt: pass at most {MAX_BUDGET}")
         if self.budget is not None and self.window > self.budget:
@@ -124,6 +138,8 @@ class BudgetSpec:
         # entries, and top-k among their equal +inf scores keeps the oldest, not the newest.)
         avg = torch.where(lengths <= self.window, torch.full_like(avg, self.window), avg)
         short = (avg < self.window) & (lengths > self.window)
+        if self.keep_short:
+            return torch.where(short, torch.full_like(avg, MAX_BUDGET), avg)
         if bool(short.any()):
             i = int(short.nonzero()[0, 0])
             raise ValueError(
@@ -140,7 +156,9 @@ class BudgetSpec:
     def describe(self) -> str:
         if self.keeps_all:
             return "budget=all"
-        return f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        if self.budget is not None:
+            return f"budget={self.budget}"
+        return f"ratio={self.ratio}" + (" (a prompt too short for it kept whole)" if self.keep_short else "")
 
 
 def check_capacity(max_cache_len: int | None) -> int | None:
@@ -159,3 +177,29 @@ def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
     return value
+
+
+def check_int(what: str, value: object, minimum: int, example: str) -> None:
+    """An int option of at least ``minimum``, refused otherwise naming ``what`` and ``example``
+    (the fix): a bool is not one (``True`` would read as 1), nor a float or a string."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__}): pass e.g. {example}")
+    if value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value}: pass e.g. {example}")
+
+
+def check_real(what: str, value: object, example: str, low: float = 0.0, high: float = math.inf,
+               above: bool = False) -> None:  # fmt: skip
+    """A finite number in ``[low, high]`` (``above``: greater than ``low``), refused otherwise
+    naming ``what`` and ``example`` (the fix): a bool is not one, and NaN is in no range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{what} must be a number, got {value!r} ({type(value).__name__}): pass e.g. {example}"
+        )
+    if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+        bounds = (
+            f"in [{low:g}, {high:g}]"
+            if math.isfinite(high)
+            else f"a finite number {'>' if above else '>='} {low:g}"
+        )
+        raise ValueError(f"{what} must be {bounds}, got {value}: pass e.g. {example}")

@@ -347,9 +347,8 @@ def method_spec(method: Method) -> str:
                 tokens.append(f"{key}.{f.name}={_format_value(value)}")
     tokens.append(f"decode={method.decode}")
     spec = ",".join(tokens)
-    rebuilt = _rebuild_method(
-        spec, method.budget.budget, method.budget.ratio, method.budget.window, method.name
-    )
+    b = method.budget
+    rebuilt = _rebuild_method(spec, b.budget, b.ratio, b.window, method.name, b.keep_short)
     if rebuilt != method:
         raise ValueError(f"cannot save method {method.describe()}: it does not round-trip through {spec!r}")
     return spec
@@ -365,5 +364,8 @@ def _format_value(value: Any) -> str:
     raise ValueError(f"cannot write the method option {value!r} as text")
 
 
-def _rebuild_method(spec: str, budget: int | None, ratio: float | None, window: int, name: str) -> Method:
-    return make_method(spec, budget=budget, ratio=ratio, window=window).replace(name=name)
+def _rebuild_method(
+    spec: str, budget: int | None, ratio: float | None, window: int, name: str, keep_short: bool = False
+) -> Method:
+    m = make_method(spec, budget=budget, ratio=ratio, window=window)
+    return m.replace(name=name, budget=dataclasses.replace(m.budget, keep_short=keep_short))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..budget import check_real
 from ..tensor_parallel import HeadSplit, top_over_ranks
 
 # AdaKV.safeguard: the paper's pins counted on the prefix budget, or kvpress's on the whole budget
@@ -139,8 +140,7 @@ class AdaKV(HeadAllocator):
     host_counts = True
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"Ada-KV safeguard alpha must be in [0, 1], got {self.alpha}")
+        check_real("Ada-KV safeguard alpha", self.alpha, "heads.alpha=0.2", high=1.0)
         if self.safeguard not in SAFEGUARDS:
             raise ValueError(
                 f"Ada-KV safeguard must be one of {', '.join(map(repr, SAFEGUARDS))}, got {self.safeguard!r}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget import check_real
 from .base import AllocationRequest, LayerAllocator, round_exact, round_up, waterfill
 
 # tau1/tau2 from the authors' code, per model family and budget (128L, 1024L).
@@ -104,11 +105,9 @@ class CakeAllocator(LayerAllocator):
             raise ValueError(f"CAKE cascading must be true or false, got {self.cascading!r}")
         if self.tau_from not in TAU_FROM:
             raise ValueError(f"CAKE tau_from must be one of {TAU_FROM}, got {self.tau_from!r}")
-        for t in (self.tau1, self.tau2):
-            if t is not None and not t > 0:
-                raise ValueError(
-                    f"CAKE temperatures must be positive, got tau1={self.tau1}, tau2={self.tau2}"
-                )
+        for name, t in (("tau1", self.tau1), ("tau2", self.tau2)):
+            if t is not None:
+                check_real(f"CAKE {name}", t, f"layers.{name}=1.0", above=True)
 
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         if req.preferences is None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget import check_int
 from .base import AllocationRequest, LayerAllocator, round_exact, waterfill
 
 
@@ -23,8 +24,7 @@ class Pyramid(LayerAllocator):
     name = "pyramid"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beta, int) or self.beta < 1:
-            raise ValueError(f"pyramid beta must be a positive int, got {self.beta!r}")
+        check_int("pyramid beta", self.beta, 1, "layers.beta=20")
 
     def allocate(self, req: AllocationRequest) -> torch.Tensor:
         n = req.num_layers

@@ -96,7 +96,7 @@ def _verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
 def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario: str = "context"):
     """The method the options name. Called once before the model is loaded (bad input fails
     fast) and again with the prompt's length, for the scenario's default keep ratio."""
-    from ..budget import default_budget
+    from ..api import sized_method
     from ..method import FULL, make_method
 
     spec = args.method or args.default_method
@@ -106,10 +106,9 @@ def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario
         if budget is not None or ratio is not None:
             raise ValueError("--method full keeps every entry: drop --budget/--keep-ratio")
     elif budget is None and ratio is None:
-        sizes = {"budget": max(window, DEFAULT_BUDGET)}
-        if prompt_tokens is not None:
-            sizes = default_budget(scenario, prompt_tokens, window)
-        budget, ratio = sizes.get("budget"), sizes.get("ratio")
+        if prompt_tokens is not None:  # the scenario's default keep ratio, or all of a short prompt
+            return sized_method(spec, None, None, window, scenario, prompt_tokens)
+        budget = max(window, DEFAULT_BUDGET)
     return make_method(spec, budget=budget, ratio=ratio, window=window)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget import check_real
 from .base import PrefillInputs, Scorer, pool1d, pool_rows
 from .snapkv import _check_pool, _pool_prefix
 
@@ -20,7 +21,8 @@ class CakeScorer(Scorer):
     The variance term keeps tokens whose importance shifts over time (the mean alone favours
     steadily attended ones). ``gamma = 200`` and avg pooling with kernel 5 (padding 2) are the
     paper's and the authors' code's values; the variance is unbiased. While decoding, the score
-    is the current query's attention, avg-pooled, without a variance term (the authors' code).
+    is the current query's attention, pooled as the prompt's scores are (the paper's avg over 5, or
+    a calibrated indicator's, below), without a variance term (the authors' code).
 
     ``indicator_from="auto"``: where the pooling is the paper's (avg, 5) and the model's CAKE
     calibration chose another indicator with its temperatures (``kvcake calibrate --indicators``,
@@ -37,8 +39,7 @@ class CakeScorer(Scorer):
 
     def __post_init__(self) -> None:
         _check_pool(self.kernel, self.pooling, self.reduce)
-        if not 0 <= self.gamma < float("inf"):  # inf * a variance of 0 is nan
-            raise ValueError(f"CAKE gamma must be a finite number >= 0, got {self.gamma}")
+        check_real("CAKE gamma", self.gamma, "score.gamma=200")  # finite: inf * a variance of 0 is nan
         if self.indicator_from not in ("auto", "paper"):
             raise ValueError(
                 f"CAKE indicator_from must be 'auto' (the calibration's choice) or 'paper', got {self.indicator_from!r}"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..budget import check_int, check_real
 from ..devices import cpu_route
 from .base import PrefillInputs, Scorer, avg_pool_padded, pool1d, protect
 
@@ -72,14 +73,12 @@ class DefensiveScorer(Scorer):
     reduce = "max"
 
     def __post_init__(self) -> None:
-        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1:
-            raise ValueError(f"defensive pooling kernel must be a positive odd int, got {self.kernel!r}")
+        check_int("defensive pooling kernel", self.kernel, 1, "score.kernel=5")
         if self.kernel % 2 == 0:
             raise ValueError(f"defensive pooling kernel must be odd, got {self.kernel}")
         if self.aggregate not in ("max", "mean"):
             raise ValueError(f"defensive aggregate must be 'max' or 'mean', got {self.aggregate!r}")
-        if not 0.0 <= self.critical_mass <= 1.0:
-            raise ValueError(f"defensive critical_mass must be in [0, 1], got {self.critical_mass}")
+        check_real("defensive critical_mass", self.critical_mass, "score.critical_mass=0.9", high=1.0)
 
     @property
     def marks_critical(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget import check_int
 from ..devices import cpu_route
 from ..flex import flex_attention_with_column_sums, uses_flex
 from ..matmul import half_matmuls, matmul_f32
@@ -32,8 +33,7 @@ class H2OScorer(Scorer):
     stateful = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"H2O chunk must be a positive int, got {self.chunk!r}")
+        check_int("H2O chunk", self.chunk, 1, "score.chunk=512")
         if not isinstance(self.fused, bool):
             raise ValueError(f"H2O fused must be true or false, got {self.fused!r}")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget import check_int
 from .base import PrefillInputs, Scorer, pool1d, window_rows_mean
 
 
@@ -42,8 +43,9 @@ def _pool_prefix(x: torch.Tensor, w: int, kernel: int, kind: str) -> torch.Tenso
 
 
 def _check_pool(kernel: int, pooling: str, reduce: str) -> None:
-    if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-        raise ValueError(f"pooling kernel must be a positive odd int, got {kernel!r}")
+    check_int("pooling kernel", kernel, 1, "score.kernel=7")
+    if kernel % 2 == 0:
+        raise ValueError(f"pooling kernel must be a positive odd int, got {kernel}: pass e.g. score.kernel=7")
     if pooling not in ("max", "avg"):
         raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
     if reduce not in ("mean", "max"):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget import check_int
 from .base import PrefillInputs, Scorer
 
 
@@ -20,8 +21,7 @@ class StreamingScorer(Scorer):
     needs_probs = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative int, got {self.n_sink!r}")
+        check_int("StreamingLLM n_sink", self.n_sink, 0, "score.n_sink=4")
 
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
         b, h, s, _ = inp.query.shape

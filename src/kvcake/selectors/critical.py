@@ -10,6 +10,7 @@ from functools import partial
 import torch
 
 from ..allocators.adakv import ranks_desc
+from ..budget import check_real
 from ..devices import read_through
 from ..scorers.defensive import MARK
 from ..tensor_parallel import group_mean
@@ -122,10 +123,8 @@ class Critical(Selector):
     keeps_top_scores = False  # stage 2 may drop a higher score for a larger value norm
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"CriticalKV first-stage ratio alpha must be in [0, 1], got {self.alpha}")
-        if not self.eps >= 0:
-            raise ValueError(f"CriticalKV eps must be >= 0, got {self.eps}")
+        check_real("CriticalKV first-stage ratio alpha", self.alpha, "select.alpha=0.5", high=1.0)
+        check_real("CriticalKV eps", self.eps, "select.eps=0.0001")
         if self.first not in FIRST_STAGES:
             raise ValueError(
                 f"CriticalKV first stage must be one of {', '.join(map(repr, FIRST_STAGES))}, got {self.first!r}"

@@ -128,7 +128,9 @@ def _rebuild(
 ) -> CompressedContext:
     m = meta["method"]
     try:
-        method = _rebuild_method(m["spec"], m["budget"], m["ratio"], m["window"], m["name"])
+        method = _rebuild_method(
+            m["spec"], m["budget"], m["ratio"], m["window"], m["name"], m.get("keep_short", False)
+        )
     except (ValueError, TypeError) as err:  # a field of the wrong type too
         raise ContextFileError(f"its method {m.get('describe')!r} cannot be rebuilt: {err}") from None
     if method.describe() != m["describe"]:

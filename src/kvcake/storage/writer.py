@@ -163,6 +163,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             "budget": method.budget.budget,
             "ratio": method.budget.ratio,
             "window": method.budget.window,
+            "keep_short": method.budget.keep_short,
         },
         "context": {"batch": int(ctx.input_ids.shape[0]), "length": int(ctx.input_ids.shape[1])},
         "cache": {
