@@ -93,8 +93,8 @@ def test_compress_refuses_keywords_nothing_takes(tiny_llama):
         "max_new_tokens": "",
     }
     for name, hint in cases.items():
-        with pytest.raises(TypeError, match=f"kvcake.compress got '{name}', which neither it nor LlamaForCausalLM's "
-                                            f"forward takes.*{hint}"):  # fmt: skip
+        match = f"kvcake.compress got '{name}', which neither it nor LlamaForCausalLM's forward takes.*{hint}"
+        with pytest.raises(TypeError, match=match):
             kvcake.compress(tiny_llama, prompt, "snapkv", budget=16, window=8, **{name: 0.1})
     positions = torch.arange(40)[None]  # the model's own inputs still go through
     ctx = kvcake.compress(

@@ -187,7 +187,8 @@ def generate(
     give at most one, or neither to keep ``DEFAULT_KEEP_RATIO["question"]`` (a prompt of a
     padded batch too short for it kept whole, as alone). ``window`` (None: 32) is the protected
     recent window; a :class:`Method` object carries its sizes and window (give them to
-    ``make_method``). ``method="full"`` keeps everything. ``progress=True`` shows a progress bar over the layers during prefill.
+    ``make_method``). ``method="full"`` keeps everything. ``progress=True`` shows a progress bar
+    over the layers during prefill.
     ``scenario`` picks the set of calibrated CAKE temperatures: ``"question"`` by default (the
     prompt ends with its question), ``"context"`` for a prompt that does not.
     ``static`` (True by default) decodes in storage preallocated for the length ``generate`` stops
@@ -302,8 +303,8 @@ def _check_model_inputs(model: torch.nn.Module, model_inputs: dict, ids_shape: t
         own = [p for p in inspect.signature(compress).parameters if p not in ("model", "model_inputs")]
         close = [m for k in unknown for m in difflib.get_close_matches(k, [*own, *sorted(named)], n=1)]
         raise TypeError(
-            f"kvcake.compress got {', '.join(map(repr, unknown))}, which neither it nor {type(model).__name__}'s "
-            f"forward takes{f' (did you mean {close[0]!r}?)' if close else ''}: its own keywords are "
+            f"kvcake.compress got {', '.join(map(repr, unknown))}, which neither it nor "
+            f"{type(model).__name__}'s forward takes{f' (did you mean {close[0]!r}?)' if close else ''}: its own keywords are "
             f"{', '.join(own)}; generation options go to the context's generate()"
         )
     for name in TOKEN_INPUTS:  # a row per token of the context, which its follow-ups extend

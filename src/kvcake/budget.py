@@ -36,7 +36,9 @@ STARVED_FRACTION = 0.03
 STARVED_MIN_TOKENS = 1024
 
 
-def default_budget(scenario: str, prompt_tokens: int, window: int = 32) -> dict[str, int | float | bool]:
+def default_budget(
+    scenario: str, prompt_tokens: int, window: int = DEFAULT_WINDOW
+) -> dict[str, int | float | bool]:
     """:class:`BudgetSpec` keywords for prompts of at most ``prompt_tokens`` (a batch's padded
     length) when the user gave no size: ``DEFAULT_KEEP_RATIO[scenario]`` with ``keep_short``, so
     that a prompt of the batch too short for it keeps every entry as it would alone; or every
