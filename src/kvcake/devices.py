@@ -58,6 +58,16 @@ def may_mask(mask: torch.Tensor) -> bool:
     return not cpu_route(mask.device) or not bool(mask.all())
 
 
+def owned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a copy of it where it is a view into a larger storage, so that a cache holds
+    what it counts (``kv_bytes``): a fused projection's keys or values (Phi-3's ``qkv_proj``
+    output), the window transformers' sliding layer keeps as a slice of the whole prompt, the
+    first rows of a buffer. Left as is while compiling (the static layouts own their storage)."""
+    if t is None or torch.compiler.is_compiling():
+        return t
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 class HostRead:
     """A small device tensor's copy to the host, started now and waited for at :meth:`wait`.
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import fp8
+from . import devices, fp8
 from .dense import dense_attention
 from .fp8 import folded, readable, scaled, writable
 from .logit_terms import PLAIN
@@ -126,7 +126,7 @@ class KVCakeLayer(CacheLayerMixin):
         )
         self.length += q
         if self.keys is None:
-            self.keys, self.values, self.positions = key_states, value_states, pos
+            self.keys, self.values, self.positions = *map(devices.owned, (key_states, value_states)), pos
             self.counts = np.full((b, hkv), q, dtype=np.int64)
             self.plain = True
             return self.keys, self.values
@@ -293,7 +293,7 @@ class KVCakeLayer(CacheLayerMixin):
             out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
             idx = dest.reshape(b, hkv, n, *([1] * (t.dim() - 3))).expand_as(t)
             out.scatter_(2, idx, t)
-            return out[:, :, :new_n]
+            return devices.owned(out[:, :, :new_n])  # the overflow slot freed
 
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions = take(self.positions, -1)

@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .cross import CrossLayer
 from .dense import folded_attention
+from .devices import owned
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
 from .recurrent import LinearAttentionLayer, RecurrentLayer, state_bytes
@@ -147,7 +148,9 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             if key_states.shape[-2] == 1:
                 return self._ring_append(key_states, value_states)
             self.to_dynamic()  # a multi-token append: transformers' layout, the model's mask
-        return super().update(key_states, value_states, *args, **kwargs)
+        out = super().update(key_states, value_states, *args, **kwargs)
+        self.keys, self.values = owned(self.keys), owned(self.values)  # a slice of the whole: its own copy
+        return out
 
     def get_seq_length(self) -> int | torch.Tensor:
         if self.static is not None and torch.compiler.is_compiling():
@@ -355,7 +358,7 @@ def copy_sliding_state(source, target: SlidingLayer) -> None:
         seen = source.keys.shape[-2]
     keep = target.sliding_window - 1
     target.lazy_initialization(source.keys, source.values)
-    target.keys, target.values = source.keys[:, :, -keep:], source.values[:, :, -keep:]
+    target.keys, target.values = owned(source.keys[:, :, -keep:]), owned(source.values[:, :, -keep:])
     target.cumulative_length = int(seen)
 
 
