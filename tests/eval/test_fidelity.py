@@ -170,3 +170,35 @@ def test_hooks_and_attention_implementation_are_restored(make_tiny_llama):
         raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
     assert captured.query(0).shape == (1, 4, 5, 16) and captured.scaling[0] == 16**-0.5
+
+
+@pytest.mark.parametrize("preset", ["cake", "h2o", "snapkv"])
+def test_stepwise_teacher_forcing_sees_what_generate_sees(tiny_llama, preset):
+    """A question after a compressed context, then the greedy answer: ``stepwise=True`` gives the
+    logits ``ctx.generate`` decided each token on. Fed in one forward, a ``decode=fixed`` cache
+    (cake, h2o) evicts only after the chunk, so its logits differ; ``decode=none`` (snapkv) keeps
+    what is appended, so both feedings agree."""
+    g = torch.Generator().manual_seed(0)
+    context, question = (
+        torch.randint(10, 100, (1, 300), generator=g),
+        torch.randint(10, 100, (1, 12), generator=g),
+    )
+    ctx = kvcake.compress(tiny_llama, context, preset, budget=40, window=WINDOW)
+    n = 10
+    out = ctx.generate(
+        question,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    seen = torch.log_softmax(torch.stack(out.logits)[:, 0].double(), dim=-1)  # (n, vocab)
+    appended = torch.cat([question, out.sequences[:, : n - 1]], dim=1)
+    steps = teacher_force(tiny_llama, ctx.fork(), 300, ctx.logits, appended, n, stepwise=True)
+    torch.testing.assert_close(steps.logprobs, seen, atol=1e-4, rtol=0)
+    assert len(steps.attn) == 4 and steps.attn[0].shape[0] == appended.shape[1]  # every token's, joined
+    assert steps.hidden.shape[0] == appended.shape[1]
+    chunk = teacher_force(tiny_llama, ctx.fork(), 300, ctx.logits, appended, n)
+    gap = float((chunk.logprobs - seen).abs().max())
+    assert gap > 1e-3 if preset != "snapkv" else gap < 1e-4

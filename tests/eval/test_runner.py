@@ -365,3 +365,31 @@ def test_a_page_with_float8_methods_has_their_section(make_tiny_llama, tokenizer
     page = (tmp_path / "results.md").read_text()
     assert '## Kept entries in float8 (`kv_dtype="fp8"`)' in page
     assert "| `snapkv` | context-only | 0.5 |" in page
+
+
+def test_stepwise_feeding_keeps_its_own_cells(tiny_llama, tokenizer, tmp_path):
+    """``feed="steps"`` (the fidelity measures fed as ``generate`` feeds the cache) is part of a
+    cell's key: in the file of a chunk run its cells are new, and a line written before ``feed``
+    existed is read as a chunk line."""
+    out = tmp_path / "res.jsonl"
+    chunk = run_eval(tiny_llama, tokenizer, methods="full,snapkv,h2o", out=out, report=False, **TINY)
+    assert chunk.new == 12 and {r["feed"] for r in chunk.records} == {"chunk"}
+    steps = run_eval(
+        tiny_llama, tokenizer, methods="full,snapkv,h2o", out=out, report=False, feed="steps", **TINY
+    )
+    assert steps.new == 12 and {r["feed"] for r in steps.records} == {"steps"}
+    by = {
+        (r["method"], r["seed"], r["scenario"], r["feed"]): r["kl"] for r in [*chunk.records, *steps.records]
+    }
+    for seed in (0, 1):
+        for sc in ("question", "context"):
+            assert by[("snapkv", seed, sc, "steps")] == pytest.approx(
+                by[("snapkv", seed, sc, "chunk")], rel=1e-4
+            )
+    lines = out.read_text().splitlines()
+    old = [{k: v for k, v in json.loads(line).items() if k != "feed"} for line in lines[:12]]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+    again = run_eval(tiny_llama, tokenizer, methods="full,snapkv,h2o", out=out, report=False, **TINY)
+    assert again.new == 0 and again.skipped == 12
+    with pytest.raises(ValueError, match="feed must be 'chunk' or 'steps', got 'tokens'"):
+        run_eval(tiny_llama, tokenizer, out=out, feed="tokens", **TINY)

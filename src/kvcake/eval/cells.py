@@ -21,9 +21,11 @@ from kvcake.replay import ScoreMemo
 
 
 def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[dict[str, Any]], window: int,
-               shared: bool, fidelity: bool, fidelity_tokens: int) -> Iterable[dict[str, Any]]:  # fmt: skip
+               shared: bool, fidelity: bool, fidelity_tokens: int,
+               stepwise: bool = False) -> Iterable[dict[str, Any]]:  # fmt: skip
     """Yield the records of ``cells`` (all about ``group``), compressing each context once per
-    method and budget in the context-only scenario."""
+    method and budget in the context-only scenario; ``stepwise``: the fidelity measures feed the
+    continuation a token a forward (``kvcake.replay.teacher_force``)."""
     dev = model.device
     ctx_ids = group.context.to(dev)
     c = ctx_ids.shape[1]
@@ -98,7 +100,7 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                     full_tf = qref.tf["context"]
                     n = full_tf.logprobs.shape[0]
                     appended = torch.cat([q_ids, qref.tokens[None, : n - 1]], dim=1)
-                    tf = teacher_force(model, ctx.fork(), c, ctx.logits, appended, n)
+                    tf = teacher_force(model, ctx.fork(), c, ctx.logits, appended, n, stepwise=stepwise)
                     fid = compare(full_tf, tf, qref.tokens[:n])
                     fid_s = time.perf_counter() - t0
                 yield record(cell, tokens, fid, kv_bytes=kv, full_kv_bytes=full_bytes, kv_fraction=kv / full_bytes,
@@ -145,9 +147,8 @@ def run_group(model, tokenizer, group: ContextGroup, ref: GroupRef, cells: list[
                     t0 = time.perf_counter()
                     full_tf = qref.tf["question"]
                     n = full_tf.logprobs.shape[0]
-                    tf = teacher_force(
-                        model, qctx.fork(), full_ids.shape[1], qctx.logits, qref.tokens[None, : n - 1], n
-                    )
+                    tf = teacher_force(model, qctx.fork(), full_ids.shape[1], qctx.logits,
+                                       qref.tokens[None, : n - 1], n, stepwise=stepwise)  # fmt: skip
                     fid = compare(full_tf, tf, qref.tokens[:n])
                     fid_s = time.perf_counter() - t0
                 yield record(cell, tokens, fid, kv_bytes=kv, full_kv_bytes=full_bytes,

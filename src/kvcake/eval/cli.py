@@ -87,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=True,
                    help="KL / NLL / perturbation against the full cache (default: on)")  # fmt: skip
     p.add_argument("--fidelity-tokens", type=int, default=16, help="continuation length for --fidelity")
+    p.add_argument("--fidelity-feed", choices=("chunk", "steps"), default="chunk",
+                   help="how --fidelity feeds a compressed cache the question and continuation: in one forward "
+                        "(chunk, default: a decode=fixed preset evicts after it) or as generate does, a token a "
+                        "step after the question (steps; its cells are kept apart: 'feed' in each line)")  # fmt: skip
     p.add_argument("--window", type=int, default=32, help="observation window of every method")
     p.add_argument("--prefill", choices=("shared", "direct"), default="shared",
                    help="shared: one full forward per sample replayed into every method's cache (default); "
@@ -155,8 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     common = dict(
         budgets=s["budgets"], ratios=s["ratios"], tasks=s["tasks"], lengths=s["lengths"], scenario=s["scenario"],
         seed=args.seed, haystack=args.haystack, needle_style=args.needle_style, max_new_tokens=args.max_new_tokens,
-        fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, window=args.window, out=s["out"],
-        longbench_dir=args.longbench_dir, prefill=args.prefill, progress=not args.no_progress, command=command,
+        fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, feed=args.fidelity_feed, window=args.window,
+        out=s["out"], longbench_dir=args.longbench_dir, prefill=args.prefill, progress=not args.no_progress, command=command,
         compute=not args.report_only,
     )  # fmt: skip
     result = run_eval(

@@ -25,9 +25,12 @@ FULL = "full"
 
 KEY_FIELDS = (
     "model_fp", "method", "budget", "ratio", "window", "task", "task_options", "length", "scenario", "seed",
-    "haystack", "max_new_tokens", "prefill", "tau",
+    "haystack", "max_new_tokens", "prefill", "tau", "feed",
 )  # fmt: skip
 """The fields that identify a cell: a line with the same values is not run again."""
+
+KEY_DEFAULTS = {"feed": "chunk"}
+"""What a line without a key field had: lines written before ``feed`` existed fed in one chunk."""
 
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
@@ -51,7 +54,7 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
 
 def cell_key(record: dict[str, Any]) -> tuple:
     """The identity of a cell (:data:`KEY_FIELDS`), from a record."""
-    return tuple(json.dumps(record.get(k), sort_keys=True) for k in KEY_FIELDS)
+    return tuple(json.dumps(record.get(k, KEY_DEFAULTS.get(k)), sort_keys=True) for k in KEY_FIELDS)
 
 
 def load_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -136,6 +136,7 @@ def run_eval(
     max_new_tokens: int | None = None,
     fidelity: bool = True,
     fidelity_tokens: int = 16,
+    feed: str = "chunk",
     window: int = 32,
     out: str | os.PathLike[str] = "eval-results.jsonl",
     longbench_dir: str | os.PathLike[str] | None = None,
@@ -180,6 +181,12 @@ def run_eval(
     fidelity, fidelity_tokens:
         Compute the measures of :mod:`kvcake.eval.fidelity` on the full cache's first
         ``fidelity_tokens`` greedy tokens.
+    feed:
+        How the fidelity measures feed a compressed cache the appended tokens
+        (``kvcake.replay.teacher_force``): ``"chunk"``, one forward (a ``decode=fixed`` preset
+        evicts after it, so its predictions see entries ``generate`` would have evicted), or
+        ``"steps"``, as ``generate`` feeds them. ``feed`` is part of a cell's key, so the two
+        never stand for each other in one file (a line without it was fed in one chunk).
     window:
         Observation window of every method.
     out:
@@ -206,6 +213,8 @@ def run_eval(
         raise ValueError(f"samples must be a positive int, got {samples!r}")
     if isinstance(fidelity_tokens, bool) or not isinstance(fidelity_tokens, int) or fidelity_tokens < 1:
         raise ValueError(f"fidelity_tokens must be a positive int, got {fidelity_tokens!r}")
+    if feed not in ("chunk", "steps"):
+        raise ValueError(f"feed must be 'chunk' or 'steps', got {feed!r}")
     scenarios = list(SCENARIOS) if scenario == "both" else [scenario]
     method_specs = parse_methods(methods)
     if not method_specs:
@@ -249,6 +258,7 @@ def run_eval(
                         "length": length, "seed": q.seed, "sample": q.sample,
                         "haystack": None if task.startswith(LONGBENCH_PREFIX) else haystack_label,
                         "window": window, "max_new_tokens": q.max_new_tokens, "prefill": prefill,
+                        "feed": feed,
                     }  # fmt: skip
                     for sc in scenarios:
                         for spec in method_specs:
@@ -276,7 +286,7 @@ def run_eval(
                     continue
                 ref = full_reference(model, group, shared, fidelity, fidelity_tokens, scenarios)
                 for record in run_group(model, tokenizer, group, ref, left, window, shared, fidelity,
-                                         fidelity_tokens):  # fmt: skip
+                                         fidelity_tokens, feed == "steps"):  # fmt: skip
                     sink.write(json.dumps(record, sort_keys=True) + "\n")
                     sink.flush()
                     done[cell_key(record)] = record

@@ -53,16 +53,19 @@ def _check_layer_idx(module: torch.nn.Module, idx) -> None:
 
 
 @contextlib.contextmanager
-def attention_outputs(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+def attention_outputs(model: torch.nn.Module, join: bool = False) -> Iterator[dict[int, torch.Tensor]]:
     """Inside the block, each forward stores every layer's attention output (B, q, hidden), after
-    the output projection, in the yielded dict (layer -> tensor). Hooks are removed on exit."""
+    the output projection, in the yielded dict (layer -> tensor); ``join=True`` appends a later
+    forward's to the earlier ones' (dim 1: the tokens of several forwards in order). Hooks are
+    removed on exit."""
     store: dict[int, torch.Tensor] = {}
     handles = []
 
     def hook(idx: int):
         def fn(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
-            store[idx] = out.detach()
+            out = out.detach()
+            store[idx] = torch.cat([store[idx], out], dim=1) if join and idx in store else out
 
         return fn
 

@@ -66,33 +66,77 @@ def teacher_force(
     prefix_logits: torch.Tensor,
     appended: torch.Tensor,
     n_predictions: int,
+    stepwise: bool = False,
 ) -> TeacherForced:
     """Teacher-force ``appended`` (1, a) after a cache holding ``prefix_len`` tokens.
 
     ``cache`` is consumed (pass a fork). ``prefix_logits`` (1, vocab) are the logits of the prefix's
     last token. The last ``n_predictions`` of the ``1 + a`` next-token predictions are kept: the
-    continuation's."""
-    mask = torch.ones(1, prefix_len + appended.shape[1], dtype=torch.long, device=appended.device)
+    continuation's.
 
-    def forward(ids: torch.Tensor):
+    ``stepwise=False`` feeds ``appended`` in one forward. ``True`` feeds it as ``generate`` does:
+    the tokens before the continuation's (a question asked after a compressed context) in one
+    forward, then the continuation's ``n_predictions - 1`` tokens one a forward. The logits are
+    the same up to rounding for a cache that keeps what is appended (``decode=none``); a
+    ``decode=fixed`` cache evicts back to its budget after each forward, so in one forward every
+    prediction sees the entries that decoding would have evicted by then."""
+    a = appended.shape[1]
+    chunks = [appended]
+    if stepwise:
+        head = a - (n_predictions - 1)  # the continuation's tokens are the last n - 1
+        chunks = ([appended[:, :head]] if head > 0 else []) + list(
+            appended[:, max(head, 0) :].split(1, dim=1)
+        )
+
+    def one(ids: torch.Tensor, end: int):
+        mask = torch.ones(1, prefix_len + end, dtype=torch.long, device=appended.device)
         with enable(model):
             return model(ids, attention_mask=mask, **with_cache(model, cache), output_hidden_states=True)
 
-    return forced(model, forward, prefix_logits, appended, n_predictions)
+    def forward(ids: torch.Tensor):
+        if len(chunks) == 1:
+            return one(ids, a)
+        outs, seen = [], 0
+        for chunk in chunks:
+            seen += chunk.shape[1]
+            outs.append(one(chunk, seen))
+        return _joined(outs)
+
+    return forced(model, forward, prefix_logits, appended, n_predictions, several=len(chunks) > 1)
+
+
+@dataclass
+class _Joined:
+    """Several forwards' outputs as one forward's: what :func:`forced` reads."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+
+
+def _joined(outs: list) -> _Joined:
+    return _Joined(
+        torch.cat([o.logits for o in outs], dim=1), (torch.cat([o.hidden_states[-1] for o in outs], dim=1),)
+    )
 
 
 def forced(
-    model: torch.nn.Module, forward, prefix_logits: torch.Tensor, appended: torch.Tensor, n_predictions: int
+    model: torch.nn.Module,
+    forward,
+    prefix_logits: torch.Tensor,
+    appended: torch.Tensor,
+    n_predictions: int,
+    several: bool = False,
 ):
     """What :func:`teacher_force` keeps, for any way of feeding the cache: ``forward(appended)``
     runs ``model`` on the appended tokens after the prefix (positions, mask and attention are the
-    caller's) with ``output_hidden_states=True``. The last ``n_predictions`` of the ``1 + a``
-    next-token predictions (``prefix_logits`` first) are kept."""
+    caller's) with ``output_hidden_states=True``; ``several``: in several forwards, whose attention
+    outputs are joined. The last ``n_predictions`` of the ``1 + a`` next-token predictions
+    (``prefix_logits`` first) are kept."""
     preds = [prefix_logits.float()]
     attn: list[torch.Tensor] = []
     hidden = None
     if appended.shape[1] > 0:
-        with attention_outputs(model) as outputs, torch.no_grad():
+        with attention_outputs(model, join=several) as outputs, torch.no_grad():
             out = forward(appended)
         preds.append(out.logits[0].float())
         attn = [outputs[i][0] for i in sorted(outputs)]
