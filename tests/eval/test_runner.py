@@ -194,6 +194,9 @@ def test_bad_arguments_fail_before_any_work(tiny_llama, tokenizer, tmp_path):
         run_eval(tiny_llama, tokenizer, out=tmp_path / "x.jsonl", **{**TINY, "tasks": ("nosuch",)})
     with pytest.raises(ValueError, match="longbench_dir"):
         run_eval(tiny_llama, tokenizer, out=tmp_path / "x.jsonl", **{**TINY, "tasks": ("longbench:trec",)})
+    for bad in (-3, 0, 2.5):  # -3 wrote empty answers that a rerun then kept; 0 ran each task's own length
+        with pytest.raises(ValueError, match=f"max_new_tokens must be a positive int .*, got {bad}"):
+            run_eval(tiny_llama, tokenizer, out=tmp_path / "x.jsonl", **{**TINY, "max_new_tokens": bad})
     assert not (tmp_path / "x.jsonl").exists() or not (tmp_path / "x.jsonl").read_text()
 
 

@@ -43,8 +43,8 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
                            "--keep-ratio 0.8); --ratio is its older name")  # fmt: skip
     g.add_argument("--window", type=int, default=None, help="observation window, always kept (default: 32)")
     g.add_argument("--scenario", choices=SCENARIOS, default=None,
-                   help="which set of calibrated CAKE temperatures to use (default: question with --prompt, "
-                        "context with --context-file)")  # fmt: skip
+                   help="which set of calibrated CAKE temperatures to use (default: question where the prompt "
+                        "ends with its question, as generate --prompt; context for a document asked after it)")  # fmt: skip
     parser.set_defaults(default_method=default_method)
 
 
@@ -103,8 +103,13 @@ def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario
     window = 32 if args.window is None else args.window
     budget, ratio = args.budget, args.ratio
     if isinstance(spec, str) and spec.strip().lower() == FULL:
-        if budget is not None or ratio is not None:
-            raise ValueError("--method full keeps every entry: drop --budget/--keep-ratio")
+        given = [
+            f
+            for f, v in (("--budget", budget), ("--keep-ratio", ratio), ("--window", args.window))
+            if v is not None
+        ]
+        if given:
+            raise ValueError(f"--method full keeps every entry: drop {'/'.join(given)}")
     elif budget is None and ratio is None:
         if prompt_tokens is not None:  # the scenario's default keep ratio, or all of a short prompt
             return sized_method(spec, None, None, window, scenario, prompt_tokens)

@@ -81,7 +81,7 @@ def _synthetic_groups(
         )
         q = Question(
             sample=i, seed=s.seed, ids=p.question, answers=list(s.answers), score=s.score,
-            max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(task, 32),
+            max_new_tokens=DEFAULT_MAX_NEW_TOKENS.get(task, 32) if max_new_tokens is None else max_new_tokens,
             info={"depth": s.depth, "target_tokens": s.target_tokens},
         )  # fmt: skip
         groups.append(ContextGroup(task, length, p.context, [q]))
@@ -110,7 +110,7 @@ def _longbench_groups(
 
         q = Question(
             sample=i, seed=i, ids=p.question, answers=list(row.answers), score=score,
-            max_new_tokens=max_new_tokens or row.max_new_tokens, info={"id": row.id, "length_words": row.length},
+            max_new_tokens=row.max_new_tokens if max_new_tokens is None else max_new_tokens, info={"id": row.id, "length_words": row.length},
         )  # fmt: skip
         key = hashlib.sha256(p.context.numpy().tobytes()).hexdigest()
         group = by_context.setdefault(key, ContextGroup(task, length, p.context, []))

@@ -59,29 +59,38 @@ def _task_table(records: Sequence[Record], methods: Sequence[str] | None, metric
     return "\n".join(lines)
 
 
+def _prompt(r: Record) -> tuple:
+    """A prompt's identity within a results file: its task, length and sample."""
+    return r["task"], r["length"], r.get("seed"), r.get("sample")
+
+
 def _findings(records: Sequence[Record], methods: Sequence[str] | None) -> list[str]:
     """Facts read off the numbers (no interpretation): where the full cache fails, rankings."""
     out: list[str] = []
     full = [r for r in records if r["method"] == FULL]
     for (task, length), rs in sorted(group_by(full, "task", "length").items()):
-        v, n = mean_of(r["score"] for r in rs)
+        v, _ = mean_of(r["score"] for r in rs)
         if v is not None and v < 0.75:
+            prompts, scenarios = len({_prompt(r) for r in rs}), len({r["scenario"] for r in rs})
             out.append(
-                f"The full cache itself scores {100 * v:.0f} on `{task}` at {length} tokens ({n} prompts x "
-                "scenarios): task scores there cannot separate methods; the fidelity measures still do."
+                f"The full cache itself scores {100 * v:.0f} on `{task}` at {length} tokens ({prompts} prompts, "
+                f"{scenarios} scenario{'s' if scenarios > 1 else ''}): task scores there cannot separate methods; "
+                "the fidelity measures still do."
             )
     for sc in scenarios_in(records):
-        rs = [r for r in records if r["scenario"] == sc and r["method"] != FULL]
+        rs = [r for r in records if r["scenario"] == sc and r["method"] != FULL and r.get("kl") is not None]
         for setting, group in sorted(group_by(rs, setting_of).items()):
-            by_method = {
-                m: mean_of(r.get("kl") for r in g)[0] for (m,), g in group_by(group, "method").items()
+            by_method = group_by(group, "method")
+            common = set.intersection(*({_prompt(r) for r in g} for g in by_method.values()))
+            means = {
+                m: mean_of(r["kl"] for r in g if _prompt(r) in common)[0] for (m,), g in by_method.items()
             }
-            ranked = sorted((v, m) for m, v in by_method.items() if v is not None)
+            ranked = sorted((v, m) for m, v in means.items() if v is not None)
             if len(ranked) >= 2:
                 best, worst = ranked[0], ranked[-1]
                 out.append(
                     f"{SCENARIO_TITLES[sc]}, {setting_label(setting[0])}: lowest KL `{best[1]}` ({best[0]:.3f}), "
-                    f"highest `{worst[1]}` ({worst[0]:.3f})."
+                    f"highest `{worst[1]}` ({worst[0]:.3f}), on the {len(common)} prompts every method has."
                 )
     pairs = group_by([r for r in records if r["method"] != FULL], "method", setting_of)
     gaps = []

@@ -213,6 +213,10 @@ def run_eval(
         raise ValueError(f"samples must be a positive int, got {samples!r}")
     if isinstance(fidelity_tokens, bool) or not isinstance(fidelity_tokens, int) or fidelity_tokens < 1:
         raise ValueError(f"fidelity_tokens must be a positive int, got {fidelity_tokens!r}")
+    if max_new_tokens is not None and (type(max_new_tokens) is not int or max_new_tokens < 1):
+        raise ValueError(
+            f"max_new_tokens must be a positive int (or None: each task's own), got {max_new_tokens!r}"
+        )
     if feed not in ("chunk", "steps"):
         raise ValueError(f"feed must be 'chunk' or 'steps', got {feed!r}")
     scenarios = list(SCENARIOS) if scenario == "both" else [scenario]
