@@ -18,7 +18,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-PROMPT = ("task", "length", "seed", "sample", "haystack", "task_options", "model_fp", "window", "tau")
+PROMPT = ("task", "length", "seed", "sample", "haystack", "task_options", "model_fp", "window")
 
 
 def load(path: Path) -> list[dict]:
@@ -26,7 +26,8 @@ def load(path: Path) -> list[dict]:
 
 
 def key(r: dict) -> tuple:
-    return (r["method"], r["ratio"], r["scenario"], *(json.dumps(r.get(k)) for k in PROMPT))
+    """(method, ratio, scenario, the prompt, CAKE's temperatures' label): a cell of a results file."""
+    return r["method"], r["ratio"], r["scenario"], tuple(json.dumps(r.get(k)) for k in PROMPT), r.get("tau")
 
 
 def main() -> None:
@@ -56,7 +57,7 @@ def main() -> None:
                 both = [k for k in steps if k[:3] == (value, ratio, sc)]
                 pairs = []
                 for k in both:
-                    r = (ref, *k[1:])
+                    r = (ref, *k[1:4], None)  # the reference's cell of the same prompt (no temperatures)
                     if k in chunk and r in chunk and r in steps:
                         pairs.append((chunk[k], chunk[r], steps[k], steps[r]))
                 if not pairs:
