@@ -80,6 +80,10 @@ def test_api_load_model_fails_before_loading(cpu_build, tmp_path):
     with pytest.raises(ValueError, match="'cuda' is not available") as info:
         kvcake.load_model(str(tmp_path / "absent"), device="cuda")
     _one_line(info.value)
+    with pytest.raises(
+        ValueError, match="device 'meta' holds no weights, so a model loaded there cannot run"
+    ):
+        kvcake.load_model(str(tmp_path / "absent"), device="meta")  # (was a traceback at the first .item())
 
 
 def _call(capsys, monkeypatch, module_main, args):

@@ -226,6 +226,10 @@ def load_model(
     if placed and device is not None:
         raise ValueError(f"device={device!r} and {placed[0]}= both place the model: drop device=")
     device = None if placed else check_device("cpu" if device is None else device)
+    if device is not None and device.type == "meta":
+        raise ValueError(
+            "device 'meta' holds no weights, so a model loaded there cannot run: pick cpu or cuda"
+        )
     if not isinstance(attn_implementation, str) or not attn_implementation:
         raise TypeError(f"attn_implementation must be a non-empty str, got {attn_implementation!r}")
     if not isinstance(local_files_only, bool):

@@ -85,9 +85,10 @@ def _kvpress():
         import kvpress
     except ImportError as err:
         raise ValueError(
-            "--kvpress needs the kvpress package, which is not installed here: kvpress 0.5 requires "
-            "transformers < 5.3, so install it in an environment of its own (python -m venv; pip install "
-            "kvpress) and run the bench from there with PYTHONPATH=src"
+            "kvpress's presses (bench --kvpress, eval's kvpress: methods) need the kvpress package, which is "
+            "not installed here: kvpress 0.5 requires transformers < 5.3, so install it in an environment of "
+            "its own (python -m venv; pip install kvpress) and run from there with PYTHONPATH=src "
+            "(README: kvcake beside kvpress)"
         ) from err
     return kvpress
 
