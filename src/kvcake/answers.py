@@ -78,12 +78,12 @@ def answer(
         lengths, left-padded (each row holds its own copy of the compressed document while it
         decodes; one length a batch where the model's cache refuses padding: chunked attention,
         recurrent states, sliding windows under a flash kernel); question-aware, any lengths,
-        left-padded, each row compressed as it would be alone; 1 answers one question at a time, and so does
-        a ``streamer=`` (transformers' streamers take one sequence). None: 8, but 1 question-aware on a CPU, where batching the long
-        prefills saved nothing (SmolLM2, 2 threads, 2130-token prompts: 4 questions 25.96 s
-        batched against 24.21 s one at a time, 8: 52.37 s against 44.62 s;
-        ``scripts/answer_batches.py --scenario question``). A row's answer is the one it gets
-        alone, up to the rounding of batched matrix products.
+        left-padded, each row compressed as it would be alone; 1 answers one question at a time,
+        and so does a ``streamer=`` (transformers' streamers take one sequence). None: 8, but 1
+        question-aware on a CPU, where batching the long prefills saved nothing (SmolLM2, 2
+        threads, 2130-token prompts: 4 questions 25.96 s batched against 24.21 s one at a time,
+        8: 52.37 s against 44.62 s; ``scripts/answer_batches.py --scenario question``). A row's
+        answer is the one it gets alone, up to the rounding of batched matrix products.
     generate_kwargs:
         Passed to ``model.generate`` (greedy unless ``do_sample=True``), but for ``compile=``,
         as ``kvcake.generate`` and ``CompressedContext.generate`` take it.

@@ -43,8 +43,9 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
                            "--keep-ratio 0.8); --ratio is its older name")  # fmt: skip
     g.add_argument("--window", type=int, default=None, help="observation window, always kept (default: 32)")
     g.add_argument("--scenario", choices=SCENARIOS, default=None,
-                   help="which set of calibrated CAKE temperatures to use (default: question where the prompt "
-                        "ends with its question, as generate --prompt; context for a document asked after it)")  # fmt: skip
+                   help="which set of calibrated CAKE temperatures to use (default: question where the "
+                        "prompt ends with its question, as generate --prompt; context for a document asked "
+                        "after it)")  # fmt: skip
     parser.set_defaults(default_method=default_method)
 
 
