@@ -1,6 +1,7 @@
 """The memory benchmark on a hybrid model (tiny Gemma 3: sliding layers of window 12 and two
-global layers): the full cache keeps the sliding layers at their window, and every theory column
-counts them at ``min(S, W - 1)`` entries plus the global layers at their budgets."""
+global layers): the full cache's sliding layers hold the whole prompt until they decode (their
+window a slice of it), kvcake's their window from the start, and every kvcake theory column counts
+them at ``min(S, W - 1)`` entries plus the global layers at their budgets."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from transformers import DynamicCache
 from kvcake import bench
 from kvcake.adapters import with_cache
 from kvcake.bench.common import BenchModels
-from kvcake.bench.memory import sliding_kv_bytes
+from kvcake.bench.memory import sliding_kv_bytes, stock_sliding_bytes
+from kvcake.cache import cache_kv_bytes
 from tiny_hybrid import TINY_GEMMA3_LAYER_TYPES, TINY_GEMMA3_WINDOW
 
 BUDGET, WINDOW = 16, 4
@@ -43,18 +45,35 @@ def test_memory_bench_on_a_hybrid(models, tiny_gemma3):
         reference = DynamicCache(config=tiny_gemma3.config)  # what transformers itself holds
         with torch.no_grad():
             tiny_gemma3(ids, **with_cache(tiny_gemma3, reference))
-        held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in reference.layers)
+        counted = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in reference.layers)
+        window = bench.full_kv_bytes(s, shape) + sliding_kv_bytes(tiny_gemma3, s, shape)
+        whole = bench.full_kv_bytes(s, shape) + stock_sliding_bytes(tiny_gemma3, s, shape)
+        assert counted == window < whole == cache_kv_bytes(reference)  # its windows: slices of the prompt
         full = rows[("full", s)]
-        expected = bench.full_kv_bytes(s, shape) + sliding_kv_bytes(tiny_gemma3, s, shape)
-        assert full["peak"] == full["end"] == full["peak_theory"] == expected == held
+        assert full["peak"] == full["end"] == full["peak_theory"] == whole
+        assert full["decode_theory"] == window
         for m in ("snapkv", "pyramidkv", "cake", "cake-oneshot", "adakv"):
             r = rows[(m, s)]
             assert r["end"] == r["end_theory"] == r["counts_bytes"], m
-            assert r["full_cache_bytes"] == held, m
+            assert r["full_cache_bytes"] == window, m  # kv_bytes_parts().full: the full cache decoding
             assert r["sliding_bytes"] + r["global_bytes"] == r["end"], m
             # later sliding layers are not filled yet when a global layer peaks: at most the theory
-            assert 0 < r["peak"] <= r["peak_theory"], m
-        assert rows[("cake-oneshot", s)]["peak"] == full["peak"]
+            assert 0 < r["peak"] <= r["peak_theory"] < full["peak"], m
         assert rows[("cake", s)]["peak"] <= rows[("cake", s)]["cascade_bound"] + shape.entry_bytes * (
             shape.layers - 1
         )
+    # every sliding layer comes before the last global one: cake-oneshot peaks at S*L + the windows
+    oneshot = [t for t in result["targets"] if t["target"].startswith("CAKE without")]
+    assert [t["value"] for t in oneshot] == [1.0, 1.0] and all(t["ok"] for t in oneshot)
+
+
+def test_memory_page_says_what_the_full_cache_holds_on_a_hybrid(models, tmp_path):
+    from kvcake.bench import report
+
+    result = bench.bench_memory(models, lengths=(96,), budget=BUDGET, window=WINDOW, rss_lengths=())
+    page = report._memory(result, tmp_path, tmp_path / "page.md")
+    full = next(r for r in result["kv"] if r["method"] == "full")
+    held, decoding = f"{full['end'] / 2**20:.3g} MiB", f"{full['decode_theory'] / 2**20:.3g} MiB"
+    assert held != decoding
+    assert f"hold the prompt's bytes ({held} in all at 96 tokens), and {decoding} once it decodes" in page
+    assert "CAKE without cascading: peak close to every layer whole: met" in page

@@ -92,7 +92,10 @@ def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
     full = DynamicCache(config=tiny_gemma3.config)
     with torch.no_grad():
         tiny_gemma3(prompt(s, seed=2), **with_cache(tiny_gemma3, full))
-    assert parts.full == kvcake.cache.cache_kv_bytes(full)
+    counted = sum(t.numel() * t.element_size() for layer in full.layers for t in (layer.keys, layer.values))
+    assert parts.full == counted  # the full cache as it decodes: its windows, every global token
+    # until its first decode step its windows are slices of the whole prompt: it holds the prompt's bytes
+    assert kvcake.cache.cache_kv_bytes(full) == s * (len(SLIDING) + len(GLOBAL)) * ENTRY
     # ratio is the kept fraction of the global layers' prompt entries (the dynamic layout: static
     # storage would add the GROWTH slots snapkv's decode=none reserves without a max_cache_len)
     cache, _ = prefill(

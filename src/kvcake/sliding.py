@@ -293,8 +293,8 @@ class KVBytes:
     """Bytes (and entries) of keys and values of a cache, in parts.
 
     sliding: held by the sliding-window layers (at most their window); compressed: held by the
-    full-attention layers kvcake compresses; full: what transformers' ``DynamicCache`` would
-    hold for the same tokens (sliding layers at their window, global layers every token, the
+    full-attention layers kvcake compresses; full: what transformers' ``DynamicCache`` holds
+    for the same tokens once it decodes (sliding layers at their window, global layers every token, the
     image's states of cross-attention layers as they are); cross: held by the cross-attention
     layers (Mllama: the image's states, never compressed); recurrent: the fixed-size states of a
     hybrid's linear-attention layers (``recurrent.py``; a full cache holds the same, and ``full``
@@ -382,13 +382,17 @@ def restore_sliding(layer: SlidingLayer, keys, values, entry: dict, device) -> s
 def cache_kv_bytes(cache: Cache) -> int:
     """Bytes of keys and values any transformers ``Cache`` holds now: each layer's ``kv_bytes()``
     where it counts its own (kvcake's layers: static storage and the ring's slots included, as
-    ``KVCakeCache.kv_bytes``), else its ``keys``/``values`` (e.g. a ``DynamicCache``'s)."""
-    total = 0
+    ``KVCakeCache.kv_bytes``), else the storage behind its ``keys``/``values``, each storage once
+    (a ``DynamicCache``'s: its sliding layer keeps the last ``window - 1`` entries as a slice of
+    the whole prompt until its next update, so right after the prompt it holds the prompt's bytes)."""
+    total, held = 0, {}
     for layer in cache.layers:
         if callable(getattr(layer, "kv_bytes", None)):
             total += layer.kv_bytes()
             continue
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+            if isinstance(t, torch.Tensor):  # (a meta tensor's storage has no address: its elements)
+                storage = t.untyped_storage()
+                at = (t.device, storage.data_ptr() or id(t))
+                held[at] = storage.nbytes() if storage.data_ptr() else t.numel() * t.element_size()
+    return total + sum(held.values())
