@@ -40,8 +40,11 @@ class StandinPress:
                 cache.get_seq_length() == ids.shape[1] and not self.keep_all
             ):  # the prompt, into an empty cache
                 keep = int(ids.shape[1] * (1 - self.ratio))
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+                for layer in cache.layers:  # copies, as kvpress's gather(...).contiguous() makes
+                    layer.keys, layer.values = (
+                        layer.keys[:, :, -keep:].clone(),
+                        layer.values[:, :, -keep:].clone(),
+                    )
             return output
 
         handle = model.register_forward_hook(crop, with_kwargs=True)

@@ -75,5 +75,5 @@ def test_memory_page_says_what_the_full_cache_holds_on_a_hybrid(models, tmp_path
     full = next(r for r in result["kv"] if r["method"] == "full")
     held, decoding = f"{full['end'] / 2**20:.3g} MiB", f"{full['decode_theory'] / 2**20:.3g} MiB"
     assert held != decoding
-    assert f"hold the prompt's bytes ({held} in all at 96 tokens), and {decoding} once it decodes" in page
+    assert f"holds every layer's whole prompt ({held} at 96 tokens), and {decoding} once it decodes" in page
     assert "CAKE without cascading: peak close to every layer whole: met" in page

@@ -226,6 +226,10 @@ def test_saved_context_answers_like_a_fresh_one(tiny_dir, tmp_path, capsys, monk
         and "--load uses the method saved with the context, and its storage: drop --method/--budget/--keep-ratio/"
         in err
     )
+    # chat --load refuses an answer past the model's positions at the load, not at the first
+    # question (piped input without one exited 0 before)
+    code, _, err = call(capsys, monkeypatch, ["chat", "--load", kvc, "--max-new-tokens", "5000"], stdin="")
+    assert code == 2 and "positions, but the model has 4096" in err, err
 
 
 def test_a_document_on_standard_input(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -309,6 +313,51 @@ def test_inspect_refuses_a_file_as_its_folder_before_loading(tiny_dir, tmp_path,
     assert taken.read_bytes() == b"x"
 
 
+# Refused before the model loads, naming the flag (the library's messages name its keywords)
+FLAG_ERRORS = [
+    (["generate", "--prompt", "w1", "--window", "0"], "--window must be at least 1 token, got 0"),
+    (["generate", "--prompt", "w1", "--kv-recent", "4"], "add --kv-dtype fp8, or drop --kv-recent"),
+    (["chat", "--context-file", "DOC", "--kv-dtype", "fp8", "--kv-recent", "-1"],
+     "--kv-recent must be a count"),
+    (["generate", "--prompt", "w1", "--method", "snapkv", "--scenario", "context"],
+     "--method 'snapkv' has no CAKE layer allocation (layers=cake): drop --scenario"),
+    (["save", "--context-file", "DOC", "--out", "x.kvc", "--method", "layers=pyramid,score=cake",
+      "--scenario", "question"], "--method 'layers=pyramid,score=cake' has no CAKE layer allocation"),
+    (["chat", "--context-file", "DOC", "--method", "full", "--scenario", "question"], "drop --scenario"),
+    (["inspect", "--prompt", "w1", "--out", "o", "--ada-method", "snapkv"],
+     "--ada-method 'snapkv' gives every KV head of a layer the same budget"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, message", FLAG_ERRORS)
+def test_flag_errors_name_the_flag_before_loading(tiny_dir, tmp_path, capsys, monkeypatch, args, message):
+    from kvcake.cli import common, generate, inspect
+
+    for module in (common, generate, inspect):
+        monkeypatch.setattr(module, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.chdir(tmp_path)
+    args = [str(tiny_dir / "doc.txt") if a == "DOC" else a for a in args]
+    code, out, err = call(capsys, monkeypatch, [*args, *model_args(tiny_dir)])
+    assert code == 2 and err.startswith("kvcake: error: ") and message in err, err
+
+
+def test_scenario_goes_with_any_method_in_inspect_and_with_composed_cake(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """``inspect``'s layer-preference figure runs CAKE whatever the method: --scenario picks its
+    temperatures there; a composed method with CAKE's layers takes it anywhere."""
+    figs = ["--out", str(tmp_path / "figs"), "--method", "snapkv", "--scenario", "context", *SMALL[:4]]
+    code, _, err = call(
+        capsys, monkeypatch, ["inspect", *model_args(tiny_dir), "--prompt", "w1 w2 w3", *figs]
+    )
+    assert code == 0, err
+    cake = ["--method", "layers=cake,score=snapkv", "--scenario", "context", *SMALL]
+    code, _, err = call(
+        capsys, monkeypatch, ["generate", *model_args(tiny_dir), "--prompt", "w1 w2 w3", *cake]
+    )
+    assert code == 0 and "context-only: scenario='context' given" in err, err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -317,9 +366,9 @@ def test_inspect_refuses_a_file_as_its_folder_before_loading(tiny_dir, tmp_path,
         (["generate", "--load", "missing.kvc", "--question", "q"], "no such context file"),
         (["generate", "--prompt", "w1", "--method", "layers=cake,heads=nope"], "unknown heads 'nope'"),
         (["save", "--context-file", "DOC", "--out", "x.kvc", "--method", "cake,layers.bogus=1"], "bad option"),
-        (["generate", "--prompt", "w1", "--budget", "0"], "budget must be positive"),
-        (["generate", "--prompt", "w1", "--budget", "-5"], "budget must be positive"),
-        (["generate", "--prompt", "w1", "--ratio", "1.5"], "ratio must be in"),
+        (["generate", "--prompt", "w1", "--budget", "0"], "--budget must be at least 1 entry per layer"),
+        (["generate", "--prompt", "w1", "--budget", "-5"], "--budget must be at least 1 entry per layer"),
+        (["generate", "--prompt", "w1", "--ratio", "1.5"], "--keep-ratio must be in (0, 1], got 1.5"),
         (["generate", "--prompt", "w1", "--budget", "16"], "window (32) is larger than the budget"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "0"], "max-new-tokens"),
         (["generate", "--context-file", "DOC"], "need --question"),
@@ -330,7 +379,7 @@ def test_inspect_refuses_a_file_as_its_folder_before_loading(tiny_dir, tmp_path,
         (["generate", "--prompt", "w1", "--method", "cake,,select=critical"], "empty part in method"),
         (["generate", "--prompt", "w1", "--method", "full", "--budget", "64"], "--method full keeps every entry"),
         (["generate", "--prompt", "w1", "--method", "full", "--window", "10"], "keeps every entry: drop --window"),
-        (["generate", "--prompt", "w1", "--keep-ratio", "0"], "ratio must be in"),
+        (["generate", "--prompt", "w1", "--keep-ratio", "0"], "--keep-ratio must be in (0, 1], got 0.0"),
         (["generate", "--prompt", "w1", "--temperature", "0.7"], "--temperature only applies with --sample"),
         (["generate", "--prompt", "w1", "--top-p", "0.9", "--seed", "1"], "--top-p, --seed only apply with --sample"),
         (["generate", "--prompt", "w1", "--sample", "--temperature", "0"], "--temperature must be positive"),

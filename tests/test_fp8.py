@@ -371,7 +371,7 @@ def test_the_command_line_stores_in_float8(tiny_dir, tmp_path, capsys, monkeypat
         code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, "--question", "w3", *extra])
         assert code == 2 and "--kv-dtype/--kv-recent" in err
     code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1 w2", "--kv-recent", "8"])
-    assert code == 2 and "pass kv_dtype='fp8' with it" in err
+    assert code == 2 and "add --kv-dtype fp8, or drop --kv-recent" in err
     code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1", "--kv-dtype", "int8"])
     assert code == 2 and "invalid choice: 'int8'" in err
 

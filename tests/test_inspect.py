@@ -49,6 +49,13 @@ def test_figures_for_methods_without_preferences(tiny_llama, tmp_path):
     check_pngs(paths, tmp_path)
 
 
+def test_the_per_head_figure_needs_a_head_adaptive_method(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"ada_method 'snapkv' gives every KV head.*heads=adakv: adakv, "):
+        inspect_prompt(tiny_llama, None, ids(60)[0], "cake", budget=24, window=8, out_dir=tmp_path / "figs",
+                       ada_method="snapkv")  # fmt: skip
+    assert not (tmp_path / "figs").exists()  # refused before any run
+
+
 @pytest.mark.parametrize("name", ["cake", "cake-adakv"])
 def test_kept_mask_matches_cache(tiny_llama, name):
     cache = kvcake.compress(tiny_llama, ids(120, seed=2), name, budget=20, window=8).cache

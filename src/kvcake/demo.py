@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import with_cache
+from kvcake.allocators.cake import CakeAllocator
 from kvcake.cache import cache_kv_bytes
 from kvcake.defaults import SCENARIOS
 from kvcake.eval.tasks import make_samples
@@ -72,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:  # before the model loads
+        method = kvcake.make_method(args.method, budget=args.budget)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    if args.scenario is not None and not isinstance(method.layers, CakeAllocator):
+        parser.error(f"--scenario picks CAKE's calibrated temperatures, and --method {args.method!r} has "
+                     "no CAKE layer allocation (layers=cake): drop --scenario")  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -90,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     ids = build_prompt(tok, sample.context_prompt(), sample.question_prompt(answer_prefix=False),
                        sample.answer_prefix).full  # fmt: skip
     needle = sample.metadata.get("needles", ["?"])[0]
-    method = kvcake.make_method(args.method, budget=args.budget)
     print(
         f"\nPrompt: {ids.shape[1]} tokens of {source}, with this sentence hidden at {args.depth:.0f}% depth:"
     )

@@ -35,7 +35,7 @@ from matplotlib.ticker import MaxNLocator
 from .api import compress
 from .cache import KVCakeCache
 from .context import CompressedContext
-from .method import Method, make_method
+from .method import PRESETS, Method, make_method
 from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
@@ -165,6 +165,18 @@ def _plot_positions(runs: list[tuple[KVCakeCache, np.ndarray]], length: int, pat
     return _save(fig, path)
 
 
+def check_head_adaptive(method: Method, what: str = "ada_method") -> None:
+    """Refuse, as the per-head figure's method (``what``: the keyword or flag that gave it), one
+    whose KV heads of a layer all keep the layer's budget (figure 3 would show one count per
+    layer), naming the presets that allocate per head."""
+    if not method.heads.ragged:
+        ragged = ", ".join(name for name, parts in PRESETS.items() if parts[1] == "adakv")
+        raise ValueError(
+            f"{what} {method.name!r} gives every KV head of a layer the same budget, so the per-head "
+            f"figure would show one count per layer: pick a head-adaptive method (heads=adakv: {ragged})"
+        )
+
+
 def inspect_prompt(
     model: torch.nn.Module,
     tokenizer,
@@ -194,7 +206,8 @@ def inspect_prompt(
     out_dir:
         Folder for the PNG files (created if needed).
     ada_method:
-        The head-adaptive method for figure 3 (and the second panel of figure 4).
+        The head-adaptive method for figure 3 (and the second panel of figure 4); one whose
+        heads all keep their layer's budget (no ``heads=adakv``) is refused.
     scenario:
         Which set of calibrated CAKE temperatures the runs use: ``"question"`` (default: a
         prompt that ends with its question) or ``"context"`` (a document alone).
@@ -213,6 +226,7 @@ def inspect_prompt(
     )
     spec = {"budget": m.budget.budget, "ratio": m.budget.ratio, "window": m.budget.window}
     ada = ada_method if isinstance(ada_method, Method) else make_method(ada_method, **spec)
+    check_head_adaptive(ada)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     length = ids.shape[1]

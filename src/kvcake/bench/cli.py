@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import shlex
 import sys
@@ -166,9 +167,9 @@ def _setting(args, name: str):
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse a bad ``--methods``, ``--policies`` or ``--steps``/``--rounds`` before any model is loaded
-    (a typo cost the model's load, then an error from inside the bench): each spec is parsed as the
-    bench will build it."""
+    """Refuse bad ``--methods``, ``--budget(s)``, ``--policies`` or ``--steps``/``--rounds`` before any
+    model is loaded (a typo cost the model's load, then an error from inside the bench): each spec
+    is parsed as the bench will build it, at each budget."""
     from ..fp8 import storage_spec
     from ..method import FULL, make_method
     from .decode import POLICIES
@@ -178,8 +179,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if specs and not compressed:
         raise ValueError(f"--methods {','.join(args.methods)}: the full cache is always measured; name the "
                          "compressed methods to compare with it, e.g. --methods snapkv,cake")  # fmt: skip
-    for spec in compressed:
-        make_method(spec, budget=128, window=args.window)
+    budgets = {_setting(args, "budget"), *_setting(args, "budgets")}
+    if min(budgets) < 1:
+        raise ValueError(f"--budget and --budgets count entries per layer and KV head: got {min(budgets)}")
+    for spec, budget in itertools.product(compressed, sorted(budgets)):  # (and a window past a budget)
+        make_method(spec, budget=budget, window=args.window)
     if bad := [p for p in args.policies if p not in POLICIES]:
         raise ValueError(
             f"--policies: unknown decoding policies {bad}; use fixed, none or preset (the method's own)"
@@ -216,11 +220,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    dtype = (
-        DTYPES[args.dtype]
-        if args.dtype != "auto"
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else auto
     out = Path(args.out)
     if args.which == "gpu":
         return _run_gpu(args, device, dtype, out)

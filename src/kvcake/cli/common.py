@@ -220,6 +220,7 @@ def _context_from_args(args: argparse.Namespace):
         model, tokenizer = _load(args, extra.get("model"), info.get("kv_dtype"))
         start = time.perf_counter()
         ctx = load_context(model, args.load, static=static)
+        _check_room(args, model, ctx.input_ids.shape[1])  # before the first question, not at it
         chat = extra.get("chat")
         if chat is None:
             chat = _use_chat(tokenizer, args.chat_template)
@@ -234,15 +235,21 @@ def _context_from_args(args: argparse.Namespace):
     chat = _use_chat(tokenizer, args.chat_template)
     ids = _context_ids(tokenizer, document, chat).to(args.device)
     method = _method(args, ids.shape[1], "context")
-    if getattr(args, "max_new_tokens", None):  # before compressing: the questions add to this
-        from ..context import check_positions
-
-        check_positions(model, ids.shape[1], {"max_new_tokens": args.max_new_tokens})
+    _check_room(args, model, ids.shape[1])  # before compressing
     scenario = _scenario(args, "context", "--context-file: a document compressed before its questions")
     ctx, seconds = _compress(model, ids, method, scenario, static, getattr(args, "kv_dtype", None),
                              getattr(args, "kv_recent", None))  # fmt: skip
     line = f"prefill {ids.shape[1]} tokens in {seconds:.2f} s ({_rate(ids.shape[1], seconds)})"
     return model, tokenizer, ctx, chat, line
+
+
+def _check_room(args: argparse.Namespace, model, context_tokens: int) -> None:
+    """Refuse ``--max-new-tokens`` past the model's positions after a context of ``context_tokens``
+    (the questions add to it; ``kvcake.context.check_positions``)."""
+    if getattr(args, "max_new_tokens", None):
+        from ..context import check_positions
+
+        check_positions(model, context_tokens, {"max_new_tokens": args.max_new_tokens})
 
 
 def _scenario(args: argparse.Namespace, default: str, why: str):

@@ -16,17 +16,17 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
     src.add_argument("--context-file", help="a document to compress (laid out as a context)")
     p.add_argument("--out", required=True, help="folder for the PNG files")
     p.add_argument("--ada-method", default="cake-adakv", help="head-adaptive method for the per-head figure")
-    _method_args(p)
+    _method_args(p, scenario_for_cake=False)
     _layout_args(p)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from ..inspect import inspect_prompt
+    from ..inspect import check_head_adaptive, inspect_prompt
     from ..method import make_method
 
     method = _method(args)  # bad input fails before the model loads
-    make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
-                window=method.budget.window)  # fmt: skip
+    check_head_adaptive(make_method(args.ada_method, budget=method.budget.budget, ratio=method.budget.ratio,
+                                    window=method.budget.window), "--ada-method")  # fmt: skip
     document = _read_text(args.context_file) if args.context_file else None
     if Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
         raise NotADirectoryError(f"--out {args.out} is a file: give a folder for the PNG files")

@@ -28,7 +28,12 @@ def _common(parser: argparse.ArgumentParser, load: bool = False) -> None:
     g.add_argument("--offline", action="store_true", help="never contact the Hugging Face Hub for a Hub id")
 
 
-def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") -> None:
+def _method_args(
+    parser: argparse.ArgumentParser, default_method: str = "cake", scenario_for_cake: bool = True
+) -> None:
+    """The compression options; ``scenario_for_cake``: ``--scenario`` changes only CAKE's
+    temperatures, so it is refused with a method without CAKE's layer allocation (``inspect``
+    passes False: its figure of layer preferences runs CAKE whatever the method)."""
     g = parser.add_argument_group("compression")
     g.add_argument("--method", default=None,
                    help=f"preset ('kvcake methods') or composed spec such as "
@@ -46,7 +51,7 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str = "cake") 
                    help="which set of calibrated CAKE temperatures to use (default: question where the "
                         "prompt ends with its question, as generate --prompt; context for a document asked "
                         "after it)")  # fmt: skip
-    parser.set_defaults(default_method=default_method)
+    parser.set_defaults(default_method=default_method, scenario_for_cake=scenario_for_cake)
 
 
 def _storage_args(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +102,42 @@ def _verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
 def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario: str = "context"):
     """The method the options name. Called once before the model is loaded (bad input fails
     fast) and again with the prompt's length, for the scenario's default keep ratio."""
+    if prompt_tokens is None:
+        _check_flags(args)
+    method = _sized(args, prompt_tokens, scenario)
+    if prompt_tokens is None and args.scenario is not None and getattr(args, "scenario_for_cake", False):
+        from ..allocators.cake import CakeAllocator
+
+        if not isinstance(method.layers, CakeAllocator):
+            raise ValueError(
+                f"--scenario picks CAKE's calibrated temperatures, and --method "
+                f"{args.method or args.default_method!r} has no CAKE layer allocation (layers=cake): drop "
+                "--scenario"
+            )
+    return method
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The size and storage options' values, refused naming the flag (the library's own messages
+    name its keywords)."""
+    if args.budget is not None and args.budget < 1:
+        raise ValueError(f"--budget must be at least 1 entry per layer and KV head, got {args.budget} "
+                         f"(e.g. --budget {DEFAULT_BUDGET})")  # fmt: skip
+    if args.ratio is not None and not 0 < args.ratio <= 1:
+        raise ValueError(f"--keep-ratio must be in (0, 1], got {args.ratio} (the fraction of the prompt "
+                         "kept: kvpress's compression_ratio=0.75 is --keep-ratio 0.25)")  # fmt: skip
+    if args.window is not None and args.window < 1:
+        raise ValueError(f"--window must be at least 1 token, got {args.window} (default: 32)")
+    recent = getattr(args, "kv_recent", None)
+    if recent is not None and recent < 0:
+        raise ValueError(f"--kv-recent must be a count of tokens >= 0 (0: none; default 32), got {recent}")
+    if recent is not None and getattr(args, "kv_dtype", None) is None:
+        raise ValueError("--kv-recent is how many recent tokens --kv-dtype fp8 also holds in the model's "
+                         "dtype: add --kv-dtype fp8, or drop --kv-recent (without float8 every entry is "
+                         "exact)")  # fmt: skip
+
+
+def _sized(args: argparse.Namespace, prompt_tokens: int | None, scenario: str):
     from ..api import sized_method
     from ..method import FULL, make_method
 
