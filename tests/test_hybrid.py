@@ -9,6 +9,7 @@ import kvcake
 from kvcake import KVCakeCache, make_method
 from kvcake.adapters import describe_model, with_cache
 from kvcake.layer_types import chunked_layers, layer_windows
+from kvcake.replay.compress import cache_bytes
 from kvcake.sliding import SlidingLayer
 from shared_checks import KWARGS_HANDOFF, assert_batch_matches_each_alone, prefill, prompt, single_step_logits
 from tiny_hybrid import TINY_GEMMA3_WINDOW, _tiny_gemma3
@@ -93,7 +94,8 @@ def test_budgets_sum_exactly_over_global_layers_and_kv_bytes_parts(tiny_gemma3):
     with torch.no_grad():
         tiny_gemma3(prompt(s, seed=2), **with_cache(tiny_gemma3, full))
     counted = sum(t.numel() * t.element_size() for layer in full.layers for t in (layer.keys, layer.values))
-    assert parts.full == counted  # the full cache as it decodes: its windows, every global token
+    # the full cache as it decodes: its windows, every global token (the eval's records' reference)
+    assert parts.full == counted == kvcake.cache.cache_kv_bytes(full, storage=False) == cache_bytes(full)
     # until its first decode step its windows are slices of the whole prompt: it holds the prompt's bytes
     assert kvcake.cache.cache_kv_bytes(full) == s * (len(SLIDING) + len(GLOBAL)) * ENTRY
     # ratio is the kept fraction of the global layers' prompt entries (the dynamic layout: static

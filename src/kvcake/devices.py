@@ -68,6 +68,29 @@ def owned(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
+def cache_kv_bytes(cache, storage: bool = True) -> int:
+    """Bytes of keys and values any transformers ``Cache`` holds now: each layer's ``kv_bytes()``
+    where it counts its own (kvcake's layers: static storage and the ring's slots included, as
+    ``KVCakeCache.kv_bytes``), else the storage behind its ``keys``/``values``, each storage once
+    (a ``DynamicCache``'s: its sliding layer keeps the last ``window - 1`` entries as a slice of
+    the whole prompt until its next update, so right after the prompt it holds the prompt's bytes);
+    ``storage=False``: their elements' bytes (such a slice at its size, as held once decoding)."""
+    total, held = 0, {}
+    for layer in cache.layers:
+        if callable(getattr(layer, "kv_bytes", None)):
+            total += layer.kv_bytes()
+            continue
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            at = t.untyped_storage().data_ptr()  # (0: a meta tensor's storage, counted by its elements)
+            if storage and at:
+                held[(t.device, at)] = t.untyped_storage().nbytes()
+            else:
+                total += t.numel() * t.element_size()
+    return total + sum(held.values())
+
+
 class HostRead:
     """A small device tensor's copy to the host, started now and waited for at :meth:`wait`.
 

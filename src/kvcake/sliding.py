@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .cross import CrossLayer
 from .dense import folded_attention
-from .devices import owned
+from .devices import cache_kv_bytes, owned  # noqa: F401 (cache_kv_bytes: kvcake.cache's)
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
 from .recurrent import LinearAttentionLayer, RecurrentLayer, state_bytes
@@ -377,22 +377,3 @@ def restore_sliding(layer: SlidingLayer, keys, values, entry: dict, device) -> s
     layer.keys, layer.values = keys.to(device), values.to(device)
     layer.cumulative_length = int(entry["length"])
     return None
-
-
-def cache_kv_bytes(cache: Cache) -> int:
-    """Bytes of keys and values any transformers ``Cache`` holds now: each layer's ``kv_bytes()``
-    where it counts its own (kvcake's layers: static storage and the ring's slots included, as
-    ``KVCakeCache.kv_bytes``), else the storage behind its ``keys``/``values``, each storage once
-    (a ``DynamicCache``'s: its sliding layer keeps the last ``window - 1`` entries as a slice of
-    the whole prompt until its next update, so right after the prompt it holds the prompt's bytes)."""
-    total, held = 0, {}
-    for layer in cache.layers:
-        if callable(getattr(layer, "kv_bytes", None)):
-            total += layer.kv_bytes()
-            continue
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):  # (a meta tensor's storage has no address: its elements)
-                storage = t.untyped_storage()
-                at = (t.device, storage.data_ptr() or id(t))
-                held[at] = storage.nbytes() if storage.data_ptr() else t.numel() * t.element_size()
-    return total + sum(held.values())

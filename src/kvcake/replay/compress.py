@@ -142,5 +142,7 @@ def replay_compress(
 
 
 def cache_bytes(cache) -> int:
-    """Bytes of keys and values a cache holds (``kv_bytes()`` for a KVCakeCache)."""
-    return cache_kv_bytes(cache)
+    """Bytes of keys and values a cache holds (``kv_bytes()`` for a KVCakeCache); a full
+    ``DynamicCache``'s entries at their size (``storage=False``: a hybrid's sliding windows as held
+    once decoding, not the whole prompt their slices keep until then), what records compare with."""
+    return cache_kv_bytes(cache, storage=False)
