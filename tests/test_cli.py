@@ -369,7 +369,7 @@ def test_scenario_goes_with_any_method_in_inspect_and_with_composed_cake(
         (["generate", "--prompt", "w1", "--budget", "0"], "--budget must be at least 1 entry per layer"),
         (["generate", "--prompt", "w1", "--budget", "-5"], "--budget must be at least 1 entry per layer"),
         (["generate", "--prompt", "w1", "--ratio", "1.5"], "--keep-ratio must be in (0, 1], got 1.5"),
-        (["generate", "--prompt", "w1", "--budget", "16"], "window (32) is larger than the budget"),
+        (["generate", "--prompt", "w1", "--budget", "16"], "--window 32 is larger than --budget 16"),
         (["generate", "--prompt", "w1", "--max-new-tokens", "0"], "max-new-tokens"),
         (["generate", "--context-file", "DOC"], "need --question"),
         (["inspect", "--prompt", "w1", "--out", "o", "--ada-method", "adakv2"], "unknown method 'adakv2'"),

@@ -180,8 +180,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--methods {','.join(args.methods)}: the full cache is always measured; name the "
                          "compressed methods to compare with it, e.g. --methods snapkv,cake")  # fmt: skip
     budgets = {_setting(args, "budget"), *_setting(args, "budgets")}
-    if min(budgets) < 1:
-        raise ValueError(f"--budget and --budgets count entries per layer and KV head: got {min(budgets)}")
+    if min(budgets) < max(1, args.window):  # (a budget counts the window's entries too)
+        raise ValueError(f"--budget/--budgets {min(budgets)}: a budget counts entries per layer and KV head, "
+                         f"--window {args.window} of them included: raise it or lower --window")  # fmt: skip
     for spec, budget in itertools.product(compressed, sorted(budgets)):  # (and a window past a budget)
         make_method(spec, budget=budget, window=args.window)
     if bad := [p for p in args.policies if p not in POLICIES]:

@@ -128,6 +128,10 @@ def _check_flags(args: argparse.Namespace) -> None:
                          "kept: kvpress's compression_ratio=0.75 is --keep-ratio 0.25)")  # fmt: skip
     if args.window is not None and args.window < 1:
         raise ValueError(f"--window must be at least 1 token, got {args.window} (default: 32)")
+    window = 32 if args.window is None else args.window
+    if args.budget is not None and window > args.budget:
+        raise ValueError(f"--window {window} is larger than --budget {args.budget}: the window is part "
+                         "of the budget, so lower --window or raise --budget")  # fmt: skip
     recent = getattr(args, "kv_recent", None)
     if recent is not None and recent < 0:
         raise ValueError(f"--kv-recent must be a count of tokens >= 0 (0: none; default 32), got {recent}")
