@@ -163,6 +163,25 @@ def test_threads_must_be_positive(capsys, monkeypatch, command, value):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--samples", "0"], "samples must be an int >= 1, got 0"),
+        (["--grid", "1"], "grid must be an int >= 2, got 1"),
+        (["--length", "40"], "length must be an int >= 65, got 40"),
+        (["--indicators", "avg4"], "odd kernel"),
+        (["--ratios", "", "--budgets", ""], "give at least one ratio or budget"),
+    ],
+)
+def test_calibrate_checks_its_settings_before_loading_the_model(capsys, monkeypatch, args, message):
+    """A model's load took 20 s before ``--samples 0`` was refused."""
+    import kvcake
+
+    monkeypatch.setattr(kvcake, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = call(capsys, monkeypatch, ["calibrate", *args])
+    assert code == 2 and message in err, err
+
+
 def test_methods_lists_every_preset(capsys, monkeypatch):
     from kvcake.method import PRESETS
 

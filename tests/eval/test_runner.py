@@ -396,3 +396,20 @@ def test_stepwise_feeding_keeps_its_own_cells(tiny_llama, tokenizer, tmp_path):
     assert again.new == 0 and again.skipped == 12
     with pytest.raises(ValueError, match="feed must be 'chunk' or 'steps', got 'tokens'"):
         run_eval(tiny_llama, tokenizer, out=out, feed="tokens", **TINY)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "16"], "--budgets 16 is below --window 32: the window is part of a budget"),
+        (["--budgets", "64,8", "--window", "16"], "--budgets 8 is below --window 16"),
+        (["--window", "0"], "--window must be at least 1 token, got 0"),
+    ],
+)
+def test_the_window_is_checked_against_the_budgets_by_their_flags(args, message, monkeypatch, capsys):
+    """``make_method``'s message named ``window=`` and ``budget=``, keywords the command line has not."""
+    from kvcake import cli as top
+
+    monkeypatch.setattr(kvcake, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert top.main(["eval", "--methods", "snapkv", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -59,6 +59,31 @@ def indicator_name(indicator: tuple[str, int]) -> str:
     return f"{indicator[0]}{indicator[1]}"
 
 
+def check_settings(
+    ratios=None,
+    budgets=(),
+    samples=CALIBRATION_SAMPLES,
+    length=CALIBRATION_LENGTH,
+    continuation=16,
+    grid=CALIBRATION_GRID,
+    window=32,
+    indicators=None,
+):
+    """:func:`calibrate`'s settings checked, none of which needs the model (``kvcake calibrate``
+    checks them before loading it): (the indicators per scenario, the budget specs to calibrate at)."""
+    for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
+                             ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
+        _check_positive_int(name, value, low)
+    inds = _indicators(DEFAULT_INDICATORS if indicators is None else indicators)
+    if ratios is None:
+        ratios = () if budgets else CALIBRATION_RATIOS
+    specs = [BudgetSpec(ratio=float(r), window=window) for r in ratios]
+    specs += [BudgetSpec(budget=int(b), window=window) for b in budgets]
+    if not specs:
+        raise ValueError("give at least one ratio or budget to calibrate at")
+    return inds, specs
+
+
 def calibrate(
     model,
     tokenizer,
@@ -134,16 +159,7 @@ def calibrate(
     attention-output perturbation, uniform budgets' KL and perturbation, the number of distinct
     allocations evaluated and the time taken.
     """
-    for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
-                             ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
-        _check_positive_int(name, value, low)
-    inds = _indicators(DEFAULT_INDICATORS if indicators is None else indicators)
-    if ratios is None:
-        ratios = () if budgets else CALIBRATION_RATIOS
-    specs = [BudgetSpec(ratio=float(r), window=window) for r in ratios]
-    specs += [BudgetSpec(budget=int(b), window=window) for b in budgets]
-    if not specs:
-        raise ValueError("give at least one ratio or budget to calibrate at")
+    inds, specs = check_settings(ratios, budgets, samples, length, continuation, grid, window, indicators)
     haystack = resolve_haystack(text) if not isinstance(text, Haystack) else text
     start = time.perf_counter()
     refs: dict[str, list] = {}

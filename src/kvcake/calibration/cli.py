@@ -82,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import kvcake
-    from kvcake.calibration.api import calibrate
+    from kvcake.calibration.api import calibrate, check_settings
     from kvcake.temperatures import calibration_path, local_dir
 
+    check_settings(args.ratios, args.budgets, args.samples, args.length, grid=args.grid,
+                   indicators=args.indicators)  # before the model loads  # fmt: skip
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device,
