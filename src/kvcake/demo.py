@@ -19,8 +19,8 @@ from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import with_cache
-from kvcake.allocators.cake import CakeAllocator
 from kvcake.cache import cache_kv_bytes
+from kvcake.cli.options import check_scenario_takes
 from kvcake.defaults import SCENARIOS
 from kvcake.eval.tasks import make_samples
 from kvcake.prompts import build_prompt
@@ -75,11 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:  # before the model loads
         method = kvcake.make_method(args.method, budget=args.budget)
+        if args.scenario is not None:
+            check_scenario_takes(method, args.method)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
-    if args.scenario is not None and not isinstance(method.layers, CakeAllocator):
-        parser.error(f"--scenario picks CAKE's calibrated temperatures, and --method {args.method!r} has "
-                     "no CAKE layer allocation (layers=cake): drop --scenario")  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -106,15 +106,20 @@ def _method(args: argparse.Namespace, prompt_tokens: int | None = None, scenario
         _check_flags(args)
     method = _sized(args, prompt_tokens, scenario)
     if prompt_tokens is None and args.scenario is not None and getattr(args, "scenario_for_cake", False):
-        from ..allocators.cake import CakeAllocator
-
-        if not isinstance(method.layers, CakeAllocator):
-            raise ValueError(
-                f"--scenario picks CAKE's calibrated temperatures, and --method "
-                f"{args.method or args.default_method!r} has no CAKE layer allocation (layers=cake): drop "
-                "--scenario"
-            )
+        check_scenario_takes(method, args.method or args.default_method)
     return method
+
+
+def check_scenario_takes(method, spec: str) -> None:
+    """Refuse ``--scenario`` with ``method`` (named ``spec`` on the command line) where it would
+    change nothing: it picks CAKE's calibrated temperatures, which only CAKE's layer allocation uses."""
+    from ..allocators.cake import CakeAllocator
+
+    if not isinstance(method.layers, CakeAllocator):
+        raise ValueError(
+            f"--scenario picks CAKE's calibrated temperatures, and --method {spec!r} has no CAKE layer "
+            "allocation (layers=cake): drop --scenario"
+        )
 
 
 def _check_flags(args: argparse.Namespace) -> None:
