@@ -525,9 +525,9 @@ def test_the_matmul_probe_counts_every_projection_weight_once():
     (["memory", "--methods", "full"], "full cache is always measured"),
     (["decode", "--methods", "snapkv", "--policies", "fixed,sometimes"], "--policies"),
     (["decode", "--methods", "snapkv", "--quick", "--steps", "1"], "--steps at least --rounds"),
-    (["memory", "--budget", "0"], "--budget/--budgets 0: a budget counts entries per layer and KV head"),
-    (["memory", "--methods", "snapkv", "--budget", "16"], "--window 32 of them included: raise it or lower"),
-    (["decode", "--budgets", "8,128", "--window", "16"], "--budget/--budgets 8: a budget counts entries"),
+    (["memory", "--budget", "0"], "--budget must be at least 1 entry per layer and KV head, got 0"),
+    (["memory", "--methods", "snapkv", "--budget", "16"], "--window 32 is larger than --budget 16"),
+    (["decode", "--budgets", "8,128", "--window", "16"], "--window 16 is larger than --budgets 8"),
 ])  # fmt: skip
 def test_cli_refuses_bad_methods_before_loading_a_model(argv, words, monkeypatch, capsys):
     monkeypatch.setattr("kvcake.bench.common.load_models", lambda *a, **k: pytest.fail("no model for a typo"))

@@ -335,7 +335,7 @@ def test_inspect_refuses_a_file_as_its_folder_before_loading(tiny_dir, tmp_path,
 # Refused before the model loads, naming the flag (the library's messages name its keywords)
 FLAG_ERRORS = [
     (["generate", "--prompt", "w1", "--window", "0"], "--window must be at least 1 token, got 0"),
-    (["generate", "--prompt", "w1", "--kv-recent", "4"], "add --kv-dtype fp8, or drop --kv-recent"),
+    (["generate", "--prompt", "w1", "--kv-recent", "4"], "pass --kv-dtype fp8 with it, or drop --kv-recent"),
     (["chat", "--context-file", "DOC", "--kv-dtype", "fp8", "--kv-recent", "-1"],
      "--kv-recent must be a count"),
     (["generate", "--prompt", "w1", "--method", "snapkv", "--scenario", "context"],

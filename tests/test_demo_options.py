@@ -14,7 +14,7 @@ from kvcake import demo
     [
         (["--method", "snapkv", "--scenario", "context"], "--method 'snapkv' has no CAKE layer allocation"),
         (["--method", "snapk"], "did you mean 'snapkv'"),
-        (["--budget", "0"], "budget must be positive"),
+        (["--budget", "0"], "--budget must be at least 1 entry per layer"),
         (["--rounds", "0"], "--rounds must be at least 1"),
     ],
 )

@@ -314,13 +314,13 @@ def test_the_ring_length_is_an_option_of_every_entry_point(tiny_llama, recent):
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
 def test_a_ring_length_that_is_not_a_count_is_refused(tiny_llama, bad):
     with pytest.raises(
-        ValueError, match=r"kv_recent must be a count of tokens >= 0 \(0: no ring; default 32\)"
+        ValueError, match=r"kv_recent= must be a count of tokens >= 0 \(0: no ring; default 32\)"
     ):
         KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_dtype="fp8", kv_recent=bad)
 
 
 def test_a_ring_length_without_float8_is_refused_naming_the_fix(tiny_llama):
-    with pytest.raises(ValueError, match="pass kv_dtype='fp8' with it, or leave kv_recent unset"):
+    with pytest.raises(ValueError, match="pass kv_dtype=.fp8. with it, or drop kv_recent="):
         KVCakeCache(tiny_llama, "snapkv", budget=24, window=4, kv_recent=8)
     with pytest.raises(ValueError, match="pass kv_dtype='fp8' with it"):
         kvcake.compress(tiny_llama, _prompt()[0], "snapkv", budget=24, window=4, kv_recent=8)
@@ -371,7 +371,7 @@ def test_the_command_line_stores_in_float8(tiny_dir, tmp_path, capsys, monkeypat
         code, _, err = call(capsys, monkeypatch, ["generate", "--load", kvc, "--question", "w3", *extra])
         assert code == 2 and "--kv-dtype/--kv-recent" in err
     code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1 w2", "--kv-recent", "8"])
-    assert code == 2 and "add --kv-dtype fp8, or drop --kv-recent" in err
+    assert code == 2 and "pass --kv-dtype fp8 with it, or drop --kv-recent" in err
     code, _, err = call(capsys, monkeypatch, ["generate", *small, "--prompt", "w1", "--kv-dtype", "int8"])
     assert code == 2 and "invalid choice: 'int8'" in err
 

@@ -334,8 +334,12 @@ def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"budget": 0}, ValueError, "budget must be positive, got 0: pass e.g. budget=128"),
-        ({"budget": -5}, ValueError, "budget must be positive"),
+        (
+            {"budget": 0},
+            ValueError,
+            "budget= must be at least 1 entry per layer and KV head, got 0: pass e.g. budget=128",
+        ),
+        ({"budget": -5}, ValueError, "budget= must be at least 1 entry"),
         ({"budget": float("nan")}, TypeError, "budget must be an int, got float"),
         ({"budget": 12.5}, TypeError, "budget must be an int"),
         ({"budget": True}, TypeError, "budget must be an int, got bool"),
@@ -343,19 +347,19 @@ def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
         (
             {"ratio": 0.0},
             ValueError,
-            r"keep_ratio must be in \(0, 1\], got 0.0 \(the fraction of the prompt kept; .*\): pass e.g. keep_ratio=0.25",
+            r"keep_ratio= must be in \(0, 1\], got 0.0 \(the fraction of the prompt kept; .*=0.25\)",
         ),
-        ({"ratio": -0.2}, ValueError, r"ratio must be in \(0, 1\]"),
-        ({"ratio": 1.0001}, ValueError, r"ratio must be in \(0, 1\]"),
-        ({"ratio": float("nan")}, ValueError, r"ratio must be in \(0, 1\]"),
-        ({"ratio": float("inf")}, ValueError, r"ratio must be in \(0, 1\]"),
+        ({"ratio": -0.2}, ValueError, r"keep_ratio= must be in \(0, 1\]"),
+        ({"ratio": 1.0001}, ValueError, r"keep_ratio= must be in \(0, 1\]"),
+        ({"ratio": float("nan")}, ValueError, r"keep_ratio= must be in \(0, 1\]"),
+        ({"ratio": float("inf")}, ValueError, r"keep_ratio= must be in \(0, 1\]"),
         ({"ratio": True}, TypeError, "ratio must be a number, got bool"),
         (
             {"budget": 16, "window": 32},
             ValueError,
-            r"window \(32\) is larger than the budget \(16\).*lower window=",
+            r"window=32 is larger than budget=16.*lower window=",
         ),
-        ({"budget": 16, "window": 0}, ValueError, "window must be a positive int, got 0"),
+        ({"budget": 16, "window": 0}, ValueError, "window= must be at least 1 token, got 0"),
         (
             {"budget": 16, "window": 2.5},
             TypeError,
@@ -389,8 +393,12 @@ def test_a_bad_window_without_a_size_is_refused_by_name(tiny_llama, window):
     """No size given: the default keep ratio is weighed against the window first, which failed
     on a comparison ("'<' not supported between instances of 'int' and 'str'"). None is
     ``kvcake.generate``'s default: 32."""
-    error = ValueError if window == 0 else TypeError
-    with untouched(tiny_llama), pytest.raises(error, match="window must be a positive int, got"):
+    error, match = (
+        (ValueError, "window= must be at least 1 token, got 0")
+        if window == 0
+        else (TypeError, "window must be a positive int, got")
+    )
+    with untouched(tiny_llama), pytest.raises(error, match=match):
         kvcake.generate(tiny_llama, ids(50), "cake", window=window, max_new_tokens=2)
     _, cache = kvcake.generate(tiny_llama, ids(50), "cake", window=None, max_new_tokens=2)
     assert cache.method.budget.window == 32

@@ -86,12 +86,12 @@ def test_composition_string_builds_the_parts():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"budget": 0}, "budget must be positive"),
-        ({"budget": -5}, "budget must be positive"),
-        ({"ratio": 0.0}, r"ratio must be in \(0, 1\]"),
-        ({"ratio": 1.5}, r"ratio must be in \(0, 1\]"),
-        ({"ratio": float("nan")}, r"ratio must be in \(0, 1\]"),
-        ({"budget": 16, "window": 32}, "window .32. is larger than the budget .16."),
+        ({"budget": 0}, "budget= must be at least 1 entry"),
+        ({"budget": -5}, "budget= must be at least 1 entry"),
+        ({"ratio": 0.0}, r"keep_ratio= must be in \(0, 1\]"),
+        ({"ratio": 1.5}, r"keep_ratio= must be in \(0, 1\]"),
+        ({"ratio": float("nan")}, r"keep_ratio= must be in \(0, 1\]"),
+        ({"budget": 16, "window": 32}, "window=32 is larger than budget=16"),
         ({}, "give exactly one of budget"),
         ({"budget": 64, "ratio": 0.5}, "give exactly one of budget"),
     ],

@@ -58,12 +58,59 @@ def default_budget(
     return {"ratio": ratio, "keep_short": True}
 
 
-def check_window(window) -> None:
-    """The protected recent window must be a positive int (bool is not one)."""
+def spell(key: str, value: object = None, names: dict[str, str] | None = None) -> str:
+    """Option ``key`` as the caller spells it in a message: a keyword (``budget=128``, ``budget=``)
+    or, where ``names`` maps it to a command-line flag, the flag (``--budget 128``, ``--budget``).
+    One check then serves the Python API and every command line, each in its own words."""
+    flag = (names or {}).get(key)
+    if flag is None:
+        return f"{key}=" if value is None else f"{key}={value!r}"
+    return flag if value is None else f"{flag} {value}"
+
+
+def check_window(window, names: dict[str, str] | None = None) -> None:
+    """The protected recent window must be a positive int (bool is not one) within any prompt."""
     if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be a positive int, got {type(window).__name__}: pass e.g. window=32")
+        example = spell("window", DEFAULT_WINDOW, names)
+        raise TypeError(f"window must be a positive int, got {type(window).__name__}: pass e.g. {example}")
     if window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
+        flag = spell("window", names=names)
+        raise ValueError(f"{flag} must be at least 1 token, got {window!r} (default {DEFAULT_WINDOW})")
+    if window > MAX_BUDGET:
+        raise ValueError(f"{spell('window', window, names)} is beyond any prompt: pass at most {MAX_BUDGET}")
+
+
+def check_sizes(
+    budget=None, ratio=None, window: int = DEFAULT_WINDOW, names: dict[str, str] | None = None
+) -> None:
+    """The values of a size: ``budget`` a positive int of at least ``window``, ``ratio`` in
+    ``(0, 1]``, ``window`` a positive int. Refused naming the fix in the caller's words: keywords by
+    default (``budget=``, ``keep_ratio=``, ``window=``), or the flags ``names`` maps them to
+    (``{"budget": "--budget", "keep_ratio": "--keep-ratio", "window": "--window"}``)."""
+    check_window(window, names)
+    if budget is not None:
+        size, example = spell("budget", names=names), spell("budget", 128, names)
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise TypeError(f"budget must be an int, got {type(budget).__name__}: pass e.g. {example}")
+        if budget <= 0:
+            raise ValueError(
+                f"{size} must be at least 1 entry per layer and KV head, got {budget}: pass e.g. {example}"
+            )
+        if window > budget:
+            sw = spell("window", names=names)
+            raise ValueError(
+                f"{spell('window', window, names)} is larger than {spell('budget', budget, names)}: "
+                f"the window is part of the budget, so lower {sw} or raise {size}"
+            )
+    if ratio is not None:
+        kept, example = spell("keep_ratio", names=names), spell("keep_ratio", 0.25, names)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise TypeError(f"keep_ratio must be a number, got {type(ratio).__name__}: pass e.g. {example}")
+        if not math.isfinite(ratio) or not 0.0 < ratio <= 1.0:
+            raise ValueError(
+                f"{kept} must be in (0, 1], got {ratio} (the fraction of the prompt kept; kvpress's "
+                f"compression_ratio=0.75 is {example})"
+            )
 
 
 @dataclass(frozen=True)
@@ -98,34 +145,10 @@ class BudgetSpec:
             raise ValueError(
                 "give exactly one of budget= (entries per layer) or keep_ratio= (the fraction kept)"
             )
-        if self.budget is not None:
-            if isinstance(self.budget, bool) or not isinstance(self.budget, int):
-                raise TypeError(
-                    f"budget must be an int, got {type(self.budget).__name__}: pass e.g. budget=128"
-                )
-            if self.budget <= 0:
-                raise ValueError(f"budget must be positive, got {self.budget}: pass e.g. budget=128")
-        if self.ratio is not None:
-            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-                raise TypeError(
-                    f"keep_ratio must be a number, got {type(self.ratio).__name__}: pass e.g. keep_ratio=0.25"
-                )
-            if not math.isfinite(self.ratio) or not 0.0 < self.ratio <= 1.0:
-                raise ValueError(
-                    f"keep_ratio must be in (0, 1], got {self.ratio} (the fraction of the prompt kept; "
-                    "kvpress's compression_ratio=0.75 is keep_ratio=0.25): pass e.g. keep_ratio=0.25"
-                )
-        check_window(self.window)
+        check_sizes(self.budget, self.ratio, self.window)
         check_flag("keep_short", self.keep_short)
         if self.keep_short and self.ratio is None:
             raise ValueError("keep_short applies to a keep ratio: give keep_ratio= with it, or drop it")
-        if self.window > MAX_BUDGET:
-            raise ValueError(f"window ({self.window}) is beyond any prompt: pass at most {MAX_BUDGET}")
-        if self.budget is not None and self.window > self.budget:
-            raise ValueError(
-                f"window ({self.window}) is larger than the budget ({self.budget}): the window is part of "
-                "the budget, so lower window= or raise budget="
-            )
 
     def per_layer(self, lengths: torch.Tensor) -> torch.Tensor:
         """Average per-layer budget of each sequence. ``lengths``: (B,) int64 valid prompt lengths."""

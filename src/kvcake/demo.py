@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 import kvcake
 from kvcake.adapters import with_cache
+from kvcake.budget import check_sizes
 from kvcake.cache import cache_kv_bytes
 from kvcake.cli.options import check_scenario_takes
 from kvcake.defaults import SCENARIOS
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:  # before the model loads
+        check_sizes(args.budget, names={"budget": "--budget"})
         method = kvcake.make_method(args.method, budget=args.budget)
         if args.scenario is not None:
             check_scenario_takes(method, args.method)

@@ -45,6 +45,7 @@ import functools
 
 import torch
 
+from .budget import spell
 from .defaults import KV_FORMATS
 
 FP8 = torch.float8_e4m3fn
@@ -86,23 +87,21 @@ def check_kv_dtype(kv_dtype, model: torch.nn.Module | None = None) -> str | None
     return name
 
 
-def check_kv_recent(kv_recent, kv_dtype, positions: int | None = None) -> int | None:
+def check_kv_recent(kv_recent, kv_dtype, positions: int | None = None, names=None) -> int | None:
     """``kv_recent`` as the cache keeps it: None (``RECENT`` tokens, with float8 storage) or a count
-    of tokens >= 0 (0: no ring). Refused naming the fix where it is not a count, without
-    ``kv_dtype`` (in the model's dtype every entry is exact already), or past the model's
-    ``positions`` (its rings hold ``kv_recent`` slots per layer and KV head, allocated whole:
-    ``positions`` slots already hold every token)."""
+    of tokens >= 0 (0: no ring). Refused, naming the fix in the caller's words (``budget.spell``),
+    where it is not a count, without ``kv_dtype`` (in the model's dtype every entry is exact), or
+    past the model's ``positions`` (its rings of ``kv_recent`` slots are allocated whole)."""
     if kv_recent is None:
         return None
+    recent, fp8 = spell("kv_recent", names=names), spell("kv_dtype", "fp8", names)
     if isinstance(kv_recent, bool) or not isinstance(kv_recent, int) or kv_recent < 0:
         raise ValueError(
-            f"kv_recent must be a count of tokens >= 0 (0: no ring; default {RECENT}), got {kv_recent!r}"
+            f"{recent} must be a count of tokens >= 0 (0: no ring; default {RECENT}), got {kv_recent!r}"
         )
     if kv_dtype is None:
-        raise ValueError(
-            "kv_recent is how many recent tokens float8 storage also holds in the model's dtype: pass "
-            "kv_dtype='fp8' with it, or leave kv_recent unset (without float8 every entry is exact)"
-        )
+        raise ValueError(f"{recent} is how many recent tokens float8 storage also holds in the model's "
+                         f"dtype: pass {fp8} with it, or drop {recent} (without float8 all is exact)")  # fmt: skip
     if positions is not None and kv_recent > positions:
         raise ValueError(
             f"kv_recent={kv_recent} is more tokens than the model has positions ({positions}); its rings "

@@ -401,8 +401,8 @@ def test_stepwise_feeding_keeps_its_own_cells(tiny_llama, tokenizer, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--budgets", "16"], "--budgets 16 is below --window 32: the window is part of a budget"),
-        (["--budgets", "64,8", "--window", "16"], "--budgets 8 is below --window 16"),
+        (["--budgets", "16"], "--window 32 is larger than --budgets 16: the window is part of the budget"),
+        (["--budgets", "64,8", "--window", "16"], "--window 16 is larger than --budgets 8"),
         (["--window", "0"], "--window must be at least 1 token, got 0"),
     ],
 )

@@ -170,6 +170,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad ``--methods``, ``--budget(s)``, ``--policies`` or ``--steps``/``--rounds`` before any
     model is loaded (a typo cost the model's load, then an error from inside the bench): each spec
     is parsed as the bench will build it, at each budget."""
+    from ..budget import check_sizes
     from ..fp8 import storage_spec
     from ..method import FULL, make_method
     from .decode import POLICIES
@@ -179,11 +180,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     if specs and not compressed:
         raise ValueError(f"--methods {','.join(args.methods)}: the full cache is always measured; name the "
                          "compressed methods to compare with it, e.g. --methods snapkv,cake")  # fmt: skip
-    budgets = {_setting(args, "budget"), *_setting(args, "budgets")}
-    if min(budgets) < max(1, args.window):  # (a budget counts the window's entries too)
-        raise ValueError(f"--budget/--budgets {min(budgets)}: a budget counts entries per layer and KV head, "
-                         f"--window {args.window} of them included: raise it or lower --window")  # fmt: skip
-    for spec, budget in itertools.product(compressed, sorted(budgets)):  # (and a window past a budget)
+    budgets = [("--budget", _setting(args, "budget"))] + [("--budgets", b) for b in _setting(args, "budgets")]
+    for flag, budget in budgets:  # (a budget counts the window's entries too)
+        check_sizes(budget, None, args.window, names={"budget": flag, "window": "--window"})
+    for spec, budget in itertools.product(compressed, sorted({b for _, b in budgets})):
         make_method(spec, budget=budget, window=args.window)
     if bad := [p for p in args.policies if p not in POLICIES]:
         raise ValueError(

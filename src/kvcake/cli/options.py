@@ -122,28 +122,19 @@ def check_scenario_takes(method, spec: str) -> None:
         )
 
 
+#: The command line's flags for the library's keywords, so that its checks name what the user typed.
+FLAGS = {"budget": "--budget", "keep_ratio": "--keep-ratio", "window": "--window",
+         "kv_recent": "--kv-recent", "kv_dtype": "--kv-dtype"}  # fmt: skip
+
+
 def _check_flags(args: argparse.Namespace) -> None:
-    """The size and storage options' values, refused naming the flag (the library's own messages
-    name its keywords)."""
-    if args.budget is not None and args.budget < 1:
-        raise ValueError(f"--budget must be at least 1 entry per layer and KV head, got {args.budget} "
-                         f"(e.g. --budget {DEFAULT_BUDGET})")  # fmt: skip
-    if args.ratio is not None and not 0 < args.ratio <= 1:
-        raise ValueError(f"--keep-ratio must be in (0, 1], got {args.ratio} (the fraction of the prompt "
-                         "kept: kvpress's compression_ratio=0.75 is --keep-ratio 0.25)")  # fmt: skip
-    if args.window is not None and args.window < 1:
-        raise ValueError(f"--window must be at least 1 token, got {args.window} (default: 32)")
-    window = 32 if args.window is None else args.window
-    if args.budget is not None and window > args.budget:
-        raise ValueError(f"--window {window} is larger than --budget {args.budget}: the window is part "
-                         "of the budget, so lower --window or raise --budget")  # fmt: skip
-    recent = getattr(args, "kv_recent", None)
-    if recent is not None and recent < 0:
-        raise ValueError(f"--kv-recent must be a count of tokens >= 0 (0: none; default 32), got {recent}")
-    if recent is not None and getattr(args, "kv_dtype", None) is None:
-        raise ValueError("--kv-recent is how many recent tokens --kv-dtype fp8 also holds in the model's "
-                         "dtype: add --kv-dtype fp8, or drop --kv-recent (without float8 every entry is "
-                         "exact)")  # fmt: skip
+    """The size and storage options' values, refused by the library's checks in the flags' words."""
+    from ..budget import DEFAULT_WINDOW, check_sizes
+    from ..fp8 import check_kv_recent
+
+    window = DEFAULT_WINDOW if args.window is None else args.window
+    check_sizes(args.budget, args.ratio, window, names=FLAGS)
+    check_kv_recent(getattr(args, "kv_recent", None), getattr(args, "kv_dtype", None), names=FLAGS)
 
 
 def _sized(args: argparse.Namespace, prompt_tokens: int | None, scenario: str):

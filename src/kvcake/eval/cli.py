@@ -131,17 +131,17 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvcake.budget import check_sizes, check_window
     from kvcake.eval.runner import load_records, run_eval, runs_log_path
 
     log_progress(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     s = resolve(args)
-    if args.window < 1:
-        raise ValueError(f"--window must be at least 1 token, got {args.window}")
-    if small := [b for b in s["budgets"] or () if b < args.window]:
-        raise ValueError(f"--budgets {small[0]} is below --window {args.window}: the window is part of a "
-                         "budget, so lower --window or raise --budgets")  # fmt: skip
+    flags = {"budget": "--budgets", "window": "--window"}
+    check_window(args.window, flags)
+    for budget in s["budgets"] or ():
+        check_sizes(budget, None, args.window, flags)
     if args.tau_sweep and (s["budgets"] or any(str(t).startswith("longbench:") for t in s["tasks"])):
         raise ValueError(
             "--tau-sweep measures synthetic tasks at --ratios: drop --budgets and longbench: tasks"
