@@ -241,6 +241,11 @@ def test_answer_refuses_bad_input_before_work(tiny_llama, tok):
         kvcake.answer(tiny_llama, tok, context="w1", question="w2", keep_ratio=0.5, ratio=0.5)
     with pytest.raises(ValueError, match="method 'full' keeps every entry: drop budget="):
         kvcake.answer(tiny_llama, tok, context="w1", question="w2", method="full", budget=64)
+    for own in ("attention_mask", "input_ids"):  # (were "got multiple values", after the compression)
+        with pytest.raises(TypeError, match=f"builds the prompt and its cache itself and takes no {own}"):
+            kvcake.answer(
+                tiny_llama, tok, context="w1", question="w2", **{own: torch.ones(1, 5, dtype=torch.long)}
+            )
     # no tokenizer, or the model and the tokenizer the wrong way round (were 'NoneType' object is
     # not callable, and an error from inside the model)
     with pytest.raises(

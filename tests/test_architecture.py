@@ -76,6 +76,7 @@ LAYERS = {
         "haystack",
         "version",
         "defaults",
+        "scenarios",
         "lazy",
     ],
 }

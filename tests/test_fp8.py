@@ -409,3 +409,13 @@ def test_a_device_without_float8_conversions_is_refused_naming_the_fix(tiny_llam
     with pytest.raises(ValueError, match="cannot convert to on cpu"):
         fp8.store(cache)  # the evaluation's way, afterwards
     assert cache.kv_dtype is None
+
+
+def test_a_float16_layer_of_tiny_magnitudes_keeps_a_nonzero_scale():
+    """The power of two fitting magnitudes of 1e-6 is 2^-28, below float16's smallest normal: it
+    rounded to a scale of 0 and every entry decoded as 0. Clamped to the smallest normal (2^-14),
+    the entries keep their float8 precision."""
+    keys = torch.full((1, 1, 4, 8), 1e-6, dtype=torch.float16)
+    key_scale, _ = fp8_module.scales_of(keys, torch.randn(1, 1, 4, 8).half(), torch.float16)
+    assert float(key_scale) == torch.finfo(torch.float16).tiny
+    torch.testing.assert_close(decode(encode(keys, key_scale), key_scale), keys, rtol=0.07, atol=0)

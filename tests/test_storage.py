@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import stat
 import struct
 
@@ -288,3 +289,59 @@ def test_unprefilled_cache_is_refused(tiny_llama, saved, tmp_path):
     with pytest.raises(TypeError, match="save_context takes a compressed context .*, got a KVCakeCache"):
         save_context(ctx.cache, tmp_path / "x.kvc")  # generate's cache, say (was an AttributeError)
     assert not (tmp_path / "x.kvc").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({1: "a"}, "extra= must be a dict with str keys, got {1: 'a'}"),  # JSON would read it back as '1'
+        ([1, 2], "extra= must be a dict with str keys"),
+        (0, "extra= must be a dict with str keys"),  # (was saved as {})
+        ({"when": object()}, "extra= must hold JSON values"),
+        ({"x": float("nan")}, "extra= must hold JSON values"),
+    ],
+)
+def test_extra_that_json_would_not_keep_is_refused(tiny_llama, tmp_path, extra, words):
+    ctx = kvcake.compress(tiny_llama, torch.arange(3, 40)[None], "snapkv", budget=16, window=4)
+    with pytest.raises(TypeError, match=re.escape(words)):
+        save_context(ctx, tmp_path / "ctx.kvc", extra=extra)
+    assert not (tmp_path / "ctx.kvc").exists()
+
+
+def test_a_base_model_is_refused_at_the_load(saved, tiny_llama):
+    """``compress`` refuses a model without its language-model head; ``load_context`` took it, and
+    its context failed at the first question (no ``generate``)."""
+    with pytest.raises(
+        TypeError, match="LlamaModel has no generate .a base model without its language-model"
+    ):
+        load_context(tiny_llama.model, saved[1])
+
+
+def test_the_scenario_and_the_temperatures_provenance_survive_the_file(tiny_llama, tmp_path):
+    """A context compressed for later questions came back question-aware, its temperatures' source
+    "saved" with their set, indicator and rows gone: what ``inspect`` and the CLI print of it."""
+    for scenario in ("context", "question"):
+        ctx = kvcake.compress(tiny_llama, ids(90, 1), "cake", budget=24, window=8, scenario=scenario)
+        save_context(ctx, tmp_path / "ctx.kvc")
+        loaded = load_context(tiny_llama, tmp_path / "ctx.kvc")
+        assert loaded.cache.scenario == ctx.cache.scenario
+        assert loaded.cache.tau.describe() == ctx.cache.tau.describe() and loaded.cache.tau == ctx.cache.tau
+
+
+def test_a_special_token_id_set_after_saving_still_loads_and_a_real_difference_is_named(
+    make_tiny_llama, tmp_path
+):
+    """``model.config.pad_token_id = tokenizer.eos_token_id`` changes the fingerprint, not a key or
+    a value: the same model was refused, by a message whose two descriptions read alike."""
+    model = make_tiny_llama()
+    ctx = kvcake.compress(model, ids(60, 1), "snapkv", budget=16, window=4)
+    save_context(ctx, tmp_path / "ctx.kvc")
+    question = torch.tensor([[5, 6, 7]])
+    before = ctx.generate(question, max_new_tokens=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    assert torch.equal(load_context(model, tmp_path / "ctx.kvc").generate(question, max_new_tokens=3), before)
+    model.config.rms_norm_eps *= 2  # a field the keys depend on
+    with pytest.raises(
+        ContextFileError, match=r"its config differs in eos_token_id, pad_token_id, rms_norm_eps\)"
+    ):
+        load_context(model, tmp_path / "ctx.kvc")

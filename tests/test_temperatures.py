@@ -16,6 +16,7 @@ from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.allocators import preference
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau, tau_family
+from kvcake.fingerprints import kv_fingerprint
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, find_calibration, resolve_tau, save_calibration
 
@@ -179,7 +180,7 @@ def test_the_default_model_uses_its_shipped_calibration(default_model, monkeypat
     model, tokenizer = default_model
     monkeypatch.setattr(temperatures, "SHIPPED_DIR", REAL_SHIPPED)
     cal, source = find_calibration(model_fingerprint(model))
-    assert source == "shipped"
+    assert source == "shipped" and cal.meta["kv_fingerprint"] == kv_fingerprint(model)
     caplog.set_level(logging.WARNING)
     ids = tokenizer("The quick brown fox. " * 120, return_tensors="pt").input_ids
     cache = kvcake.compress(model, ids, "cake", ratio=0.25).cache  # a document: the context-only set
@@ -389,3 +390,21 @@ def test_llama_2_takes_its_own_family_default(vocab, theta, family, tau):
     with kvcake.enable(model), torch.no_grad():
         model(_ids(), **with_cache(model, cache))
     assert (cache.tau.tau1, cache.tau.tau2, cache.tau.source) == (*tau, "family")
+
+
+def test_a_special_token_id_set_before_compressing_keeps_the_calibration(make_tiny_llama):
+    """``model.config.pad_token_id = tokenizer.eos_token_id`` changes the model's fingerprint, under
+    which its calibration is filed, and CAKE fell back to the family's temperatures with a warning
+    to calibrate; a calibration keeps the fingerprint of the keys' and values' fields too."""
+    model = make_tiny_llama()
+    cal = Calibration(model_fingerprint(model), {"question": QUESTION_SET, "context": CONTEXT_SET}, "tiny",
+                      {"kv_fingerprint": kv_fingerprint(model)})  # fmt: skip
+    save_calibration(cal)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    assert (
+        model_fingerprint(model) != cal.fingerprint and temperatures.calibration_key(model) == cal.fingerprint
+    )
+    cache = kvcake.compress(model, _ids(), "cake", budget=24, window=8).cache
+    assert cache.tau.source == "calibrated" and _applied(cache, cal, "context")
+    model.config.rms_norm_eps *= 2  # a field the keys depend on: another model
+    assert temperatures.calibration_key(model) == model_fingerprint(model) != cal.fingerprint

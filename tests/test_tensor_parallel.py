@@ -14,19 +14,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from kvcake.allocators import AdaKV, preference
 from kvcake.allocators.adakv import ranks_desc
 from kvcake.cascade import layer_statistics
 from kvcake.decoding import _across
-from kvcake.head_shards import find_splits
+from kvcake.head_shards import _keys_split, find_splits
 from kvcake.pending_norms import norm_steps
 from kvcake.scorers import CakeScorer, H2OScorer, PrefillInputs, SnapKVScorer
 from kvcake.scorers.defensive import MARK, DefensiveScorer
 from kvcake.scorers.tova import TOVAScorer
 from kvcake.selectors import SelectionInputs, projected_value_norms
 from kvcake.selectors.critical import Critical
-from kvcake.tensor_parallel import HeadSplit, top_over_ranks
+from kvcake.tensor_parallel import HeadSplit, local_weight, top_over_ranks
 
 
 class Exchange:
@@ -195,6 +196,41 @@ def test_tova_mean_over_ranks_equals_the_mean_over_all_heads():
 
 def test_a_model_held_by_one_process_has_no_split(tiny_llama):
     assert find_splits(tiny_llama) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("styles", "heads", "split"),
+    [
+        ({"k_proj": "colwise", "o_proj": "rowwise"}, 4, True),  # Llama's plan: blocks of KV heads
+        ({"k_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}, 4, False),  # OLMo 2's
+        ({"qkv_proj": "packed_colwise", "o_proj": "rowwise"}, 4, True),  # fused projections
+        ({"k_proj": "unit_colwise", "o_proj": "unit_rowwise"}, 4, True),  # as many heads per rank
+        ({"o_proj": "rowwise"}, 4, True),  # no key projection named: the sharded W_O's word
+    ],
+)
+def test_the_plan_of_the_keys_says_whether_each_rank_holds_a_block_of_heads(styles, heads, split):
+    """A plan that gathers the keys on every rank (OLMo 2's: its norms span every head) and shards
+    only the output projection leaves every rank all heads: no split, or each rank would take its
+    copies of every head for a block of them (logits 0.04 off under adakv, measured)."""
+    plan = {f"model.layers.*.self_attn.{name}": style for name, style in styles.items()}
+    model = SimpleNamespace(tp_plan=plan, config=LlamaConfig(num_key_value_heads=heads))
+    assert _keys_split(model, 2) is split
+
+
+def test_a_plan_repeating_kv_heads_over_ranks_is_refused():
+    """``unit_colwise`` keys with fewer KV heads than ranks (MiniCPM5's plan) put a copy of a head on
+    several ranks, each of which would keep its own entries of it."""
+    plan = {"model.layers.*.self_attn.k_proj": "unit_colwise"}
+    model = SimpleNamespace(tp_plan=plan, config=LlamaConfig(num_key_value_heads=1))
+    with pytest.raises(
+        ValueError, match="repeats KV heads over the ranks .'unit_colwise' keys, 1 KV heads on 2"
+    ):
+        _keys_split(model, 2)
+
+
+def test_a_weight_read_whole_is_the_weight_itself_outside_tensor_parallelism():
+    weight = torch.randn(4, 6)
+    assert local_weight(weight, whole=True) is weight and local_weight(weight) is weight
 
 
 def test_head_split_checks_its_rank():

@@ -9,6 +9,7 @@ uncompressed (``kvcake.cross``)."""
 from __future__ import annotations
 
 import inspect
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from packaging.version import Version
 import kvcake
 from kvcake.adapters import TOKEN_INPUTS
 from kvcake.cross import CrossLayer
+from kvcake.devices import layer_devices
 from shared_checks import GREEDY, assert_same_decoding
 from test_families import HEAD16
 
@@ -669,3 +671,19 @@ def test_beam_search_with_an_image(name):
     small = [kvcake.generate(model, x, "cake-adakv", budget=12, window=4, static=s, **kw, **image)[0]
              for s in (True, False)]  # fmt: skip
     assert torch.equal(*small)
+
+
+def test_the_text_layers_devices_skip_the_vision_towers_layers():
+    """Gemma 4's vision tower's encoder layers carry a ``layer_idx`` too and come first: the text
+    layer 0 was placed on the vision tower's device (the meta device stands for another GPU of a
+    device map here), and a context loaded there failed at its first question."""
+    model, _, _ = _build("gemma4")
+    model.model.vision_tower.to("meta")
+    assert layer_devices(model, 4) == [torch.device("cpu")] * 4
+    text = torch.randint(3, 290, (1, 30), generator=torch.Generator().manual_seed(0))
+    ctx = kvcake.compress(model, text, "snapkv", budget=16, window=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx.save(f"{tmp}/ctx.kvc")
+        loaded = kvcake.load_context(model, f"{tmp}/ctx.kvc")
+    question = torch.tensor([[5, 6, 7]])
+    assert torch.equal(loaded.generate(question, max_new_tokens=3), ctx.generate(question, max_new_tokens=3))

@@ -3,7 +3,8 @@ output projection is, and which CAKE temperatures fit the family.
 
 Supported: decoder-only models whose attention modules call transformers' attention interface
 after RoPE and after ``cache.update`` (``past_key_values.update`` before transformers 5.24) with
-causal attention over plain per-head keys and values: Llama, Mistral (without sliding window), Qwen2/Qwen3, Phi-3, Gemma (1), Granite, OLMo
+causal attention over plain per-head keys and values: Llama, Mistral (without sliding window),
+Qwen2/Qwen3, Phi-3 (128k, 3.5: the 4k checkpoints slide on every layer), Gemma (1), Granite, OLMo
 and similar; and hybrids whose ``config.layer_types`` mixes ``sliding_attention`` with
 ``full_attention`` (Gemma 3, ...): their sliding layers keep transformers' own sliding-window
 cache and only the full-attention ("global") layers are compressed; and linear-attention hybrids

@@ -53,7 +53,7 @@ from .context import (
     generation_length,
 )
 from .method import FULL, Method, make_method, resolve_ratio
-from .prompts import check_mask, check_vocabulary, is_integer, not_ids
+from .prompts import check_mask, check_model, check_vocabulary, is_integer, not_ids
 from .temperatures import Scenario
 
 logger = logging.getLogger(__name__)
@@ -105,23 +105,6 @@ def _warn_if_starved(method: Method, prompt_tokens: int) -> None:
             100 * kept,
             prompt_tokens,
         )
-
-
-def _check_model(model: torch.nn.Module, entry: str) -> None:
-    """Refuse, before anything reads it, a first argument that is not a model that generates: a
-    tokenizer passed first, or a base model without its language-model head (``LlamaModel``)."""
-    if isinstance(model, torch.nn.Module) and callable(getattr(model, "generate", None)):
-        return
-    kind = type(model).__name__
-    if isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"{kind} has no generate (a base model without its language-model head): load the model with "
-            f"AutoModelForCausalLM (or kvcake.load_model) and pass that to kvcake.{entry}"
-        )
-    raise TypeError(
-        f"kvcake.{entry} takes the model first, got {kind}: kvcake.{entry}(model, input_ids, method, ...), "
-        "with model, tokenizer = kvcake.load_model(...) (or AutoModelForCausalLM.from_pretrained)"
-    )
 
 
 def _check_ids(input_ids: torch.Tensor, model: torch.nn.Module, mask: torch.Tensor | None) -> None:
@@ -206,7 +189,7 @@ def generate(
     element, read back in the model's dtype: ``kvcake.fp8``), the last ``kv_recent`` tokens' entries
     (None: 32; 0: none) also in the model's dtype; None keeps the model's dtype.
     """
-    _check_model(model, "generate")
+    check_model(model, "generate")
     scenario = Scenario.pick(scenario, "question", "kvcake.generate compresses the prompt with its question")
     _check_ids(input_ids, model, generate_kwargs.get("attention_mask"))
     m = sized_method(method, budget, resolve_ratio(ratio, keep_ratio), window, "question", input_ids.shape[1])
@@ -257,7 +240,7 @@ def compress(
     ``model_inputs`` go to the model's forward with the context: the images of a vision-language
     model, as its processor returns them (``pixel_values``, ``image_grid_thw``, ``token_type_ids``,
     ...). The image's tokens are compressed like the text's; follow-ups are text."""
-    _check_model(model, "compress")
+    check_model(model, "compress")
     scenario = Scenario.pick(scenario, "context", "kvcake.compress compresses a context before its questions")
     _check_ids(input_ids, model, attention_mask)
     check_answerable(model)

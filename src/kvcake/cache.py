@@ -44,12 +44,12 @@ from .head_shards import find_splits
 from .hybrid_layer import HybridLayer
 from .latent import attention_layer
 from .method import Method, make_method
-from .models import model_fingerprint, model_name
+from .models import model_name
 from .pending_norms import PendingNorms
 from .recurrent import RecurrentStates, keyless_layer
 from .sequences import repeat_sequences, select_sequences
 from .sliding import KVBytes, SlidingLayer, cache_kv_bytes, kv_bytes_parts  # noqa: F401 (cache_kv_bytes: re-exported)
-from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice
+from .temperatures import QUESTION_DEFAULT, Scenario, TauChoice, calibration_key
 
 # The key under which ``update`` hands the cache to the kvcake attention: modules call ``cache.update(k,
 # v, layer_idx, kwargs=kwargs)``, then ``attention_interface(..., **kwargs)`` with that same dict: it
@@ -168,7 +168,7 @@ class KVCakeCache(RecurrentStates, Cache):
         self.progress = check_flag("progress", progress)  # True: a bar over the layers in prefill
         self.tau: TauChoice | None = None  # CAKE's temperatures, once the budget is known (temperatures.py)
         cake = isinstance(self.method.layers, CakeAllocator)  # its temperatures: per model
-        self._fingerprint = model_fingerprint(model) if cake else None
+        self._fingerprint = calibration_key(model) if cake else None
         self._model_name, self._family = (model_name(model), tau_family(model)) if cake else (None, None)
         self.static = check_flag("static", static)  # see the class docstring; False: the dynamic reference
         self._max_cache_len = check_capacity(max_cache_len)

@@ -232,19 +232,31 @@ def output_device(model: torch.nn.Module) -> torch.device:
     return dev or input_device(model)
 
 
+def _text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module holding the text layers (``get_decoder``: a vision-language model's language
+    model), or ``model`` itself where it names none."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):  # a plain module, or a bespoke wrapper
+        return model
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
 def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
     """(L,) the device of each attention layer, read off the modules that carry ``layer_idx``
     (transformers' attention modules): where accelerate runs it (the execution device of its
     nearest hooked ancestor: offloaded layers hold their weights on the meta device), else its
-    weights' device. Layers not found fall back to the input device."""
+    weights' device. Layers not found fall back to the input device. Only the text decoder's
+    modules count: a vision tower's layers carry a ``layer_idx`` of their own (Gemma 4's)."""
     found: dict[int, torch.device] = {}
     hooked: dict[str, torch.device] = {}  # accelerate's execution device of each hooked module
+    text = {id(m) for m in _text_decoder(model).modules()}
     for name, module in model.named_modules():
         dev = _hook_device(module)
         if dev is not None:
             hooked[name] = dev
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and 0 <= idx < num_layers and idx not in found:
+        if isinstance(idx, int) and 0 <= idx < num_layers and idx not in found and id(module) in text:
             # the nearest hooked ancestor decides where the layer runs (its weights may be on meta)
             owners = [n for n in hooked if name == n or name.startswith(n + ".") or n == ""]
             dev = hooked[max(owners, key=len)] if owners else _first_device(module)

@@ -16,7 +16,15 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["VOLATILE_KEYS", "default_cache_root", "model_fingerprint", "strip_volatile"]
+__all__ = [
+    "RUNTIME_KEYS",
+    "VOLATILE_KEYS",
+    "config_digests",
+    "default_cache_root",
+    "kv_fingerprint",
+    "model_fingerprint",
+    "strip_volatile",
+]
 
 
 VOLATILE_KEYS = frozenset(
@@ -32,6 +40,31 @@ VOLATILE_KEYS = frozenset(
         "output_attentions",
         "output_hidden_states",
         "return_dict",
+    }
+)
+
+
+#: Config fields the fingerprint covers (changing them would change every shipped and saved
+#: fingerprint) that change nothing a model computes for its keys and values: the special tokens'
+#: ids (``model.config.pad_token_id = tokenizer.eos_token_id`` is a common line before generating),
+#: a classification head's labels, and the like. A context file or a calibration made with other
+#: values of these serves the model (:func:`kv_fingerprint`).
+RUNTIME_KEYS = frozenset(
+    {
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "finetuning_task",
+        "task_specific_params",
+        "prefix",
+        "tokenizer_class",
+        "chunk_size_feed_forward",
+        "output_router_logits",
     }
 )
 
@@ -77,8 +110,43 @@ def model_fingerprint(model: Any) -> str:
     -------
     16 hexadecimal characters (the start of a SHA-256 digest).
     """
+    return hashlib.sha256(json.dumps(_config(model), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _config(model: Any) -> dict:
     config = getattr(model, "config", model)
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"expected a transformers model or config, got {type(model).__name__}")
-    blob = json.dumps(strip_volatile(config.to_dict()), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return strip_volatile(config.to_dict())
+
+
+def _leaves(value: Any, path: str = "") -> dict[str, Any]:
+    """``{"text_config.num_hidden_layers": 30, ...}``: every leaf of a config dict by its path."""
+    if isinstance(value, dict) and value:
+        return {
+            k: v
+            for key, sub in value.items()
+            for k, v in _leaves(sub, f"{path}.{key}" if path else key).items()
+        }
+    return {path: value}
+
+
+def config_digests(model: Any) -> dict[str, str]:
+    """Each field the fingerprint covers, by its path in the config, hashed (8 hexadecimal digits):
+    what a context file keeps to name the fields in which another model differs."""
+    return {
+        path: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        for path, value in _leaves(_config(model)).items()
+    }
+
+
+def runtime_only(paths) -> bool:
+    """Whether every config field in ``paths`` (dotted) is one of :data:`RUNTIME_KEYS`."""
+    return all(path.rsplit(".", 1)[-1] in RUNTIME_KEYS for path in paths)
+
+
+def kv_fingerprint(model: Any) -> str:
+    """:func:`model_fingerprint` without :data:`RUNTIME_KEYS`, at any depth: equal for the same model
+    with other special-token ids, under which a calibration made for it still holds."""
+    leaves = {p: v for p, v in _leaves(_config(model)).items() if not runtime_only([p])}
+    return hashlib.sha256(json.dumps(leaves, sort_keys=True, default=str).encode()).hexdigest()[:16]

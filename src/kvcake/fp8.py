@@ -135,12 +135,13 @@ def _conversion_problem(device: str) -> str | None:
 
 def scales_of(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, split=None):
     """(key scale, value scale), 0-d in ``dtype``: each the power of two that maps its tensor's
-    largest magnitude into (224, 448] / HEADROOM (1 for zeros). With a ``HeadSplit``, the largest
+    largest magnitude into (224, 448] / HEADROOM (1 for zeros; at least ``dtype``'s smallest normal,
+    which float16 would otherwise round to 0 below magnitudes of 1e-5). With a ``HeadSplit``, the largest
     over every rank's tensors (one all-gather of the two magnitudes; the same scales on every rank)."""
     amax = torch.stack([_amax(keys), _amax(values)]).float()
     if split is not None:
         amax = split.gather(amax).amax(0)
-    fitted = torch.exp2(torch.ceil(torch.log2(amax * HEADROOM / FP8_MAX)))
+    fitted = torch.exp2(torch.ceil(torch.log2(amax * HEADROOM / FP8_MAX))).clamp(min=torch.finfo(dtype).tiny)
     scales = torch.where(amax > 0, fitted, torch.ones_like(amax)).to(dtype)
     return scales[0], scales[1]
 

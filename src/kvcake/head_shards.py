@@ -21,9 +21,10 @@ def find_splits(model: torch.nn.Module) -> tuple[HeadSplit | None, HeadSplit | N
 
     transformers' tensor parallelism stores sharded weights as ``DTensor``s on its device mesh;
     the mesh's ``"tp"`` dimension (or its only dimension) is the group of ranks sharing heads. The
-    heads are split where the attention's output projection is sharded; a plan that leaves the
-    attention whole (DeepSeek-V3's in transformers 5.24 and GPT-OSS's split the MLP, the experts or
-    the embeddings only) has every rank hold every head and compress alike: no split.
+    heads are split where the attention's output projection is sharded and the keys are split with
+    it; a plan that leaves the attention whole (DeepSeek-V3's in transformers 5.24 and GPT-OSS's
+    split the MLP, the experts or the embeddings only), or gathers the keys on every rank (OLMo 2's),
+    has every rank hold every head and compress alike: no split.
     """
     try:
         from torch.distributed.tensor import DTensor
@@ -47,5 +48,38 @@ def find_splits(model: torch.nn.Module) -> tuple[HeadSplit | None, HeadSplit | N
             return None, None
         split = HeadSplit(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
         latent = latent_dims(model.config.get_text_config()) is not None
-        return (None, split) if latent else (split, None)
+        if latent:
+            return None, split
+        return (split, None) if _keys_split(model, split.world) else (None, None)
     return None, None
+
+
+#: The projections whose output holds a layer's keys, fused or not (transformers' own list, in
+#: ``get_kv_heads_per_rank``), and the plan styles that give each rank a block of their heads.
+KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+HEAD_BLOCKS = ("colwise", "packed_colwise", "unit_colwise")
+
+
+def _keys_split(model: torch.nn.Module, world: int) -> bool:
+    """Whether the plan gives each rank a block of the KV heads (``colwise`` keys), or every rank
+    all of them: OLMo 2's plan gathers the keys (``colwise_gather_output``, its norms span every
+    head) and splits only the output projection's input, so every rank caches every head and
+    compresses alike. A plan that names no key projection is taken as splitting the heads, as the
+    sharded output projection says. ``unit_colwise`` with fewer KV heads than ranks, or a count
+    the ranks do not divide, repeats heads on several ranks: refused."""
+    plan = getattr(model, "tp_plan", None) or {}
+    styles = {style for key, style in plan.items() if key.rsplit(".", 1)[-1] in KEY_PROJECTIONS}
+    if styles and not styles & set(HEAD_BLOCKS):
+        return False
+    if "unit_colwise" not in styles:
+        return True
+    text = model.config.get_text_config()
+    views = getattr(text, "per_layer_config", None) or [text]  # (Gemma 4's layers have their own)
+    kv_heads = {getattr(view, "num_key_value_heads", None) or view.num_attention_heads for view in views}
+    if repeated := sorted(heads for heads in kv_heads if heads % world):
+        raise ValueError(
+            f"the tensor-parallel plan repeats KV heads over the ranks ('unit_colwise' keys, {repeated[0]} "
+            f"KV heads on {world} ranks): each rank would compress its copy of a head apart from the others; "
+            "run on a number of ranks that divides the KV heads, or load the model whole"
+        )
+    return True

@@ -137,3 +137,20 @@ def check_vocabulary(model, ids: torch.Tensor, name: str = "input_ids") -> None:
             f"{name} holds token id {bad}, outside the model's vocabulary (ids 0 to "
             f"{table.num_embeddings - 1}): tokenize with this model's own tokenizer"
         )
+
+
+def check_model(model: torch.nn.Module, entry: str) -> None:
+    """Refuse, before anything reads it, a first argument that is not a model that generates: a
+    tokenizer passed first, or a base model without its language-model head (``LlamaModel``)."""
+    if isinstance(model, torch.nn.Module) and callable(getattr(model, "generate", None)):
+        return
+    kind = type(model).__name__
+    if isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{kind} has no generate (a base model without its language-model head): load the model with "
+            f"AutoModelForCausalLM (or kvcake.load_model) and pass that to kvcake.{entry}"
+        )
+    raise TypeError(
+        f"kvcake.{entry} takes the model first, got {kind}: kvcake.{entry}(model, input_ids, method, ...), "
+        "with model, tokenizer = kvcake.load_model(...) (or AutoModelForCausalLM.from_pretrained)"
+    )

@@ -37,7 +37,8 @@ from pathlib import Path
 
 from .allocators.cake import FALLBACK_TAU, CakeAllocator, default_tau, family_key, tau_family
 from .defaults import SCENARIOS
-from .fingerprints import default_cache_root, model_fingerprint
+from .fingerprints import default_cache_root, kv_fingerprint, model_fingerprint
+from .scenarios import QUESTION_DEFAULT, Scenario, check_scenario
 
 logger = logging.getLogger(__name__)
 
@@ -79,42 +80,6 @@ def parse_indicator(value: str | tuple[str, int]) -> tuple[str, int]:
             or isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1 or value[1] % 2 == 0):  # fmt: skip
         raise ValueError(f"an indicator is ('avg'|'max', odd kernel >= 1), e.g. 'max7'; got {value!r}")
     return value
-
-
-def check_scenario(value: object) -> str:
-    """``value`` if it names a scenario (:data:`SCENARIOS`), else a ValueError naming the fix."""
-    if value not in SCENARIOS:
-        raise ValueError(
-            f"scenario must be 'question' (the compressed prompt ends with the question) or 'context' "
-            f"(a document compressed alone, asked about later), got {value!r}"
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """Which temperature set a cache uses (``name``, one of :data:`SCENARIOS`) and ``why``: the
-    entry point that implied it, or that it was given."""
-
-    name: str
-    why: str
-
-    def __post_init__(self) -> None:
-        check_scenario(self.name)
-
-    @classmethod
-    def pick(cls, given: str | Scenario | None, default: str, entry: str) -> Scenario:
-        """``given`` if set (a :class:`Scenario` is kept as it is), else ``default`` implied by ``entry``."""
-        if isinstance(given, Scenario):
-            return given
-        if given is not None:
-            return cls(check_scenario(given), f"scenario={given!r} given")
-        return cls(default, entry)
-
-
-QUESTION_DEFAULT = Scenario(
-    "question", "a KVCakeCache for model.generate compresses the prompt with its question"
-)
 
 
 def _points(raw) -> tuple[TauPoint, ...]:
@@ -290,6 +255,23 @@ def find_calibration(fingerprint: str) -> tuple[Calibration, str] | None:
     return None
 
 
+def calibration_key(model) -> str:
+    """The fingerprint ``model``'s calibration is filed under: its own, or, where none is filed
+    under it, that of a calibration made for the same model with other special-token ids
+    (``fingerprints.kv_fingerprint``, which calibrations keep in their ``meta``): a
+    ``model.config.pad_token_id = ...`` before compressing must not lose the calibrated temperatures."""
+    fingerprint = model_fingerprint(model)
+    if find_calibration(fingerprint) is not None:
+        return fingerprint
+    kv = kv_fingerprint(model)
+    for folder in (local_dir(), SHIPPED_DIR):
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+            cal = _read(path, path.stat().st_mtime_ns)
+            if cal.meta.get("kv_fingerprint") == kv and path == calibration_path(cal.fingerprint, folder):
+                return cal.fingerprint
+    return fingerprint
+
+
 def resolve_tau(
     fingerprint: str,
     model_type: str,
@@ -379,7 +361,7 @@ def method_tau_label(model, method, scenario: str | None = None) -> str | None:
     if not isinstance(layers, CakeAllocator):
         return None
     return tau_source_label(
-        model_fingerprint(model), tau_family(model), layers.tau1, layers.tau2, layers.tau_from, scenario
+        calibration_key(model), tau_family(model), layers.tau1, layers.tau2, layers.tau_from, scenario
     )
 
 

@@ -88,14 +88,19 @@ def group_mean(group_split: HeadSplit | None, t: torch.Tensor) -> torch.Tensor:
     return t if group_split is None else group_split.pool(t, "mean")
 
 
-def local_weight(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a weight (a plain tensor stays as it is)."""
+def local_weight(weight: torch.Tensor, whole: bool = False) -> torch.Tensor:
+    """This rank's shard of a weight (a plain tensor stays as it is); ``whole``: the whole matrix,
+    gathered from every rank's shard (``full_tensor``, a collective every rank runs at the same
+    point), for a layer whose heads every rank holds while the plan shards the weight (OLMo 2's
+    output projection, its keys gathered: ``head_shards.find_splits``)."""
     if not torch.distributed.is_available():  # a torch built without distributed has no shards
         return weight
     from torch.distributed.tensor import DTensor  # here: importing it costs most of a second
 
     # isinstance, not getattr(weight, "to_local"): torch.compile traces the former only
-    return weight.to_local() if isinstance(weight, DTensor) else weight
+    if not isinstance(weight, DTensor):
+        return weight
+    return weight.full_tensor() if whole else weight.to_local()
 
 
 SLOTS = 1 << 32

@@ -28,12 +28,13 @@ Checked per preset and path:
   one-process ones (taken over every rank's heads).
 
 A tiny DeepSeek-V3 (latent attention, ``kvcake.latent``; MoE), a tiny Falcon-H1 (attention beside
-a Mamba block in every layer, ``kvcake.hybrid_layer``) and a tiny GPT-OSS (attention sinks, loaded
-with the eager attention; sliding and full layers; MoE) last: transformers' plans split DeepSeek-V3's
-MLP and experts (5.24; 5.25's splits its query heads too) and the others' embeddings and leave their
-attention whole, so every rank holds every head and the whole cache and compresses alike with no
-split (``WHOLE_PRESETS``, both paths): tokens, logits, budgets, kept positions and bytes as one
-process's. Then DeepSeek-V3 again with its query heads split (``MLA_HEADS_PLAN``, as 5.25's plan
+a Mamba block in every layer, ``kvcake.hybrid_layer``), a tiny GPT-OSS (attention sinks, loaded
+with the eager attention; sliding and full layers; MoE) and a tiny OLMo 2 last: transformers' plans
+split DeepSeek-V3's MLP and experts (5.24; 5.25's splits its query heads too) and the others'
+embeddings and leave their attention whole, or (OLMo 2's) gather the keys on every rank and split
+only the output projection's input (CriticalKV reads it gathered), so every rank holds every head
+and the whole cache and compresses alike with no split (``WHOLE_PRESETS``, both paths): tokens,
+logits, budgets, kept positions and bytes as one process's. Then DeepSeek-V3 again with its query heads split (``MLA_HEADS_PLAN``, as 5.25's plan
 does): every rank holds the latents whole and a share of the query group (``group_split``), and
 pools what it scores over the group with the other ranks; every preset on both paths, float8 and
 beam search for ``HYBRID_PRESETS``, compressed contexts (answers, and one saved by rank 0 loaded into
@@ -67,6 +68,8 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
 )
 
 import kvcake
@@ -113,7 +116,7 @@ MODELS = (
 )
 # the models whose attention the plan leaves whole (but for latents' query heads), with the presets
 # run on them (``check_whole``): the last, DeepSeek-V3 with its query heads split, runs every preset
-WHOLE = ("deepseek_v3", "falcon_h1", "gpt_oss", "deepseek_v3_heads")
+WHOLE = ("deepseek_v3", "falcon_h1", "gpt_oss", "olmo2", "deepseek_v3_heads")
 # DeepSeek-V3's query heads split over the ranks, its latents whole on each (transformers 5.25's plan
 # for its attention; 5.24 takes it as an override of its own plan)
 MLA_HEADS_PLAN = {
@@ -135,6 +138,7 @@ HEADINGS = {
     "deepseek_v3_heads": "DeepSeek-V3 with its query heads split (MLA_HEADS_PLAN; the latents whole on every rank):",
     "falcon_h1": "Falcon-H1 (attention beside Mamba in every layer; the plan splits its embeddings only):",
     "gpt_oss": "GPT-OSS (attention sinks, sliding and full layers, MoE; the plan splits its embeddings only):",
+    "olmo2": "OLMo 2 (the plan gathers the keys on every rank and splits the output projection's input):",
     "qwen3_5": "Qwen3.5 hybrid (linear attention, full, linear attention, full):",
     "llama4": "Llama 4 (three chunked layers of 64 tokens, then a full one, twice; MoE in every layer):",
 }
@@ -186,6 +190,8 @@ def save_tiny(folder: str, kind: str) -> None:
         DeepseekV3ForCausalLM(DeepseekV3Config(**{**shape, "num_key_value_heads": 8}, **mla)).save_pretrained(
             folder
         )
+    elif kind == "olmo2":  # q/k/v colwise_gather_output (norms over every head), o_proj rowwise_split_input
+        Olmo2ForCausalLM(Olmo2Config(**shape)).save_pretrained(folder)
     else:
         LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
 

@@ -20,6 +20,7 @@ from kvcake.defaults import (
     CALIBRATION_SAMPLES,
     CALIBRATION_TEXT,
 )
+from kvcake.fingerprints import kv_fingerprint
 from kvcake.haystack import Haystack, resolve_haystack
 from kvcake.models import model_fingerprint, model_name
 from kvcake.scorers.cake import CakeScorer
@@ -196,6 +197,7 @@ def calibrate(
         "indicators": {s: [indicator_name(i) for i in inds[s]] for s in SCENARIOS},
         "parts": {s: dict(Counter(r.part for r in refs[s])) for s in SCENARIOS}, "forward_seconds": round(forward_s, 1),
         "seconds": round(time.perf_counter() - start, 1), "points": meta_points,
+        "kv_fingerprint": kv_fingerprint(model),  # found under other special-token ids too
     }  # fmt: skip
     name = model_name(model)  # what --model loads it by (a built-in's name without the @transformers-x)
     name = type(model).__name__ if name == "MODEL" else Path(name).name

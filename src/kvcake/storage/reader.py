@@ -19,12 +19,15 @@ from ..cascade import SequenceBudgets
 from ..context import CompressedContext
 from ..cross import CrossLayer, restore_cross
 from ..devices import input_device, layer_devices, output_device
+from ..fingerprints import runtime_only
 from ..fp8 import RECENT_TENSORS, hold_recent
 from ..hybrid_layer import HybridLayer
 from ..method import _rebuild_method
+from ..prompts import check_model
 from ..ragged import RaggedMeta
 from ..recurrent import EmptyLayer, RecurrentLayer, restore_recurrent, restore_states
 from ..sliding import SlidingLayer, restore_sliding
+from ..temperatures import Scenario
 from .format import _DIGEST_KEY, _MAX_HEADER, _META_KEY, ContextFileError, _digest, _read_header
 from .writer import TOKEN_INPUTS_PREFIX, _model_meta
 
@@ -78,6 +81,7 @@ def load_context(
             f"load_context(model, path) takes the model first, then the file, got ({type(model).__name__}, "
             f"{type(path).__name__}): kvcake.load_context(model, 'doc.kvc')"
         )
+    check_model(model, "load_context")  # (a base model: its context could not answer)
     p = Path(path).expanduser()
     size = _file_size(p)
     data = p.read_bytes()
@@ -107,20 +111,40 @@ def _describe_saved(m: dict[str, Any]) -> str:
 
 
 def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> None:
+    """The model the file was saved for: its fingerprint, or (files that keep the config's digests)
+    a config that differs from it only in fields that change no key or value (``RUNTIME_KEYS``:
+    a ``pad_token_id`` set before generating), named in the refusal otherwise."""
     saved = meta.get("model") or {}
     here = _model_meta(model)
-    if saved.get("fingerprint") != here["fingerprint"] or any(
-        saved.get(k) != here[k] for k in ("model_type", "num_layers", "num_kv_heads", "head_dim")
+    shape = ("model_type", "num_layers", "num_kv_heads", "head_dim")
+    differ = _differing_fields(saved.get("config_digests"), here["config_digests"])
+    if any(saved.get(k) != here[k] for k in shape) or (
+        saved.get("fingerprint") != here["fingerprint"] and (differ is None or not runtime_only(differ))
     ):
-        raise ContextFileError(
-            f"{path} was saved for model {_describe_saved(saved)}; this is {_describe_saved(here)}: load it "
-            "with the model it was saved for, or compress the document again with this one"
+        fields = (
+            f" (its config differs in {', '.join(differ[:6])}{', ...' if len(differ) > 6 else ''})"
+            if differ
+            else ""
         )
+        raise ContextFileError(
+            f"{path} was saved for model {_describe_saved(saved)}; this is {_describe_saved(here)}{fields}: "
+            "load it with the model it was saved for, or compress the document again with this one"
+        )
+    if differ:
+        logger.info("%s was saved with other %s: fields that change no key or value", path, ", ".join(differ))
     if meta.get("kv_dtype") != here["dtype"]:
         raise ContextFileError(
             f"{path} holds {meta.get('kv_dtype')} keys and values but the model runs in {here['dtype']}: "
             f"load the model with dtype=torch.{meta.get('kv_dtype')} (the command line: --dtype {meta.get('kv_dtype')})"
         )
+
+
+def _differing_fields(saved: dict | None, here: dict[str, str]) -> list[str] | None:
+    """The config fields whose digests differ (either side's own included), or None where the file
+    keeps no digests (saved before they were kept)."""
+    if not isinstance(saved, dict):
+        return None
+    return sorted(k for k in saved.keys() | here.keys() if saved.get(k) != here.get(k))
 
 
 def _rebuild(
@@ -138,7 +162,11 @@ def _rebuild(
             f"its method rebuilds as {method.describe()!r}, not the saved {m['describe']!r}"
         )
     try:
-        cache = KVCakeCache(model, method, static=False, kv_dtype=meta["cache"].get("kv_storage"))
+        saved = meta["cache"].get("scenario")  # (older files: the cache's default, question-aware)
+        scenario = Scenario(saved["name"], saved["why"]) if saved else None
+        cache = KVCakeCache(
+            model, method, static=False, kv_dtype=meta["cache"].get("kv_storage"), scenario=scenario
+        )
     except ValueError as err:
         raise ContextFileError(f"its storage cannot be rebuilt: {err}") from None
     if cache.split is not None:
@@ -244,7 +272,12 @@ def _rebuild(
     if "cache.seq.lengths" in tensors:
         cache.seq = SequenceBudgets(**{f.name: tensors.get(f"cache.seq.{f.name}")
                                        for f in dataclasses.fields(SequenceBudgets)})  # fmt: skip
-    cache._tau = tuple(c["tau"]) if c["tau"] is not None else None
+    cache._tau = tuple(c["tau"]) if c["tau"] is not None else None  # (source "saved": older files)
+    if cache.tau is not None and c.get("tau_choice"):
+        how = c["tau_choice"]
+        rows = tuple(tuple(r) for r in how["rows"])
+        cache.tau = dataclasses.replace(cache.tau, source=how["source"], scenario=cache.scenario,
+                                        set_used=how["set_used"], indicator=how["indicator"], rows=rows)  # fmt: skip
     cache.peak_kv_bytes = int(c["peak_kv_bytes"])
     cache.prefill_peak_kv_bytes = int(c["prefill_peak_kv_bytes"])
     cache.prefilled = True

@@ -40,11 +40,14 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _model_meta(model: torch.nn.Module) -> dict[str, Any]:
-    from ..models import model_fingerprint
+    from ..fingerprints import config_digests, model_fingerprint
 
     info = describe_model(model)
     return {
         "fingerprint": model_fingerprint(model),
+        "config_digests": config_digests(
+            model
+        ),  # which fields differ, where another model's fingerprint does
         "name_or_path": str(getattr(model.config, "_name_or_path", "") or ""),
         "model_type": info.model_type,
         "num_layers": info.num_layers,
@@ -53,6 +56,28 @@ def _model_meta(model: torch.nn.Module) -> dict[str, Any]:
         "head_dim": info.head_dim,
         "dtype": str(model.dtype).removeprefix("torch."),
     }
+
+
+def _tau_choice(tau) -> dict | None:
+    """CAKE's temperatures' provenance (``temperatures.TauChoice`` but the two values), or None."""
+    if tau is None:
+        return None
+    return {"source": tau.source, "set_used": tau.set_used, "indicator": tau.indicator,
+            "rows": [list(row) for row in tau.rows]}  # fmt: skip
+
+
+def _check_extra(extra) -> None:
+    """``extra=`` as JSON keeps it: an object (str keys) of JSON values, or None."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(
+            f"extra= must be a dict with str keys, got {extra!r}: e.g. extra={{'source': 'doc.txt'}}"
+        )
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"extra= must hold JSON values (str, numbers, lists, dicts): {err}") from None
 
 
 def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None = None) -> Path:
@@ -75,6 +100,7 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             "save_context takes a compressed context (kvcake.compress(model, ids, ...)), got a KVCakeCache: "
             "a file keeps the ids and the last logits beside the cache, so that questions can follow it"
         )
+    _check_extra(extra)
     ctx.check_placement()  # the model's dtype and device, which the file records, are the cache's
     cache = ctx.cache
     if not isinstance(cache, KVCakeCache) or not cache.prefilled:
@@ -171,6 +197,8 @@ def save_context(ctx: Any, path: str | os.PathLike[str], *, extra: dict | None =
             "peak_kv_bytes": int(cache.peak_kv_bytes),
             "prefill_peak_kv_bytes": int(cache.prefill_peak_kv_bytes),
             "tau": list(cache._tau) if cache._tau is not None else None,
+            "tau_choice": _tau_choice(cache.tau),  # where they came from, as `inspect` and the CLI say
+            "scenario": {"name": cache.scenario.name, "why": cache.scenario.why},
             "num_stages": len(cache.stage_budgets),
             "kv_bytes": int(cache.kv_bytes()),
             "kept_entries": int(cache.kept_entries()),
