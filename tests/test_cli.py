@@ -171,6 +171,14 @@ def test_threads_must_be_positive(capsys, monkeypatch, command, value):
         (["--length", "40"], "length must be an int >= 65, got 40"),
         (["--indicators", "avg4"], "odd kernel"),
         (["--ratios", "", "--budgets", ""], "give at least one ratio or budget"),
+        # each of these ran every full forward first (a ratio below the window: minutes on SmolLM2)
+        (
+            ["--ratios", "0.01"],
+            "--ratios 0.01 keeps 20 entries of a 2048-token calibration prompt, fewer than",
+        ),
+        (["--ratios", "1"], "--ratios 1.0 keeps every token of a 2048-token calibration prompt"),
+        (["--budgets", "16"], "the window 32 is larger than --budgets 16"),
+        (["--budgets", "4096"], "--budgets 4096 keeps every token"),
     ],
 )
 def test_calibrate_checks_its_settings_before_loading_the_model(capsys, monkeypatch, args, message):

@@ -7,6 +7,7 @@ import os
 import stat
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -383,3 +384,29 @@ def test_org_name_ids_are_tried_even_when_they_resemble_a_builtin(monkeypatch):
     with pytest.raises(FileNotFoundError) as info:
         load_model("someorg/unrelated-model")
     assert "needs no download" not in str(info.value)
+
+
+def test_a_converted_user_gguf_is_named_by_its_file_and_never_served_for_another(monkeypatch, tmp_path):
+    """A user's ``My-Finetune.Q4_K_M.gguf`` converts to ``my-finetune.q4_k_m@transformers-...``:
+    ``model_name`` (the name the calibration warning tells to load) gave that folder's stem, which
+    no loader finds. And two files of one name in two folders, equal in size and time, shared one
+    conversion: the second got the first one's weights."""
+    first, second = tmp_path / "a" / "My-Finetune.Q4_K_M.gguf", tmp_path / "b" / "My-Finetune.Q4_K_M.gguf"
+    for gguf in (first, second):
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"not really a gguf file")
+        os.utime(gguf, ns=(1, 1))
+    made = []
+
+    def fake_convert(src, out):
+        conversion._write_atomically(out, lambda tmp: _write_valid_conversion(tmp, src))
+        made.append(src)
+        return None, None
+
+    monkeypatch.setattr(conversion, "convert_gguf", fake_convert)
+    cache = tmp_path / "cache"
+    for gguf in (first, second):
+        folder = conversion._ensure_converted(gguf, conversion.converted_folder(cache, "my-finetune.q4_k_m"))
+    assert made == [first, second]  # the second file converted, not served the first's folder
+    model = SimpleNamespace(name_or_path=str(folder), config=SimpleNamespace())
+    assert models.model_name(model) == str(second.resolve())

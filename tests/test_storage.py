@@ -188,6 +188,14 @@ def _layer0(key, value):
     return lambda meta: meta["layers"][0].update({key: value})
 
 
+def _retype(name, dtype):
+    return lambda tensors: tensors.update({name: tensors[name].to(dtype)})
+
+
+def _shift(name, by):
+    return lambda tensors: tensors.update({name: tensors[name] + by})
+
+
 def _cut(name, dim):  # one entry fewer along ``dim``
     return lambda tensors: tensors.update(
         {name: tensors[name].narrow(dim, 0, tensors[name].shape[dim] - 1).contiguous()}
@@ -210,7 +218,28 @@ INCONSISTENT = {
                        "its context ids do not match its description"),
     "counts": ({"edit_tensors": _cut("layers.0.counts", 1)}, "layer 0 has inconsistent shapes"),
     "positions": ({"edit_tensors": _cut("layers.0.positions", 2)}, r"layer 0: dense keys \(.*\) do not fit the model"),
+    # each of these loaded, then answered otherwise or failed at the first question
+    "positions' dtype": ({"edit_tensors": _retype("layers.0.positions", torch.float32)},
+                         "layers.0.positions holds torch.float32, not torch.int64"),
+    "positions past the context": ({"edit_tensors": _shift("layers.0.positions", 1000)},
+                                   "layers.0.positions holds positions outside the 160-token context"),
+    "ids' dtype": ({"edit_tensors": _retype("context.input_ids", torch.float32)}, "context.input_ids holds torch.float32"),
+    "keys' dtype": ({"edit_tensors": _retype("layers.1.keys", torch.float16)},
+                    "layers.1.keys holds torch.float16, not the model's float32"),
+    "mask": ({"edit_tensors": _cut("context.attention_mask", 1)}, r"its attention mask \(1, 159\) does not fit its ids"),
+    "decoding budgets": ({"edit_tensors": _cut("cache.decode_budget", 1)}, "does not hold a context this model can rebuild"),
 }  # fmt: skip
+
+
+def test_float8_scales_must_be_one_positive_number():
+    meta = {"context": {"length": 4}, "kv_dtype": "float32"}
+    ids = {
+        "context.input_ids": torch.zeros(1, 4, dtype=torch.long),
+        "context.attention_mask": torch.ones(1, 4, dtype=torch.long),
+    }
+    for scale in (torch.tensor(0.0), torch.tensor(float("inf")), torch.ones(3)):
+        with pytest.raises(ContextFileError, match="layers.0.key_scale must be one positive scale"):
+            storage.reader._check_tensors({**ids, "layers.0.key_scale": scale}, meta)
 
 
 @pytest.mark.parametrize("case", sorted(INCONSISTENT))

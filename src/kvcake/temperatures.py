@@ -31,7 +31,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shlex
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,9 +233,11 @@ def save_calibration(cal: Calibration, folder: Path | None = None) -> Path:
     """Write ``cal`` to ``folder`` (default :func:`local_dir`) atomically; returns the path."""
     path = calibration_path(cal.fingerprint, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(cal.to_json(), encoding="utf-8")
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # its own: two writers never mix
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(cal.to_json())
+    os.chmod(tmp, 0o644)  # (mkstemp's 0600: a calibration is as readable as any file written here)
+    os.replace(tmp, path)
     return path
 
 

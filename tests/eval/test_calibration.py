@@ -275,8 +275,13 @@ def test_calibrate_rejects_bad_input(tiny_llama):
     tok = WordTokenizer()
     for kwargs, match in (({"samples": 0}, "samples"), ({"ratios": (), "budgets": ()}, "at least one"),
                           ({"grid": 1}, "grid"), ({"length": 8}, "length"), ({"text": "/no/such/file"}, "haystack"),
-                          ({"ratios": (1.5,)}, "ratio")):  # fmt: skip
+                          ({"ratios": (1.5,)}, "ratio"), ({"ratios": (1.0,)}, "keep_ratio=1.0 keeps every token"),
+                          ({"ratios": (0.01,)}, "fewer than the 32-token window")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
+            kvcake.calibrate(tiny_llama, tok, **kwargs)
+    for kwargs, match in (({"budgets": (40.9,)}, "budget must be an int, got float"),
+                          ({"ratios": (True,)}, "keep_ratio must be a number, got bool")):  # fmt: skip
+        with pytest.raises(TypeError, match=match):  # (were taken as 40, and as 1.0)
             kvcake.calibrate(tiny_llama, tok, **kwargs)
 
 
@@ -495,8 +500,6 @@ def test_the_shipped_calibrations_are_what_kvcake_calibrate_makes_by_default():
 def test_a_budget_keeping_the_whole_calibration_prompt_is_refused_before_any_forward(tiny_llama, monkeypatch):
     # nothing evicted: every temperature scored the full cache's KL of 0 and a meaningless point was written
     monkeypatch.setattr("kvcake.calibration.api.sample_reference", lambda *a: pytest.fail("a forward ran"))
-    with pytest.raises(
-        ValueError, match=r"budgets \[500\] keep every token of a \d+-token calibration prompt"
-    ):
+    with pytest.raises(ValueError, match=r"budget=500 keeps every token of a 96-token calibration prompt"):
         kvcake.calibrate(tiny_llama, WordTokenizer(), budgets=(40, 500), text=NoiseHaystack(), samples=1,
                          length=96, continuation=4, grid=3, window=4, save=False)  # fmt: skip

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvcake.allocators.cake import FALLBACK_TAU, default_tau, tau_family
-from kvcake.budget import BudgetSpec
+from kvcake.budget import BudgetSpec, check_sizes, spell
 from kvcake.context import check_positions
 from kvcake.defaults import (
     CALIBRATION_GRID,
@@ -69,17 +69,34 @@ def check_settings(
     grid=CALIBRATION_GRID,
     window=32,
     indicators=None,
+    names: dict[str, str] | None = None,
 ):
     """:func:`calibrate`'s settings checked, none of which needs the model (``kvcake calibrate``
-    checks them before loading it): (the indicators per scenario, the budget specs to calibrate at)."""
+    checks them before loading it, ``names`` its flags): (the indicators per scenario, the budget
+    specs to calibrate at). A size must evict from a ``length``-token prompt (keeping all of it,
+    every temperature scores 0) and keep at least the window (else it fails after every forward)."""
     for name, value, low in (("samples", samples, 1), ("length", length, 2 * window + 1),
                              ("continuation", continuation, 1), ("grid", grid, 2)):  # fmt: skip
         _check_positive_int(name, value, low)
     inds = _indicators(DEFAULT_INDICATORS if indicators is None else indicators)
     if ratios is None:
         ratios = () if budgets else CALIBRATION_RATIOS
-    specs = [BudgetSpec(ratio=float(r), window=window) for r in ratios]
-    specs += [BudgetSpec(budget=int(b), window=window) for b in budgets]
+    for ratio in ratios:
+        check_sizes(None, ratio, window, names)
+    for budget in budgets:
+        check_sizes(budget, None, window, names)
+    kept = [(spell("keep_ratio", r, names), round(r * length)) for r in ratios]
+    kept += [(spell("budget", b, names), b) for b in budgets]
+    for given, entries in kept:
+        if entries >= length:
+            raise ValueError(f"{given} keeps every token of a {length}-token calibration prompt, so no temperature "
+                             "can be told from another: calibrate at smaller sizes, or longer prompts (length)")  # fmt: skip
+        if entries < window:
+            raise ValueError(f"{given} keeps {entries} entries of a {length}-token calibration prompt, fewer than "
+                             f"the {window}-token window: calibrate at larger sizes")  # fmt: skip
+    specs = [BudgetSpec(ratio=r, window=window) for r in ratios] + [
+        BudgetSpec(budget=b, window=window) for b in budgets
+    ]
     if not specs:
         raise ValueError("give at least one ratio or budget to calibrate at")
     return inds, specs

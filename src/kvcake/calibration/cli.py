@@ -5,8 +5,9 @@ One set per scenario: ``question`` (the compressed prompt ends with the question
 distributions to the full cache's, relative to uniform layer budgets.
 
 Plugged into ``kvcake`` through ``kvcake.cli.EXTENSIONS`` (``configure_parser`` + ``run``). The
-result goes beside the converted models (``kvcake.temperatures.local_dir()``, or ``--out``),
-named by the model's fingerprint, and every CAKE preset picks it up from then on.
+result goes beside the converted models (``kvcake.temperatures.local_dir()``), named by the
+model's fingerprint, and every CAKE preset picks it up from then on; ``--out`` writes it to
+another folder instead, which nothing reads until the file is copied into ``local_dir()``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def configure_parser(subparsers) -> argparse.ArgumentParser:
                    help="CAKE indicators to search in both scenarios, e.g. avg5,max7; avg5 (the paper's) "
                         "alone turns the search off (default: max7 beside avg5 in both)")  # fmt: skip
     p.add_argument(
-        "--out", default=None, help="folder to write the calibration to (default: beside the models)"
+        "--out",
+        default=None,
+        help="folder to write the calibration to (default: beside the models, where CAKE reads it)",
     )
     p.add_argument("--threads", type=threads, default=None, help="torch.set_num_threads")
     return p
@@ -85,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
     from kvcake.calibration.api import calibrate, check_settings
     from kvcake.temperatures import calibration_path, local_dir
 
+    flags = {"keep_ratio": "--ratios", "budget": "--budgets", "window": "the window"}
     check_settings(args.ratios, args.budgets, args.samples, args.length, grid=args.grid,
-                   indicators=args.indicators)  # before the model loads  # fmt: skip
+                   indicators=args.indicators, names=flags)  # before the model loads  # fmt: skip
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = kvcake.load_model(args.model or kvcake.DEFAULT_MODEL, device=args.device,

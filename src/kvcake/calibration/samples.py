@@ -210,14 +210,18 @@ def build_texts(tokenizer, haystack: Haystack, kind: str, length: int, continuat
     if kind not in KINDS:
         raise ValueError(f"sample kind must be one of {KINDS}, got {kind!r}")
     rng = random.Random(f"kvcake-calibration-{kind}-{seed}")
+    # what the tokenizer puts before any text (Gemma 3's BOS; SmolLM2's nothing), as build_prompt
+    # does without a chat template: a prompt without it is one no user sends (Gemma's answers change)
+    start = tokenizer("", add_special_tokens=True)["input_ids"]
     if kind == "context" and seed % 2 == 0:
-        ids = _passage(tokenizer, haystack, rng, length + continuation)
+        ids = start + _passage(tokenizer, haystack, rng, length - len(start) + continuation)
         return Texts(ids[:length], ids[length:], [], "text")
     after = kind == "context"
     form = FORMS[tuple(FORMS)[(seed // 2 if after else seed) % len(FORMS)]]
     frame = chat_frame(tokenizer)
-    # as build_prompt: the turn's head, the passage, then question, turn change and prefix
-    head = [] if frame is None else _encode(tokenizer, frame[0])
+    # as build_prompt: the turn's head (or the tokenizer's start), the passage, then question,
+    # turn change and prefix
+    head = start if frame is None else _encode(tokenizer, frame[0])
     tail = PLAIN_ANSWER if frame is None else frame[1]
 
     def question(ask: str) -> list[int]:

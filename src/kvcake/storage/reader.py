@@ -97,11 +97,52 @@ def load_context(
         raise ContextFileError(f"{p} is corrupted: its checksum does not match its contents")
     _check_model(p, meta, model)
     try:
+        _check_tensors(tensors, meta)
         return _rebuild(model, meta, tensors, static)
     except KeyError as err:
         raise ContextFileError(f"{p} is incomplete: {err.args[0]!r} is missing") from None
     except ContextFileError as err:
         raise ContextFileError(f"{p}: {err}") from None
+    except (IndexError, RuntimeError, TypeError, ValueError) as err:  # a tensor of another shape
+        raise ContextFileError(f"{p} does not hold a context this model can rebuild: {err}") from None
+
+
+#: The integer tensors of a file, by the last part of their names (the stages' budgets too).
+_INTEGERS = {"budgets", "decode_budget", "lengths", "per_layer", "total", "window", "counts", "positions",
+             "recent_positions", "input_ids", "attention_mask", "rope_deltas"}  # fmt: skip
+_FLOATS = {"logits", "scores", "entropy", "variance", "preferences", "tau1", "tau2", "key_scale", "value_scale",
+           "recent_keys", "recent_values"}  # fmt: skip
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """What the writer writes, where a file whose checksum holds was edited by hand: ids, counts and
+    positions int64 (positions within the context, -1 a free slot), scores, logits and scales floating
+    point (keys and values in the model's dtype, or float8 bits), the float8 scales positive."""
+    length = int(meta["context"]["length"])
+    ids, mask = tensors["context.input_ids"], tensors["context.attention_mask"]
+    if ids.shape != mask.shape:
+        raise ContextFileError(
+            f"its attention mask {tuple(mask.shape)} does not fit its ids {tuple(ids.shape)}"
+        )
+    for name, t in tensors.items():
+        last = name.rsplit(".", 1)[-1]
+        if last in _INTEGERS or name.startswith("cache.stage_budgets."):
+            if t.dtype != torch.int64:
+                raise ContextFileError(f"{name} holds {t.dtype}, not torch.int64")
+            if (
+                last in ("positions", "recent_positions")
+                and t.numel()
+                and not -1 <= int(t.min()) <= int(t.max()) < length
+            ):
+                raise ContextFileError(f"{name} holds positions outside the {length}-token context")
+        elif last in ("keys", "values") and t.dtype not in (getattr(torch, meta["kv_dtype"]), torch.uint8):
+            raise ContextFileError(f"{name} holds {t.dtype}, not the model's {meta['kv_dtype']}")
+        elif last in _FLOATS and not t.dtype.is_floating_point:
+            raise ContextFileError(f"{name} holds {t.dtype}, not floating point numbers")
+        elif last in ("key_scale", "value_scale") and (
+            t.dim() != 0 or not bool(t > 0) or not bool(t.isfinite())
+        ):
+            raise ContextFileError(f"{name} must be one positive scale, got {t.tolist()}")
 
 
 def _describe_saved(m: dict[str, Any]) -> str:
