@@ -32,7 +32,7 @@ from kvcake.cache import KVCakeCache
 from kvcake.layer import KVCakeLayer
 from kvcake.method import DECODE_POLICIES, HEAD_ALLOCATORS, LAYER_ALLOCATORS, SCORERS, SELECTORS
 from kvcake.model_code import hands_kwargs_to_cache
-from shared_checks import KWARGS_HANDOFF, calls_while_tracing, graph_recorder
+from shared_checks import GREEDY, KWARGS_HANDOFF, calls_while_tracing, graph_recorder
 from tiny_hybrid import _tiny_gemma3
 
 pytestmark = pytest.mark.slow
@@ -788,3 +788,40 @@ def test_a_compiled_step_writes_the_new_entry_in_place(spec):
     stored = f"({', '.join(str(n) for n in layer.keys.shape)})"  # e.g. (1, 2, 1025, 16)
     assert stored in code[0]  # the step's code names the stored tensor (its size check) ...
     assert f"empty_strided_cpu({stored}" not in code[0]  # ... and allocates no copy of it
+
+
+@needs_kwargs_handoff
+@pytest.mark.parametrize("spec", ["adakv", "layer-defensivekv"])
+def test_a_head_wise_method_outgrowing_its_segments_grows_eagerly_or_is_refused_up_front(spec):
+    """Per-head budgets, every new token kept, no length known: past the 64 slots each segment
+    reserved, the step must lay the segments out anew, which only an eager step can (the counts are
+    on the host). A compiled step whole failed inside dynamo ("Could not guard on data-dependent
+    expression"): ``kvcake.generate(compile=True)`` now refuses it up front naming the fix, a step
+    compiled whole says why when it gets there, and transformers' default (``fullgraph=False``)
+    breaks the graph and grows eagerly, decoding eager's tokens."""
+    model = counts_llama(2)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    model.generation_config.max_length = 120  # the model's own: not read as a capacity
+    try:
+        with pytest.raises(ValueError, match="needs the generation's length up front.*pass max_new_tokens="):
+            kvcake.generate(model, ids, spec, budget=12, window=4, compile=True, do_sample=False)
+    finally:
+        model.generation_config.max_length = 20
+    outs = []
+    for fullgraph in (None, False, True):
+        cache = KVCakeCache(model, kvcake.make_method(spec, budget=12, window=4))  # no max_cache_len
+        kw = {"disable_compile": True}
+        if fullgraph is not None:
+            config = CompileConfig(fullgraph=fullgraph, backend="eager", mode=None)
+            config._compile_all_devices = True
+            kw = {"compile_config": config}
+        torch._dynamo.reset()
+        with kvcake.enable(model), contextlib.ExitStack() as stack:
+            if fullgraph:
+                stack.enter_context(pytest.raises(Exception, match="only an eager step can lay out anew"))
+            outs.append(
+                model.generate(
+                    ids, **with_cache(model, cache), min_new_tokens=80, max_new_tokens=80, **GREEDY, **kw
+                )
+            )
+    assert torch.equal(outs[0].sequences, outs[1].sequences) and outs[0].sequences.shape[1] == 120

@@ -52,6 +52,7 @@ from .context import (
     compile_options,
     generation_length,
 )
+from .decoding import check_compiled_room
 from .method import FULL, Method, make_method, resolve_ratio
 from .prompts import check_mask, check_model, check_vocabulary, is_integer, not_ids
 from .temperatures import Scenario
@@ -198,6 +199,7 @@ def generate(
     _warn_if_starved(m, input_ids.shape[1])
     room = generation_length(model, generate_kwargs, input_ids.shape[1])  # decode storage, preallocated
     compile_options(model, compile, static, generate_kwargs)
+    check_compiled_room(m, compile, room)
     cache = KVCakeCache(model, m, progress=progress, max_cache_len=room, static=static, scenario=scenario,
                         kv_dtype=kv_dtype, kv_recent=kv_recent)  # fmt: skip
     with enable(model), torch.no_grad():

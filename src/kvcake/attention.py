@@ -164,11 +164,14 @@ def _refuse_use_cache_off(module, args: tuple, kwargs: dict) -> None:
 
 @functools.cache
 def _warn_no_weights() -> None:
-    """Once a process: what ``output_attentions=True`` gets from a compressed layer's later steps."""
+    """Once a process: what ``output_attentions=True`` gets from a layer that no longer holds every
+    position in order (compressed, or a left-padded prompt's pads dropped: ``method="full"`` too)."""
     logger.warning(
-        "output_attentions=True: a compressed layer returns no attention weights for the tokens after "
-        "the prompt (its kept entries are not the model's positions); the prompt's are the model's own "
-        "(eager attention). kvcake.inspect.kept_mask(cache, length) says which positions each layer kept"
+        "output_attentions=True: a layer whose entries are not the model's positions in order (compressed, "
+        "or a padded prompt's pads dropped) returns no attention weights for the tokens after the prompt, "
+        "and transformers leaves those steps' tuples without it (empty where no layer has weights); the "
+        "prompt's are the model's own (eager attention). kvcake.inspect.kept_mask(cache, length) says "
+        "which positions each layer kept"
     )
 
 

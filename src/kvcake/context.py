@@ -26,6 +26,7 @@ from .adapters import (
 )
 from .attention import PREFIX, enable, padding_refused
 from .cache import KVCakeCache
+from .decoding import check_compiled_room
 from .prompts import check_vocabulary, is_integer, not_ids
 from .sliding import SlidingLayer
 
@@ -283,9 +284,9 @@ class CompressedContext:
         check_positions(self.model, self.input_ids.shape[1] + question_ids.shape[-1], generate_kwargs)
         ctx, full, mask = self._follow_ups(question_ids, attention_mask)
         cache = self.fork() if ctx is self else ctx.cache
-        cache.reserve(
-            generation_length(self.model, generate_kwargs, full.shape[1])
-        )  # static storage's capacity
+        room = generation_length(self.model, generate_kwargs, full.shape[1])
+        check_compiled_room(self.cache.method, compile, room)
+        cache.reserve(room)  # static storage's capacity
         rows = generation_rows(self.model, generate_kwargs)
         cache.batch_repeat_interleave(rows)  # generate repeats each sequence for its beams or samples
         with enable(self.model), torch.no_grad(), ctx._positions(rows):

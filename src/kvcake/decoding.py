@@ -191,3 +191,16 @@ def _across(cache: Cache):
     if cache.split is None or not scorer.layer_wide:
         return None
     return cache.split.head_mean
+
+
+def check_compiled_room(method, compile, room: int | None) -> None:
+    """Refuse a step compiled whole (``compile=True``, or a ``CompileConfig`` with ``fullgraph``) where a
+    head-wise method that keeps every new token (``decode=none``) would outgrow its segments: only an
+    eager step lays them out anew (``step.ragged.grow``), so their room must cover the generation."""
+    whole = compile is True or bool(getattr(compile, "fullgraph", False))
+    if whole and room is None and method.heads.ragged and method.decode == "none":
+        raise ValueError(
+            f"compile=True with {method.name or 'a head-wise method'} (per-head budgets, every new token kept) "
+            "needs the generation's length up front, and none was given (the model's own max_length is not "
+            "read: transformers releases count it differently): pass max_new_tokens="
+        )

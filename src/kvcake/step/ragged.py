@@ -232,6 +232,13 @@ def permute(layer, rows: torch.Tensor, host: np.ndarray) -> bool:
     return True
 
 
+OUTGROWN = (
+    "a compiled decode step ran out of the room kvcake reserved for a head-wise method's segments, which "
+    "only an eager step can lay out anew: give the generation's length up front (max_new_tokens=, or "
+    "KVCakeCache(..., max_cache_len=prompt + new tokens)), so the storage holds every token to come"
+)
+
+
 def to_dynamic(layer) -> None:
     """Back to the reference layout: compact segments, entries in position order."""
     entries = in_position_order(layer)
@@ -245,6 +252,9 @@ def to_dynamic(layer) -> None:
 
 def grow(layer) -> None:
     """decode=none: once the host-known room is gone, lay the layer out anew with ``GROWTH``
-    more slots per segment (amortised)."""
+    more slots per segment (amortised). Eagerly only: the new layout is computed on the host from
+    the counts, which a compiled step holds on the device (``common.count_step``)."""
+    if torch.compiler.is_compiling():
+        raise ValueError(OUTGROWN)
     layer.static = None
     to_static(layer, None)
