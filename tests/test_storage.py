@@ -374,3 +374,17 @@ def test_a_special_token_id_set_after_saving_still_loads_and_a_real_difference_i
         ContextFileError, match=r"its config differs in eos_token_id, pad_token_id, rms_norm_eps\)"
     ):
         load_context(model, tmp_path / "ctx.kvc")
+
+
+def test_a_ragged_layer_whose_longest_segment_is_understated_is_refused(tiny_llama, tmp_path):
+    """Loaded, then the first forward failed with an IndexError inside the attention."""
+    ctx = kvcake.compress(tiny_llama, ids(90, 1), "adakv", budget=16, window=4)
+    save_context(ctx, tmp_path / "ctx.kvc")
+    ragged = next(i for i, layer in enumerate(ctx.cache.layers) if layer.layout == "ragged")
+    out = _rewrite(tmp_path / "ctx.kvc", tmp_path / "edited.kvc", edit_meta=_layer(ragged, "max_len", 2))
+    with pytest.raises(ContextFileError, match=f"layer {ragged}: ragged keys .* do not fit its lengths"):
+        load_context(tiny_llama, out)
+
+
+def _layer(lid, key, value):
+    return lambda meta: meta["layers"][lid].update({key: value})

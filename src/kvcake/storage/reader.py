@@ -175,7 +175,9 @@ def _check_model(path: Path, meta: dict[str, Any], model: torch.nn.Module) -> No
         logger.info("%s was saved with other %s: fields that change no key or value", path, ", ".join(differ))
     if meta.get("kv_dtype") != here["dtype"]:
         raise ContextFileError(
-            f"{path} holds {meta.get('kv_dtype')} keys and values but the model runs in {here['dtype']}: "
+            f"{path} holds {meta.get('kv_dtype')} keys and values"
+            f"{' (in float8, scaled in it)' if meta.get('cache', {}).get('kv_storage') == 'fp8' else ''} "
+            f"but the model runs in {here['dtype']}: "
             f"load the model with dtype=torch.{meta.get('kv_dtype')} (the command line: --dtype {meta.get('kv_dtype')})"
         )
 
@@ -266,7 +268,8 @@ def _rebuild(
             lengths = tensors[prefix + "lengths"]
             total = int(lengths.sum())
             if (tuple(keys.shape) != (total, info.head_dim) or tuple(positions.shape) != (total,)
-                    or not torch.equal(lengths, counts.reshape(-1))):  # fmt: skip
+                    or not torch.equal(lengths, counts.reshape(-1))
+                    or int(lm["max_len"]) < (int(lengths.max()) if lengths.numel() else 0)):  # fmt: skip
                 raise ContextFileError(f"layer {lid}: ragged keys {tuple(keys.shape)} do not fit its lengths")
             layer.meta = RaggedMeta.from_lengths(lengths.to(device), int(lm["max_len"]))
         else:
