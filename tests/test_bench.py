@@ -489,6 +489,12 @@ def test_cli_all_writes_every_file_and_the_page(models, tmp_path, monkeypatch, c
     )
     assert cli.main(["report", "--out", str(out)]) == 0
     assert doc.read_text() == page and (out / "memory.png").read_bytes().startswith(PNG_MAGIC)
+    # a hand-written note under the title (what was run when) is kept: it was lost, so the default
+    # model's page went unrendered after report changes
+    note = "> **What and when.** measured by hand,\n> on a quiet machine."
+    doc.write_text(page.replace("# Benchmarks\n\n", f"# Benchmarks\n\n{note}\n\n", 1))
+    assert cli.main(["report", "--out", str(out)]) == 0
+    assert doc.read_text() == page.replace("# Benchmarks\n\n", f"# Benchmarks\n\n{note}\n\n", 1)
 
 
 def test_cli_report_without_results(tmp_path, capsys):

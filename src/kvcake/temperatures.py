@@ -270,7 +270,10 @@ def calibration_key(model) -> str:
     kv = kv_fingerprint(model)
     for folder in (local_dir(), SHIPPED_DIR):
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-            cal = _read(path, path.stat().st_mtime_ns)
+            try:  # another model's file, unreadable: that model's lookup says so, not this one's
+                cal = _read(path, path.stat().st_mtime_ns)
+            except (OSError, ValueError):
+                continue
             if cal.meta.get("kv_fingerprint") == kv and path == calibration_path(cal.fingerprint, folder):
                 return cal.fingerprint
     return fingerprint

@@ -302,17 +302,16 @@ def run(args: argparse.Namespace) -> int:
     if args.doc and args.add:  # the page from every result in --out, as `report` writes it
         return _report(args)
     if args.doc:
+        from .output import kept_preamble
         from .report import render
 
         doc = Path(args.doc)
-        argv = getattr(args, "argv", None)
-        prefix, argv = ("python -m kvcake.bench", argv) if argv is not None else ("kvcake", sys.argv[1:])
-        command = " ".join([prefix, *(shlex.quote(a) for a in argv)])
-        run_info = dict(command=command, total_s=total, date=datetime.date.today().isoformat(), machine=machine,
+        run_info = dict(command=_command(args), total_s=total, date=datetime.date.today().isoformat(), machine=machine,
                         benches=list(results), doc=str(doc))  # fmt: skip
         write_json(out / "run.json", run_info)
         doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(render(results, figures=out, doc=doc, **_render_args(run_info)))
+        page = render(results, figures=out, doc=doc, preamble=kept_preamble(doc), **_render_args(run_info))
+        doc.write_text(page)
         print(f"wrote {doc}", flush=True)
     return 0
 
@@ -372,6 +371,7 @@ def _render_args(run_info: dict) -> dict:
 def _report(args: argparse.Namespace) -> int:
     """Redraw the figures and rewrite the page from ``OUT/*.json`` (after a change to the report)."""
     from . import bandwidth, decode, memory, speed
+    from .output import kept_preamble
     from .report import render
 
     out = Path(args.out)
@@ -389,7 +389,8 @@ def _report(args: argparse.Namespace) -> int:
         elif bench == "bandwidth":
             bandwidth.plot(result, out / "bandwidth.png")
     doc = Path(args.doc or run_info["doc"])
-    doc.write_text(render(results, figures=out, doc=doc, **_render_args(run_info)))
+    page = render(results, figures=out, doc=doc, preamble=kept_preamble(doc), **_render_args(run_info))
+    doc.write_text(page)
     print(f"wrote {doc} from {out}", flush=True)
     return 0
 

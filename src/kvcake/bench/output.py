@@ -33,6 +33,18 @@ def verdict(ok: bool | None) -> str:
     return "NOT JUDGED" if ok is None else "PASS" if ok else "MISS"
 
 
+def kept_preamble(doc: Path) -> str:
+    """The hand-written note of a page (a blockquote right under its title: what was run when, on
+    what), which re-rendering it keeps; "" where the page or the note is absent."""
+    try:
+        lines = doc.read_text().splitlines()[1:]
+    except OSError:
+        return ""
+    start = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith(">")), len(lines))
+    return "\n".join(lines[start:end])
+
+
 def write_json(path: Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=_jsonable) + "\n")

@@ -378,12 +378,12 @@ def _decode(result: dict, figures: Path, doc: Path) -> str:
 
 
 def render(results: dict, *, machine: dict, figures: Path, doc: Path, command: str, total_s: float,
-           date: str | None = None, added: list[dict] | None = None) -> str:  # fmt: skip
+           date: str | None = None, added: list[dict] | None = None, preamble: str = "") -> str:  # fmt: skip
     """The markdown page for ``results`` (bench name -> result dict); ``added``: the ``--add``
-    runs merged since (``command``, ``date``, ``total_s``)."""
+    runs merged since (``command``, ``date``, ``total_s``); ``preamble``: a note kept under the title."""
     figures, doc = Path(figures), Path(doc)
     date = date or datetime.date.today().isoformat()
-    parts = ["# Benchmarks", "", _machine(machine, total_s, command, date), ""]
+    parts = ["# Benchmarks", "", *([preamble, ""] if preamble else []), _machine(machine, total_s, command, date), ""]  # fmt: skip
     if added:
         runs = "; ".join(f"`{a['command']}` on {a['date']} in {a['total_s'] / 60:.1f} minutes" for a in added)
         parts += [f"Rows added since (`--add`, merged into the results above): {runs}.", ""]
