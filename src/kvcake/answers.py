@@ -94,15 +94,11 @@ def answer(
         raise TypeError(f"batch_size= is how many questions are answered at once, an int: got {batch_size!r}")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size= must be at least 1 (1: one question at a time), got {batch_size}")
-    if own := [
-        k
-        for k in ("input_ids", "attention_mask", "inputs", "past_key_values", "cache")
-        if k in generate_kwargs
-    ]:
+    set_here = ("input_ids", "attention_mask", "inputs", "past_key_values", "cache")  # (answer's own)
+    if own := [k for k in set_here if k in generate_kwargs]:
         raise TypeError(
             f"kvcake.answer builds the prompt and its cache itself and takes no {', '.join(own)}: pass the "
-            "text as "
-            "context= and question=, or use kvcake.generate / kvcake.compress for token ids"
+            "text as context= and question=, or use kvcake.generate / kvcake.compress for token ids"
         )
     if method is None:
         method = DEFAULT_METHOD[scenario]

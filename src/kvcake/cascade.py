@@ -98,9 +98,8 @@ def prefill_stage(
         on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py
         if m.selector.needs_value_norms:  # computed at the layer's first eviction, where its counts are known
             whole = cache.split is None and cache.group_split is None  # every head here: W_O whole
-            weight = local_weight(
-                output_projection(module, values), whole
-            )  # tensor parallelism: its heads' W_O
+            # tensor parallelism: the W_O columns of the heads this rank holds
+            weight = local_weight(output_projection(module, values), whole)
             cache.o_weights[layer_idx] = output_weight(module, weight) if layer.latent else weight
         stats = HostRead(layer_statistics(cache, inputs)) if m.layers.needs_preferences else None
         last = g == len(cache.compressed) - 1

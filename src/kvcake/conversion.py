@@ -108,9 +108,8 @@ def _source_meta(gguf_path: Path) -> dict[str, Any]:
     return {
         "format": _CACHE_FORMAT,
         "gguf_file": gguf_path.name,
-        "gguf_path": str(
-            gguf_path.resolve()
-        ),  # two files of one name share a folder: never each other's weights
+        # two files of one name share a folder: neither is served the other's weights
+        "gguf_path": str(gguf_path.resolve()),
         "gguf_size": stat.st_size,
         "gguf_mtime_ns": stat.st_mtime_ns,
         "transformers_version": transformers.__version__,

@@ -111,7 +111,12 @@ def model_fingerprint(model: Any) -> str:
     -------
     16 hexadecimal characters (the start of a SHA-256 digest).
     """
-    return hashlib.sha256(json.dumps(_config(model), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _digest(_config(model), 16)
+
+
+def _digest(value: Any, digits: int) -> str:
+    """The start of the SHA-256 of ``value`` as sorted JSON: every hash of a config here."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:digits]
 
 
 def _config(model: Any) -> dict:
@@ -135,10 +140,7 @@ def _leaves(value: Any, path: str = "") -> dict[str, Any]:
 def config_digests(model: Any) -> dict[str, str]:
     """Each field the fingerprint covers, by its path in the config, hashed (8 hexadecimal digits):
     what a context file keeps to name the fields in which another model differs."""
-    return {
-        path: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:8]
-        for path, value in _leaves(_config(model)).items()
-    }
+    return {path: _digest(value, 8) for path, value in _leaves(_config(model)).items()}
 
 
 def runtime_only(paths) -> bool:
@@ -149,5 +151,4 @@ def runtime_only(paths) -> bool:
 def kv_fingerprint(model: Any) -> str:
     """:func:`model_fingerprint` without :data:`RUNTIME_KEYS`, at any depth: equal for the same model
     with other special-token ids, under which a calibration made for it still holds."""
-    leaves = {p: v for p, v in _leaves(_config(model)).items() if not runtime_only([p])}
-    return hashlib.sha256(json.dumps(leaves, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _digest({p: v for p, v in _leaves(_config(model)).items() if not runtime_only([p])}, 16)

@@ -295,9 +295,8 @@ def model_name(model: PreTrainedModel) -> str:
         stem = folder.split("@transformers-")[0]
         if resolve_builtin(stem) is not None:
             return stem
-        return (
-            converted_from(Path(path)) or path
-        )  # a user's .gguf: the file (the folder's name does not load)
+        # a user's .gguf: the file it came from (the folder's name loads nothing)
+        return converted_from(Path(path)) or path
     return path or "MODEL"
 
 

@@ -38,9 +38,10 @@ def prepare(layer, budget: np.ndarray | None) -> dict[str, torch.Tensor | None]:
     of the token being appended; ``used_dev``/``next``, where ``decode=none`` appends;
     ``free``, the slot the next token takes); the only host int, ``room``, counts ``decode=none``'s
     free slots where ``max_cache_len`` is unknown (a compiled step guards on it, symbolic after
-    one recompile; a dense layer grows inside it, a ragged one only eagerly: ``ragged.grow``); with it known, the room covers every token to come (``layer.full_at``, the
-    length that fills it) and the step counts nothing (past it an eager step grows the storage;
-    a compiled one stops at ``check_room``)."""
+    one recompile; a dense layer grows inside it, a ragged one only eagerly: ``ragged.grow``);
+    with it known, the room covers every token to come (``layer.full_at``, the length that fills
+    it) and the step counts nothing (past it an eager step grows the storage; a compiled one stops
+    at ``check_room``)."""
     counts = layer.counts
     if budget is not None and int(budget.max()) > int(counts.max()) + MAX_PREALLOCATED:
         raise ValueError(

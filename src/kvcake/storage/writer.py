@@ -45,9 +45,8 @@ def _model_meta(model: torch.nn.Module) -> dict[str, Any]:
     info = describe_model(model)
     return {
         "fingerprint": model_fingerprint(model),
-        "config_digests": config_digests(
-            model
-        ),  # which fields differ, where another model's fingerprint does
+        # which fields differ, where another model's fingerprint does (storage.reader._check_model)
+        "config_digests": config_digests(model),
         "name_or_path": str(getattr(model.config, "_name_or_path", "") or ""),
         "model_type": info.model_type,
         "num_layers": info.num_layers,
