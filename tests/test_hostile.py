@@ -900,6 +900,10 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
             {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
             r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
         ),
+        # one drafted token still rolls back a rejected draft: 1 was let through, and the cache
+        # was cropped (or refused the crop) after the prefill
+        ({"prompt_lookup_num_tokens": 1}, "prompt_lookup_num_tokens=1 is not supported"),
+        ({"assistant_early_exit": 1}, "assistant_early_exit=1 is not supported"),
         ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
         (
             {"prefill_chunk_size": 16},
@@ -930,6 +934,8 @@ def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
             {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
             r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
         ),
+        ({"prompt_lookup_num_tokens": 1}, "prompt_lookup_num_tokens=1 is not supported"),
+        ({"assistant_early_exit": 2}, "assistant_early_exit=2 is not supported"),
     ],
 )
 def test_a_contexts_generate_refuses_the_same_modes_up_front(tiny_llama, kwargs, match):

@@ -33,12 +33,12 @@ from .sliding import SlidingLayer
 
 def check_generation(model: torch.nn.Module, generate_kwargs: dict) -> None:
     """Refuse, before any compute, the generation modes a compressed cache cannot serve (rollbacks:
-    assisted and prompt-lookup decoding), whether asked for by keyword or through a
+    assisted, prompt-lookup and early-exit decoding), whether asked for by keyword or through a
     ``generation_config`` (the model's default included). Beam search reorders the cache
     (``kvcake.sequences``)."""
-    for bad in ("assistant_model", "prompt_lookup_num_tokens"):
+    for bad in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
         value = generation_setting(model, generate_kwargs, bad)
-        if value not in (None, 1):
+        if value is not None:  # any value turns assisted decoding on, 1 included
             shown = value if isinstance(value, int) else type(value).__name__
             source = "" if bad in generate_kwargs else " (from the generation config)"
             raise ValueError(
