@@ -889,22 +889,28 @@ def test_cache_without_the_kvcake_attention_raises(tiny_llama):
 
 
 # -- generation modes that roll the cache back or reorder it -------------------------------------
+# Refused by kvcake.generate and by a compressed context's generate alike.
+ROLLBACKS = [
+    (
+        {"prompt_lookup_num_tokens": 3},
+        "prompt_lookup_num_tokens=3 is not supported with a compressed cache: .*by beam search instead",
+    ),
+    (
+        {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
+        r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
+    ),
+    # one drafted token still rolls a rejected draft back: 1 was let through, and the cache was
+    # cropped (or refused the crop) after the prefill
+    ({"prompt_lookup_num_tokens": 1}, "prompt_lookup_num_tokens=1 is not supported"),
+    ({"assistant_early_exit": 1}, "assistant_early_exit=1 is not supported"),
+    ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
+]
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (
-            {"prompt_lookup_num_tokens": 3},
-            "prompt_lookup_num_tokens=3 is not supported with a compressed cache: .*by beam search instead",
-        ),
-        (
-            {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
-            r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
-        ),
-        # one drafted token still rolls back a rejected draft: 1 was let through, and the cache
-        # was cropped (or refused the crop) after the prefill
-        ({"prompt_lookup_num_tokens": 1}, "prompt_lookup_num_tokens=1 is not supported"),
-        ({"assistant_early_exit": 1}, "assistant_early_exit=1 is not supported"),
-        ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
+        *ROLLBACKS,
         (
             {"prefill_chunk_size": 16},
             r"prefill_chunk_size=16 would prefill the 40-token prompt in 3 forwards",
@@ -922,22 +928,7 @@ def test_kvcake_generate_refuses_rollbacks_up_front(tiny_llama, kwargs, match):
         kvcake.generate(tiny_llama, ids(40), "cake", budget=16, window=8, max_new_tokens=3, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"use_cache": False}, "use_cache=False would feed the whole sequence again"),
-        (
-            {"prompt_lookup_num_tokens": 3},
-            "prompt_lookup_num_tokens=3 is not supported with a compressed cache",
-        ),
-        (
-            {"generation_config": tf.GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
-            r"prompt_lookup_num_tokens=2 \(from the generation config\) is not supported",
-        ),
-        ({"prompt_lookup_num_tokens": 1}, "prompt_lookup_num_tokens=1 is not supported"),
-        ({"assistant_early_exit": 2}, "assistant_early_exit=2 is not supported"),
-    ],
-)
+@pytest.mark.parametrize("kwargs,match", ROLLBACKS)
 def test_a_contexts_generate_refuses_the_same_modes_up_front(tiny_llama, kwargs, match):
     """A compressed context's generate checked none of them: use_cache=False answered, wrongly (the
     whole sequence fed again into the fork). Beam search is served (tests/test_beams.py)."""
