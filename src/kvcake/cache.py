@@ -156,7 +156,7 @@ class KVCakeCache(RecurrentStates, Cache):
         self.pending_stage: cascade.PendingStage | None = None
         self.pending_norms: PendingNorms | None = None
         self.stage_at_scoring = False  # whether the stage running now runs as its layer is scored
-        self.prefilled = False
+        self.prefilled, self.score_memo = False, None  # score_memo: a replay's prefill scores (kvcake.replay)
         self.peak_kv_bytes = self.prefill_peak_kv_bytes = self._held_bytes = 0
         self._unconsumed: int | None = None
         self._layer_bytes: list[int] | None = None

@@ -92,7 +92,9 @@ def prefill_stage(
             window=m.budget.window, scaling=scaling, column_sums=column_sums, terms=terms, split=cache.split,
             group_split=cache.group_split,
         )  # fmt: skip
-        layer.scores, layer.window_sums = m.scorer.prefill_sums(inputs)  # (B, H_kv, S), H2O's (B, H_kv, w)
+        memo = cache.score_memo  # a replay reuses scores across budgets (kvcake.replay.ScoreMemo)
+        sums = m.scorer.prefill_sums(inputs) if memo is None else memo.scores(m.scorer, inputs)
+        layer.scores, layer.window_sums = sums  # (B, H_kv, S), H2O's (B, H_kv, w)
         if m.scorer.layer_wide and cache.split is not None:  # TOVA: the mean over every rank's heads
             layer.scores = cache.split.head_mean(layer.scores)
         on_host = hold_prompt_scores(cache, layer_idx, layer.scores)  # head_counts.py

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
+from kvcake import temperatures
 from kvcake.adapters import with_cache
 from kvcake.eval.fidelity import (
     Captured,
@@ -27,6 +28,8 @@ from kvcake.eval.fidelity import (
     teacher_force,
 )
 from kvcake.method import PRESETS
+from kvcake.models import model_fingerprint
+from kvcake.temperatures import Calibration, TauPoint, save_calibration
 
 WINDOW = 4
 
@@ -76,6 +79,40 @@ def test_replay_equals_compress(tiny_llama, preset):
             torch.testing.assert_close(v1, v2, rtol=0, atol=1e-6)
         torch.testing.assert_close(got.logits, ref.logits)
     assert len(full.layers[0].keys[0, 0]) == 40  # the full cache was not touched
+
+
+@pytest.fixture
+def max7_calibration(tmp_path, monkeypatch, tiny_llama):
+    """A calibration for ``tiny_llama`` whose point chose max pooling (kernel 7), nothing shipped."""
+    monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(temperatures, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(temperatures, "_warned", set())
+    save_calibration(Calibration(model_fingerprint(tiny_llama), (TauPoint(40, 0.5, 2.0, "max7"),), "tiny"))
+
+
+@pytest.mark.parametrize("preset", ["cake", "cake-adakv"])
+def test_reused_scores_keep_the_method_kvcake_compress_uses(tiny_llama, max7_calibration, preset):
+    """With a memo the replay scored with a stand-in scorer that carried neither the calibrated
+    indicator (it scored with the paper's avg5 where the calibration chose max7) nor the scorer's
+    ``order_sensitive`` (CAKE's decoding pooled entries in held order), so the eval runner's shared
+    prefill measured CAKE's cells with another method than ``kvcake.compress`` runs."""
+    ids, question = _ids(150, 3), _ids(6, 4)
+    captured = Captured()
+    full, logits = _full(tiny_llama, ids, captured)
+    memo = ScoreMemo()
+    for budget in (40, 48):  # the second budget reuses the first one's scores
+        method = kvcake.make_method(preset, budget=budget, window=WINDOW)
+        ref = kvcake.compress(tiny_llama, ids, method, scenario="context")
+        got = replay_compress(tiny_llama, method, captured, full, ids, logits, memo=memo, scenario="context")
+        assert got.cache.method == ref.cache.method and got.cache.score_memo is None
+        assert (got.cache.method.scorer.pooling, got.cache.method.scorer.kernel) == ("max", 7)
+        for (k1, _, p1), (k2, _, p2) in zip(_layers(got.cache), _layers(ref.cache), strict=True):
+            assert torch.equal(p1, p2)
+            torch.testing.assert_close(k1, k2, rtol=0, atol=1e-6)
+        answers = [
+            c.generate(question, max_new_tokens=24, min_new_tokens=24, do_sample=False) for c in (got, ref)
+        ]
+        assert torch.equal(*answers)
 
 
 def test_replay_of_a_question_extension_equals_compress_of_the_whole_prompt(tiny_llama):

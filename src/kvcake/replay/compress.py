@@ -48,29 +48,6 @@ class ScoreMemo:
         return hit[2].clone(), None if hit[3] is None else hit[3].clone()
 
 
-class _MemoScorer(Scorer):
-    """``inner`` with its prefill scores looked up in a :class:`ScoreMemo` (decoding unchanged)."""
-
-    def __init__(self, inner: Scorer, memo: ScoreMemo) -> None:
-        self.inner, self.memo = inner, memo
-        self.name, self.stateful, self.reduce = inner.name, inner.stateful, inner.reduce
-        self.marks_critical = inner.marks_critical
-
-    def prefill(self, inp: PrefillInputs) -> torch.Tensor:
-        return self.memo.scores(self.inner, inp)[0]
-
-    def prefill_sums(self, inp: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.memo.scores(self.inner, inp)
-
-    def decode(
-        self, probs: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self.inner.decode(probs, positions, previous)
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
-
 def replay_compress(
     model: torch.nn.Module,
     method: Method,
@@ -105,10 +82,23 @@ def replay_compress(
     is stored in full, then scored and evicted by the cache's prefill hook, in layer order (so the
     CAKE cascade runs as in a real prefill).
     """
-    if memo is not None:
-        method = method.replace(scorer=_MemoScorer(method.scorer, memo))
     kv = KVCakeCache(model, method, scenario=scenario, static=False)  # as kvcake.compress: the kept entries
     valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    # The method stays the one given, so the cache resolves its scorer as kvcake.compress does (CAKE's
+    # calibrated indicator included); only the scoring of each layer's prompt is looked up in the memo.
+    kv.score_memo = memo
+    try:
+        _replay_layers(kv, captured, cache, input_ids, chunks, valid)
+    finally:
+        kv.score_memo = None  # the prefill's alone: forks (deep copies) must not carry the recording
+    kv.serve(static=True)  # its forks decode in static storage, as kvcake.compress's
+    return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)
+
+
+def _replay_layers(
+    kv: KVCakeCache, captured: Captured, cache: DynamicCache, input_ids: torch.Tensor, chunks, valid
+) -> None:
+    """Feed every layer's recorded queries and full keys and values to ``kv``, in layer order."""
     with torch.no_grad():
         for layer in range(len(kv.layers)):
             if isinstance(kv.layers[layer], SlidingLayer):  # left as the full cache holds it
@@ -137,8 +127,6 @@ def replay_compress(
                 None,
                 captured.terms[layer],
             )
-    kv.serve(static=True)  # its forks decode in static storage, as kvcake.compress's
-    return CompressedContext(model, kv, input_ids, torch.ones_like(input_ids), logits)
 
 
 def cache_bytes(cache) -> int:
