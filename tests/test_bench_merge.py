@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvcake.bench import cli
+from kvcake.bench import cli, decode
 from kvcake.bench.merge import merge
 
 
@@ -154,3 +154,22 @@ def test_merged_prefill_rows_keep_the_machine_they_were_measured_on(tmp_path):
     again = merge("prefill", got, result([_pair("snapkv", 8192, 10.0)], "AMD EPYC", named=True))
     assert {r["machine"] for r in again["rows"]} == {"AMD EPYC"}
     assert "machine" not in speed.prefill_tables(again).splitlines()[2]
+
+
+def test_merged_decode_rows_say_which_bandwidth_their_bounds_used():
+    """``--add`` keeps each row's bound from its own run's bandwidth, and the page's heading said
+    every bound used the newest run's (77.2 GB/s on a page whose 1024-8192-token rows used 18.8)."""
+
+    def row(length, gbps):
+        return {**_step("full", length, 0.1), "weight_bytes": 4e9, "kv_bytes": 1e9, "bound_s": 5 / gbps}
+
+    old = dict(bench="decode", window=32, lengths=[4096], budgets=[128], methods=["snapkv"], policies=["none"],
+               bandwidth=dict(read_gbps=18.8), compile=False, rows=[row(4096, 18.8)], targets=[])  # fmt: skip
+    new = {**old, "lengths": [16384], "bandwidth": dict(read_gbps=77.2), "rows": [row(16384, 77.2)]}
+    got = merge("decode", old, new)
+    assert decode.row_bandwidths(got["rows"]) == {18.8: [4096], 77.2: [16384]}
+    words = decode._bandwidth_words(got)
+    assert (
+        "77.2 GB/s read bandwidth measured in the newest run" in words and "18.8 GB/s at 4096 tokens" in words
+    )
+    assert decode._bandwidth_words(new) == "77.2 GB/s read bandwidth measured in this run (one read probe)"

@@ -283,11 +283,31 @@ def ragged_table(result: dict) -> str:
             + markdown_table(("method", "layout", "budget", "decode", "ms/token", "KV MiB", "speed-up vs full"), cells))  # fmt: skip
 
 
+def row_bandwidths(rows: list[dict]) -> dict[float, list[int]]:
+    """GB/s (1 decimal) -> the lengths whose rows' bounds used it: merged runs (``--add``) keep each
+    row's bound, from its own run's measured bandwidth."""
+    out: dict[float, list[int]] = {}
+    for r in rows:
+        gbps = round((r["weight_bytes"] + r["kv_bytes"]) / r["bound_s"] / 1e9, 1)
+        if r["length"] not in out.setdefault(gbps, []):
+            out[gbps].append(r["length"])
+    return out
+
+
+def _bandwidth_words(result: dict) -> str:
+    b, used = result["bandwidth"], row_bandwidths(result["rows"])
+    newest = f"{b['read_gbps']:.1f} GB/s read bandwidth measured in the newest run ({probes_words(b)})"
+    if len(used) <= 1:
+        return newest.replace("in the newest run", "in this run")
+    older = "; ".join(f"{gbps} GB/s at {', '.join(map(str, lengths))} tokens" for gbps, lengths in used.items()
+                      if gbps != round(b["read_gbps"], 1))  # fmt: skip
+    return f"the read bandwidth measured in each row's run: {newest}; earlier runs' {older}"
+
+
 def decode_tables(result: dict) -> str:
-    b = result["bandwidth"]
     head = (f"Decode time per token (median of {result['steps']} steps in {result['rounds']} rounds after "
-            f"{result['warmup']} warm-up steps); bound = (weights + KV bytes) / {b['read_gbps']:.1f} GB/s read "
-            f"bandwidth measured in this run ({probes_words(b)}). `{FLOOR}` is the model's own step with only the prompt's first "
+            f"{result['warmup']} warm-up steps); bound = (weights + KV bytes) / {_bandwidth_words(result)}. "
+            f"`{FLOOR}` is the model's own step with only the prompt's first "
             f"{FLOOR_TOKENS} tokens cached (a StaticCache, decoded in the same rounds, compiled whenever the run "
             f"compiles): no cache makes a step cheaper, so its bound/actual is what this device allows a step at all")  # fmt: skip
     floor = next((r for r in result["rows"] if r["method"] == FLOOR and r.get("matmul_s") is not None), None)

@@ -134,8 +134,8 @@ def reading(floor: dict, bound: list[dict], presets: list[dict], target: float) 
         return text + ". "
     if isinstance(floor.get("compiled_s"), float):  # compiled, the floor is still over the target
         lo, hi = min(best_s(r) for r in presets) / f, max(best_s(r) for r in presets) / f
-        return (text + f": {target} x the bound is {f / floor['bound_s'] / target - 1:.0%} below the model's own "
-                f"step at its best ({mode(floor)}) on this device, out of any cache's reach here; the presets' best steps "
+        return (text + f": the model's own step at its best ({mode(floor)}) is {f / floor['bound_s'] / target - 1:.0%} "
+                f"above {target} x its bound on this device, so the target is out of any cache's reach here; the presets' best steps "
                 f"are {lo:.2f}-{hi:.2f} x that floor step ({met} of {len(bound)} within the target). ")  # fmt: skip
     if met:  # some steps, compiled, beat the floor's eager mode
         return (text + f"; {met} of {len(bound)} presets' best steps are within the target, below that floor where "

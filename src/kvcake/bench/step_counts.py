@@ -179,7 +179,7 @@ def table(steps: int = 64, specs: list[str] | None = None) -> str:
 
     base = {b: step_ops(model, DynamicCache(), b) for b in (1, 2)}
     rows = [
-        "| preset | extra ATen ops per layer per step over DynamicCache | host-synchronising ops per step "
+        "| preset | extra ATen ops per layer per step over DynamicCache (batch 1) | host-synchronising ops per step "
         f"(batch 1 / 2; DynamicCache: {syncs(base[1])} / {syncs(base[2])}) | graphs over {steps} compiled steps, fullgraph (batch 1 / 2) |",
         "| --- | --- | --- | --- |",
     ]
