@@ -82,6 +82,40 @@ def test_cascade_peak_bound(tiny_llama):
     assert casc.kv_bytes() == once.kv_bytes() == (budget + 1) * layers * entry
 
 
+@pytest.mark.parametrize("cpu_routes", [True, False], ids=["cpu", "gpu-route"])
+@pytest.mark.parametrize("preset", ["cake", "adakv", "criticalkv", "layer-defensivekv", "snapkv"])
+def test_the_prefill_peak_is_the_live_peak(tiny_llama, monkeypatch, preset, cpu_routes):
+    """The counter against a slow reference: at each update, what the layers hold plus the keys and
+    values just computed (alive, about to be stored). A stage or eviction that waits for the next
+    layer's update (cascade.PendingStage, pending_norms) holds its layer's whole prompt beside them:
+    the counter, updated when a layer stored or evicted, missed that moment (about one layer's
+    prompt under the live peak), and on a CPU, where the host does not fall behind the device,
+    nothing waits any more, so the cascade's peak is the total budget plus one layer's prompt. The
+    route a GPU takes (``devices.CPU_ROUTES`` off) still waits, and its counter says what that costs."""
+    from kvcake import devices
+
+    monkeypatch.setattr(devices, "CPU_ROUTES", cpu_routes)
+    s, budget, layers = 400, 48, 4
+    entry = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
+    cache = KVCakeCache(tiny_llama, make_method(preset, budget=budget, window=8))
+    live, update = [], cache.update
+
+    def counted(keys, values, layer_idx, *args, **kwargs):
+        live.append(
+            cache.kv_bytes() + keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        )
+        return update(keys, values, layer_idx, *args, **kwargs)
+
+    cache.update = counted
+    with kvcake.enable(tiny_llama), torch.no_grad():
+        tiny_llama(prompt(s, seed=3), **with_cache(tiny_llama, cache))
+    assert cache.prefill_peak_kv_bytes == max(live)
+    if cpu_routes or preset == "snapkv":  # nothing waits: the cascade's bound (+ ceil slack per head)
+        assert cache.prefill_peak_kv_bytes <= (budget * layers + s + 2 * layers) * entry
+    else:  # a layer's whole prompt more
+        assert cache.prefill_peak_kv_bytes > (budget * layers + s + 2 * layers) * entry
+
+
 @pytest.mark.parametrize("name", ["cake", "h2o", "tova", "streamingllm", "cake-adakv"])
 def test_decoding_keeps_every_layer_at_its_budget(tiny_llama, name):
     ids = prompt(200, seed=4)
@@ -507,12 +541,13 @@ def test_keep_first_refuses_what_a_head_does_not_hold(tiny_llama):
 @pytest.mark.parametrize("name", ["cake", "cake-oneshot", "cake-adakv", "adakv"])
 def test_cake_stage_runs_at_the_next_layers_update_before_its_keys(tiny_llama, name, monkeypatch):
     # the statistics' read (CAKE) and the score places' (Ada-KV's head counts on the host) are
-    # waited for one layer later, so that on a GPU the host's stage overlaps work it has queued
-    # (cascade.prefill_stage); the stage still evicts its layer before the next one's keys arrive
-    # (the peak bound above), and the last layer's runs at once
+    # waited for one layer later on the route a GPU takes, so that the host's stage overlaps work
+    # it has queued (cascade.prefill_stage), at the cost of one layer's prompt held beside the
+    # next layer's keys (test_the_prefill_peak_is_the_live_peak); the last layer's runs at once
     from kvcake import devices
     from kvcake.cache import KVCakeCache
 
+    monkeypatch.setattr(devices, "CPU_ROUTES", False)  # on a CPU every stage runs as its layer is scored
     events = []
     update, wait = KVCakeCache.update, devices.HostRead.wait
 

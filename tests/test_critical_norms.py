@@ -287,11 +287,15 @@ def test_ratio_first_stage_has_no_rank_order():
 def test_norms_read_a_layer_later_keep_the_same_entries(tiny_llama, monkeypatch, spec, waits):
     """The size of CriticalKV's second candidate set read at the next layer's update
     (``pending_norms.DEFERRED``) where the stage runs as its layer is scored, every layer but the
-    last: the same entries at every stage, the same logits, the same prefill peak (the layer is
-    evicted before the next appends). Stages that wait for the next update themselves read at
-    once (left pending further, two full layers would be held)."""
+    last, on the route a GPU takes: the same entries at every stage, the same logits; the prefill
+    peak one layer's prompt higher (the layer is evicted at the next update, once its keys and
+    values exist). Stages that wait for the next update themselves read at once (left pending
+    further, two full layers would be held). On a CPU nothing is left pending."""
+    from kvcake import devices
+
     ids = prompt(300, seed=3)
     method = make_method(spec, budget=40, window=8)
+    monkeypatch.setattr(devices, "CPU_ROUTES", False)
     monkeypatch.setattr(pending_norms, "DEFERRED", False)
     ref, ref_logits = prefill(tiny_llama, ids, method, record=True, static=False)
     monkeypatch.setattr(pending_norms, "DEFERRED", True)
@@ -310,5 +314,13 @@ def test_norms_read_a_layer_later_keep_the_same_entries(tiny_llama, monkeypatch,
     assert len(got.history) == len(ref.history)
     for (sa, la, pa), (sb, lb, pb) in zip(got.history, ref.history, strict=True):
         assert (sa, la) == (sb, lb) and torch.equal(pa, pb)
-    assert got.prefill_peak_kv_bytes == ref.prefill_peak_kv_bytes
+    if waits:
+        assert got.prefill_peak_kv_bytes > ref.prefill_peak_kv_bytes
+    else:
+        assert got.prefill_peak_kv_bytes == ref.prefill_peak_kv_bytes
     assert got.pending_norms is None and all(got.layers[lid].norms is None for lid in got.compressed)
+    monkeypatch.setattr(devices, "CPU_ROUTES", True)
+    left.clear()
+    on_cpu, cpu_logits = prefill(tiny_llama, ids, method, record=True, static=False)
+    assert not any(left) and torch.equal(cpu_logits, ref_logits)
+    assert [(s, lid) for s, lid, _ in on_cpu.history] == [(s, lid) for s, lid, _ in ref.history]

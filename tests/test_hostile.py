@@ -829,11 +829,14 @@ def test_reused_cache_with_another_batch_size_raises(tiny_llama):
             tiny_llama(ids(30, batch=2), **with_cache(tiny_llama, cache))
 
 
-def test_cache_after_an_interrupted_prefill_raises(tiny_llama):
+def test_cache_after_an_interrupted_prefill_raises(tiny_llama, monkeypatch):
     """An error in the middle of the prompt's forward (here a hook on layer 2) leaves layers 0-1
-    filled (layer 1's CAKE stage pending: it runs at the next layer's update) and the rest empty:
-    reusing that cache would treat the prompt as a continuation of itself. The cache refuses
-    instead, before running anything left pending."""
+    filled (layer 1's CAKE stage pending on the route a GPU takes: it runs at the next layer's
+    update) and the rest empty: reusing that cache would treat the prompt as a continuation of
+    itself. The cache refuses instead, before running anything left pending."""
+    from kvcake import devices
+
+    monkeypatch.setattr(devices, "CPU_ROUTES", False)  # on a CPU the stage runs as its layer is scored
     cache = KVCakeCache(tiny_llama, "cake", budget=16, window=8)
 
     class Boom(Exception):

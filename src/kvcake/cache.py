@@ -192,7 +192,7 @@ class KVCakeCache(RecurrentStates, Cache):
         held = layer.keys, layer.values  # a static step (and the ring) writes into them
         if isinstance(layer, (SlidingLayer, CrossLayer)):  # never compressed (sliding.py, cross.py)
             if self._waiting:  # the previous layer's stage or eviction
-                self._run_stage()
+                self._run_stage(key_states, value_states)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             if layer.plan or (isinstance(layer, SlidingLayer) and layer.attended(key_states.shape[-2])):
                 self._hand_off(layer_idx, keys, kwargs)
@@ -228,7 +228,7 @@ class KVCakeCache(RecurrentStates, Cache):
                 "a cache serves one batch of prompts, so make a new KVCakeCache per prompt (or batch)"
             )
         if self._waiting:  # the previous layer's stage (cascade.PendingStage) or eviction
-            self._run_stage()  # (pending_norms.PendingNorms)
+            self._run_stage(key_states, value_states)  # (pending_norms.PendingNorms)
         decoding.outgrow_capacity(self, layer_idx, key_states.shape[-2])  # an eager step past max_cache_len
         keys, values = layer.update(key_states, value_states, **kwargs)
         self._hand_off(layer_idx, keys, kwargs)

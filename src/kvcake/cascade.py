@@ -32,7 +32,7 @@ from .adapters import output_projection
 from .allocators import AllocationRequest, preference
 from .cake_tau import choose_temperatures, temperatures
 from .decoding import with_window_sums
-from .devices import HostRead
+from .devices import HostRead, cpu_route
 from .fp8 import encode_layer
 from .head_counts import dense_counts, hold_prompt_scores, pinned_on, stage_head_counts
 from .latent import output_weight, query_over
@@ -109,7 +109,9 @@ def prefill_stage(
         if m.layers.needs_scores and (m.layers.cascading or last) and WINNERS_AHEAD:  # the global allocator's
             # ranking now, on the device, its (B, g + 1) counts read with the stage
             winners = HostRead(m.layers.count_winners(_request(cache, None, last, _seen(cache, g))))
-        now = (stats is None and winners is None and not on_host) or last
+        # a stage waiting for the next update holds this layer's whole prompt beside the next layer's
+        # keys and values: worth it where the device runs ahead of the host (a GPU), not on a CPU
+        now = (stats is None and winners is None and not on_host) or last or cpu_route(keys.device)
     cache.pending_stage = PendingStage(layer_idx, stats, winners, now)
     if now:
         cache._run_stage()  # else the next layer's update runs it (see PendingStage)
@@ -135,9 +137,15 @@ class PendingStage:
     now: bool = False  # run as the layer is scored (nothing to wait for): see pending_norms.begin
 
 
-def run_stage(cache: Cache) -> None:
+def run_stage(cache: Cache, *incoming: torch.Tensor) -> None:
     """The pending stage (``cache.pending_stage``), if any: steps 2-4 of the module's list
-    (CAKE's preference from the statistics, the budgets, the evictions)."""
+    (CAKE's preference from the statistics, the budgets, the evictions). ``incoming``: the keys and
+    values of the update that runs it, alive beside the waiting layer's whole prompt: the prefill's
+    peak counts them (a live peak, not only what the layers hold)."""
+    if incoming and cache._waiting and not cache.prefilled:
+        live = cache._held_bytes + sum(t.numel() * t.element_size() for t in incoming)
+        cache.prefill_peak_kv_bytes = max(cache.prefill_peak_kv_bytes, live)
+        cache.peak_kv_bytes = max(cache.peak_kv_bytes, live)
     pending_norms.resume(cache)  # the previous layer's eviction, if it waits for its norms
     pending, cache.pending_stage = cache.pending_stage, None
     if pending is None:

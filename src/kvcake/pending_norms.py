@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from .devices import HostRead, read_through
+from .devices import HostRead, cpu_route, read_through
 from .selectors import projected_value_norms
 from .tensor_parallel import group_mean
 
@@ -77,15 +77,23 @@ def begin(
     """The norms of ``steps`` if they need no read, or are read now; else None, the layer's
     eviction left pending in ``cache.pending_norms`` with the first size on its way to the host.
 
-    Left pending only where that costs no memory: the stage's own layer, in a stage run as that
-    layer is scored (``PendingStage.now``), not the last. The next layer's update then evicts it
-    before it appends, as a stage left for that update would (prefill still holds one full
-    layer). A stage that waits for that update itself (CAKE's, Ada-KV's on the host, the global
-    allocator's) reads at once: pending further, two full layers would be held."""
+    Left pending only on a device that runs ahead of the host (not a CPU: ``devices.cpu_route``),
+    for the stage's own layer, in a stage run as that layer is scored (``PendingStage.now``), not
+    the last. The next layer's update then evicts it before it appends, as a stage left for that
+    update would: the layer's whole prompt is held while the next layer's keys and values are
+    computed (the prefill peak counts both: ``cascade.run_stage``). A stage that waits for that
+    update itself (CAKE's, Ada-KV's on the host, the global allocator's) reads at once: pending
+    further, two full layers would be held."""
     stage = cache._stage
     later = cache._slot[stage] < len(cache.compressed) - 1
+    ahead = not cpu_route(cache.layers[layer_idx].keys.device)
     if not (
-        DEFERRED and cache.stage_at_scoring and later and layer_idx == stage and cache.pending_norms is None
+        DEFERRED
+        and ahead
+        and cache.stage_at_scoring
+        and later
+        and layer_idx == stage
+        and cache.pending_norms is None
     ):
         return read_through(steps)
     try:

@@ -122,10 +122,10 @@ class BenchCache(KVCakeCache):
         for other in self.followers:  # (the leader's column sums are its own scorer's)
             other.after_prefill_attention(layer_idx, module, query, key_valid, scaling, None, terms)
 
-    def _run_stage(self) -> None:
+    def _run_stage(self, *incoming) -> None:
         # a stage the next layer's update runs (CAKE's, cascade.prefill_stage) is in-cache work too
         with self._timed("prefill_hook_s"):
-            super()._run_stage()
+            super()._run_stage(*incoming)
 
     def _evict_layer(self, layer_idx, budget) -> None:
         with self._timed("prefill_evict_s"):
