@@ -237,12 +237,18 @@ def page_command(runs: list[dict], suite: bool) -> str:
     """The command a ``--report-only`` page shows: the last run's (the one that computed the cells),
     or for a suite its own last command, where later runs computed parts of it (not its ablation's)."""
     from kvcake.eval.ablation import RUN_TAG
+    from kvcake.eval.suites import NARROWING
 
     last = str(runs[-1]["command"])
     if not suite:
         return last
+    narrowing = tuple(f"--{name}" for name in NARROWING)  # a part of the suite, not the suite
     commands = (str(r.get("command")) for r in reversed(runs))
-    return next((c for c in commands if "--suite" in c and not c.endswith(RUN_TAG)), last)
+    return next(
+        (c for c in commands if "--suite" in c and not c.endswith(RUN_TAG) and not any(
+            word.split("=")[0] in narrowing for word in c.split())),
+        last,
+    )  # fmt: skip
 
 
 def _more_samples(result, model, tokenizer, model_name, s: dict[str, object], common: dict):

@@ -2,7 +2,9 @@
 written by hand from ``scripts/feed_compare.py``'s output."""
 
 FEED_NOTE = """
-- **How this page's KL feeds a compressed cache, and what generating sees (2026-12-07).** Every
+- **How this page's KL feeds a compressed cache, and what generating sees (2026-12-07, before the
+  rerun above: the `cake` and `cake-adakv` figures of this bullet are the old measurements, and
+  their stepwise cells were removed from `eval_results_steps.jsonl`, not yet measured again).** Every
   fidelity figure above teacher-forces the question (context-only) and the full cache's
   continuation through the compressed cache in one forward (`--fidelity-feed chunk`, the
   default). A `decode=fixed` preset (`cake`, `cake-oneshot`, `cake-adakv`, `h2o`, `tova`,

@@ -13,6 +13,7 @@ import argparse
 from .feed_notes import FEED_NOTE
 from .kvpress_notes import KVPRESS_INTRO, KVPRESS_NOTES
 from .notes import GEMMA3_INTRO, GEMMA3_NOTES, NOTES_RESULTS, WHICH_METHOD
+from .rerun_notes import RERUN_NOTE
 
 SYNTHETIC_SUITE_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 
@@ -53,7 +54,7 @@ SUITES: dict[str, dict[str, object]] = {
             "runs the command below; one thread because other jobs shared the two cores during the run (two "
             "threads were then 2.5-6x slower)."
         ),
-        "notes": NOTES_RESULTS.rstrip("\n") + FEED_NOTE,
+        "notes": NOTES_RESULTS.rstrip("\n") + RERUN_NOTE.rstrip("\n") + FEED_NOTE,
         "ablation": True,  # kvcake.eval.ablation: CAKE's parts and temperatures
         # issue 24's targets compare these on 36 prompts: 6 samples per task and length
         "more_samples": (TARGET_METHODS, 6),
