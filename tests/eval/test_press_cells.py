@@ -238,4 +238,4 @@ def test_the_pages_notes_hold_on_its_results_file():
         7,
         11,
     )
-    assert (below("question", "cake", "snapkv"), below("context", "cake", "snapkv")) == (2, 11)
+    assert (below("question", "cake", "snapkv"), below("context", "cake", "snapkv")) == (2, 12)

@@ -93,10 +93,11 @@ KVPRESS_NOTES = """\
   the pyramid's smallest layer budget (kept / beta = 512 / 20 = 25.6 entries) is below the window
   (32). kvcake's `pyramidkv` applies the pyramid (smallest budget `B // beta`) and scored worse
   than uniform SnapKV on this model (0.1440 against 0.0848, 0.4960 against 0.4175).
-- `cake` has the lowest question-aware KL of the page (0.0520), all of it from `variable_tracking`
-  (0.148 against `snapkv`'s 0.252 there): on the NIAH prompts it is above `snapkv` (0.0034-0.0044
-  against 0.0013-0.0014) and it is below `snapkv` on only 2 of 18 prompts. Context-only it is
-  below `snapkv` on 11 of 18 prompts (0.4106 against 0.4199 without `variable_tracking`) and above
-  it in the mean (0.4642 against 0.4175), by `variable_tracking` sample 0 (2.615 against 1.582):
-  issue 24's context-only gap, on the same prompt.
+- `cake` has the lowest question-aware KL of the page (0.0322; measured again on 2026-12-07 with
+  the max7 its calibration keeps, where the shared prefill had scored avg5: 0.0520 then), all of it
+  from `variable_tracking` (0.088 against `snapkv`'s 0.252 there): on the NIAH prompts it is above
+  `snapkv` (0.0037-0.0047 against 0.0013-0.0014) and it is below `snapkv` on only 2 of 18 prompts.
+  Context-only it is below `snapkv` on 12 of 18 prompts (0.3973 against 0.4199 without
+  `variable_tracking`) and above it in the mean (0.4622 against 0.4175), by `variable_tracking`
+  sample 0 (2.574 against 1.582): issue 24's context-only gap, on the same prompt.
 """
