@@ -83,12 +83,11 @@ def replay_compress(
     CAKE cascade runs as in a real prefill).
     """
     kv = KVCakeCache(model, method, scenario=scenario, static=False)  # as kvcake.compress: the kept entries
-    valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     # The method stays the one given, so the cache resolves its scorer as kvcake.compress does (CAKE's
     # calibrated indicator included); only the scoring of each layer's prompt is looked up in the memo.
     kv.score_memo = memo
     try:
-        _replay_layers(kv, captured, cache, input_ids, chunks, valid)
+        _replay_layers(kv, captured, cache, input_ids, chunks)
     finally:
         kv.score_memo = None  # the prefill's alone: forks (deep copies) must not carry the recording
     kv.serve(static=True)  # its forks decode in static storage, as kvcake.compress's
@@ -96,9 +95,10 @@ def replay_compress(
 
 
 def _replay_layers(
-    kv: KVCakeCache, captured: Captured, cache: DynamicCache, input_ids: torch.Tensor, chunks, valid
+    kv: KVCakeCache, captured: Captured, cache: DynamicCache, input_ids: torch.Tensor, chunks: int | None
 ) -> None:
     """Feed every layer's recorded queries and full keys and values to ``kv``, in layer order."""
+    valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         for layer in range(len(kv.layers)):
             if isinstance(kv.layers[layer], SlidingLayer):  # left as the full cache holds it
