@@ -181,6 +181,39 @@ def test_evaluator_measures_zero_at_a_budget_covering_the_prompt(tiny_llama):
     assert mean._method("uniform").scorer.gamma == 0.0 and small._method("uniform").scorer.gamma == 200.0
 
 
+def test_replays_of_a_recording_score_its_prompt_once(tiny_llama, monkeypatch):
+    """The evaluator's memo: every budget replays a sample's recording, whose keys a layer holds as
+    its own copy (the recording is cropped after its continuation: views of a longer storage).
+    Its prefill scores are computed once per layer and scorer, and the memo holds one entry each
+    (they were keyed on the copy's identity: every replay missed and kept its copy alive), and the
+    caches equal those of replays without the memo."""
+    from kvcake.scorers.cake import CakeScorer
+
+    ref = _reference(tiny_llama, WordTokenizer(), "question", 0)
+    layers = tiny_llama.config.num_hidden_layers
+    assert ref.cache.layers[0].keys.untyped_storage().nbytes() > ref.cache.layers[0].keys.nbytes  # a view
+    calls = []
+    real = CakeScorer.prefill_sums
+    monkeypatch.setattr(CakeScorer, "prefill_sums", lambda self, inp: calls.append(1) or real(self, inp))
+    ev = Evaluator(tiny_llama, [ref], BudgetSpec(budget=12, window=4))
+    for tau in ((0.3, 2.5), (1.0, 1.0), (50.0, 50.0)):
+        ev.sample_measures(0, *tau)
+    ev.measure(0, ev._method("uniform"))
+    assert len(calls) == layers and len(ev.memos[0]) == layers
+    for budget in (10, 20):
+        method = make_method("cake", budget=budget, window=4)
+        memo = ev.memos[0]
+        with_memo, alone = (
+            replay_compress(
+                tiny_llama, method, ref.captured, ref.cache, ref.ids, ref.logits, chunks=1, memo=m
+            )
+            for m in (memo, None)
+        )
+        for a, b in zip(with_memo.cache.layers, alone.cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions)
+    assert len(ev.memos[0]) == layers
+
+
 def test_calibration_samples_past_the_models_positions_are_refused_before_any_forward(
     tiny_llama, monkeypatch
 ):

@@ -385,10 +385,13 @@ show those.
   (0.87 / 0.72 / 0.44 of avg5's uniform budgets' KL on its samples) and the cells barely moved
   (0.0166 / 0.00256 / 0.00045); context-only avg5 and the same points. Two prompts per cell:
   anecdotes for the scores, a first look for the KL; the calibration was not changed on their
-  account. Those cells scored with avg5: measured again on 2026-12-07 with the max7 the file keeps
-  (SmolLM2's notes, the last bullet but one), question-aware `cake` is 0.0279 / 0.00329 / 0.00045
-  (SnapKV 0.0242 / 0.00269 / 0.00045): above SnapKV on these two prompts at 0.1 and 0.25, where
-  max7 cut the KL on the calibration's samples. Context-only (avg5 kept) the cells are unchanged.
+  account. Redone a fifth time on 2026-12-07 with samples that start with BOS, as Gemma's prompts
+  do (the earlier ones lacked it; docs/calibration.md): max7 kept question-aware, sharp points
+  (0.0629/1.81, 0.356/3, 0.2/1.81), and CAKE is below SnapKV in every cell of these two prompts,
+  question-aware 0.0172 / 0.0024 / 0.00029 (was 0.0279 / 0.00329 / 0.00045 with the file before,
+  max7) and context-only 0.644 / 0.447 / 0.179 (were 0.645 / 0.612 / 0.454; avg5 kept, 0.2/4.96,
+  2/8.21, 0.0629/3), one of two context-only prompts answered at 0.5 (SnapKV none); two prompts a
+  cell, so a first look.
 - **DefensiveKV does not carry over to this model**: `defensivekv` has the lowest question-aware
   KL at ratio 0.1 (0.011) but is above SnapKV at 0.25 and 0.5, and `layer-defensivekv` (kvcake's
   default method, best on SmolLM2) is above SnapKV at 0.25 and 0.5 (0.0104, 0.0077) and has the

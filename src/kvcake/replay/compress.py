@@ -32,20 +32,34 @@ class ScoreMemo:
 
     A scorer's prefill scores depend on the layer's queries, keys and the window, never on the
     budget, so replaying one prompt at several budgets needs them once. Entries are keyed on the
-    identity of the recorded tensors (kept alive here, so an id is never reused) and on the
-    scorer's configuration; a hit returns a copy."""
+    identity of the recorded queries (kept alive here, so an id is never reused) and on the
+    scorer's configuration, one per layer and scorer; the keys are compared by value, since each
+    replay's cache holds its own copy of them (``devices.owned``: a recording cropped after its
+    continuation keeps its keys as views of a longer storage). Until 2026-12-07 they were keyed
+    on identity too: every replay of such a recording missed, scored again and kept its copy
+    alive (a Gemma-3-270M calibration grew by 1.4 GB a minute). A hit returns a copy."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}  # (query, keys, scores, window sums or None)
 
     def scores(self, scorer: Scorer, inp: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``scorer.prefill_sums(inp)``, copied."""
-        key = (id(inp.query), id(inp.keys), inp.window, float(inp.scaling), type(scorer), repr(scorer))
+        key = (id(inp.query), inp.window, float(inp.scaling), type(scorer), repr(scorer))
         hit = self._entries.get(key)
-        if hit is None or hit[0] is not inp.query or hit[1] is not inp.keys:
+        if hit is None or hit[0] is not inp.query or not _same(hit[1], inp.keys):
             hit = (inp.query, inp.keys, *scorer.prefill_sums(inp))
-            self._entries[key] = hit
+            self._entries[key] = hit  # replaces a stale entry: one per layer and scorer
         return hit[2].clone(), None if hit[3] is None else hit[3].clone()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same keys (one tensor, or equal copies)."""
+    if a is b:
+        return True
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
 
 
 def replay_compress(
