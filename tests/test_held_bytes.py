@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcake
-from shared_checks import left_padded, tiny_model
+from shared_checks import left_padded, prefill, tiny_model
 from tiny_hybrid import _tiny_gemma3
 
 
@@ -59,3 +59,44 @@ def test_a_padded_batchs_eviction_frees_the_overflow_slot(tiny_llama):
     batch, mask = left_padded(ids(120), ids(80, seed=1))
     ctx = kvcake.compress(tiny_llama, batch, "snapkv", keep_ratio=0.4, window=8, attention_mask=mask)
     assert held(ctx.cache) == ctx.cache.kv_bytes()
+
+
+def test_storage_bytes_counts_each_storage_once():
+    """``devices.storage_bytes``: views of one storage count once, at the storage's size; tensors
+    inside tuples, dicts and dataclasses count too."""
+    from dataclasses import dataclass
+
+    from kvcake.devices import storage_bytes
+
+    @dataclass
+    class Meta:
+        a: torch.Tensor
+        b: torch.Tensor
+
+    class Holder:
+        pass
+
+    base = torch.zeros(10, 4)  # 160 bytes
+    h = Holder()
+    h.x, h.view, h.pair = base, base[2:5], (torch.zeros(3, dtype=torch.int64), base.t())
+    h.meta, h.named, h.none = Meta(torch.zeros(2), base[0]), {"k": torch.zeros(5, dtype=torch.int8)}, None
+    assert storage_bytes([h]) == 160 + 24 + 8 + 5
+
+
+@pytest.mark.parametrize(("preset", "per_entry"), [("snapkv", 8), ("h2o", 8 + 4), ("adakv", 3 * 8)])
+def test_the_bookkeeping_beside_the_keys_and_values_is_counted(tiny_mha, preset, per_entry):
+    """``kv_bytes_parts().index`` is what a compressed context's layers hold beside their keys and
+    values, which a full cache does without: an int64 position per kept entry and KV head, H2O's
+    float32 score beside it, a ragged layout's position, segment and index-in-segment per entry plus
+    its per-head lengths and offsets. ``held`` adds it to ``total``; ``held_fraction`` to the ratio."""
+    ctx = kvcake.compress(tiny_mha, ids(300)[None], preset, budget=48, window=8)
+    p = ctx.cache.kv_bytes_parts()
+    heads = tiny_mha.config.num_key_value_heads
+    per_layer = (heads + heads + 1) * 8 if preset == "adakv" else 0  # (H,) lengths and (H + 1,) offsets
+    assert p.entries == 48 * heads * len(ctx.cache.layers)
+    assert p.index == p.entries * per_entry + per_layer * len(ctx.cache.layers)
+    assert p.held == p.total + p.index and p.held_fraction == pytest.approx(p.held / p.full)
+    cache, _ = prefill(tiny_mha, ids(300)[None], preset, budget=48, window=8)  # static storage (the default)
+    assert (
+        cache.kv_bytes_parts().index > p.index
+    )  # its decoding's biases (and a ragged layout's padding rows)

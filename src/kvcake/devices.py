@@ -12,6 +12,7 @@ act on (the device, what torch was built with, the fix), for the API and every c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 
 import torch
@@ -89,6 +90,33 @@ def cache_kv_bytes(cache, storage: bool = True) -> int:
             else:
                 total += t.numel() * t.element_size()
     return total + sum(held.values())
+
+
+def storage_bytes(objects) -> int:
+    """Bytes of the storages behind every tensor in ``objects`` (their attributes' values: tensors,
+    and tensors inside tuples, lists, dicts and dataclasses), each storage once however many
+    tensors view it (a meta tensor's by its elements)."""
+    held: dict = {}
+
+    def visit(x) -> None:
+        if isinstance(x, torch.Tensor):
+            at = x.untyped_storage().data_ptr()
+            key = (x.device, at) if at else ("elements", id(x))
+            held[key] = x.untyped_storage().nbytes() if at else x.numel() * x.element_size()
+        elif isinstance(x, tuple | list):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name))
+
+    for obj in objects:
+        for value in vars(obj).values():
+            visit(value)
+    return sum(held.values())
 
 
 class HostRead:

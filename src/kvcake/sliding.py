@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .cross import CrossLayer
 from .dense import folded_attention
-from .devices import cache_kv_bytes, owned  # noqa: F401 (cache_kv_bytes: kvcake.cache's)
+from .devices import cache_kv_bytes, owned, storage_bytes  # noqa: F401 (cache_kv_bytes: kvcake.cache's)
 from .layer import KVCakeLayer
 from .logit_terms import PLAIN, LogitTerms
 from .recurrent import LinearAttentionLayer, RecurrentLayer, state_bytes
@@ -299,7 +299,11 @@ class KVBytes:
     layers (Mllama: the image's states, never compressed); recurrent: the fixed-size states of a
     hybrid's linear-attention layers (``recurrent.py``; a full cache holds the same, and ``full``
     counts them). ``entries`` / ``full_entries``: the key/value totals in (sequence, layer, KV head,
-    token) entries."""
+    token) entries. ``index``: what the layers hold beside their keys and values (kvcake's
+    bookkeeping, which a full cache does without: a position per kept entry and KV head, the
+    eviction scores or value norms a method keeps, a ragged layout's index tensors, static
+    storage's padding rows and biases, float8's scales and recent positions, the sliding ring's
+    order), each layer's storages once; ``held`` counts it with ``total``."""
 
     sliding: int
     compressed: int
@@ -308,20 +312,34 @@ class KVBytes:
     full_entries: int = 0
     cross: int = 0
     recurrent: int = 0
+    index: int = 0
 
     @property
     def total(self) -> int:
+        """Bytes of keys and values (and states) held."""
         return self.sliding + self.compressed + self.cross + self.recurrent
 
     @property
+    def held(self) -> int:
+        """Every byte the layers hold: keys and values with their bookkeeping (``index``)."""
+        return self.total + self.index
+
+    @property
     def fraction(self) -> float:
-        """Held bytes as a fraction of the full cache's."""
+        """Bytes of keys and values held as a fraction of the full cache's."""
         return self.total / self.full if self.full else 1.0
+
+    @property
+    def held_fraction(self) -> float:
+        """Every byte held (``held``) as a fraction of the full cache's keys and values."""
+        return self.held / self.full if self.full else 1.0
 
 
 def kv_bytes_parts(cache: Cache) -> KVBytes:
     """Split a KVCakeCache's bytes into sliding and compressed layers, against the full cache."""
     sliding = compressed = full = entries = full_entries = cross = recurrent = 0
+    # bookkeeping: each layer's storages beside what its kv_bytes counts (a full cache's layers hold none)
+    index = sum(storage_bytes([layer]) - layer.kv_bytes() for layer in cache.layers)
     for layer in cache.layers:
         # a linear-attention layer's states (or those beside an attention: hybrid_layer.py), as a full cache's
         holds_states = LinearAttentionLayer is not None and isinstance(layer, LinearAttentionLayer)
@@ -346,7 +364,7 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
             # dtype: a full cache's entry, whatever the compressed layer stores (fp8.py)
             full += n * entry
             full_entries += n
-    return KVBytes(sliding, compressed, full, entries, full_entries, cross, recurrent)
+    return KVBytes(sliding, compressed, full, entries, full_entries, cross, recurrent, index)
 
 
 def copy_sliding_state(source, target: SlidingLayer) -> None:

@@ -166,7 +166,7 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
     rows = [dict(method="full", length=length, model=label, prompt=source, peak=full.peak_kv_bytes,
                  end=full.kv_bytes(), peak_theory=full_theory, end_theory=full_theory,
                  peak_rule="S*L" + (" + sliding layers whole (slices of the prompt)" if stock else ""),
-                 decode_theory=full_kv_bytes(length, shape) + sliding, sliding_bytes=stock)]  # fmt: skip
+                 decode_theory=full_kv_bytes(length, shape) + sliding, sliding_bytes=stock, index=0)]  # fmt: skip
     for spec, cache in zip(methods, caches, strict=True):
         budgets = cache.budgets[0].tolist()
         counts = cache.layer_counts()
@@ -179,7 +179,7 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
             budgets=budgets, total_budget=int(np.sum(budgets)),
             layout=sorted({getattr(layer, "layout", "sliding") for layer in cache.layers}),
             cascade_bound=cascade_peak_bound(int(cache.seq.total[0]), length, shape) + sliding,
-            entry_bytes=shape.entry_bytes,
+            entry_bytes=shape.entry_bytes, index=cache.kv_bytes_parts().index,
             **_hybrid_parts(cache),
         ))  # fmt: skip
     return rows
@@ -239,12 +239,14 @@ def tables(result: dict) -> str:
     rows = [
         (r["length"], r["method"], fmt(r["peak"] / MiB), fmt(r["peak_theory"] / MiB), fmt(r["peak"] / r["peak_theory"], 3),
          r["peak_rule"], fmt(r["end"] / MiB, 2), fmt(r["end_theory"] / MiB, 2), fmt(r["end"] / r["end_theory"], 3),
-         r["model"])
+         "-" if r.get("index") is None else fmt(r["index"] / MiB, 3), r["model"])
         for r in kv
     ]  # fmt: skip
-    text = [f"KV cache bytes, budget {result['budget']} per layer (MiB = 2^20 bytes; measured / theory):", "",
+    text = [f"KV cache bytes, budget {result['budget']} per layer (MiB = 2^20 bytes; measured / theory; "
+            "*index*: what kvcake holds beside the kept keys and values at the end, positions and index tensors, "
+            "`KVBytes.index`, not in the other columns; - where not recorded):", "",
             markdown_table(("S", "method", "peak MiB", "theory", "ratio", "peak rule", "end MiB", "theory",
-                            "ratio", "model"), rows)]  # fmt: skip
+                            "ratio", "index MiB", "model"), rows)]  # fmt: skip
     if result["rss"]:
         rss = [(r["length"], r["method"], fmt(r["base"] / MiB, 0), fmt(r["peak"] / MiB, 0), fmt(r["delta"] / MiB, 0),
                 fmt(r["kv_peak"] / MiB, 1), fmt((r["delta"] - r["kv_peak"]) / MiB, 0)) for r in result["rss"]]  # fmt: skip

@@ -157,11 +157,13 @@ def _fmt_bytes(n: float) -> str:
 
 def cache_summary(cache, label: str) -> str:
     """One line: bytes kept against transformers' full cache holding the same tokens (sliding
-    layers of a hybrid at their window in both), split into sliding and compressed layers."""
+    layers of a hybrid at their window in both), with and without the bookkeeping kvcake holds
+    beside them (``KVBytes.index``), split into sliding and compressed layers."""
     p = cache.kv_bytes_parts()
     line = (f"{label}: {cache.method.name} kept {p.entries:,} of {p.full_entries:,} KV entries "
             f"({100 * p.entries / p.full_entries:.1f}%), {_fmt_bytes(p.total)} vs {_fmt_bytes(p.full)} full "
-            f"({100 * p.fraction:.1f}%)")  # fmt: skip
+            f"({100 * p.fraction:.1f}%; {100 * p.held_fraction:.1f}% with kvcake's {_fmt_bytes(p.index)} of "
+            "positions and indices)")  # fmt: skip
     if cache.kv_dtype:
         from ..fp8 import ring_length
 
