@@ -80,7 +80,7 @@ def test_storage_bytes_counts_each_storage_once():
     h = Holder()
     h.x, h.view, h.pair = base, base[2:5], (torch.zeros(3, dtype=torch.int64), base.t())
     h.meta, h.named, h.none = Meta(torch.zeros(2), base[0]), {"k": torch.zeros(5, dtype=torch.int8)}, None
-    assert storage_bytes([h]) == 160 + 24 + 8 + 5
+    assert storage_bytes(h) == 160 + 24 + 8 + 5
 
 
 @pytest.mark.parametrize(("preset", "per_entry"), [("snapkv", 8), ("h2o", 8 + 4), ("adakv", 3 * 8)])

@@ -92,8 +92,8 @@ def cache_kv_bytes(cache, storage: bool = True) -> int:
     return total + sum(held.values())
 
 
-def storage_bytes(objects) -> int:
-    """Bytes of the storages behind every tensor in ``objects`` (their attributes' values: tensors,
+def storage_bytes(obj) -> int:
+    """Bytes of the storages behind every tensor ``obj`` holds (its attributes' values: tensors,
     and tensors inside tuples, lists, dicts and dataclasses), each storage once however many
     tensors view it (a meta tensor's by its elements)."""
     held: dict = {}
@@ -113,9 +113,8 @@ def storage_bytes(objects) -> int:
             for f in dataclasses.fields(x):
                 visit(getattr(x, f.name))
 
-    for obj in objects:
-        for value in vars(obj).values():
-            visit(value)
+    for value in vars(obj).values():
+        visit(value)
     return sum(held.values())
 
 

@@ -339,7 +339,7 @@ def kv_bytes_parts(cache: Cache) -> KVBytes:
     """Split a KVCakeCache's bytes into sliding and compressed layers, against the full cache."""
     sliding = compressed = full = entries = full_entries = cross = recurrent = 0
     # bookkeeping: each layer's storages beside what its kv_bytes counts (a full cache's layers hold none)
-    index = sum(storage_bytes([layer]) - layer.kv_bytes() for layer in cache.layers)
+    index = sum(storage_bytes(layer) - layer.kv_bytes() for layer in cache.layers)
     for layer in cache.layers:
         # a linear-attention layer's states (or those beside an attention: hybrid_layer.py), as a full cache's
         holds_states = LinearAttentionLayer is not None and isinstance(layer, LinearAttentionLayer)

@@ -169,6 +169,7 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
                  decode_theory=full_kv_bytes(length, shape) + sliding, sliding_bytes=stock, index=0)]  # fmt: skip
     for spec, cache in zip(methods, caches, strict=True):
         budgets = cache.budgets[0].tolist()
+        parts = cache.kv_bytes_parts()
         counts = cache.layer_counts()
         peak_t, rule = peak_theory(cache.method, budgets, length, shape)
         rows.append(dict(
@@ -179,18 +180,18 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
             budgets=budgets, total_budget=int(np.sum(budgets)),
             layout=sorted({getattr(layer, "layout", "sliding") for layer in cache.layers}),
             cascade_bound=cascade_peak_bound(int(cache.seq.total[0]), length, shape) + sliding,
-            entry_bytes=shape.entry_bytes, index=cache.kv_bytes_parts().index,
-            **_hybrid_parts(cache),
+            entry_bytes=shape.entry_bytes, index=parts.index,
+            **_hybrid_parts(cache, parts),
         ))  # fmt: skip
     return rows
 
 
-def _hybrid_parts(cache) -> dict:
+def _hybrid_parts(cache, p) -> dict:
     """Hybrid models (Gemma 3): bytes of the sliding and the global layers, and transformers' own
-    full cache (sliding layers at their window), as the cache itself counts them."""
+    full cache (sliding layers at their window), as the cache itself counts them (``p``, its
+    ``kv_bytes_parts()``)."""
     if not cache.info.hybrid:
         return {}
-    p = cache.kv_bytes_parts()
     return dict(sliding_bytes=p.sliding, global_bytes=p.compressed, full_cache_bytes=p.full)
 
 
