@@ -19,11 +19,16 @@ def _kv(method, length, peak):
 def test_merge_replaces_only_the_new_cells_and_recomputes_targets():
     old = dict(bench="memory", budget=128, window=32, lengths=[1024, 2048], methods=["snapkv", "cake"],
                kv=[_kv("full", 1024, 9), _kv("snapkv", 1024, 5), _kv("cake", 1024, 101), _kv("full", 2048, 9)],
-               rss=[], targets=[])  # fmt: skip
+               rss=[_kv("full", 1024, 9), _kv("snapkv", 1024, 5)], targets=[])  # fmt: skip
     new = dict(bench="memory", budget=128, window=32, lengths=[1024], methods=["layer-defensivekv"],
-               kv=[_kv("full", 1024, 8), _kv("layer-defensivekv", 1024, 99)], rss=[], targets=[])  # fmt: skip
+               kv=[_kv("full", 1024, 8), _kv("layer-defensivekv", 1024, 99)],
+               rss=[_kv("full", 1024, 8), _kv("layer-defensivekv", 1024, 7)], targets=[])  # fmt: skip
     got = merge("memory", old, new)
-    assert [r["peak"] for r in got["kv"] if r["method"] == "full"] == [9, 9], "the old run's full rows stay"
+    # bytes read off the caches: the new run's full row replaces the old one at its length
+    assert [r["peak"] for r in got["kv"] if r["method"] == "full"] == [8, 9]
+    # process memory is noisy: the old methods' rss rows keep the full cache's row they were compared with
+    rss = [(r["method"], r["peak"]) for r in got["rss"]]
+    assert rss == [("full", 9), ("snapkv", 5), ("layer-defensivekv", 7)]
     assert got["methods"] == ["snapkv", "cake", "layer-defensivekv"]
     assert [(r["method"], r["length"]) for r in got["kv"]] == [
         ("full", 1024), ("snapkv", 1024), ("cake", 1024), ("layer-defensivekv", 1024), ("full", 2048)
@@ -71,14 +76,14 @@ def test_add_on_the_command_line(tiny_llama, tmp_path, monkeypatch):
         common, "load_models",
         lambda *a, **k: common.BenchModels(tiny_llama, None, "tiny", torch.device("cpu"), torch.float32),
     )  # fmt: skip
-    base = ["memory", "--memory-lengths", "64", "--budget", "24", "--window", "8", "--out", str(tmp_path)]
-    monkeypatch.setattr(cli, "DEFAULTS", {**cli.DEFAULTS, "rss_lengths": ()})
+    base = ["memory", "--memory-lengths", "64", "--rss-lengths", "none", "--budget", "24", "--window", "8",
+            "--out", str(tmp_path)]  # fmt: skip
     page = tmp_path / "page.md"
     assert cli.main([*base, "--methods", "snapkv", "--doc", str(page)]) == 0
     assert "layer-defensivekv" not in page.read_text()
     assert cli.main([*base, "--methods", "layer-defensivekv", "--add", "--doc", str(page)]) == 0
     data = json.loads((tmp_path / "memory.json").read_text())
-    assert {r["method"] for r in data["kv"]} == {"full", "snapkv", "layer-defensivekv"}
+    assert {r["method"] for r in data["kv"]} == {"full", "snapkv", "layer-defensivekv"} and data["rss"] == []
     text = page.read_text()
     assert "| 64 | snapkv |" in text and "| 64 | layer-defensivekv |" in text
     assert "Rows added since (`--add`" in text and "--methods layer-defensivekv --add" in text

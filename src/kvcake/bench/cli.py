@@ -70,6 +70,10 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _rss_lengths(text: str) -> tuple[int, ...]:
+    return () if text.strip().lower() == "none" else _ints(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("which", choices=BENCHES,
                    help="which benchmark to run ('all': every one; 'report': redraw the figures and rewrite "
@@ -82,13 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-lengths", type=_ints, default=None, help="lengths of the memory bench (default: --lengths)"
     )
-    p.add_argument(
-        "--rss-lengths",
-        type=_ints,
-        default=None,
-        help="lengths of the per-method process-memory runs, a fresh process each (default: 4096, "
-        "--quick 1024; not --lengths)",
-    )
+    p.add_argument("--rss-lengths", type=_rss_lengths, default=None,
+                   help="lengths of the per-method process-memory runs, a fresh process each (default: 4096, "
+                        "--quick 1024; not --lengths; 'none': no such runs)")  # fmt: skip
     p.add_argument(
         "--prefill-lengths",
         type=_ints,

@@ -163,10 +163,12 @@ def _kv_rows(models: BenchModels, length: int, methods, budget: int, window: int
     sliding = sliding_kv_bytes(model, length, shape)  # hybrids: every kvcake theory below holds them too
     stock = stock_sliding_bytes(model, length, shape)  # the full cache's sliding layers, until it decodes
     full_theory = full_kv_bytes(length, shape) + stock
+    # index 0: a DynamicCache holds keys and values alone, none of kvcake's bookkeeping
     rows = [dict(method="full", length=length, model=label, prompt=source, peak=full.peak_kv_bytes,
                  end=full.kv_bytes(), peak_theory=full_theory, end_theory=full_theory,
                  peak_rule="S*L" + (" + sliding layers whole (slices of the prompt)" if stock else ""),
-                 decode_theory=full_kv_bytes(length, shape) + sliding, sliding_bytes=stock, index=0)]  # fmt: skip
+                 decode_theory=full_kv_bytes(length, shape) + sliding, sliding_bytes=stock,
+                 index=0)]  # fmt: skip
     for spec, cache in zip(methods, caches, strict=True):
         budgets = cache.budgets[0].tolist()
         parts = cache.kv_bytes_parts()

@@ -15,13 +15,14 @@ from . import decode, memory, speed
 MERGEABLE = ("memory", "prefill", "decode")
 
 
-def _rows(old: list[dict], new: list[dict]) -> list[dict]:
+def _rows(old: list[dict], new: list[dict], keep_full: bool = True) -> list[dict]:
     """``old`` without the (method, length) cells of ``new``, then ``new``, in (length, method)
-    order of first appearance (old methods first). The full cache's rows of ``old`` stay: the
-    old methods were compared with them (process memory is a noisy, per-run measure); the new
-    run's fill only lengths ``old`` lacks."""
+    order of first appearance (old methods first). ``keep_full``: the full cache's rows of
+    ``old`` stay, since the old methods were compared with them (process memory is a noisy,
+    per-run measure), and the new run's fill only lengths ``old`` lacks; else (bytes read off
+    the caches, the same in every run) the new run's replace them, with any field added since."""
     have = {(r["method"], r["length"]) for r in old}
-    new = [r for r in new if r["method"] != "full" or (r["method"], r["length"]) not in have]
+    new = [r for r in new if not keep_full or r["method"] != "full" or (r["method"], r["length"]) not in have]
     fresh = {(r["method"], r["length"]) for r in new}
     kept = [r for r in old if (r["method"], r["length"]) not in fresh]
     order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in [*old, *new]))}
@@ -45,7 +46,7 @@ def merge(bench: str, old: dict, new: dict) -> dict:
     out["lengths"] = sorted({*old["lengths"], *new["lengths"]})
     out["machine"] = new.get("machine") or old.get("machine")
     if bench == "memory":
-        out["kv"] = _rows(old["kv"], new["kv"])
+        out["kv"] = _rows(old["kv"], new["kv"], keep_full=False)
         out["rss"] = _rows(old["rss"], new["rss"])
         out["targets"] = memory.targets(out["kv"])
     else:
