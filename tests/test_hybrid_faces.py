@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcake
-from kvcake.adapters import with_cache
+from kvcake.adapters import describe_model, with_cache
 from kvcake.eval.section import keep_sections, write_section
 from kvcake.method import PRESETS
 from kvcake.models import resolve_builtin
@@ -49,6 +49,9 @@ def test_replayed_prefill_equals_compress(tiny_gemma3):
     full = DynamicCache(config=tiny_gemma3.config)
     with capture_queries(tiny_gemma3, captured), torch.no_grad():
         logits = tiny_gemma3(ids, **with_cache(tiny_gemma3, full)).logits[:, -1]
+    compressed = describe_model(tiny_gemma3).compressed_layers
+    assert 0 < len(compressed) < len(full.layers)  # the sliding layers' queries are not recorded
+    assert sorted(captured.queries) == list(compressed) == sorted(captured.layers)
     for preset in ("cake", "adakv", "criticalkv"):
         method = kvcake.make_method(preset, budget=16, window=4)
         got = replay_compress(tiny_gemma3, method, captured, full, ids, logits)
