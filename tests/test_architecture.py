@@ -49,6 +49,7 @@ LAYERS = {
         "ragged",
         "sequences",
         "sliding_appends",
+        "position_weights",
         "fp8",
         "storage.format",
         "tensor_parallel",

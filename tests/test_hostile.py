@@ -305,30 +305,22 @@ def test_use_cache_false_is_refused_through_a_wrapper(tiny_llama):
     assert out.shape[1] > 40 and cache.budgets.tolist() == [[16] * 4]
 
 
-def test_output_attentions_after_the_prompt_warns(tiny_llama, caplog):
+def test_output_attentions_after_the_prompt(tiny_llama):
     """Transformers' eager attention returns its weights; a compressed layer's later steps return
-    none (its kept entries are not the model's positions), which left empty tuples, silently."""
+    its kept entries' by position (they left empty tuples, with a warning, until 2026-12-07;
+    ``tests/test_position_weights.py`` checks the values)."""
     eager = tiny_llama.config._attn_implementation
     tiny_llama.config._attn_implementation = "eager"
-    kvcake.attention._warn_no_weights.cache_clear()
     try:
         cache = KVCakeCache(tiny_llama, "snapkv", budget=16, window=8)
-        with (
-            kvcake.enable(tiny_llama),
-            torch.no_grad(),
-            caplog.at_level("WARNING", logger="kvcake.attention"),
-        ):
-            out = tiny_llama.generate(ids(40), **with_cache(tiny_llama, cache), max_new_tokens=3,
+        with kvcake.enable(tiny_llama), torch.no_grad():
+            out = tiny_llama.generate(ids(40), **with_cache(tiny_llama, cache), max_new_tokens=3, min_new_tokens=3,
                                       return_dict_in_generate=True, output_attentions=True)  # fmt: skip
         assert [a.shape for a in out.attentions[0]] == [(1, 4, 40, 40)] * 4  # the prompt's: the model's
-        # no weights after the prompt: empty tuples (None in transformers 5.0)
-        assert len(out.attentions) > 1 and all(not step for step in out.attentions[1:])
-        assert (
-            caplog.text.count(
-                "output_attentions=True: a layer whose entries are not the model's positions in order"
-            )
-            == 1
-        )
+        assert [[a.shape for a in step] for step in out.attentions[1:]] == [
+            [(1, 4, 1, 41)] * 4,
+            [(1, 4, 1, 42)] * 4,
+        ]
     finally:
         tiny_llama.config._attn_implementation = eager
 

@@ -30,6 +30,7 @@ from .fp8 import take_before
 from .latent import expand_output, query_over
 from .layer import KVCakeLayer
 from .logit_terms import LogitTerms, model_terms
+from .position_weights import by_position, ring_weights
 from .sdpa import check_policy, sdpa_policy
 from .sequences import real_rows, settle_padding
 from .sliding import SlidingLayer
@@ -162,19 +163,6 @@ def _refuse_use_cache_off(module, args: tuple, kwargs: dict) -> None:
         )
 
 
-@functools.cache
-def _warn_no_weights() -> None:
-    """Once a process: what ``output_attentions=True`` gets from a layer that no longer holds every
-    position in order (compressed, or a left-padded prompt's pads dropped: ``method="full"`` too)."""
-    logger.warning(
-        "output_attentions=True: a layer whose entries are not the model's positions in order (compressed, "
-        "or a padded prompt's pads dropped) returns no attention weights for the tokens after the prompt, "
-        "and transformers leaves those steps' tuples without it (empty where no layer has weights); the "
-        "prompt's are the model's own (eager attention). kvcake.inspect.kept_mask(cache, length) says "
-        "which positions each layer kept"
-    )
-
-
 def _legacy_handoff(layer_idx: int | None, key: torch.Tensor):
     """The cache a release without the kwargs hand-off left for this layer (``cache.LEGACY_PENDING``),
     taken once: the same layer and the very keys its ``update`` returned, else None."""
@@ -241,7 +229,12 @@ def _make_attention(inner_name: str):
         layer = cache.layers[layer_idx]
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
             if layer.static is not None:  # one token over the ring, without the model's mask
-                return layer.attend(query, scaling, terms).to(query.dtype), None
+                weights = (
+                    None  # output_attentions: over the window's tokens, as transformers' (position_weights)
+                )
+                if kwargs.get("output_attentions") and not torch.compiler.is_compiling():
+                    weights = ring_weights(layer, query, scaling, terms).to(query.dtype)
+                return layer.attend(query, scaling, terms).to(query.dtype), weights
             out = _sliding_attention(
                 cache,
                 layer,
@@ -288,18 +281,19 @@ def _make_attention(inner_name: str):
             if q > 1:  # a multi-token append: into static storage now if it will evict (decoding.plan)
                 cache.lay_out_after_append(layer_idx)
             return out
+        over = query_over(layer, module, query)  # (latent: absorbed)
+        out, probs = layer.attend(over, scaling, want, terms)
+        weights = None  # output_attentions: the kept entries' weights by position (position_weights.py)
         if kwargs.get("output_attentions") and not torch.compiler.is_compiling():
-            _warn_no_weights()
-        out, probs = layer.attend(
-            query_over(layer, module, query), scaling, want, terms
-        )  # (latent: absorbed)
+            held = probs if probs is not None else layer.attend(over, scaling, True, terms)[1]
+            weights = by_position(layer, held, query.shape[1], layer.length).to(query.dtype)
         if padded is not None and probs is not None:  # the pads' own rows read as their sequence's
             probs = real_rows(probs, padded)
         cache.after_extend_attention(layer_idx, probs)
         if q > 1:  # a multi-token append (a context's question): back into static storage now
             cache.lay_out_after_append(layer_idx)
         out = expand_output(module, out) if layer.latent else out  # (B, q, H, d_v)
-        return out.to(query.dtype), None
+        return out.to(query.dtype), weights
 
     kvcake_attention.__name__ = f"{PREFIX}{inner_name}"
     return kvcake_attention

@@ -183,7 +183,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             self.held_valid = self.held_valid.index_select(0, rows.to(self.held_valid.device))
 
     # -- the ring ------------------------------------------------------------------------------
-    def _slots(self, n: int) -> torch.Tensor:
+    def ring_slots(self, n: int) -> torch.Tensor:
         """The ring slots of the last ``n`` tokens seen, oldest first."""
         seen = self.length
         return torch.arange(seen - n, seen, device=self.keys.device) % self.sliding_window
@@ -195,7 +195,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             return
         b, hkv, n, _ = self.keys.shape
         n = min(n, self.sliding_window - 1, self.length)
-        slots = self._slots(n)
+        slots = self.ring_slots(n)
         # as transformers' static sliding layers: no more slots than the tokens the cache will hold
         # (token p at slot p % window: a shorter ring is the first slots of the window's)
         held = self.sliding_window if self.capacity is None else max(self.capacity, self.length + 1)
@@ -240,7 +240,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         first), whichever the layout."""
         if self.static is None:
             return self.keys, self.values
-        slots = self._slots(min(self.length, self.sliding_window - 1))
+        slots = self.ring_slots(min(self.length, self.sliding_window - 1))
         return self.keys[:, :, slots], self.values[:, :, slots]
 
     def to_dynamic(self) -> None:
@@ -249,7 +249,7 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         if self.static is not None:
             self.keys, self.values = self.window()
             if self.settled:
-                self.held_valid = self.valid[:, self._slots(self.keys.shape[2])]
+                self.held_valid = self.valid[:, self.ring_slots(self.keys.shape[2])]
             self.static, self.valid, self.seen = None, None, None
 
     def _ring_append(self, key_states: torch.Tensor, value_states: torch.Tensor):
