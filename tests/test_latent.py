@@ -305,3 +305,27 @@ def test_what_is_not_supported_is_refused_with_the_reason():
     )
     with pytest.raises(ValueError, match="indexer's keys"):
         KVCakeCache(indexed, "snapkv", budget=16)
+
+
+def test_output_attentions_by_position():
+    """``output_attentions`` after the prompt (``kvcake.position_weights``) over the absorbed
+    query: with nothing evicted the full cache's weights; compressed, rows summing to 1."""
+    model = _model()
+    for sub in model.modules():
+        if getattr(sub, "config", None) is not None:
+            sub.config._attn_implementation = "eager"
+
+    def weights(cache):
+        with kvcake.enable(model), torch.no_grad():
+            out = model.generate(_prompt(), **with_cache(model, cache), max_new_tokens=3, min_new_tokens=3,
+                                 do_sample=False, return_dict_in_generate=True, output_attentions=True)  # fmt: skip
+        return [a for step in out.attentions[1:] for a in step]
+
+    full = weights(DynamicCache(config=model.config))
+    for a, b in zip(full, weights(KVCakeCache(model, "snapkv", budget=64)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    kept = weights(KVCakeCache(model, "snapkv", budget=16, window=4))
+    assert [a.shape for a in kept] == [a.shape for a in full]
+    for a in kept:
+        torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]), rtol=0, atol=1e-5)
+        assert 0 < int((a[0, 0, 0] > 0).sum()) < a.shape[-1]  # evicted positions read 0
