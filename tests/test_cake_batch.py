@@ -7,12 +7,11 @@ budget, so a prompt's layer budgets depended on the prompts beside it.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
+import torch
 
 import kvcake
-from kvcake import cake_tau, temperatures
+from kvcake import temperatures
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, save_calibration
 from shared_checks import assert_batch_matches_each_alone, left_padded, prompt
@@ -27,7 +26,6 @@ def calibrated(tmp_path, monkeypatch, tiny_llama):
     monkeypatch.setenv("KVCAKE_CACHE_DIR", str(tmp_path / "models"))
     monkeypatch.setattr(temperatures, "SHIPPED_DIR", tmp_path / "shipped")
     monkeypatch.setattr(temperatures, "_warned", set())
-    monkeypatch.setattr(cake_tau, "_warned", set())
 
     def write(*points: TauPoint) -> None:
         save_calibration(Calibration(model_fingerprint(tiny_llama), points, "tiny"))
@@ -57,15 +55,39 @@ def test_a_batch_describes_each_prompts_temperatures(tiny_llama, calibrated):
     assert cache.tau.describe().startswith("per prompt 3/0.3, ")
 
 
-def test_indicators_that_differ_are_shared_and_said_once(tiny_llama, calibrated, caplog):
-    """The scorer is the cache's: the indicator at the batch's mean budget (46.5 entries, nearer
-    60 than 30 in log budget: the paper's avg5) for both prompts, said once per model."""
+def test_indicators_that_differ_are_each_prompts_own(tiny_llama, calibrated):
+    """Where the prompts' calibration points chose different indicators (33 entries per layer:
+    max7, 60: the paper's avg5), each row is pooled with its own, prefill and decoding: every prompt
+    gets what it gets alone (until 2026-12-07 the batch shared the one at its mean budget, with a
+    warning), and the cache says so."""
     calibrated(TauPoint(30, 0.3, 3.0, "max7"), TauPoint(60, 3.0, 0.3))
-    caplog.set_level(logging.WARNING, logger="kvcake.cake_tau")
-    for _ in range(2):
-        cache = _batch(tiny_llama)
-        assert (cache.method.scorer.pooling, cache.method.scorer.kernel) == ("avg", 5)
-        assert cache.seq.tau1.tolist()[0] == pytest.approx(3.0)  # the temperatures stay each prompt's
-    said = [r.getMessage() for r in caplog.records if r.name == "kvcake.cake_tau"]
-    assert len(said) == 1 and "different indicators" in said[0] and "separate calls" in said[0]
-    assert "(33/60 entries per layer: max7/avg5)" in said[0]  # the budgets in ascending order
+    a, b = _prompts()
+    assert_batch_matches_each_alone(tiny_llama, "cake", a, b, 90, **RUN)
+    cache = _batch(tiny_llama)
+    assert cache.method.scorer.row_indicators == "avg5/max7"
+    assert "indicators per prompt avg5/max7" in cache.tau.describe()
+    alone = kvcake.generate(tiny_llama, b[None], "cake", **RUN)[1]
+    assert (alone.method.scorer.pooling, alone.method.scorer.kernel, alone.method.scorer.row_indicators) == (
+        "max",
+        7,
+        "",
+    )  # alone: the scorer's own fields
+    # the indicator decides this prompt's kept entries, so sharing avg5 would have changed them
+    paper = kvcake.generate(tiny_llama, b[None], "cake,score.indicator_from=paper", **RUN)[1]
+    assert any(
+        not torch.equal(alone.layers[lid].padded_positions(), paper.layers[lid].padded_positions())
+        for lid in alone.compressed
+    )
+
+
+def test_beams_keep_each_prompts_indicator(tiny_llama, calibrated):
+    """Beam search repeats and reorders the rows: each row's indicator follows it (``sequences.py``)."""
+    calibrated(TauPoint(30, 0.3, 3.0, "max7"), TauPoint(60, 3.0, 0.3))
+    a, b = _prompts()
+    ids, mask = left_padded(a, b)
+    beams = {**RUN, "num_beams": 2}
+    out, cache = kvcake.generate(tiny_llama, ids, "cake", attention_mask=mask, **beams)
+    assert cache.method.scorer.row_indicators == "avg5/avg5/max7/max7"
+    for i, seq in enumerate((a, b)):
+        alone = kvcake.generate(tiny_llama, seq[None], "cake", **beams)[0]
+        assert torch.equal(out[i, -RUN["max_new_tokens"] :], alone[0, -RUN["max_new_tokens"] :])

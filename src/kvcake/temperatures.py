@@ -204,11 +204,11 @@ class TauChoice:
 
     def describe(self) -> str:
         text = f"tau1={self.tau1:.3g} tau2={self.tau2:.3g}"
-        if self.rows:  # ``text``: the batch's mean budget's (its indicator the cache's)
+        if self.rows:  # ``text``: the batch's mean budget's (its indicator each prompt's where they differ)
             each = ", ".join(f"{a:.3g}/{b:.3g}" for a, b in self.rows)
             text = f"per prompt {each} (tau1/tau2; {text} at the mean)"
-        if self.indicator is not None:
-            text += f", indicator {self.indicator}"
+        if self.indicator is not None:  # "max7/avg5": per prompt (cake_tau.py)
+            text += f", indicator{'s per prompt' if '/' in self.indicator else ''} {self.indicator}"
         text += f" ({self.source}"
         if self.scenario is not None:
             used = {

@@ -5,6 +5,7 @@ Qin et al., ICLR 2025, https://arxiv.org/abs/2503.12491.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,9 @@ class CakeScorer(Scorer):
     ``indicator_from="auto"``: where the pooling is the paper's (avg, 5) and the model's CAKE
     calibration chose another indicator with its temperatures (``kvcake calibrate --indicators``,
     ``TauPoint.indicator``), a CAKE cache uses that one; ``"paper"`` keeps the paper's always. A
-    pooling or kernel given explicitly is used as given.
+    pooling or kernel given explicitly is used as given. ``row_indicators`` (set by the cache, as
+    ``"max7/avg5"``: one per row of its batch, ``cake_tau.py``): where the prompts of a batch
+    take different calibrated indicators, each row is pooled with its own, as alone.
     """
 
     gamma: float = 200.0
@@ -35,10 +38,13 @@ class CakeScorer(Scorer):
     pooling: str = "avg"
     reduce: str = "mean"
     indicator_from: str = "auto"
+    row_indicators: str = ""
     name = "cake"
 
     def __post_init__(self) -> None:
         _check_pool(self.kernel, self.pooling, self.reduce)
+        for pooling, kernel in self.rows:
+            _check_pool(kernel, pooling, self.reduce)
         check_real("CAKE gamma", self.gamma, "score.gamma=200")  # finite: inf * a variance of 0 is nan
         if self.indicator_from not in ("auto", "paper"):
             raise ValueError(
@@ -50,18 +56,46 @@ class CakeScorer(Scorer):
         """Whether a calibration's indicator replaces this scorer's pooling (see the class doc)."""
         return self.indicator_from == "auto" and (self.pooling, self.kernel) == ("avg", 5)
 
+    @property
+    def rows(self) -> tuple[tuple[str, int], ...]:
+        """``row_indicators`` as (pooling, kernel) per row; () where every row takes the scorer's."""
+        if not self.row_indicators:
+            return ()
+        out = []
+        for text in self.row_indicators.split("/"):
+            match = re.fullmatch(r"(avg|max)(\d+)", text.strip())
+            if match is None:
+                raise ValueError(
+                    f"CAKE row_indicators is e.g. 'max7/avg5', one per batch row; got {self.row_indicators!r}"
+                )
+            out.append((match[1], int(match[2])))
+        return tuple(out)
+
+    def _by_row(self, x: torch.Tensor, pool) -> torch.Tensor:
+        """``pool(x, pooling, kernel)``, each batch row (dim 0) with its own indicator where they differ."""
+        rows = self.rows
+        if not rows:
+            return pool(x, self.pooling, self.kernel)
+        if len(rows) != x.shape[0]:
+            raise RuntimeError(
+                f"CAKE scorer holds indicators for {len(rows)} rows, the batch has {x.shape[0]}: the cache's "
+                "rows were changed without it (report this with the calls that changed them)"
+            )
+        pooled = {ind: pool(x, *ind) for ind in dict.fromkeys(rows)}
+        return torch.stack([pooled[ind][i] for i, ind in enumerate(rows)])
+
     def score_heads(self, inp: PrefillInputs) -> torch.Tensor:
         mean, var = inp.window_mean_var()
         w = inp.window_attention()[0].shape[2]
-        return _pool_prefix(mean + self.gamma * var, w, self.kernel, self.pooling)
+        return self._by_row(mean + self.gamma * var, lambda x, kind, k: _pool_prefix(x, w, k, kind))
 
     @property
     def order_sensitive(self) -> bool:
-        return self.kernel > 1
+        return self.kernel > 1 or any(k > 1 for _, k in self.rows)
 
     def decode_heads(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return pool1d(probs.mean(2), self.kernel, self.pooling)
+        return self._by_row(probs.mean(2), lambda x, kind, k: pool1d(x, k, kind))
 
     def decode_step(self, probs, positions, previous):
-        pooled = pool_rows(probs, self.kernel, self.pooling)  # (B, H_kv, G, N)
+        pooled = self._by_row(probs, lambda x, kind, k: pool_rows(x, k, kind))  # (B, H_kv, G, N)
         return pooled.mean(2) if self.reduce == "mean" else pooled.amax(2)
