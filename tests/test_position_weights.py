@@ -124,3 +124,21 @@ def test_hybrid_weights_every_layer(tiny_gemma3):
             assert len(a) == len(b) == len(tiny_gemma3.model.layers)
             for x, y in zip(a, b, strict=True):
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_full_method_on_a_padded_batch_equals_the_full_cache(eager):
+    """``method="full"`` drops a left-padded prompt's pads (so its layers are not plain): its weights
+    by position equal a ``DynamicCache``'s, the pads' columns 0 in both."""
+    ids = _ids(PROMPT, 1, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    got = []
+    for cache in (DynamicCache(config=eager.config), KVCakeCache(eager, "full")):
+        with kvcake.enable(eager), torch.no_grad():
+            out = eager.generate(ids, attention_mask=mask, **with_cache(eager, cache), max_new_tokens=3,
+                                 min_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                                 output_attentions=True, pad_token_id=0)  # fmt: skip
+        got.append([a for step in out.attentions[1:] for a in step])
+    assert not any(layer.plain for layer in cache.layers)  # the kept entries' path, not the model's kernel
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
