@@ -229,9 +229,8 @@ def _make_attention(inner_name: str):
         layer = cache.layers[layer_idx]
         if isinstance(layer, SlidingLayer):  # a hybrid model's sliding layer, decoded in its ring
             if layer.static is not None:  # one token over the ring, without the model's mask
-                weights = (
-                    None  # output_attentions: over the window's tokens, as transformers' (position_weights)
-                )
+                # output_attentions: over the window's tokens, as transformers' (position_weights.py)
+                weights = None
                 if kwargs.get("output_attentions") and not torch.compiler.is_compiling():
                     weights = ring_weights(layer, query, scaling, terms).to(query.dtype)
                 return layer.attend(query, scaling, terms).to(query.dtype), weights
