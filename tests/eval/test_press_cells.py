@@ -146,6 +146,24 @@ def test_without_kvpress_the_fix_is_named(tiny_llama, tokenizer, tmp_path, monke
         run_eval(tiny_llama, tokenizer, methods="kvpress:snapkv", out=tmp_path / "x.jsonl", **TINY)
 
 
+def test_a_report_of_press_rows_needs_no_kvpress(tiny_llama, tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """``--report-only`` renders the records already measured: kvpress's rows need kvpress to be
+    measured, not to be read (the kvpress page was rendered from kvpress's environment alone)."""
+    out = tmp_path / "x.jsonl"
+    with monkeypatch.context() as patch:
+        install(patch)
+        first = run_eval(tiny_llama, tokenizer, methods="kvpress:snapkv", out=out, report=False, **TINY)
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # import kvpress raises ImportError
+    again = run_eval(
+        tiny_llama, tokenizer, methods="kvpress:snapkv", out=out, report=False, compute=False, **TINY
+    )
+    assert again.records and [r["kl"] for r in again.records] == [r["kl"] for r in first.records]
+    with pytest.raises(
+        ValueError, match="install it in an environment of its own"
+    ):  # measuring still needs it
+        run_eval(tiny_llama, tokenizer, methods="kvpress:snapkv", out=tmp_path / "y.jsonl", **TINY)
+
+
 def test_budget_below_the_window_or_the_whole_prompt_is_refused():
     assert press_cells.press_budget(None, 0.25, 101, 8) == 25
     assert press_cells.press_budget(64, None, 1000, 8) == 64

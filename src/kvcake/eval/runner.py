@@ -225,7 +225,8 @@ def run_eval(
         raise ValueError("give at least one method")
     settings = _budget_settings(budgets, ratios)
     compressed = [m for m in method_specs if m != FULL and not is_press(m)]
-    check_press_methods(method_specs)  # ``kvpress:snapkv``: kvpress's press (kvcake.eval.press_cells)
+    if compute:  # ``kvpress:snapkv``: kvpress's press (kvcake.eval.press_cells); a report reads its records
+        check_press_methods(method_specs)
     for name in compressed:  # fail on a bad spec before any work (``cake+fp8``: fp8.storage_spec)
         for b, r in settings:
             make_method(storage_spec(name)[0], budget=b, ratio=r, window=window)
