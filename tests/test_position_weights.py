@@ -142,3 +142,18 @@ def test_full_method_on_a_padded_batch_equals_the_full_cache(eager):
     assert not any(layer.plain for layer in cache.layers)  # the kept entries' path, not the model's kernel
     for a, b in zip(*got, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["snapkv", "adakv", "cake"])
+def test_a_question_appended_to_a_compressed_context(eager, preset):
+    """A question of several tokens after ``kvcake.compress``: one row per question token, each
+    summing to 1 and causal (no weight on the question's later tokens)."""
+    ctx = kvcake.compress(eager, _ids(PROMPT, 5), preset, budget=16, window=4)
+    with torch.no_grad():
+        out = ctx.generate(_ids(6, 6), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                           return_dict_in_generate=True, output_attentions=True)  # fmt: skip
+    for w in out.attentions[0]:
+        assert w.shape == (1, eager.config.num_attention_heads, 6, PROMPT + 6)
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=1e-5)
+        future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+        assert not w[..., PROMPT:][..., future].any() and (w[..., PROMPT:][..., ~future] > 0).all()
