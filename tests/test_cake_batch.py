@@ -14,7 +14,7 @@ import kvcake
 from kvcake import temperatures
 from kvcake.models import model_fingerprint
 from kvcake.temperatures import Calibration, TauPoint, save_calibration
-from shared_checks import assert_batch_matches_each_alone, left_padded, prompt
+from shared_checks import assert_batch_matches_each_alone, compiled_and_eager_decoding, left_padded, prompt
 
 RUN = {"ratio": 0.3, "window": 8, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
 
@@ -91,3 +91,15 @@ def test_beams_keep_each_prompts_indicator(tiny_llama, calibrated):
     for i, seq in enumerate((a, b)):
         alone = kvcake.generate(tiny_llama, seq[None], "cake", **beams)[0]
         assert torch.equal(out[i, -RUN["max_new_tokens"] :], alone[0, -RUN["max_new_tokens"] :])
+
+
+def test_each_prompts_indicator_in_a_compiled_step(tiny_llama, calibrated):
+    """Decoding pools each row with its own indicator inside one compiled graph (the rows are fixed
+    for the graph), and the compiled logits equal the eager ones."""
+    calibrated(TauPoint(30, 0.3, 3.0, "max7"), TauPoint(60, 3.0, 0.3))
+    ids, mask = left_padded(*_prompts())
+    graphs, compiled, eager = compiled_and_eager_decoding(
+        tiny_llama, "cake", ids, mask, 6, ratio=0.3, window=8
+    )
+    assert graphs <= 2
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
