@@ -157,3 +157,19 @@ def test_a_question_appended_to_a_compressed_context(eager, preset):
         torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=1e-5)
         future = torch.ones(6, 6, dtype=torch.bool).triu(1)
         assert not w[..., PROMPT:][..., future].any() and (w[..., PROMPT:][..., ~future] > 0).all()
+
+
+def test_sdpa_returns_none_as_transformers_does(tiny_llama):
+    """Only the eager kernel's weights are returned (transformers warns that SDPA has none and
+    returns none): a compressed cache under SDPA returns none after the prompt either."""
+    got = []
+    for cache in (
+        DynamicCache(config=tiny_llama.config),
+        KVCakeCache(tiny_llama, "snapkv", budget=16, window=4),
+    ):
+        with kvcake.enable(tiny_llama), torch.no_grad():
+            out = tiny_llama.generate(_ids(PROMPT), **with_cache(tiny_llama, cache), max_new_tokens=2,
+                                      min_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                                      output_attentions=True)  # fmt: skip
+        got.append([[a for a in step if a is not None] for step in out.attentions])
+    assert got[0] == got[1] == [[], []]

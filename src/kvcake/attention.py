@@ -199,6 +199,14 @@ def _plain_sdpa(module, dropout: float, kwargs: dict) -> bool:
     return bool(getattr(module, "is_causal", True) if causal is None else causal)
 
 
+def _returns_weights(inner_name: str, kwargs: dict) -> bool:
+    """``output_attentions=True`` under the eager kernel, the one whose weights transformers returns
+    (SDPA's and the others' are None), outside a compiled step."""
+    return (
+        inner_name == "eager" and bool(kwargs.get("output_attentions")) and not torch.compiler.is_compiling()
+    )
+
+
 def _make_attention(inner_name: str):
     def kvcake_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         inner = ALL_ATTENTION_FUNCTIONS[inner_name] if inner_name != "eager" else _eager
@@ -231,7 +239,7 @@ def _make_attention(inner_name: str):
             if layer.static is not None:  # one token over the ring, without the model's mask
                 # output_attentions: over the window's tokens, as transformers' (position_weights.py)
                 weights = None
-                if kwargs.get("output_attentions") and not torch.compiler.is_compiling():
+                if _returns_weights(inner_name, kwargs):
                     weights = ring_weights(layer, query, scaling, terms).to(query.dtype)
                 return layer.attend(query, scaling, terms).to(query.dtype), weights
             out = _sliding_attention(
@@ -283,7 +291,7 @@ def _make_attention(inner_name: str):
         over = query_over(layer, module, query)  # (latent: absorbed)
         out, probs = layer.attend(over, scaling, want, terms)
         weights = None  # output_attentions: the kept entries' weights by position (position_weights.py)
-        if kwargs.get("output_attentions") and not torch.compiler.is_compiling():
+        if _returns_weights(inner_name, kwargs):
             held = probs if probs is not None else layer.attend(over, scaling, True, terms)[1]
             weights = by_position(layer, held, query.shape[1], layer.length).to(query.dtype)
         if padded is not None and probs is not None:  # the pads' own rows read as their sequence's
