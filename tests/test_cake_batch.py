@@ -103,3 +103,13 @@ def test_each_prompts_indicator_in_a_compiled_step(tiny_llama, calibrated):
     )
     assert graphs <= 2
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_row_indicators_are_checked():
+    from kvcake.scorers.cake import CakeScorer
+
+    assert CakeScorer(row_indicators="avg5/max7").rows == (("avg", 5), ("max", 7))
+    with pytest.raises(ValueError, match="one per batch row"):
+        CakeScorer(row_indicators="avg5/mean3")
+    with pytest.raises(ValueError, match="positive odd int"):
+        CakeScorer(row_indicators="max4")

@@ -5,6 +5,7 @@ Qin et al., ICLR 2025, https://arxiv.org/abs/2503.12491.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -59,17 +60,7 @@ class CakeScorer(Scorer):
     @property
     def rows(self) -> tuple[tuple[str, int], ...]:
         """``row_indicators`` as (pooling, kernel) per row; () where every row takes the scorer's."""
-        if not self.row_indicators:
-            return ()
-        out = []
-        for text in self.row_indicators.split("/"):
-            match = re.fullmatch(r"(avg|max)(\d+)", text.strip())
-            if match is None:
-                raise ValueError(
-                    f"CAKE row_indicators is e.g. 'max7/avg5', one per batch row; got {self.row_indicators!r}"
-                )
-            out.append((match[1], int(match[2])))
-        return tuple(out)
+        return _parse_rows(self.row_indicators)
 
     def _by_row(self, x: torch.Tensor, pool) -> torch.Tensor:
         """``pool(x, pooling, kernel)``, each batch row (dim 0) with its own indicator where they differ."""
@@ -99,3 +90,17 @@ class CakeScorer(Scorer):
     def decode_step(self, probs, positions, previous):
         pooled = self._by_row(probs, lambda x, kind, k: pool_rows(x, k, kind))  # (B, H_kv, G, N)
         return pooled.mean(2) if self.reduce == "mean" else pooled.amax(2)
+
+
+@functools.cache
+def _parse_rows(text: str) -> tuple[tuple[str, int], ...]:
+    """``"max7/avg5"`` -> ``(("max", 7), ("avg", 5))``, once per string (a decode step reads it)."""
+    if not text:
+        return ()
+    out = []
+    for part in text.split("/"):
+        match = re.fullmatch(r"(avg|max)(\d+)", part.strip())
+        if match is None:
+            raise ValueError(f"CAKE row_indicators is e.g. 'max7/avg5', one per batch row; got {text!r}")
+        out.append((match[1], int(match[2])))
+    return tuple(out)
