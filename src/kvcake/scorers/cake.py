@@ -5,9 +5,8 @@ Qin et al., ICLR 2025, https://arxiv.org/abs/2503.12491.
 
 from __future__ import annotations
 
-import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,10 +39,12 @@ class CakeScorer(Scorer):
     reduce: str = "mean"
     indicator_from: str = "auto"
     row_indicators: str = ""
+    rows: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)  # row_indicators parsed
     name = "cake"
 
     def __post_init__(self) -> None:
         _check_pool(self.kernel, self.pooling, self.reduce)
+        object.__setattr__(self, "rows", _parse_rows(self.row_indicators))  # once: a decode step reads it
         for pooling, kernel in self.rows:
             _check_pool(kernel, pooling, self.reduce)
         check_real("CAKE gamma", self.gamma, "score.gamma=200")  # finite: inf * a variance of 0 is nan
@@ -56,11 +57,6 @@ class CakeScorer(Scorer):
     def takes_calibrated_indicator(self) -> bool:
         """Whether a calibration's indicator replaces this scorer's pooling (see the class doc)."""
         return self.indicator_from == "auto" and (self.pooling, self.kernel) == ("avg", 5)
-
-    @property
-    def rows(self) -> tuple[tuple[str, int], ...]:
-        """``row_indicators`` as (pooling, kernel) per row; () where every row takes the scorer's."""
-        return _parse_rows(self.row_indicators)
 
     def _by_row(self, x: torch.Tensor, pool) -> torch.Tensor:
         """``pool(x, pooling, kernel)``, each batch row (dim 0) with its own indicator where they differ."""
@@ -92,9 +88,8 @@ class CakeScorer(Scorer):
         return pooled.mean(2) if self.reduce == "mean" else pooled.amax(2)
 
 
-@functools.cache
 def _parse_rows(text: str) -> tuple[tuple[str, int], ...]:
-    """``"max7/avg5"`` -> ``(("max", 7), ("avg", 5))``, once per string (a decode step reads it)."""
+    """``"max7/avg5"`` -> ``(("max", 7), ("avg", 5))``; ``""`` -> ``()`` (every row the scorer's own)."""
     if not text:
         return ()
     out = []
