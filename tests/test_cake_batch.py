@@ -91,6 +91,9 @@ def test_beams_keep_each_prompts_indicator(tiny_llama, calibrated):
     for i, seq in enumerate((a, b)):
         alone = kvcake.generate(tiny_llama, seq[None], "cake", **beams)[0]
         assert torch.equal(out[i, -RUN["max_new_tokens"] :], alone[0, -RUN["max_new_tokens"] :])
+    cache = _batch(tiny_llama)  # rows swapped and one repeated: the indicators go with them
+    cache.reorder_cache(torch.tensor([1, 0, 1]))
+    assert cache.method.scorer.row_indicators == "max7/avg5/max7"
 
 
 def test_each_prompts_indicator_in_a_compiled_step(tiny_llama, calibrated):
