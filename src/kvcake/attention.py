@@ -239,9 +239,11 @@ def _make_attention(inner_name: str):
             if layer.static is not None:  # one token over the ring, without the model's mask
                 # output_attentions: over the window's tokens, as transformers' (position_weights.py)
                 weights = None
-                if _returns_weights(inner_name, kwargs):
-                    weights = ring_weights(layer, query, scaling, terms).to(query.dtype)
-                return layer.attend(query, scaling, terms).to(query.dtype), weights
+                if _returns_weights(inner_name, kwargs):  # a second pass: the output rounds as without it
+                    weights = ring_weights(layer, layer.attend(query, scaling, terms, True)[1]).to(
+                        query.dtype
+                    )
+                return layer.attend(query, scaling, terms)[0].to(query.dtype), weights
             out = _sliding_attention(
                 cache,
                 layer,

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .dense import folded_attention
-from .logit_terms import PLAIN
-
 __all__ = ["by_position", "ring_weights"]
 
 
@@ -41,14 +38,8 @@ def by_position(layer, probs: torch.Tensor, heads: int, length: int) -> torch.Te
     return out.scatter_add_(3, slots.long(), probs)[..., :length]
 
 
-def ring_weights(layer, query: torch.Tensor, scaling: float, terms=PLAIN) -> torch.Tensor:
-    """A sliding layer's ring (``SlidingLayer.attend``): one token's weights (B, H, 1, n) over the
-    last ``n = min(seen, slots)`` tokens, oldest first, as transformers' sliding layers hold them."""
-    b, h, q, d = query.shape
-    hkv = layer.keys.shape[1]
-    qs = query.reshape(b, hkv, h // hkv * q, d)
-    probs = folded_attention(
-        qs, layer.keys, layer.values, layer.valid[:, None, None, :], scaling, q, True, terms
-    )[1]
-    probs = probs.reshape(b, h, q, -1)  # (B, H, 1, slots), the rows (g, i) of each KV head
+def ring_weights(layer, probs: torch.Tensor) -> torch.Tensor:
+    """A sliding layer's ring: one token's probabilities (B, H, 1, slots) from
+    ``SlidingLayer.attend``, as weights (B, H, 1, n) over the last ``n = min(seen, slots)`` tokens,
+    oldest first, as transformers' sliding layers hold them."""
     return probs[..., layer.ring_slots(min(layer.length, probs.shape[-1]))]

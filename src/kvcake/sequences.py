@@ -123,10 +123,12 @@ def _select_budgets(cache, rows: torch.Tensor, host: np.ndarray) -> None:
             cache.seq, **{f.name: take(getattr(cache.seq, f.name)) for f in dataclasses.fields(cache.seq)}
         )
     cache.history = [(stage, lid, take(kept)) for stage, lid, kept in cache.history]
-    per_row = getattr(cache.method.scorer, "rows", ())  # CAKE's indicators, one per row where they differ
+    per_row = getattr(cache.method.scorer, "row_indicators", "")  # CAKE's, one per row where they differ
     if per_row:
-        each = "/".join(f"{pooling}{kernel}" for pooling, kernel in (per_row[i] for i in host.tolist()))
-        scorer = dataclasses.replace(cache.method.scorer, row_indicators=each)
+        each = per_row.split("/")
+        scorer = dataclasses.replace(
+            cache.method.scorer, row_indicators="/".join(each[i] for i in host.tolist())
+        )
         cache.method = dataclasses.replace(cache.method, scorer=scorer)
 
 

@@ -275,17 +275,20 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             self.cumulative_length = seen + 1
         return self.keys, self.values
 
-    def attend(self, query: torch.Tensor, scaling: float, terms: LogitTerms = PLAIN) -> torch.Tensor:
-        """One token's attention over the ring's tokens: query (B, H, 1, d) -> (B, 1, H, d). The
-        GQA group folded into the query rows (keys never repeated), as ``dense_attention``; with a
-        soft cap or sinks (``terms``, ``kvcake.logit_terms``) the explicit softmax."""
+    def attend(
+        self, query: torch.Tensor, scaling: float, terms: LogitTerms = PLAIN, return_probs: bool = False
+    ):
+        """One token's attention over the ring's tokens: query (B, H, 1, d) -> (B, 1, H, d), and the
+        probabilities (B, H, 1, slots) in float32 if asked (else None). The GQA group folded into the
+        query rows (keys never repeated), as ``dense_attention``; with a soft cap or sinks (``terms``,
+        ``kvcake.logit_terms``), or probabilities asked, the explicit softmax."""
         b, h, q, d = query.shape
         hkv = self.keys.shape[1]
         qs = query.reshape(b, hkv, h // hkv * q, d)
-        out, _ = folded_attention(
-            qs, self.keys, self.values, self.valid[:, None, None, :], scaling, q, False, terms
+        out, probs = folded_attention(
+            qs, self.keys, self.values, self.valid[:, None, None, :], scaling, q, return_probs, terms
         )
-        return out.reshape(b, h, q, -1).transpose(1, 2)
+        return out.reshape(b, h, q, -1).transpose(1, 2), None if probs is None else probs.reshape(b, h, q, -1)
 
 
 @dataclass(frozen=True)
